@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs voxserve with its test extra into the active Python environment and runs the test suite.
+# Idempotent: a second run only runs the tests. CPU installs pin torch==2.13.0 (an unpinned torch
+# resolves to a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[test]"
+# The official implementation, used only as a parity oracle: its declared dependencies (gradio,
+# torchaudio, sox, onnxruntime) are not needed for the 12 Hz path, and tests/oracle.py stubs the imports.
+"$PY" -m pip install -q --no-deps "qwen-tts==0.1.1"
+"$PY" -m ruff check voxserve tests
+exec "$PY" -m pytest -q "$@"

@@ -1,0 +1,187 @@
+"""Streaming codec decode: any chunking of an utterance reproduces the whole-utterance waveform."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from codec_helpers import randomize_codec_weights_
+
+from voxserve.models.qwen3_tts.codec_decoder import CodecDecoder
+from voxserve.models.qwen3_tts.codec_streaming import CodecStreamState, decode_chunks
+from voxserve.models.qwen3_tts.config import CodecDecoderConfig
+from voxserve.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
+
+TOL = 1e-5
+SPF = 1920
+
+
+@pytest.fixture(scope="module")
+def decoder() -> CodecDecoder:
+    return randomize_codec_weights_(CodecDecoder(tiny_speech_tokenizer_config().decoder_config).eval(), seed=3)
+
+
+def _codes(batch: int, frames: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 2048, (batch, 16, frames), generator=torch.Generator().manual_seed(seed))
+
+
+def _whole(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return decoder(codes)
+
+
+def _engine_schedule(frames: int, first: int = 1) -> list[int]:
+    """First chunk `first` frames, then 4, then 25 at a time (the last chunk takes what is left)."""
+    sizes, done = [], 0
+    for n in [first, 4] + [25] * frames:
+        if done >= frames:
+            break
+        sizes.append(min(n, frames - done))
+        done += sizes[-1]
+    return sizes
+
+
+def _stream(decoder: CodecDecoder, codes: torch.Tensor, schedule: list[int]) -> torch.Tensor:
+    state = decoder.new_stream_state(codes.shape[0])
+    pieces, start = [], 0
+    for n in schedule:
+        wav, state = decoder.stream_step(codes[..., start : start + n], state)
+        assert wav.shape == (codes.shape[0], 1, n * SPF)
+        pieces.append(wav)
+        start += n
+    assert start == codes.shape[-1]
+    assert state.position.tolist() == [start] * codes.shape[0]
+    return torch.cat(pieces, dim=-1)
+
+
+@pytest.mark.parametrize("frames", [1, 5, 30, 73, 150])
+def test_engine_schedule_matches_whole_forward(decoder, frames):
+    codes = _codes(2, frames, seed=frames)
+    want = _whole(decoder, codes)
+    assert want.std() > 0.01
+    got = _stream(decoder, codes, _engine_schedule(frames))
+    assert (got - want).abs().max().item() < TOL
+
+
+def test_random_schedules_match_whole_forward(decoder):
+    rng = random.Random(0)
+    for trial in range(3):
+        frames = rng.randint(1, 150)
+        codes = _codes(2, frames, seed=100 + trial)
+        schedule, left = [], frames
+        while left:
+            schedule.append(min(left, rng.randint(1, 40)))
+            left -= schedule[-1]
+        got = _stream(decoder, codes, schedule)
+        assert (got - _whole(decoder, codes)).abs().max().item() < TOL, (frames, schedule)
+
+
+def test_stream_is_exact_in_float64(decoder):
+    """In fp64 the streamed and whole waveforms agree to rounding: the streaming is exact, not approximate."""
+    dec64 = copy.deepcopy(decoder).double()
+    codes = _codes(1, 100, seed=9)
+    got = _stream(dec64, codes, [1, 4, 25, 3, 67])
+    assert got.dtype == torch.float64
+    assert (got - _whole(dec64, codes)).abs().max().item() < 1e-11
+
+
+def test_batch_with_unequal_chunks_and_histories(decoder):
+    """Three requests joining at different steps, with unequal (and empty) chunks, in one batched step each."""
+    rng = random.Random(1)
+    totals = [40, 97, 150]
+    joins = [0, 2, 5]  # step at which each request sends its first chunk
+    codes = [_codes(1, t, seed=200 + i)[0] for i, t in enumerate(totals)]
+    states = [decoder.new_stream_state() for _ in totals]
+    done = [0, 0, 0]
+    pieces: list[list[torch.Tensor]] = [[], [], []]
+    step = 0
+    while done != totals:
+        chunks = []
+        for i in range(3):
+            first = done[i] == 0
+            n = 0 if step < joins[i] else (1 if first else rng.choice([0, 3, 4, 11, 25]))
+            n = min(n, totals[i] - done[i])
+            chunks.append(codes[i][:, done[i] : done[i] + n].T)
+        wavs, states = decode_chunks(decoder, chunks, states)
+        for i in range(3):
+            assert wavs[i].shape == (chunks[i].shape[0] * SPF,)
+            pieces[i].append(wavs[i])
+            done[i] += chunks[i].shape[0]
+        step += 1
+    for i in range(3):
+        want = _whole(decoder, codes[i][None])[0, 0]
+        assert (torch.cat(pieces[i]) - want).abs().max().item() < TOL, i
+        assert states[i].position.item() == totals[i]
+
+
+def test_padding_never_reaches_the_state(decoder):
+    """The frames past a request's `lengths` may hold any codes: outputs and state are unaffected."""
+    history = _codes(2, 9, seed=11)
+    _, state = decoder.stream_step(history, decoder.new_stream_state(2))
+    chunk = _codes(2, 6, seed=12)
+    other = chunk.clone()
+    other[1, :, 2:] = _codes(1, 4, seed=13)[0]
+    lengths = torch.tensor([6, 2])
+    wav_a, state_a = decoder.stream_step(chunk, state, lengths)
+    wav_b, state_b = decoder.stream_step(other, state, lengths)
+    assert torch.equal(wav_a[1, :, : 2 * SPF], wav_b[1, :, : 2 * SPF])
+    assert state_a.position.tolist() == [15, 11]
+    for key, buf in state_a.buffers.items():
+        assert torch.equal(buf, state_b.buffers[key]), key
+    # And the short request's state equals decoding just its 2 valid frames.
+    _, alone = decoder.stream_step(chunk[1:, :, :2], state.select([1]))
+    for key, buf in alone.buffers.items():
+        assert (buf[0] - state_a.buffers[key][1]).abs().max().item() < TOL, key
+
+
+def test_requests_are_independent_and_state_resets(decoder):
+    codes_a = _codes(1, 30, seed=21)
+    codes_b = _codes(1, 30, seed=22)
+    want_a = _whole(decoder, codes_a)
+    # B has a history of 17 frames, A none; then both decode together.
+    _, state_b = decoder.stream_step(codes_b[..., :17], decoder.new_stream_state())
+    state = CodecStreamState.cat([decoder.new_stream_state(), state_b])
+    before = {k: v.clone() for k, v in state.buffers.items()}
+    wav, state = decoder.stream_step(torch.cat([codes_a[..., :13], codes_b[..., 17:]]), state)
+    assert all(torch.equal(v, state_b.buffers[k][0:1]) for k, v in {k: before[k][1:] for k in before}.items())
+    assert state.position.tolist() == [13, 30]
+    assert (wav[0] - want_a[0, :, : 13 * SPF]).abs().max().item() < TOL
+    assert (wav[1] - _whole(decoder, codes_b)[0, :, 17 * SPF :]).abs().max().item() < TOL
+    # A continues alone (select), B's slot is recycled with a fresh state for a new utterance.
+    state_a = state.select([0])
+    rest, _ = decoder.stream_step(codes_a[..., 13:], state_a)
+    assert (rest[0] - want_a[0, :, 13 * SPF :]).abs().max().item() < TOL
+    fresh = _stream(decoder, codes_b[..., :5], [1, 4])
+    assert (fresh - _whole(decoder, codes_b[..., :5])).abs().max().item() < TOL
+
+
+def test_state_layout(decoder):
+    cfg = decoder.config
+    state = decoder.new_stream_state(3)
+    assert decoder.samples_per_frame == SPF
+    assert state.batch_size == 3 and state.position.tolist() == [0, 0, 0]
+    shapes = {k: tuple(v.shape) for k, v in state.buffers.items()}
+    window_kv = (3, cfg.num_key_value_heads, cfg.sliding_window - 1, cfg.head_dim)
+    assert shapes["pre_conv.tail"] == (3, cfg.codebook_dim, 2)
+    assert shapes["pre_transformer.layers.0.self_attn.k"] == window_kv
+    assert shapes["upsample.0.1.dwconv.tail"] == (3, cfg.latent_dim, 6)
+    assert "upsample.0.0.overhang" not in shapes  # kernel == stride: nothing overhangs
+    assert shapes["decoder.1.block.1.overhang"] == (3, cfg.decoder_dim // 2, cfg.upsample_rates[0])
+    assert shapes["decoder.1.block.4.conv1.tail"] == (3, cfg.decoder_dim // 2, 6 * 9)
+    assert "decoder.1.block.4.conv2.tail" not in shapes  # k=1 needs no context
+    parts = state.split()
+    assert len(parts) == 3 and all(p.batch_size == 1 for p in parts)
+    again = CodecStreamState.cat(parts)
+    assert all(torch.equal(again.buffers[k], v) for k, v in state.buffers.items())
+
+
+@pytest.mark.slow
+def test_full_size_stream_matches_whole_forward():
+    dec = randomize_codec_weights_(CodecDecoder(CodecDecoderConfig()).eval(), seed=4)
+    codes = _codes(1, 3, seed=31)
+    want = _whole(dec, codes)
+    assert want.std() > 0.01
+    got = _stream(dec, codes, [1, 2])
+    assert (got - want).abs().max().item() < TOL

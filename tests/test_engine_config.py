@@ -1,0 +1,42 @@
+import dataclasses
+
+import pytest
+
+from voxserve.engine.config import EngineConfig
+
+
+def test_defaults():
+    cfg = EngineConfig()
+    assert cfg.block_size == 16 and cfg.num_kv_blocks is None
+    assert cfg.first_chunk_frames == 1 and cfg.chunk_frames == 25
+    assert not hasattr(cfg, "__dict__")  # slots
+
+
+@pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
+                                  "max_waiting", "cuda_graph_max_batch", "first_chunk_frames", "chunk_frames",
+                                  "num_kv_blocks"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_positive_ints(name, value):
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**{name: value})
+
+
+def test_budget_must_cover_a_full_decode_batch():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    assert EngineConfig(max_num_seqs=8, max_num_batched_tokens=8).max_num_batched_tokens == 8
+
+
+@pytest.mark.parametrize("value", [0.0, -0.1, 1.01])
+def test_memory_utilization(value):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=value)
+
+
+def test_dtype_and_device():
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="device"):
+        EngineConfig(device="")
+    cfg = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=10)
+    assert dataclasses.replace(cfg, num_kv_blocks=20).num_kv_blocks == 20

@@ -1,0 +1,69 @@
+"""Engine configuration: one dataclass, validated where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Limits and switches for one engine (one worker, one device).
+
+    Token counts are talker positions: a request holds ``prompt_len + max_frames`` of them at most
+    (one KV position per generated frame).
+    """
+
+    max_num_seqs: int = 64
+    """Most requests holding a slot at once (running or receiving a handoff); also the largest decode batch."""
+    max_num_batched_tokens: int = 4096
+    """Token budget of one step: every decode counts 1, a prefill chunk counts its length."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the cache; None until the runner has profiled memory."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps; when off, a prompt is prefilled whole in one step or waits."""
+    enable_prefix_caching: bool = False
+    """Share full prompt blocks between requests whose prefix keys match."""
+    max_model_len: int = 32768
+    """Most positions one request may use (prompt + frames); the talker's max_position_embeddings."""
+    max_waiting: int = 1024
+    """Bound of the waiting queue; add() beyond it raises QueueFullError."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the worker may use (weights + activations + KV)."""
+    enforce_eager: bool = False
+    """Skip CUDA-graph capture."""
+    cuda_graph_max_batch: int = 64
+    """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
+    first_chunk_frames: int = 1
+    """Frames in the first streamed codec chunk (time to first audio)."""
+    chunk_frames: int = 25
+    """Frames in each later streamed codec chunk."""
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_waiting",
+                     "cuda_graph_max_batch", "first_chunk_frames", "chunk_frames"):
+            value = getattr(self, name)
+            if not _is_positive_int(value):
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.num_kv_blocks is not None and not _is_positive_int(self.num_kv_blocks):
+            raise ValueError(f"EngineConfig.num_kv_blocks must be a positive int or None, got {self.num_kv_blocks!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running request decodes every step; the budget must cover a full decode batch.
+            raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs}) so every running request can decode each step")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"EngineConfig.device must be a non-empty string, got {self.device!r}")
