@@ -10,7 +10,7 @@ import torch
 from codec_helpers import randomize_codec_weights_
 
 from voxserve.models.qwen3_tts.codec_decoder import CodecDecoder
-from voxserve.models.qwen3_tts.codec_streaming import CodecStreamState, decode_chunks
+from voxserve.models.qwen3_tts.codec_streaming import ChunkSchedule, CodecStreamState, decode_chunks
 from voxserve.models.qwen3_tts.config import CodecDecoderConfig
 from voxserve.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
 
@@ -32,17 +32,6 @@ def _whole(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
         return decoder(codes)
 
 
-def _engine_schedule(frames: int, first: int = 1) -> list[int]:
-    """First chunk `first` frames, then 4, then 25 at a time (the last chunk takes what is left)."""
-    sizes, done = [], 0
-    for n in [first, 4] + [25] * frames:
-        if done >= frames:
-            break
-        sizes.append(min(n, frames - done))
-        done += sizes[-1]
-    return sizes
-
-
 def _stream(decoder: CodecDecoder, codes: torch.Tensor, schedule: list[int]) -> torch.Tensor:
     state = decoder.new_stream_state(codes.shape[0])
     pieces, start = [], 0
@@ -56,12 +45,21 @@ def _stream(decoder: CodecDecoder, codes: torch.Tensor, schedule: list[int]) -> 
     return torch.cat(pieces, dim=-1)
 
 
+def test_chunk_schedule():
+    assert ChunkSchedule().split(60) == [1, 4, 25, 25, 5]
+    assert ChunkSchedule(first=4, ramp=(), steady=10).split(25) == [4, 10, 10, 1]
+    assert ChunkSchedule().split(0) == []
+    with pytest.raises(ValueError):
+        ChunkSchedule(first=0)
+
+
 @pytest.mark.parametrize("frames", [1, 5, 30, 73, 150])
 def test_engine_schedule_matches_whole_forward(decoder, frames):
+    """First chunk 1 frame, then 4, then 25 at a time."""
     codes = _codes(2, frames, seed=frames)
     want = _whole(decoder, codes)
     assert want.std() > 0.01
-    got = _stream(decoder, codes, _engine_schedule(frames))
+    got = _stream(decoder, codes, ChunkSchedule(first=1, ramp=(4,), steady=25).split(frames))
     assert (got - want).abs().max().item() < TOL
 
 
@@ -142,10 +140,10 @@ def test_requests_are_independent_and_state_resets(decoder):
     want_a = _whole(decoder, codes_a)
     # B has a history of 17 frames, A none; then both decode together.
     _, state_b = decoder.stream_step(codes_b[..., :17], decoder.new_stream_state())
-    state = CodecStreamState.cat([decoder.new_stream_state(), state_b])
-    before = {k: v.clone() for k, v in state.buffers.items()}
-    wav, state = decoder.stream_step(torch.cat([codes_a[..., :13], codes_b[..., 17:]]), state)
-    assert all(torch.equal(v, state_b.buffers[k][0:1]) for k, v in {k: before[k][1:] for k in before}.items())
+    joint = CodecStreamState.cat([decoder.new_stream_state(), state_b])
+    before = {k: v.clone() for k, v in joint.buffers.items()}
+    wav, state = decoder.stream_step(torch.cat([codes_a[..., :13], codes_b[..., 17:]]), joint)
+    assert all(torch.equal(v, before[k]) for k, v in joint.buffers.items())  # the input state is not modified
     assert state.position.tolist() == [13, 30]
     assert (wav[0] - want_a[0, :, : 13 * SPF]).abs().max().item() < TOL
     assert (wav[1] - _whole(decoder, codes_b)[0, :, 17 * SPF :]).abs().max().item() < TOL

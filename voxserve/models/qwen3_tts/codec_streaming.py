@@ -139,6 +139,37 @@ class StreamContext:
         return CodecStreamState(position=self.state.position + advance, buffers=self.new_buffers)
 
 
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """How many frames each streaming step of one request decodes: `first` (latency of the first audio),
+    then the `ramp` sizes, then `steady` from there on. The decoder itself accepts any sizes; this is
+    only the caller's policy, e.g. ChunkSchedule(first=1, ramp=(4,), steady=25)."""
+
+    first: int = 1
+    ramp: tuple[int, ...] = (4,)
+    steady: int = 25
+
+    def __post_init__(self) -> None:
+        if min((self.first, self.steady, *self.ramp)) < 1:
+            raise ValueError("chunk sizes must be >= 1")
+
+    def size(self, chunk_index: int) -> int:
+        """Frames of the request's `chunk_index`-th chunk (0 = first)."""
+        if chunk_index == 0:
+            return self.first
+        if chunk_index <= len(self.ramp):
+            return self.ramp[chunk_index - 1]
+        return self.steady
+
+    def split(self, frames: int) -> list[int]:
+        """The chunk sizes that cover `frames` frames (the last one takes what is left)."""
+        sizes: list[int] = []
+        while frames > 0:
+            sizes.append(min(self.size(len(sizes)), frames))
+            frames -= sizes[-1]
+        return sizes
+
+
 def decode_chunks(
     decoder: CodecDecoder, chunks: Sequence[torch.Tensor], states: Sequence[CodecStreamState]
 ) -> tuple[list[torch.Tensor], list[CodecStreamState]]:

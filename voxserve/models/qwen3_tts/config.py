@@ -193,7 +193,7 @@ class Qwen3TTSConfig:
         return _to_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Qwen3TTSConfig":
+    def from_dict(cls, data: dict[str, Any]) -> Qwen3TTSConfig:
         return _from_dict(cls, data, "config.json")
 
 
@@ -307,7 +307,7 @@ class SpeechTokenizerConfig:
         return _to_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SpeechTokenizerConfig":
+    def from_dict(cls, data: dict[str, Any]) -> SpeechTokenizerConfig:
         return _from_dict(cls, data, "speech_tokenizer/config.json")
 
 

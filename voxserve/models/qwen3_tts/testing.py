@@ -75,7 +75,8 @@ def write_text_tokenizer(out_dir: Path, vocab_size: int = 1000) -> None:
 
 def randomize_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
     """N(0, std) for every linear and embedding matrix (the released models' init), module defaults for
-    vectors and convolutions (whose fan-in scaling keeps codec activations in range), and random codebooks (`embed_sum`/`embedding_sum` tensors) so encoder and decoder lookups are not degenerate."""
+    vectors and convolutions (whose fan-in scaling keeps codec activations in range), and random
+    codebooks (`embed_sum`/`embedding_sum` tensors) so encoder and decoder lookups are not degenerate."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):

@@ -28,7 +28,7 @@ class TextTokenizer:
         self._tok = tokenizer
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "TextTokenizer":
+    def from_dir(cls, model_dir: str | Path) -> TextTokenizer:
         model_dir = Path(model_dir)
         for name in TOKENIZER_FILES:
             if not (model_dir / name).is_file():
@@ -42,7 +42,13 @@ class TextTokenizer:
         added = _added_tokens(tok_cfg)
         # Added tokens go into the BPE vocabulary at their declared ids, so `add_special_tokens` reuses
         # those ids instead of appending new ones after the last vocabulary id.
+        taken = {i: t for t, i in vocab.items()}
         for tok_id, content, _special in added:
+            if taken.get(tok_id, content) != content:
+                raise ConfigError(
+                    f"{model_dir / 'tokenizer_config.json'}: added token {content!r} takes id {tok_id}, "
+                    f"which vocab.json gives to {taken[tok_id]!r}"
+                )
             vocab.setdefault(content, tok_id)
         bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
         tok = Tokenizer(bpe)
@@ -60,7 +66,9 @@ class TextTokenizer:
         tok.add_tokens([AddedToken(c, special=False, normalized=False) for _, c, special in added if not special])
         for tok_id, content, _ in added:
             if tok.token_to_id(content) != tok_id:
-                raise ConfigError(f"{model_dir / 'tokenizer_config.json'}: added token {content!r} cannot take id {tok_id}")
+                raise ConfigError(
+                    f"{model_dir / 'tokenizer_config.json'}: added token {content!r} cannot take id {tok_id}"
+                )
         return cls(tok)
 
     def encode(self, text: str) -> list[int]:

@@ -1,0 +1,104 @@
+"""From a user's request (text, voice, reference audio, instructions) to a `PromptSpec`.
+
+This is where reference audio becomes a speaker embedding (x-vector) and codec codes, and where text is
+tokenised with the model's templates. The offline API, the engine and the server all go through it, so
+every entry point treats the same request the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .audio import AudioError, resample
+from .loader import LoadedModel
+from .prompt import PromptError, PromptSpec, instruct_text_ids, ref_text_ids, target_text_ids
+
+
+@dataclass
+class SpeechInput:
+    """One utterance to synthesise.
+
+    text: what to say. language: "auto" or a language name of the model.
+    speaker: CustomVoice preset speaker. instructions: VoiceDesign voice description, or a CustomVoice
+        style instruction (1.7B only).
+    Base (voice clone): either `ref_audio` (mono float samples at `ref_sample_rate`) with `ref_text`
+        (in-context cloning) or with `x_vector_only=True`; or a precomputed `speaker_embedding`
+        (x-vector only), optionally with `ref_code` + `ref_text` for in-context cloning of a saved voice.
+    non_streaming_mode: None takes the official wrapper's default for the mode (False for voice clone,
+        True for CustomVoice and VoiceDesign).
+    """
+
+    text: str
+    language: str = "auto"
+    speaker: str | None = None
+    instructions: str | None = None
+    ref_audio: np.ndarray | None = None
+    ref_sample_rate: int = 24000
+    ref_text: str | None = None
+    x_vector_only: bool = False
+    speaker_embedding: torch.Tensor | None = None
+    ref_code: torch.Tensor | None = None
+    non_streaming_mode: bool | None = None
+
+
+@dataclass
+class VoiceFeatures:
+    """What a reference clip contributes: the x-vector and (for in-context cloning) its codec codes."""
+
+    speaker_embedding: torch.Tensor  # [hidden], float32, CPU
+    ref_code: torch.Tensor  # [T_ref, 16], int64, CPU
+
+
+@torch.inference_mode()
+def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
+    """Speaker embedding and reference codes of a mono clip (resampled to the codec rate first)."""
+    if loaded.model.speaker_encoder is None:
+        raise PromptError(f"this is a {loaded.config.tts_model_type} model; reference audio needs a Base model")
+    rate = loaded.speech_config.input_sample_rate
+    wav = resample(np.asarray(samples, dtype=np.float32), sample_rate, rate)
+    if len(wav) < loaded.model.speaker_encoder.min_samples:
+        raise AudioError(f"reference audio too short: {len(wav) / rate:.3f} s")
+    wav_t = torch.from_numpy(wav)
+    embedding = loaded.model.speaker_encoder.embed(wav_t)[0].float().cpu()
+    codes = loaded.speech_tokenizer.encoder.encode(wav_t).cpu()
+    return VoiceFeatures(speaker_embedding=embedding, ref_code=codes)
+
+
+def build_spec(loaded: LoadedModel, inp: SpeechInput) -> PromptSpec:
+    """Tokenises and, for reference audio, encodes the voice; raises PromptError/AudioError for bad input."""
+    if not isinstance(inp.text, str) or not inp.text.strip():
+        raise PromptError("input text is empty")
+    tok = loaded.text_tokenizer
+    model_type = loaded.config.tts_model_type
+    non_streaming = inp.non_streaming_mode
+    if non_streaming is None:
+        non_streaming = model_type != "base"
+    embedding, ref_code = inp.speaker_embedding, inp.ref_code
+    if inp.ref_audio is not None:
+        if embedding is not None:
+            raise PromptError("give either ref_audio or speaker_embedding, not both")
+        feats = extract_voice(loaded, inp.ref_audio, inp.ref_sample_rate)
+        embedding = feats.speaker_embedding
+        ref_code = None if inp.x_vector_only else feats.ref_code
+    x_vector_only = inp.x_vector_only or (embedding is not None and ref_code is None)
+    if model_type == "base" and embedding is None:
+        raise PromptError(
+            "a Base model clones a voice: give ref_audio (+ ref_text), a speaker_embedding or a saved voice"
+        )
+    if model_type == "base" and not x_vector_only and not inp.ref_text:
+        raise PromptError("in-context voice cloning needs ref_text (the transcript of ref_audio); "
+                          "or set x_vector_only")
+    return PromptSpec(
+        text_ids=target_text_ids(tok, inp.text),
+        language=inp.language or "auto",
+        speaker=inp.speaker,
+        instruct_ids=instruct_text_ids(tok, inp.instructions),
+        ref_ids=ref_text_ids(tok, inp.ref_text) if (inp.ref_text and not x_vector_only) else None,
+        ref_code=None if x_vector_only else ref_code,
+        speaker_embedding=embedding,
+        x_vector_only=x_vector_only,
+        non_streaming_mode=non_streaming,
+    )
