@@ -45,12 +45,16 @@ class EngineConfig:
     """Frames in the first streamed codec chunk (time to first audio)."""
     chunk_frames: int = 25
     """Frames in each later streamed codec chunk."""
+    max_text_tokens: int = 2048
+    """Most text tokens one request may trail into its decode steps (sizes a per-slot device buffer)."""
     device: str = "cuda"
     dtype: str = "bfloat16"
+    codec_dtype: str = "float32"
+    """The codec decoder's dtype (the reference runs it in fp32)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_waiting",
-                     "cuda_graph_max_batch", "first_chunk_frames", "chunk_frames"):
+                     "cuda_graph_max_batch", "first_chunk_frames", "chunk_frames", "max_text_tokens"):
             value = getattr(self, name)
             if not _is_positive_int(value):
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
@@ -63,7 +67,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("dtype", "codec_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"EngineConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"EngineConfig.device must be a non-empty string, got {self.device!r}")

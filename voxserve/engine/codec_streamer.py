@@ -1,0 +1,76 @@
+"""Streams codec frames into PCM chunks, batching every request whose chunk is due in the same call.
+
+Each request keeps a stateful decoder state, so the chunks concatenate to exactly the whole-utterance
+decode. The chunk schedule is `first_chunk_frames` (time to first audio), then `chunk_frames`; the tail
+goes out when the request finishes. In-context clones first run their reference codes through the state
+(output dropped), which equals the reference's decode-with-prefix-then-cut without re-decoding it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from voxserve.models.qwen3_tts.codec_decoder import CodecDecoder
+from voxserve.models.qwen3_tts.codec_streaming import CodecStreamState
+
+
+@dataclass
+class _Stream:
+    state: CodecStreamState
+    pending: list[torch.Tensor] = field(default_factory=list)  # [16] frames not decoded yet
+    emitted_frames: int = 0
+
+
+class CodecStreamer:
+    def __init__(self, decoder: CodecDecoder, first_chunk_frames: int, chunk_frames: int) -> None:
+        self.decoder = decoder
+        self.first_chunk_frames = first_chunk_frames
+        self.chunk_frames = chunk_frames
+        self.streams: dict[str, _Stream] = {}
+        weight = next(decoder.parameters())
+        self.device = weight.device
+
+    @torch.inference_mode()
+    def open(self, request_id: str, ref_code: torch.Tensor | None = None) -> None:
+        state = self.decoder.new_stream_state(1)
+        if ref_code is not None and ref_code.shape[0] > 0:
+            codes = ref_code.to(self.device).T.unsqueeze(0)
+            _, state = self.decoder.stream_step(codes, state)
+        self.streams[request_id] = _Stream(state)
+
+    def push(self, request_id: str, frame: torch.Tensor) -> None:
+        self.streams[request_id].pending.append(frame)
+
+    def close(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    @torch.inference_mode()
+    def flush(self, finished: set[str]) -> dict[str, np.ndarray]:
+        """Decodes every due chunk; requests in `finished` flush their tail and are closed."""
+        groups: dict[int, list[str]] = defaultdict(list)
+        for rid, s in self.streams.items():
+            need = self.first_chunk_frames if s.emitted_frames == 0 else self.chunk_frames
+            n = len(s.pending)
+            if rid in finished and n:
+                groups[n].append(rid)
+            elif n >= need:
+                groups[need].append(rid)
+        out: dict[str, np.ndarray] = {}
+        for n, rids in groups.items():
+            streams = [self.streams[r] for r in rids]
+            codes = torch.stack([torch.stack(s.pending[:n]) for s in streams]).to(self.device)  # [B, n, 16]
+            state = CodecStreamState.cat([s.state for s in streams])
+            wav, state = self.decoder.stream_step(codes.transpose(1, 2), state)
+            wav = wav[:, 0].float().cpu().numpy()
+            for s, rid, st, w in zip(streams, rids, state.split(), wav, strict=True):
+                s.state = st
+                del s.pending[:n]
+                s.emitted_frames += n
+                out[rid] = w
+        for rid in finished:
+            self.close(rid)
+        return out

@@ -1,0 +1,227 @@
+"""One worker's engine: `add_request`, `abort`, and `step()` = schedule -> run -> update, yielding
+per-request streaming outputs (new frames of 16 codes and new PCM).
+
+The engine knows nothing of HTTP or other workers. Bad requests raise at `add_request` (PromptError,
+QueueFullError, RequestTooLargeError, ValueError) before anything is allocated; a failure inside a step
+fails the requests of that step with a reason, and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from voxserve.engine.block_manager import BlockManager
+from voxserve.engine.codec_streamer import CodecStreamer
+from voxserve.engine.config import EngineConfig
+from voxserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
+from voxserve.engine.request import Request
+from voxserve.engine.sampler import draw_seed
+from voxserve.engine.scheduler import Scheduler, StepResult
+from voxserve.models.qwen3_tts.loader import LoadedModel
+from voxserve.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt, build_prompt
+from voxserve.models.qwen3_tts.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineRequest:
+    """A request as the engine takes it. `max_frames` None means `sampling.max_new_tokens - 1` (the
+    reference's frame count); `ignore_eos` masks EOS for the whole request (fixed-length benchmarks)."""
+
+    request_id: str
+    spec: PromptSpec
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_frames: int | None = None
+    ignore_eos: bool = False
+    stream_audio: bool = True
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: only the new frames and audio (deltas)."""
+
+    request_id: str
+    codes: torch.Tensor  # [n, 16] int64, new frames
+    audio: np.ndarray | None  # float32 PCM, new samples (None when nothing was decoded)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_frames: int = 0  # total so far
+    seed: int = 0
+
+
+@dataclass
+class _Live:
+    req: Request
+    prompt: TalkerPrompt
+    engine_req: EngineRequest
+    seed: int
+    new_codes: list[torch.Tensor] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        talker = loaded.talker
+        num_blocks = config.num_kv_blocks or self._profile_kv_blocks()
+        config.num_kv_blocks = num_blocks
+        pad_id = torch.tensor([loaded.config.tts_pad_token_id], device=talker.codec_head.weight.device)
+        with torch.inference_mode():
+            tts_pad = talker.embed_text(pad_id)[0]
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(talker, config, num_blocks, tts_pad)
+        self.codec = CodecStreamer(loaded.speech_tokenizer.decoder, config.first_chunk_frames, config.chunk_frames)
+        self.live: dict[str, _Live] = {}
+        self._done: list[RequestOutput] = []
+        self.eos_id = loaded.config.talker_config.codec_eos_token_id
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def add_request(self, er: EngineRequest) -> int:
+        """Admits a request to the waiting queue; returns its seed. Raises for bad or oversized requests."""
+        if er.request_id in self.live:
+            raise ValueError(f"duplicate request id {er.request_id!r}")
+        er.sampling.validate()
+        max_frames = er.max_frames if er.max_frames is not None else er.sampling.max_new_tokens - 1
+        if max_frames < 1:
+            raise ValueError("the request allows no frames (max_new_tokens must be >= 2)")
+        prompt = build_prompt(er.spec, self.loaded.talker, self.loaded.config)
+        if prompt.trailing_text.shape[0] > self.config.max_text_tokens:
+            raise ValueError(
+                f"input text of {prompt.trailing_text.shape[0]} tokens exceeds max_text_tokens="
+                f"{self.config.max_text_tokens}"
+            )
+        seed = er.sampling.seed if er.sampling.seed is not None else draw_seed()
+        req = Request(request_id=er.request_id, prompt_len=prompt.length, max_frames=max_frames)
+        self.scheduler.add(req)
+        self.live[er.request_id] = _Live(req, prompt, er, seed)
+        return seed
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Frees the request's blocks and slot at once; its final output says `abort`. Unknown ids: False."""
+        req = self.scheduler.abort(request_id, reason)
+        live = self.live.pop(request_id, None)
+        self.codec.close(request_id)
+        if req is None or live is None:
+            return False
+        self._done.append(self._final(live, "abort", reason))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live) or bool(self._done)
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        outputs, self._done = self._done, []
+        if out.is_empty:
+            return outputs
+        for req in out.new_requests:
+            live = self.live[req.request_id]
+            self.runner.slots.assign(req.slot, live.prompt.trailing_text, live.engine_req.sampling, live.seed,
+                                     live.engine_req.ignore_eos)
+            if live.engine_req.stream_audio:
+                self.codec.open(req.request_id, live.engine_req.spec.ref_code)
+        results: list[StepResult] = []
+        try:
+            results += self._run_prefills(out.prefills)
+            results += self._run_decodes(out.decodes)
+        except Exception as e:  # a step failure fails its requests, never the engine
+            log.exception("engine step failed")
+            reason = f"engine step failed: {type(e).__name__}: {e}"
+            for r in [c.request for c in out.prefills] + list(out.decodes):
+                self.scheduler.fail(r.request_id, reason)
+                live = self.live.pop(r.request_id, None)
+                self.codec.close(r.request_id)
+                if live is not None:
+                    outputs.append(self._final(live, "error", reason))
+            self.scheduler.update([])
+            return outputs
+        finished = {r.request_id: r for r in self.scheduler.update(results)}
+        audio = self.codec.flush(set(finished))
+        touched = {r.request_id for r in results}
+        for rid in touched:
+            live = self.live.get(rid)
+            if live is None:
+                continue
+            codes = torch.stack(live.new_codes) if live.new_codes else torch.zeros(0, 16, dtype=torch.long)
+            live.new_codes = []
+            req = finished.get(rid)
+            if req is not None:
+                self.live.pop(rid, None)
+            if req is None and codes.shape[0] == 0 and rid not in audio:
+                continue
+            outputs.append(RequestOutput(
+                request_id=rid, codes=codes, audio=audio.get(rid), finished=req is not None,
+                finish_reason=req.finish_reason if req is not None else None,
+                error=req.error if req is not None else None,
+                num_prompt_tokens=live.req.prompt_len, num_frames=live.req.num_frames, seed=live.seed,
+            ))
+        return outputs
+
+    def _run_prefills(self, chunks) -> list[StepResult]:
+        if not chunks:
+            return []
+        work = []
+        for c in chunks:
+            live = self.live[c.request.request_id]
+            embeds = live.prompt.embeds[c.start : c.start + c.num_tokens]
+            work.append(PrefillWork(c.request.slot, embeds, c.start, list(c.request.block_table), c.is_last))
+        first = self.runner.prefill(work)
+        return [
+            StepResult(c.request.request_id, c.num_tokens, 0,
+                       stopped=c.is_last and first[c.request.slot] == self.eos_id)
+            for c in chunks
+        ]
+
+    def _run_decodes(self, reqs: list[Request]) -> list[StepResult]:
+        if not reqs:
+            return []
+        work = [DecodeWork(r.slot, r.num_computed_tokens, list(r.block_table)) for r in reqs]
+        codes, nxt = self.runner.decode(work)
+        results = []
+        for i, r in enumerate(reqs):
+            live = self.live[r.request_id]
+            live.new_codes.append(codes[i])
+            if live.engine_req.stream_audio:
+                self.codec.push(r.request_id, codes[i])
+            results.append(StepResult(r.request_id, 1, 1, stopped=int(nxt[i]) == self.eos_id))
+        return results
+
+    def _final(self, live: _Live, reason: str, error: str | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=live.req.request_id, codes=torch.zeros(0, 16, dtype=torch.long), audio=None, finished=True,
+            finish_reason=reason, error=error, num_prompt_tokens=live.req.prompt_len,
+            num_frames=live.req.num_frames, seed=live.seed,
+        )
+
+    # --- memory ---------------------------------------------------------------------------------------
+
+    def _profile_kv_blocks(self) -> int:
+        """KV blocks that fit the memory budget: on CUDA, what is left of `gpu_memory_utilization` of the
+        device after weights and a reserve for activations and graphs; on the CPU, enough for every slot
+        to hold a full-length request capped at 4096 positions."""
+        tc = self.loaded.config.talker_config
+        dtype = self.loaded.talker.codec_head.weight.dtype
+        per_block = (2 * tc.num_hidden_layers * self.config.block_size * tc.num_key_value_heads * tc.head_dim
+                     * torch.tensor([], dtype=dtype).element_size())
+        device = self.loaded.talker.codec_head.weight.device
+        if device.type != "cuda":
+            per_seq = -(-min(self.config.max_model_len, 4096) // self.config.block_size)
+            return self.config.max_num_seqs * per_seq
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        reserve = 4 << 30  # activations of the largest step, CUDA graphs, codec streaming state
+        budget = int(total * self.config.gpu_memory_utilization) - used - reserve
+        if budget < per_block * 16:
+            raise RuntimeError(f"not enough device memory for a KV cache (budget {budget / 2**30:.2f} GiB)")
+        return budget // per_block
