@@ -69,7 +69,7 @@ class CodecStreamState:
         )
 
     def split(self) -> list[CodecStreamState]:
-        """One single-request state per request (views, no copy)."""
+        """One single-request state per request (views into this state's tensors, no copy)."""
         return [
             CodecStreamState(self.position[i : i + 1], {k: v[i : i + 1] for k, v in self.buffers.items()})
             for i in range(self.batch_size)
@@ -109,12 +109,9 @@ class StreamContext:
             return
         rate = self._rate_of(full, dim, size)
         start = total - size - (self.frames - self.lengths) * rate  # [B]
-        view = [1] * full.ndim
-        view[0] = full.shape[0]
-        view[dim] = size
-        steps = [1] * full.ndim
-        steps[dim] = size
-        index = start.view([-1] + [1] * (full.ndim - 1)) + torch.arange(size, device=full.device).view(steps)
+        along = [1] * full.ndim
+        along[dim] = size
+        index = start.view([-1] + [1] * (full.ndim - 1)) + torch.arange(size, device=full.device).view(along)
         shape = list(full.shape)
         shape[dim] = size
         self.new_buffers[key] = torch.gather(full, dim, index.expand(shape))

@@ -79,7 +79,13 @@ class TransformerLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
 
-    def forward(self, x, rope, mask, stream: StreamContext | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        stream: StreamContext | None,
+    ) -> torch.Tensor:
         x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), rope, mask, stream))
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 

@@ -1,0 +1,243 @@
+"""The engine against the reference loop, and its placement invariance, streaming and bookkeeping."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from engine_helpers import engine_config, run_all, tiny_model
+
+from voxserve.engine.engine import Engine, EngineRequest
+from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
+from voxserve.models.qwen3_tts.prompt import build_prompt
+from voxserve.models.qwen3_tts.reference_loop import generate_codes
+from voxserve.models.qwen3_tts.sampling import SamplingParams
+
+TEXTS = [
+    "Hello world, this is a test.",
+    "Please call Stella and ask her to bring these things.",
+    "今天天气很好，我们一起去公园散步吧。",
+    "Short.",
+    "The quick brown fox jumps over the lazy dog, twice, and then takes a long nap in the sun.",
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models on a shared 2-core box run far faster single-threaded.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine-models")
+
+
+def greedy(max_new_tokens: int = 21) -> SamplingParams:
+    return SamplingParams(do_sample=False, subtalker_do_sample=False, max_new_tokens=max_new_tokens)
+
+
+def sampled(seed: int, max_new_tokens: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(seed=seed, max_new_tokens=max_new_tokens, **kw)
+
+
+def base_inputs(seed: int = 0) -> list[SpeechInput]:
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(64, generator=g)
+    ref = torch.randint(0, 2048, (7, 16), generator=g)
+    return [
+        SpeechInput(TEXTS[0], language="english", speaker_embedding=emb, x_vector_only=True),
+        SpeechInput(TEXTS[1], language="english", speaker_embedding=emb, x_vector_only=True, non_streaming_mode=True),
+        SpeechInput(TEXTS[4], speaker_embedding=emb, ref_code=ref, ref_text="A reference transcript here."),
+        SpeechInput(TEXTS[2], language="chinese", speaker_embedding=emb, ref_code=ref, ref_text="Ref.",
+                    non_streaming_mode=True),
+    ]
+
+
+MODE_INPUTS = {
+    "base": base_inputs,
+    "custom_voice": lambda: [
+        SpeechInput(TEXTS[0], language="english", speaker="ryan"),
+        SpeechInput(TEXTS[2], speaker="eric", non_streaming_mode=False),
+    ],
+    "voice_design": lambda: [
+        SpeechInput(TEXTS[1], instructions="A calm, deep narrator voice."),
+        SpeechInput(TEXTS[3], language="english", instructions="Bright and fast.", non_streaming_mode=False),
+    ],
+}
+
+
+@pytest.mark.parametrize("model_type", list(MODE_INPUTS))
+def test_greedy_engine_equals_reference_loop(root, model_type):
+    lm = tiny_model(root, model_type)
+    inputs = MODE_INPUTS[model_type]()
+    specs = [build_spec(lm, i) for i in inputs]
+    expected = [generate_codes(lm.talker, build_prompt(s, lm.talker, lm.config), greedy()) for s in specs]
+    engine = Engine(lm, engine_config())
+    got = run_all(engine, [EngineRequest(f"r{i}", s, greedy()) for i, s in enumerate(specs)])
+    for i, exp in enumerate(expected):
+        assert torch.equal(got.frames(f"r{i}"), exp), f"request {i}"
+        assert got.finish_count[f"r{i}"] == 1
+
+
+def _mixed_requests(lm, seed_base: int = 100) -> list[EngineRequest]:
+    specs = [build_spec(lm, i) for i in base_inputs(1)]
+    reqs = []
+    for i in range(8):
+        params = sampled(seed_base + i, max_new_tokens=8 + 3 * (i % 4),
+                         temperature=0.7 + 0.1 * (i % 3), top_k=[0, 50, 10][i % 3], top_p=[1.0, 0.9, 0.8][i % 3])
+        if i == 5:
+            params = greedy(14)
+        reqs.append(EngineRequest(f"m{i}", specs[i % len(specs)], params))
+    return reqs
+
+
+def test_seeded_request_is_placement_invariant(root):
+    """One seeded request gives the same codes alone, in a batch of 8 mixed requests, with chunked prefill
+    on or off, and with requests joining and leaving mid-run."""
+    lm = tiny_model(root, "base")
+    target = _mixed_requests(lm)[2]
+    alone = run_all(Engine(lm, engine_config()), [target]).frames("m2")
+    assert alone.shape[0] == target.sampling.max_new_tokens - 1
+
+    batch = run_all(Engine(lm, engine_config()), _mixed_requests(lm))
+    assert torch.equal(batch.frames("m2"), alone)
+
+    # A 16-token budget forces the ICL prompts through several prefill chunks, mixed with decodes.
+    chunked = run_all(Engine(lm, engine_config(max_num_batched_tokens=16)), _mixed_requests(lm))
+    assert torch.equal(chunked.frames("m2"), alone)
+    whole = run_all(Engine(lm, engine_config(enable_chunked_prefill=False)), _mixed_requests(lm))
+    assert torch.equal(whole.frames("m2"), alone)
+
+    reqs = _mixed_requests(lm)
+    joining = run_all(Engine(lm, engine_config(max_num_seqs=4)), reqs[:3], join_at={4: reqs[3:6], 9: reqs[6:]})
+    assert torch.equal(joining.frames("m2"), alone)
+    for r in reqs:
+        assert joining.finish_count[r.request_id] == 1
+    # Every other request is placement invariant too.
+    for r in reqs:
+        assert torch.equal(joining.frames(r.request_id), batch.frames(r.request_id)), r.request_id
+
+
+def test_unseeded_requests_draw_a_seed_that_reproduces(root):
+    lm = tiny_model(root, "base")
+    spec = build_spec(lm, base_inputs()[0])
+    engine = Engine(lm, engine_config())
+    seed = engine.add_request(EngineRequest("u", spec, sampled(None, 10)))
+    assert isinstance(seed, int) and 0 <= seed < 2**63
+    first = run_all(engine, []).frames("u")
+    again = run_all(Engine(lm, engine_config()), [EngineRequest("u", spec, sampled(seed, 10))]).frames("u")
+    assert torch.equal(first, again)
+
+
+def test_streamed_audio_equals_one_shot_decode(root):
+    """Chunks of 1, then 4 frames (and the tail) concatenate to the whole-utterance decode; an in-context
+    clone's stream equals decoding the reference codes in front and cutting them off."""
+    lm = tiny_model(root, "base")
+    specs = [build_spec(lm, i) for i in base_inputs(2)]
+    engine = Engine(lm, engine_config(first_chunk_frames=1, chunk_frames=4))
+    got = run_all(engine, [EngineRequest(f"s{i}", s, sampled(7 + i, 19)) for i, s in enumerate(specs)])
+    decoder = lm.speech_tokenizer.decoder
+    for i, spec in enumerate(specs):
+        codes = got.frames(f"s{i}")
+        full = codes if spec.ref_code is None else torch.cat([spec.ref_code, codes])
+        wav = decoder.decode(full.unsqueeze(0))[0].numpy()
+        wav = wav[(0 if spec.ref_code is None else spec.ref_code.shape[0]) * 1920:]
+        pcm = got.pcm(f"s{i}")
+        assert pcm.shape == wav.shape
+        assert np.abs(pcm - wav).max() < 1e-5
+        assert len(got.audio[f"s{i}"][0]) == 1920  # first chunk: one frame
+
+
+def test_64_requests_none_lost_or_duplicated(root):
+    lm = tiny_model(root, "base")
+    spec_pool = [build_spec(lm, i) for i in base_inputs(3)]
+    rng = random.Random(0)
+    engine = Engine(lm, engine_config(max_num_seqs=8, num_kv_blocks=96))
+    reqs = [
+        EngineRequest(f"q{i}", spec_pool[rng.randrange(len(spec_pool))], sampled(i, 50),
+                      max_frames=rng.randint(1, 10), ignore_eos=True, stream_audio=i % 2 == 0)
+        for i in range(64)
+    ]
+    max_running = 0
+    out = run_all(engine, reqs[:40], join_at={3: reqs[40:]})
+    max_running = max(max_running, engine.scheduler.num_running)
+    for r in reqs:
+        assert out.finish_count.get(r.request_id) == 1, r.request_id
+        assert out.finished[r.request_id] == "length"
+        assert out.frames(r.request_id).shape[0] == r.max_frames
+    assert engine.block_manager.num_free_blocks == 96
+    assert not engine.live and not engine.codec.streams
+
+
+def test_eos_stops_and_frees(root):
+    lm = tiny_model(root, "base", eos_logit_scale=30.0)
+    spec = build_spec(lm, base_inputs()[0])
+    expected = generate_codes(lm.talker, build_prompt(spec, lm.talker, lm.config), greedy(200))
+    assert 0 < expected.shape[0] < 199, "the scaled EOS row should stop the model early"
+    engine = Engine(lm, engine_config())
+    got = run_all(engine, [EngineRequest("e", spec, greedy(200))])
+    assert got.finished["e"] == "stop"
+    assert torch.equal(got.frames("e"), expected)
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_abort_frees_blocks_in_every_state(root):
+    lm = tiny_model(root, "base")
+    specs = [build_spec(lm, i) for i in base_inputs(4)]
+    engine = Engine(lm, engine_config(max_num_seqs=2, num_kv_blocks=64))
+    for i in range(4):
+        engine.add_request(EngineRequest(f"a{i}", specs[i], sampled(i, 40), ignore_eos=True))
+    outs = []
+    for _ in range(3):
+        outs += engine.step()
+    assert engine.scheduler.num_running == 2
+    assert engine.abort("a0")  # running
+    assert engine.abort("a3")  # still waiting
+    assert not engine.abort("a3")  # duplicate: a counted no-op
+    assert not engine.abort("nope")
+    got = run_all(engine, [])
+    got.take(outs)
+    assert got.finished["a0"] == "abort" and got.finished["a3"] == "abort"
+    assert got.finished["a1"] == "length" and got.finished["a2"] == "length"
+    assert engine.block_manager.num_free_blocks == 64
+    assert not engine.codec.streams
+
+
+def test_bad_requests_are_refused_before_allocation(root):
+    lm = tiny_model(root, "base")
+    spec = build_spec(lm, base_inputs()[0])
+    engine = Engine(lm, engine_config(max_model_len=64, max_text_tokens=4))
+    with pytest.raises(ValueError, match="max_text_tokens"):
+        engine.add_request(EngineRequest("t", spec, greedy(10)))
+    engine = Engine(lm, engine_config(max_model_len=64))
+    with pytest.raises(ValueError):
+        engine.add_request(EngineRequest("big", spec, greedy(500)))
+    engine.add_request(EngineRequest("ok", spec, greedy(5)))
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.add_request(EngineRequest("ok", spec, greedy(5)))
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_a_failing_step_fails_its_requests_not_the_engine(root, monkeypatch):
+    lm = tiny_model(root, "base")
+    spec = build_spec(lm, base_inputs()[0])
+    engine = Engine(lm, engine_config())
+    engine.add_request(EngineRequest("x", spec, greedy(6)))
+    original = engine.runner.decode
+
+    def boom(work):
+        raise RuntimeError("injected device fault")
+
+    engine.runner.decode = boom
+    got = run_all(engine, [])
+    assert got.finished["x"] == "error" and "injected device fault" in got.errors["x"]
+    engine.runner.decode = original
+    after = run_all(engine, [EngineRequest("y", spec, greedy(6))])
+    assert after.finished["y"] == "length"
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
