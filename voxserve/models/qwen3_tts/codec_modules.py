@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voxserve.layers.snake import snake_beta
+
 from .codec_streaming import StreamContext
 
 
@@ -93,9 +95,7 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor, stream: StreamContext | None = None) -> torch.Tensor:
-        freq = self.alpha.exp()[:, None]
-        inv_mag = 1.0 / (self.beta.exp()[:, None] + 1e-9)
-        return x + inv_mag * torch.sin(x * freq).pow(2)
+        return snake_beta(x, self.alpha, self.beta)
 
 
 class ConvNeXtBlock(nn.Module):

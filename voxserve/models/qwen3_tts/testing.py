@@ -134,3 +134,40 @@ def _save(module: torch.nn.Module, path: Path, dtype: torch.dtype) -> None:
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
+
+
+def random_model(
+    config: Qwen3TTSConfig,
+    speech_config: SpeechTokenizerConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    codec_dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    tokenizer_dir: str | Path | None = None,
+):
+    """A `LoadedModel` with random weights built directly on `device`, for speed work on full-size configs
+    (writing and reading GBs of random safetensors would only measure the disk). The text tokenizer is the
+    small test one: the ids it produces are valid for any Qwen3-TTS text vocabulary."""
+    import tempfile
+
+    from .loader import GENERATION_DEFAULTS as defaults
+    from .loader import LoadedModel
+
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else Path(tempfile.mkdtemp(prefix="voxserve-tok-"))
+    if not (tok_dir / "vocab.json").is_file():
+        write_text_tokenizer(tok_dir)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        tts = Qwen3TTSModel(config)
+        codec = SpeechTokenizer(speech_config)
+    randomize_(tts, seed)
+    randomize_(codec, seed + 1)
+    return LoadedModel(
+        path=tok_dir,
+        config=config,
+        speech_config=speech_config,
+        model=tts.to(dtype).eval(),
+        speech_tokenizer=codec.to(codec_dtype).eval(),
+        text_tokenizer=TextTokenizer.from_dir(tok_dir),
+        generation_defaults=dict(defaults),
+    )

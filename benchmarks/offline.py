@@ -1,0 +1,160 @@
+"""Offline engine throughput/latency on a GPU with a full-size config and random weights.
+
+Output length is fixed (EOS masked, `--frames` frames per request): random weights carry no speech, so
+frames/s, not audio quality, is what this measures. Prompts are in-context clones of a `--ref-frames`
+reference (~130 prompt tokens by default).
+
+    python benchmarks/offline.py --size 0.6B --batch-sizes 1,8,32,64,128,256 --frames 128 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+
+import torch
+
+from voxserve.engine.config import EngineConfig
+from voxserve.engine.engine import Engine, EngineRequest
+from voxserve.models.qwen3_tts.config import SpeechTokenizerConfig, preset
+from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
+from voxserve.models.qwen3_tts.prompt import build_prompt
+from voxserve.models.qwen3_tts.sampling import SamplingParams
+from voxserve.models.qwen3_tts.testing import random_model
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+TEXT = "Please call Stella and ask her to bring these things with her from the store, and a snack for Bob."
+
+
+def make_requests(lm, n: int, frames: int, ref_frames: int, tag: str) -> list[EngineRequest]:
+    g = torch.Generator().manual_seed(0)
+    hidden = lm.config.talker_config.hidden_size
+    spec = build_spec(lm, SpeechInput(TEXT, language="english", speaker_embedding=torch.randn(hidden, generator=g),
+                                      ref_code=torch.randint(0, 2048, (ref_frames, 16), generator=g),
+                                      ref_text="Six spoons of fresh snow peas."))
+    return [EngineRequest(f"{tag}-{i}", spec, SamplingParams(seed=i, max_new_tokens=frames + 1), max_frames=frames,
+                          ignore_eos=True, stream_audio=False) for i in range(n)]
+
+
+def run_batch(engine: Engine, lm, batch: int, frames: int, ref_frames: int, tag: str) -> dict:
+    """Runs `batch` requests to completion. Steady-state decode steps (every request decoding, one frame
+    each) are timed apart from the steps that prefill."""
+    reqs = make_requests(lm, batch, frames, ref_frames, tag)
+    prompt_tokens = build_prompt(reqs[0].spec, lm.talker, lm.config).length
+    for r in reqs:
+        engine.add_request(r)
+    sync()
+    t0 = time.perf_counter()
+    decode_steps, decode_time, other_time = 0, 0.0, 0.0
+    while engine.has_unfinished():
+        running = engine.scheduler.num_running
+        s = time.perf_counter()
+        outs = engine.step()  # returns host tensors: the step is synchronised
+        dt = time.perf_counter() - s
+        if running == batch and sum(o.codes.shape[0] for o in outs) == batch:
+            decode_steps += 1
+            decode_time += dt
+        else:
+            other_time += dt
+    total = time.perf_counter() - t0
+    step_s = decode_time / max(decode_steps, 1)
+    return {
+        "batch": batch, "frames": frames, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps,
+        "decode_ms_per_step": 1000 * step_s, "decode_frames_per_s": batch / step_s if decode_steps else None,
+        "rtf_per_stream": step_s / 0.08, "prefill_and_tail_s": other_time, "total_s": total,
+        "end_to_end_frames_per_s": batch * frames / total,
+    }
+
+
+def bench_codec(lm, dtype: torch.dtype, batches: list[int], chunk: int, steps: int) -> list[dict]:
+    dec = lm.speech_tokenizer.decoder.to(dtype)
+    rows = []
+    for b in batches:
+        state = dec.new_stream_state(b)
+        codes = torch.randint(0, 2048, (b, 16, chunk), device=next(dec.parameters()).device)
+        with torch.inference_mode():
+            for _ in range(2):
+                _, state = dec.stream_step(codes, state)
+            sync()
+            t = time.perf_counter()
+            for _ in range(steps):
+                _, state = dec.stream_step(codes, state)
+            sync()
+            dt = time.perf_counter() - t
+        rows.append({"dtype": str(dtype).replace("torch.", ""), "batch": b, "chunk_frames": chunk,
+                     "ms_per_chunk": 1000 * dt / steps, "frames_per_s": b * chunk * steps / dt})
+        print(json.dumps(rows[-1]), flush=True)
+    lm.speech_tokenizer.decoder.to(torch.float32)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="0.6B")
+    ap.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    ap.add_argument("--frames", type=int, default=128)
+    ap.add_argument("--ref-frames", type=int, default=120)
+    ap.add_argument("--modes", default="graphs,eager")
+    ap.add_argument("--eager-batch-sizes", default="1,8,64,256")
+    ap.add_argument("--codec-batches", default="1,16,64,128,256")
+    ap.add_argument("--codec-chunk", type=int, default=25)
+    ap.add_argument("--codec-steps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+    if args.size == "tiny":  # a CPU smoke run of this script
+        from voxserve.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
+
+        lm = random_model(tiny_config(), tiny_speech_tokenizer_config(), device=args.device, dtype=torch.float32)
+    else:
+        lm = random_model(preset(args.size, "base"), SpeechTokenizerConfig(), device=args.device, dtype=torch.bfloat16)
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    result = {
+        "model": f"Qwen3-TTS-12Hz-{args.size}-Base config, random weights, talker bf16",
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "host": platform.node(),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        .stdout.strip(),
+        "engine": {}, "codec": [],
+    }
+    for mode in args.modes.split(","):
+        eager = mode == "eager"
+        sizes = [int(x) for x in args.eager_batch_sizes.split(",")] if eager else batches
+        cfg = EngineConfig(device=args.device, dtype="bfloat16" if args.size != "tiny" else "float32",
+                           max_num_seqs=max(sizes), cuda_graph_max_batch=max(sizes),
+                           max_num_batched_tokens=8192, max_model_len=2048, enforce_eager=eager,
+                           gpu_memory_utilization=0.6)
+        t = time.perf_counter()
+        engine = Engine(lm, cfg)
+        setup = time.perf_counter() - t
+        print(f"[{mode}] engine ready in {setup:.1f}s, {cfg.num_kv_blocks} KV blocks", flush=True)
+        run_batch(engine, lm, 2, 8, args.ref_frames, f"warm-{mode}")
+        rows = []
+        for b in sizes:
+            row = run_batch(engine, lm, b, args.frames, args.ref_frames, f"{mode}-{b}")
+            rows.append(row)
+            print(f"[{mode}] " + json.dumps(row), flush=True)
+        result["engine"][mode] = {"setup_s": setup, "rows": rows}
+        del engine
+        torch.cuda.empty_cache()
+    for dtype in (torch.float32, torch.bfloat16):
+        result["codec"] += bench_codec(lm, dtype, [int(x) for x in args.codec_batches.split(",")],
+                                       args.codec_chunk, args.codec_steps)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

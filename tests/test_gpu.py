@@ -1,0 +1,72 @@
+"""CUDA paths (Triton kernels, CUDA-graph decode) against their CPU/eager twins. Skipped without a GPU;
+the CPU paths of the same code run in test_engine.py and test_paged_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import engine_config, run_all, tiny_model
+
+from voxserve.engine.engine import Engine, EngineRequest
+from voxserve.layers.paged_attention import decode_attention, decode_attention_reference
+from voxserve.layers.snake import snake_beta, snake_beta_reference
+from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
+from voxserve.models.qwen3_tts.loader import load_model
+from voxserve.models.qwen3_tts.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU twins run elsewhere)"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(16, 8, 128), (4, 2, 16), (8, 8, 64)])
+def test_triton_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    blocks, block_size, bsz = 64, 16, 5
+    kc = torch.randn(blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(blocks, device="cuda")[: bsz * 8].view(bsz, 8).to(torch.int32)
+    lens = torch.tensor([1, 16, 17, 100, 128], device="cuda", dtype=torch.int32)
+    q = torch.randn(bsz, heads, head_dim, device="cuda", dtype=dtype)
+    got = decode_attention(q, kc, vc, tables, lens, head_dim**-0.5)
+    ref = decode_attention_reference(q, kc, vc, tables, lens, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - ref.float()).abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_snake_matches_reference(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(3, 96, 5000, device="cuda", dtype=dtype)
+    a, b = torch.randn(96, device="cuda", dtype=dtype), torch.randn(96, device="cuda", dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (snake_beta(x, a, b).float() - snake_beta_reference(x.float(), a.float(), b.float())).abs().max() < tol
+
+
+def test_graph_decode_equals_cpu_engine(tmp_path):
+    """fp32 with TF32 off: the CUDA-graph engine on the GPU gives the CPU engine's codes for seeded requests."""
+    cpu = tiny_model(tmp_path, "base")
+    gpu = load_model(cpu.path, device="cuda")
+    emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
+
+    def reqs(lm):
+        spec = build_spec(lm, SpeechInput("Hello there, how are you?", language="english",
+                                          speaker_embedding=emb, x_vector_only=True))
+        return [EngineRequest(f"g{i}", spec, SamplingParams(seed=i, max_new_tokens=12)) for i in range(6)]
+
+    want = run_all(Engine(cpu, engine_config()), reqs(cpu))
+    got = run_all(Engine(gpu, engine_config(device="cuda", cuda_graph_max_batch=8)), reqs(gpu))
+    eager = run_all(Engine(gpu, engine_config(device="cuda", enforce_eager=True)), reqs(gpu))
+    for i in range(6):
+        assert torch.equal(got.frames(f"g{i}"), eager.frames(f"g{i}"))
+        assert torch.equal(got.frames(f"g{i}"), want.frames(f"g{i}"))
