@@ -343,3 +343,22 @@ def test_cuda_graph_capture_and_batch_size_invariance():
     torch.cuda.synchronize()
     assert torch.equal(out0, eager0) and torch.equal(out5, eager5)
     assert bool(static_seen[torch.arange(n, device="cuda"), out0].all())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_sampler_gives_eager_tokens():
+    gen = torch.Generator().manual_seed(8)
+    n = 48
+    reqs, frames = random_requests(n, gen)
+    c0 = (torch.randn(n, V, generator=gen) * 3).cuda()
+    res = (torch.randn(n, RESIDUAL_V, generator=gen) * 3).cuda()
+    seen = torch.rand(n, V, generator=gen).cuda() < 0.02
+    eager, fused = Sampler(EOS, SUPPRESS), Sampler(EOS, SUPPRESS, compile=True)
+    for rows in (list(range(n)), [5], [3, 1, 4]):  # dynamic batch: no recompiles, same tokens
+        st = SamplingTensors.from_params([reqs[i] for i in rows], [frames[i] for i in rows], "cuda")
+        want0 = eager.sample_codebook0(c0[rows], st, seen[rows].clone())
+        assert torch.equal(fused.sample_codebook0(c0[rows], st, seen[rows].clone()), want0)
+        for cb in (1, 15):
+            assert torch.equal(fused.sample_residual(res[rows], st, cb), eager.sample_residual(res[rows], st, cb))

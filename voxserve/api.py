@@ -4,8 +4,10 @@
     out = tts.generate("Hello.", speaker="ryan")
     out.codes, out.audio, out.sample_rate
 
-`generate` runs the plain reference loop, one request at a time; it is the executable definition that
-the batched engine is tested against.
+`generate` runs a list of utterances batched through the engine (continuous batching, the counter-based
+sampler: a seeded utterance gives the same codes whatever it is batched with). `generate_reference` runs
+the plain reference loop, one utterance at a time: the executable definition the engine is tested
+against (greedy results are identical; sampled ones draw from a different random generator).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from voxserve.engine.config import EngineConfig
+from voxserve.engine.engine import Engine, EngineRequest
 from voxserve.models.qwen3_tts.default import DEFAULT_SPEAKER, default_model_dir
 from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
 from voxserve.models.qwen3_tts.loader import LoadedModel, load_model
@@ -70,13 +74,51 @@ class TTS:
             subtalker_top_p=g["subtalker_top_p"],
         )
 
-    def generate(self, text: str | SpeechInput, sampling: SamplingParams | None = None, **kwargs) -> SpeechResult:
-        """Synthesises one utterance. `kwargs` are `SpeechInput` fields (language, speaker, instructions,
-        ref_audio, ref_sample_rate, ref_text, x_vector_only, speaker_embedding, non_streaming_mode)."""
-        inp = text if isinstance(text, SpeechInput) else SpeechInput(text=text, **kwargs)
-        if self.loaded.config.tts_model_type == "custom_voice" and inp.speaker is None and self._is_default():
-            log.info("no speaker given: the embedded default model uses %r", DEFAULT_SPEAKER)
-            inp = replace(inp, speaker=DEFAULT_SPEAKER)
+    def generate(
+        self,
+        inputs: str | SpeechInput | list[str | SpeechInput],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+        engine_config: EngineConfig | None = None,
+        **kwargs,
+    ) -> SpeechResult | list[SpeechResult]:
+        """Synthesises one utterance (returns a result) or a list (returns a list, run batched).
+        `kwargs` are `SpeechInput` fields applied to plain-text inputs."""
+        single = not isinstance(inputs, list)
+        items = [self._input(x, kwargs) for x in ([inputs] if single else inputs)]
+        params = sampling if isinstance(sampling, list) else [sampling or self.default_sampling()] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"{len(items)} inputs but {len(params)} sampling settings")
+        specs = [build_spec(self.loaded, x) for x in items]
+        engine = Engine(self.loaded, engine_config or self._engine_config(len(items)))
+        ids = [f"utt-{i}" for i in range(len(items))]
+        for rid, spec, p in zip(ids, specs, params, strict=True):
+            engine.add_request(EngineRequest(rid, spec, p))
+        codes: dict[str, list[torch.Tensor]] = {rid: [] for rid in ids}
+        audio: dict[str, list[np.ndarray]] = {rid: [] for rid in ids}
+        errors: dict[str, str] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                codes[out.request_id].append(out.codes)
+                if out.audio is not None:
+                    audio[out.request_id].append(out.audio)
+                if out.finish_reason == "error":
+                    errors[out.request_id] = out.error or "failed"
+        if errors:
+            raise RuntimeError(f"generation failed: {errors}")
+        results = [
+            SpeechResult(
+                codes=torch.cat(codes[rid]) if codes[rid] else torch.zeros(0, 16, dtype=torch.long),
+                audio=np.concatenate(audio[rid]) if audio[rid] else np.zeros(0, dtype=np.float32),
+                sample_rate=self.loaded.sample_rate,
+            )
+            for rid in ids
+        ]
+        return results[0] if single else results
+
+    def generate_reference(self, text: str | SpeechInput, sampling: SamplingParams | None = None,
+                           **kwargs) -> SpeechResult:
+        """One utterance through the plain eager reference loop (`torch.Generator` sampling)."""
+        inp = self._input(text, kwargs)
         sampling = sampling or self.default_sampling()
         spec = build_spec(self.loaded, inp)
         talker = self.loaded.talker
@@ -84,6 +126,19 @@ class TTS:
         codes = generate_codes(talker, prompt, sampling)
         audio = self.decode(codes, spec.ref_code)
         return SpeechResult(codes=codes.cpu(), audio=audio, sample_rate=self.loaded.sample_rate)
+
+    def _input(self, x: str | SpeechInput, kwargs: dict) -> SpeechInput:
+        inp = x if isinstance(x, SpeechInput) else SpeechInput(text=x, **kwargs)
+        if self.loaded.config.tts_model_type == "custom_voice" and inp.speaker is None and self._is_default():
+            log.info("no speaker given: the embedded default model uses %r", DEFAULT_SPEAKER)
+            inp = replace(inp, speaker=DEFAULT_SPEAKER)
+        return inp
+
+    def _engine_config(self, n: int) -> EngineConfig:
+        weight = self.loaded.talker.codec_head.weight
+        dtype = str(weight.dtype).replace("torch.", "")
+        return EngineConfig(device=weight.device.type, dtype=dtype, max_num_seqs=max(1, min(n, 256)),
+                            max_num_batched_tokens=max(4096, n), max_model_len=8192)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, ref_code: torch.Tensor | None = None) -> np.ndarray:
