@@ -58,7 +58,8 @@ class ModelRunner:
         self.slots = SlotState(config.max_num_seqs, tc.hidden_size, tc.vocab_size, config.max_text_tokens,
                                self.dtype, self.device)
         self.tts_pad = tts_pad.to(device=self.device, dtype=self.dtype)
-        self.sampler = Sampler.from_talker_config(tc)
+        # The fused (compiled) sampler is what makes sampling cheap inside the CUDA graph.
+        self.sampler = Sampler.from_talker_config(tc, compile=self.device.type == "cuda")
         self.graphs: dict[int, _DecodeGraph] = {}
         self.graph_pool = None
         if self.device.type == "cuda" and not config.enforce_eager:

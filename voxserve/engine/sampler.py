@@ -6,8 +6,9 @@ data-dependent Python branches, so a runner can capture it in a CUDA graph.
 
 Sampling is an exponential race (equivalently Gumbel-max): token = argmax(z - log E) where z are the
 filtered, temperature-scaled logits and E are per-(seed, frame, codebook, vocab) exponential variates from
-`rng.exponential`. That is an exact draw from softmax(z), and every row's result depends on nothing but its own
-logits, parameters, seed and frame, so it does not change with the row's batch position or neighbours.
+`rng.exponential`. That is a draw from softmax(z) (exact up to the uniforms' 32-bit resolution), and every
+row's result depends on nothing but its own logits, parameters, seed and frame, so it does not change with
+the row's batch position or neighbours.
 
 Processor order and semantics follow transformers 4.57.3 `generate` (see the model reference, section 4.2):
   codebook 0:  RepetitionPenalty -> MinNewTokens(EOS) -> SuppressTokens -> Temperature -> TopK -> TopP -> draw
@@ -19,6 +20,7 @@ kept token are all kept, where transformers keeps an arbitrary subset decided by
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -110,8 +112,6 @@ class SamplingTensors:
 
 def draw_seed() -> int:
     """A fresh 63-bit seed for a request that came without one; call it once, at admission."""
-    import secrets
-
     return secrets.randbits(63)
 
 
@@ -195,7 +195,7 @@ def draw(
 
 
 class Sampler:
-    """Samples codebook 0 (talker) and codebooks 1..15 (code predictor) for a batch; holds only constants."""
+    """Samples codebook 0 (talker) and codebooks 1..15 (code predictor) for a batch; holds no batch state."""
 
     def __init__(self, eos_token_id: int, suppress_range: tuple[int, int], compile: bool = False) -> None:
         """eos_token_id: the codec EOS, masked until min_new_tokens frames exist and never suppressed.
@@ -209,10 +209,11 @@ class Sampler:
         self._draw = torch.compile(draw, fullgraph=True, dynamic=True) if compile else draw
 
     @classmethod
-    def from_talker_config(cls, talker_config: object) -> Sampler:
+    def from_talker_config(cls, talker_config: object, compile: bool = False) -> Sampler:
         """From a config with `vocab_size` and `codec_eos_token_id` (our TalkerConfig), as the official model."""
         vocab = talker_config.vocab_size  # type: ignore[attr-defined]
-        return cls(talker_config.codec_eos_token_id, (vocab - _CONTROL_ID_SPAN, vocab))  # type: ignore[attr-defined]
+        eos = talker_config.codec_eos_token_id  # type: ignore[attr-defined]
+        return cls(eos, (vocab - _CONTROL_ID_SPAN, vocab), compile=compile)
 
     def process_codebook0(self, logits: torch.Tensor, st: SamplingTensors, seen: torch.Tensor) -> torch.Tensor:
         """The processors before the warpers: RepetitionPenalty -> MinNewTokens(EOS) -> SuppressTokens.
