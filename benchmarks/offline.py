@@ -74,6 +74,28 @@ def run_batch(engine: Engine, lm, batch: int, frames: int, ref_frames: int, tag:
     }
 
 
+def profile_decode(engine: Engine, lm, batch: int, ref_frames: int, path: str | None) -> str:
+    """Kernel-time table of a few steady decode steps (run it on an eager engine: a graph replay hides
+    its kernels from the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for r in make_requests(lm, batch, 24, ref_frames, f"prof-{batch}"):
+        engine.add_request(r)
+    while engine.scheduler.num_running < batch or any(r.in_prefill for r in engine.scheduler._running.values()):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step()
+        sync()
+    while engine.has_unfinished():
+        engine.step()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    if path:
+        with open(path, "w") as f:
+            f.write(table)
+    return table
+
+
 def bench_codec(lm, dtype: torch.dtype, batches: list[int], chunk: int, steps: int) -> list[dict]:
     dec = lm.speech_tokenizer.decoder.to(dtype)
     rows = []
@@ -109,6 +131,8 @@ def main() -> None:
     ap.add_argument("--codec-steps", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile-batch", type=int, default=0, help="profile eager decode at this batch size")
+    ap.add_argument("--profile-out", default=None)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -146,6 +170,8 @@ def main() -> None:
             rows.append(row)
             print(f"[{mode}] " + json.dumps(row), flush=True)
         result["engine"][mode] = {"setup_s": setup, "rows": rows}
+        if eager and args.profile_batch:
+            print(profile_decode(engine, lm, args.profile_batch, args.ref_frames, args.profile_out), flush=True)
         del engine
         torch.cuda.empty_cache()
     for dtype in (torch.float32, torch.bfloat16):
