@@ -49,8 +49,11 @@ def test_triton_snake_matches_reference(dtype):
     torch.manual_seed(0)
     x = torch.randn(3, 96, 5000, device="cuda", dtype=dtype)
     a, b = torch.randn(96, device="cuda", dtype=dtype), torch.randn(96, device="cuda", dtype=dtype)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    assert (snake_beta(x, a, b).float() - snake_beta_reference(x.float(), a.float(), b.float())).abs().max() < tol
+    # sin² is scaled by 1/e^beta (up to ~20 here), so the tolerance is relative to that gain.
+    gain = float((1.0 / b.float().exp()).max())
+    tol = (5e-6 if dtype == torch.float32 else 1e-2) * max(gain, 1.0)
+    err = (snake_beta(x, a, b).float() - snake_beta_reference(x.float(), a.float(), b.float())).abs().max()
+    assert err < tol, (float(err), tol)
 
 
 def test_graph_decode_equals_cpu_engine(tmp_path):

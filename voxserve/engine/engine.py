@@ -188,13 +188,14 @@ class Engine:
             return []
         work = [DecodeWork(r.slot, r.num_computed_tokens, list(r.block_table)) for r in reqs]
         codes, nxt = self.runner.decode(work)
+        nxt_ids = nxt.tolist()
         results = []
         for i, r in enumerate(reqs):
             live = self.live[r.request_id]
             live.new_codes.append(codes[i])
             if live.engine_req.stream_audio:
                 self.codec.push(r.request_id, codes[i])
-            results.append(StepResult(r.request_id, 1, 1, stopped=int(nxt[i]) == self.eos_id))
+            results.append(StepResult(r.request_id, 1, 1, stopped=nxt_ids[i] == self.eos_id))
         return results
 
     def _final(self, live: _Live, reason: str, error: str | None) -> RequestOutput:

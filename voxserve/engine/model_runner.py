@@ -104,7 +104,9 @@ class ModelRunner:
             codes, nxt = self.graphs[bucket].replay(inputs)
         else:
             codes, nxt = self._decode_step(*inputs)
-        return codes[:bsz].cpu(), nxt[:bsz].cpu()
+        # One device-to-host copy per step.
+        host = torch.cat([codes[:bsz], nxt[:bsz, None]], dim=1).cpu()
+        return host[:, :-1], host[:, -1]
 
     def _decode_inputs(self, work: list[DecodeWork], padded: int) -> tuple[torch.Tensor, ...]:
         # Host-side metadata is built in numpy: one vectorised pass instead of a tensor op per request.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from voxserve.layers.fused import rms_norm
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back to the input dtype before the weight multiply
@@ -16,7 +18,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)

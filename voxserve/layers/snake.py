@@ -39,7 +39,12 @@ if triton is not None:
         freq = tl.exp(tl.load(alpha_ptr + c).to(tl.float32))
         inv_mag = 1.0 / (tl.exp(tl.load(beta_ptr + c).to(tl.float32)) + 1e-9)
         x = tl.load(x_ptr + row * length + col, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sin(x * freq)
+        # tl.sin may lower to the fast hardware approximation, accurate only near [-pi, pi]: reduce the
+        # argument first, Cody-Waite style (2*pi split in a short exact head and a tail) to stay exact in fp32.
+        arg = x * freq
+        k = tl.floor(arg * 0.15915494309189535 + 0.5)
+        arg = (arg - k * 6.28125) - k * 0.0019353071795864769
+        s = tl.sin(arg)
         y = x + inv_mag * s * s
         tl.store(out_ptr + row * length + col, y.to(out_ptr.dtype.element_ty), mask=mask)
 

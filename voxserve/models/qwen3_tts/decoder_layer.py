@@ -18,9 +18,9 @@ import abc
 import torch
 from torch import nn
 
+from voxserve.layers.fused import cuda_compiled, rms_norm_rope
 from voxserve.layers.mlp import SwiGLU
 from voxserve.layers.norm import RMSNorm
-from voxserve.layers.rotary import apply_rotary
 
 
 class KVCache(abc.ABC):
@@ -81,6 +81,7 @@ class ContiguousKVCache(KVCache):
         return causal_attention(q.transpose(1, 2), keys, values, start).transpose(1, 2)
 
 
+@cuda_compiled
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
     """Plain (eager) GQA attention: q [B, H, S, D] over k/v [B, Hkv, T, D], where query i sits at absolute
     position offset + i and sees keys 0..offset + i. Softmax runs in fp32, as in the reference model."""
@@ -114,11 +115,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [B, S, hidden]; cos/sin [B, S, head_dim] (fp32) -> [B, S, hidden]."""
         b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = rms_norm_rope(self.q_proj(x).view(b, s, self.heads, self.head_dim), self.q_norm.weight,
+                          self.q_norm.eps, cos, sin)
+        k = rms_norm_rope(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim), self.k_norm.weight,
+                          self.k_norm.eps, cos, sin)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
         out = cache.attend(layer, q, k, v)
         return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
 
