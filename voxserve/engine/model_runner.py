@@ -19,6 +19,7 @@ from voxserve.engine.config import EngineConfig
 from voxserve.engine.kv_cache import DecodeMeta, PagedKVCache, PrefillMeta
 from voxserve.engine.sampler import Sampler
 from voxserve.engine.slot_state import SlotState
+from voxserve.models.qwen3_tts.decoder_layer import pack_projections
 from voxserve.models.qwen3_tts.talker import Talker
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class ModelRunner:
         self.tts_pad = tts_pad.to(device=self.device, dtype=self.dtype)
         # The fused (compiled) sampler is what makes sampling cheap inside the CUDA graph.
         self.sampler = Sampler.from_talker_config(tc, compile=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            pack_projections(talker)
         self.graphs: dict[int, _DecodeGraph] = {}
         self.graph_pool = None
         if self.device.type == "cuda" and not config.enforce_eager:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import abc
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from voxserve.layers.fused import cuda_compiled, rms_norm_rope
+from voxserve.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
 from voxserve.layers.mlp import SwiGLU
 from voxserve.layers.norm import RMSNorm
 
@@ -109,6 +110,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
+        self.qkv_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Serve q, k and v from one matmul (call after loading and placing the weights)."""
+        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
@@ -116,11 +122,14 @@ class Attention(nn.Module):
         """x [B, S, hidden]; cos/sin [B, S, head_dim] (fp32) -> [B, S, hidden]."""
         b, s, _ = x.shape
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
-        q = rms_norm_rope(self.q_proj(x).view(b, s, self.heads, self.head_dim), self.q_norm.weight,
-                          self.q_norm.eps, cos, sin)
-        k = rms_norm_rope(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim), self.k_norm.weight,
-                          self.k_norm.eps, cos, sin)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        if self.qkv_weight is not None:
+            kv_width = self.kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight).split([self.heads * self.head_dim, kv_width, kv_width], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = rms_norm_rope(q.view(b, s, self.heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, cos, sin)
+        k = rms_norm_rope(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, cos, sin)
+        v = v.reshape(b, s, self.kv_heads, self.head_dim)
         out = cache.attend(layer, q, k, v)
         return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
 
@@ -138,8 +147,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = add_rms_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, cache, layer),
+                            self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return x + self.mlp(h)
 
 
 def build_layers(cfg) -> nn.ModuleList:
@@ -165,3 +175,11 @@ def run_layers(
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, cache, i)
     return x
+
+
+def pack_projections(module: nn.Module) -> None:
+    """Packs q/k/v and gate/up matmuls of every decoder layer under `module` (a serving-time layout on the
+    GPU, where fewer, wider matmuls mean fewer kernel launches per frame)."""
+    for sub in module.modules():
+        if isinstance(sub, (Attention, SwiGLU)):
+            sub.pack()
