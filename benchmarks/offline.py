@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -148,8 +149,9 @@ def main() -> None:
         "model": f"Qwen3-TTS-12Hz-{args.size}-Base config, random weights, talker bf16",
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "host": platform.node(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        .stdout.strip(),
+        # The device copy of the tree has no .git: pass the commit in VOXSERVE_COMMIT there.
+        "commit": os.environ.get("VOXSERVE_COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "engine": {}, "codec": [],
     }
     for mode in args.modes.split(","):
