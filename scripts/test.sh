@@ -13,4 +13,6 @@ fi
 # torchaudio, sox, onnxruntime) are not needed for the 12 Hz path, and tests/oracle.py stubs the imports.
 "$PY" -m pip install -q --no-deps "qwen-tts==0.1.1"
 "$PY" -m ruff check voxserve tests
+# CI runs the slow parity checks too (full-size configs, ~1 min more).
+export VOXSERVE_SLOW_TESTS=${VOXSERVE_SLOW_TESTS:-1}
 exec "$PY" -m pytest -q "$@"

@@ -24,7 +24,7 @@ from voxserve.models.qwen3_tts.codec_encoder import CodecEncoder  # noqa: E402
 from voxserve.models.qwen3_tts.config import CodecEncoderConfig, SpeechTokenizerConfig  # noqa: E402
 from voxserve.models.qwen3_tts.tiny import tiny_speech_tokenizer_config  # noqa: E402
 
-PROMPT_WAV = Path("/work/shared/data/prompts/en/prompt-wavs/voice01.wav")
+PROMPT_WAV = Path(__file__).parent / "data" / "voice01.wav"  # from shared/data/prompts/en (synthetic voice)
 SR = 24000
 FRAME = 1920
 

@@ -22,7 +22,7 @@ from voxserve.models.qwen3_tts.mel import LogMelSpectrogram, MelConfig, slaney_m
 from voxserve.models.qwen3_tts.speaker_encoder import SpeakerEncoder  # noqa: E402
 from voxserve.models.qwen3_tts.tiny import tiny_config  # noqa: E402
 
-PROMPT_WAV = Path("/work/shared/data/prompts/en/prompt-wavs/voice01.wav")
+PROMPT_WAV = Path(__file__).parent / "data" / "voice01.wav"  # from shared/data/prompts/en (synthetic voice)
 SR = 24000
 
 

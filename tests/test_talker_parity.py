@@ -69,8 +69,6 @@ class Case:
     max_new_tokens: int = MAX_NEW_TOKENS
 
 
-SHORT = 3  # prompt-layout variants: 2 frames are enough to exercise them
-
 CASES = {
     "base_xvector_streaming": Case("base", PromptSpec(target_ids(9), "english", speaker_embedding=xvector(),
                                                       x_vector_only=True)),
@@ -81,17 +79,14 @@ CASES = {
                                                               ref_code=ref_code(5), speaker_embedding=xvector())),
     # ICL streaming, reference codec track longer than the text: text padded with tts_pad.
     "base_icl_streaming_codes_longer": Case("base", PromptSpec(target_ids(5), "german", ref_ids=ref_ids(3),
-                                                               ref_code=ref_code(14), speaker_embedding=xvector()),
-                                            max_new_tokens=SHORT),
+                                                               ref_code=ref_code(14), speaker_embedding=xvector())),
     "base_icl_non_streaming": Case("base", PromptSpec(target_ids(7), "auto", ref_ids=ref_ids(4), ref_code=ref_code(6),
                                                       speaker_embedding=xvector(), non_streaming_mode=True)),
     # Dialect speakers override the language id when it is Chinese or auto.
     "custom_voice_dialect_chinese": Case("custom_voice", PromptSpec(target_ids(8), "chinese", speaker="Eric",
                                                                     non_streaming_mode=True)),
-    "custom_voice_dialect_auto_streaming": Case("custom_voice", PromptSpec(target_ids(8), "auto", speaker="dylan"),
-                                                max_new_tokens=SHORT),
-    "custom_voice_english": Case("custom_voice", PromptSpec(target_ids(8), "english", speaker="serena"),
-                                 max_new_tokens=SHORT),
+    "custom_voice_dialect_auto_streaming": Case("custom_voice", PromptSpec(target_ids(8), "auto", speaker="dylan")),
+    "custom_voice_english": Case("custom_voice", PromptSpec(target_ids(8), "english", speaker="serena")),
     "custom_voice_instruct_1b7": Case("custom_voice", PromptSpec(target_ids(8, seed=2), "english", speaker="ryan",
                                                                  instruct_ids=instruct_ids(6),
                                                                  non_streaming_mode=True), size="1b7"),
@@ -101,8 +96,7 @@ CASES = {
                                               official_instruct=False),
     "voice_design_non_streaming": Case("voice_design", PromptSpec(target_ids(8), "auto", instruct_ids=instruct_ids(7),
                                                                   non_streaming_mode=True)),
-    "voice_design_streaming": Case("voice_design", PromptSpec(target_ids(10), "english", instruct_ids=instruct_ids(5)),
-                                   max_new_tokens=SHORT),
+    "voice_design_streaming": Case("voice_design", PromptSpec(target_ids(10), "english", instruct_ids=instruct_ids(5))),
     # The EOS row of codec_head scaled up so that greedy decoding stops early (reference doc §9 item 10).
     "forced_eos": Case("base", PromptSpec(target_ids(9), "english", speaker_embedding=xvector(), x_vector_only=True),
                        eos_scale=3.0),
