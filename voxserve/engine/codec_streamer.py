@@ -21,6 +21,7 @@ from voxserve.models.qwen3_tts.codec_streaming import CodecStreamState
 @dataclass
 class _Stream:
     state: CodecStreamState
+    first_chunk_frames: int
     pending: list[torch.Tensor] = field(default_factory=list)  # [16] frames not decoded yet
     emitted_frames: int = 0
 
@@ -35,12 +36,14 @@ class CodecStreamer:
         self.device = weight.device
 
     @torch.inference_mode()
-    def open(self, request_id: str, ref_code: torch.Tensor | None = None) -> None:
+    def open(
+        self, request_id: str, ref_code: torch.Tensor | None = None, first_chunk_frames: int | None = None
+    ) -> None:
         state = self.decoder.new_stream_state(1)
         if ref_code is not None and ref_code.shape[0] > 0:
             codes = ref_code.to(self.device).T.unsqueeze(0)
             _, state = self.decoder.stream_step(codes, state)
-        self.streams[request_id] = _Stream(state)
+        self.streams[request_id] = _Stream(state, first_chunk_frames or self.first_chunk_frames)
 
     def push(self, request_id: str, frame: torch.Tensor) -> None:
         self.streams[request_id].pending.append(frame)
@@ -53,7 +56,7 @@ class CodecStreamer:
         """Decodes every due chunk; requests in `finished` flush their tail and are closed."""
         groups: dict[int, list[str]] = defaultdict(list)
         for rid, s in self.streams.items():
-            need = self.first_chunk_frames if s.emitted_frames == 0 else self.chunk_frames
+            need = s.first_chunk_frames if s.emitted_frames == 0 else self.chunk_frames
             n = len(s.pending)
             if rid in finished and n:
                 groups[n].append(rid)

@@ -39,6 +39,7 @@ class EngineRequest:
     max_frames: int | None = None
     ignore_eos: bool = False
     stream_audio: bool = True
+    first_chunk_frames: int | None = None  # None: the engine's configured first chunk
 
 
 @dataclass
@@ -90,6 +91,9 @@ class Engine:
         if er.request_id in self.live:
             raise ValueError(f"duplicate request id {er.request_id!r}")
         er.sampling.validate()
+        if er.first_chunk_frames is not None and not (isinstance(er.first_chunk_frames, int) and
+                                                      er.first_chunk_frames >= 1):
+            raise ValueError("first_chunk_frames must be an integer >= 1")
         max_frames = er.max_frames if er.max_frames is not None else er.sampling.max_new_tokens - 1
         if max_frames < 1:
             raise ValueError("the request allows no frames (max_new_tokens must be >= 2)")
@@ -130,7 +134,7 @@ class Engine:
             self.runner.slots.assign(req.slot, live.prompt.trailing_text, live.engine_req.sampling, live.seed,
                                      live.engine_req.ignore_eos)
             if live.engine_req.stream_audio:
-                self.codec.open(req.request_id, live.engine_req.spec.ref_code)
+                self.codec.open(req.request_id, live.engine_req.spec.ref_code, live.engine_req.first_chunk_frames)
         results: list[StepResult] = []
         try:
             results += self._run_prefills(out.prefills)

@@ -1,0 +1,234 @@
+"""An `EngineClient` that runs one `Engine` on a dedicated thread of this process (`single` topology).
+
+The engine thread owns the model and the engine: it drains a command inbox, steps, and hands each
+request's chunks to that request's asyncio queue through `call_soon_threadsafe`. Nothing else touches the
+engine, so no locks guard it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from voxserve.engine.config import EngineConfig
+from voxserve.engine.engine import Engine, EngineRequest, RequestOutput
+from voxserve.engine.scheduler import QueueFullError, RequestTooLargeError
+from voxserve.models.qwen3_tts.audio import AudioError
+from voxserve.models.qwen3_tts.inputs import VoiceFeatures, build_spec, extract_voice
+from voxserve.models.qwen3_tts.loader import LoadedModel
+from voxserve.models.qwen3_tts.prompt import PromptError, supported_languages
+from voxserve.models.qwen3_tts.sampling import SamplingParamsError
+from voxserve.pipeline.client import (
+    EngineClient,
+    EngineStats,
+    ModelInfo,
+    RequestRejected,
+    StreamChunk,
+    SynthesisRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+def rejection(exc: Exception) -> RequestRejected:
+    """Maps an engine-side refusal to an HTTP-style rejection."""
+    if isinstance(exc, RequestRejected):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return RequestRejected(429, f"server busy: {exc}", retry_after=1.0)
+    if isinstance(exc, (PromptError, AudioError, SamplingParamsError, RequestTooLargeError, ValueError)):
+        return RequestRejected(400, str(exc))
+    return RequestRejected(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class LocalEngineClient(EngineClient):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, name: str = "voxserve") -> None:
+        self.loaded = loaded
+        self.engine = Engine(loaded, config)
+        cfg = loaded.config
+        self.info = ModelInfo(
+            name=name,
+            model_type=cfg.tts_model_type,
+            model_size=cfg.tts_model_size,
+            sample_rate=loaded.sample_rate,
+            languages=supported_languages(cfg),
+            speakers=sorted(cfg.talker_config.spk_id),
+            hidden_size=cfg.talker_config.hidden_size,
+        )
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._aborted: Counter[str] = Counter()
+        self._stats = EngineStats(num_kv_blocks=config.num_kv_blocks or 0)
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopping = False
+        self._stopped = threading.Event()
+
+    # --- server side ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._thread.start()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", grace_s))
+        await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, grace_s + 30.0)
+
+    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        if self._stopping:
+            raise RequestRejected(503, "server is shutting down")
+        loop = asyncio.get_running_loop()
+        admitted = loop.create_future()
+        stream = _Stream(loop, asyncio.Queue())
+        self._inbox.put(("add", req, admitted, stream))
+        finished = False
+        try:
+            await admitted  # raises RequestRejected
+            while True:
+                chunk = await stream.queue.get()
+                finished = chunk.finished
+                yield chunk
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(("abort", req.request_id, "client disconnected"))
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._inbox.put(("abort", request_id, reason))
+
+    async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.put(("voice", samples, sample_rate, fut))
+        return await fut
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # --- engine thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        deadline = None
+        try:
+            while True:
+                idle = not self.engine.has_unfinished()
+                self._drain(block=idle and deadline is None)
+                if self._stopping and deadline is None:
+                    deadline = time.monotonic() + self._grace
+                if deadline is not None and (not self.engine.has_unfinished() or time.monotonic() > deadline):
+                    for rid in list(self._streams):
+                        self.engine.abort(rid, "server shutting down")
+                    self._deliver(self.engine.step())
+                    return
+                self._deliver(self.engine.step())
+                self._refresh_stats()
+        except Exception:  # the loop itself failing is fatal for this worker: fail every stream loudly
+            log.exception("engine loop crashed")
+            for rid, s in list(self._streams.items()):
+                chunk = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error",
+                                    error="engine loop crashed")
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, chunk)
+                self._streams.pop(rid, None)
+        finally:
+            self._stopped.set()
+
+    _grace = 10.0
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, req, admitted, stream = cmd
+            self._add(req, admitted, stream)
+        elif kind == "abort":
+            _, rid, reason = cmd
+            if self.engine.abort(rid, reason):
+                self._aborted[reason] += 1
+        elif kind == "voice":
+            _, samples, rate, fut = cmd
+            try:
+                result = extract_voice(self.loaded, samples, rate)
+            except Exception as e:
+                _settle(fut, error=rejection(e))
+            else:
+                _settle(fut, result=result)
+        elif kind == "stop":
+            self._stopping = True
+            self._grace = cmd[1]
+
+    def _add(self, req: SynthesisRequest, admitted: asyncio.Future, stream: _Stream) -> None:
+        if self._stopping:
+            _settle(admitted, error=RequestRejected(503, "server is shutting down"))
+            return
+        try:
+            spec = build_spec(self.loaded, req.input)
+            seed = self.engine.add_request(EngineRequest(
+                request_id=req.request_id, spec=spec, sampling=req.sampling, max_frames=req.max_frames,
+                ignore_eos=req.ignore_eos, first_chunk_frames=req.first_chunk_frames,
+            ))
+        except Exception as e:
+            _settle(admitted, error=rejection(e))
+            return
+        self._streams[req.request_id] = stream
+        _settle(admitted, result=seed)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            stream = self._streams.get(o.request_id)
+            if stream is None:
+                continue
+            chunk = StreamChunk(
+                audio=o.audio if o.audio is not None else np.zeros(0, np.float32),
+                num_frames=o.num_frames, num_prompt_tokens=o.num_prompt_tokens, finished=o.finished,
+                finish_reason=o.finish_reason, error=o.error, seed=o.seed,
+            )
+            if o.finished:
+                del self._streams[o.request_id]
+            if chunk.audio.size or o.finished:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+
+    def _refresh_stats(self) -> None:
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        self._stats = EngineStats(
+            waiting=sched.num_waiting, running=sched.num_running, kv_usage=bm.usage,
+            num_kv_blocks=self.engine.config.num_kv_blocks or 0, free_kv_blocks=bm.num_free_blocks,
+            aborted=dict(self._aborted),
+        )
+
+
+def _settle(fut: asyncio.Future, result=None, error: Exception | None = None) -> None:
+    """Completes an event-loop future from the engine thread (ignored if the waiter is gone)."""
+
+    def apply() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    fut.get_loop().call_soon_threadsafe(apply)
