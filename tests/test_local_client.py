@@ -1,0 +1,164 @@
+"""The in-process engine client: streams, rejections as values, aborts that free blocks, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from voxserve.engine.config import EngineConfig
+from voxserve.models.qwen3_tts.inputs import SpeechInput
+from voxserve.models.qwen3_tts.loader import load_model
+from voxserve.models.qwen3_tts.sampling import SamplingParams
+from voxserve.pipeline.client import RequestRejected, SynthesisRequest
+from voxserve.pipeline.local import LocalEngineClient
+
+EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    torch.set_num_threads(1)
+    return load_model(tiny_checkpoint)
+
+
+def make_client(loaded, **kw) -> LocalEngineClient:
+    cfg = dict(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=128, max_model_len=512,
+               max_num_batched_tokens=256, max_waiting=8)
+    cfg.update(kw)
+    return LocalEngineClient(loaded, EngineConfig(**cfg))
+
+
+def request(rid: str, frames: int = 6, text: str = "Hello there.", **kw) -> SynthesisRequest:
+    inp = SpeechInput(text, language="english", speaker_embedding=EMB, x_vector_only=True)
+    return SynthesisRequest(rid, inp, SamplingParams(seed=1, max_new_tokens=frames + 1), **kw)
+
+
+async def collect(client, req):
+    chunks = [c async for c in client.generate(req)]
+    return chunks, np.concatenate([c.audio for c in chunks])
+
+
+def test_stream_delivers_all_audio_and_usage(loaded):
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            chunks, audio = await collect(client, request("a", frames=6, first_chunk_frames=2))
+        finally:
+            await client.stop()
+        return chunks, audio
+
+    chunks, audio = asyncio.run(main())
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert chunks[-1].num_frames == 6 and audio.shape == (6 * 1920,)
+    assert chunks[0].audio.shape == (2 * 1920,)  # the requested first chunk size
+    assert chunks[-1].num_prompt_tokens > 0
+
+
+def test_bad_request_is_rejected_with_400(loaded):
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            bad = SynthesisRequest("b", SpeechInput("Hi", language="klingon", speaker_embedding=EMB,
+                                                    x_vector_only=True), SamplingParams(seed=1, max_new_tokens=4))
+            with pytest.raises(RequestRejected) as err:
+                await collect(client, bad)
+            ok, _ = await collect(client, request("ok"))  # the engine keeps serving
+        finally:
+            await client.stop()
+        return err.value, ok
+
+    err, ok = asyncio.run(main())
+    assert err.status == 400 and "klingon" in err.message
+    assert ok[-1].finish_reason == "length"
+
+
+def test_full_queue_is_429_with_retry_after(loaded):
+    async def main():
+        client = make_client(loaded, max_num_seqs=1, max_waiting=1)
+        await client.start()
+        try:
+            streams = [client.generate(request(f"q{i}", frames=30)) for i in range(4)]
+            results = await asyncio.gather(*(collect_safe(s) for s in streams))
+        finally:
+            await client.stop()
+        return results
+
+    async def collect_safe(stream):
+        try:
+            return [c async for c in stream]
+        except RequestRejected as e:
+            return e
+
+    results = asyncio.run(main())
+    rejected = [r for r in results if isinstance(r, RequestRejected)]
+    assert rejected and all(r.status == 429 and r.retry_after for r in rejected)
+    assert any(not isinstance(r, RequestRejected) and r[-1].finish_reason == "length" for r in results)
+
+
+def test_closing_the_stream_aborts_and_frees_blocks(loaded):
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            stream = client.generate(request("d", frames=200, ignore_eos=True, first_chunk_frames=1))
+            first = await stream.__anext__()
+            await stream.aclose()  # the HTTP client went away
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                stats = client.stats()
+                if stats.free_kv_blocks == stats.num_kv_blocks and stats.running == 0:
+                    break
+        finally:
+            await client.stop()
+        return first, client.stats()
+
+    first, stats = asyncio.run(main())
+    assert first.audio.size == 1920
+    assert stats.free_kv_blocks == stats.num_kv_blocks
+    assert stats.aborted.get("client disconnected") == 1
+
+
+def test_stop_finishes_running_requests_then_refuses(loaded):
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        task = asyncio.create_task(collect(client, request("s", frames=5)))
+        await asyncio.sleep(0.05)
+        await client.stop(grace_s=30)
+        chunks, _ = await task
+        with pytest.raises(RequestRejected) as err:
+            await collect(client, request("late"))
+        return chunks, err.value
+
+    chunks, err = asyncio.run(main())
+    assert chunks[-1].finish_reason == "length"
+    assert err.status == 503
+
+
+def test_extract_voice_runs_on_the_engine_thread(loaded):
+    from pathlib import Path
+
+    import soundfile as sf
+
+    wav, sr = sf.read(Path(__file__).parent / "data" / "voice01.wav", dtype="float32")
+
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            feats = await client.extract_voice(wav, sr)
+            with pytest.raises(RequestRejected) as err:
+                await client.extract_voice(np.zeros(10, np.float32), sr)
+        finally:
+            await client.stop()
+        return feats, err.value
+
+    feats, err = asyncio.run(main())
+    assert feats.speaker_embedding.shape == (64,)
+    assert feats.ref_code.shape == (-(-len(wav) // 1920), 16)
+    assert err.status == 400
