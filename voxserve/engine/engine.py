@@ -224,9 +224,12 @@ class Engine:
             per_seq = -(-min(self.config.max_model_len, 4096) // self.config.block_size)
             return self.config.max_num_seqs * per_seq
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
+        # `gpu_memory_utilization` is this engine's share of the device (several engines may share one):
+        # its own weights, activations and KV must fit in it, and the KV must fit in what is free now.
+        own = sum(t.numel() * t.element_size() for m in (self.loaded.model, self.loaded.speech_tokenizer)
+                  for t in list(m.parameters()) + list(m.buffers()))
         reserve = 4 << 30  # activations of the largest step, CUDA graphs, codec streaming state
-        budget = int(total * self.config.gpu_memory_utilization) - used - reserve
+        budget = min(int(total * self.config.gpu_memory_utilization) - own - reserve, free - reserve)
         if budget < per_block * 16:
             raise RuntimeError(f"not enough device memory for a KV cache (budget {budget / 2**30:.2f} GiB)")
         return budget // per_block

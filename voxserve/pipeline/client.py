@@ -39,6 +39,7 @@ class StreamChunk:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     seed: int = 0
+    codes: np.ndarray | None = None  # [n, 16] int64: the new frames' codec codes (topology equivalence checks)
 
 
 class RequestRejected(Exception):

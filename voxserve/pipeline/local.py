@@ -204,11 +204,11 @@ class LocalEngineClient(EngineClient):
             chunk = StreamChunk(
                 audio=o.audio if o.audio is not None else np.zeros(0, np.float32),
                 num_frames=o.num_frames, num_prompt_tokens=o.num_prompt_tokens, finished=o.finished,
-                finish_reason=o.finish_reason, error=o.error, seed=o.seed,
+                finish_reason=o.finish_reason, error=o.error, seed=o.seed, codes=o.codes.numpy(),
             )
             if o.finished:
                 del self._streams[o.request_id]
-            if chunk.audio.size or o.finished:
+            if chunk.audio.size or chunk.codes.size or o.finished:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
 
     def _refresh_stats(self) -> None:

@@ -1,0 +1,89 @@
+"""Topology parsing and the in-process replicas router: placement, codes equal to single, aborts, stats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from voxserve.engine.config import EngineConfig
+from voxserve.models.qwen3_tts.inputs import SpeechInput
+from voxserve.models.qwen3_tts.loader import load_model
+from voxserve.models.qwen3_tts.sampling import SamplingParams
+from voxserve.pipeline.client import SynthesisRequest
+from voxserve.pipeline.router import ReplicaRouter
+from voxserve.pipeline.topology import Topology, TopologyError, build_client, parse_topology
+
+EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
+
+
+def test_parse():
+    assert parse_topology("single") == Topology("single")
+    assert parse_topology("Replicas:3") == Topology("replicas", 3)
+    assert str(parse_topology("replicas:2")) == "replicas:2"
+    for bad, match in [("1p1d", "not implemented"), ("split", "not implemented"), ("replicas:0", "1 <= N"),
+                       ("ring", "unknown")]:
+        with pytest.raises(TopologyError, match=match):
+            parse_topology(bad)
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=128, max_model_len=512,
+                        max_num_batched_tokens=256)
+
+
+def _req(i: int) -> SynthesisRequest:
+    inp = SpeechInput(f"Sentence number {i} is here.", language="english", speaker_embedding=EMB, x_vector_only=True)
+    return SynthesisRequest(f"r{i}", inp, SamplingParams(seed=100 + i, max_new_tokens=6))
+
+
+async def _run(client, n: int):
+    await client.start()
+    try:
+        async def one(i):
+            return [c async for c in client.generate(_req(i))]
+        return await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await client.stop()
+
+
+def test_replicas_give_the_codes_and_audio_of_single(tiny_checkpoint):
+    torch.set_num_threads(1)
+    single = build_client(parse_topology("single"), lambda dev: load_model(tiny_checkpoint, device=dev), _config())
+    router = build_client(parse_topology("replicas:2"), lambda dev: load_model(tiny_checkpoint, device=dev),
+                          _config())
+    assert isinstance(router, ReplicaRouter) and len(router.replicas) == 2
+    want = asyncio.run(_run(single, 6))
+    got = asyncio.run(_run(router, 6))
+    for a, b in zip(want, got, strict=True):
+        assert a[-1].finish_reason == b[-1].finish_reason == "length"
+        assert a[-1].seed == b[-1].seed
+        ca = np.concatenate([c.codes for c in a])
+        cb = np.concatenate([c.codes for c in b])
+        assert ca.shape == (5, 16) and np.array_equal(ca, cb)
+        # Audio is decoded in batches whose make-up differs between topologies: equal up to float rounding.
+        wa = np.concatenate([c.audio for c in a])
+        wb = np.concatenate([c.audio for c in b])
+        assert wa.shape == wb.shape and np.abs(wa - wb).max() < 1e-5
+    # Both replicas served requests and nothing is left allocated.
+    stats = router.stats()
+    assert stats.free_kv_blocks == stats.num_kv_blocks == 256
+    assert router.in_flight == [0, 0]
+
+
+def test_least_loaded_placement():
+    class Fake:
+        info = None
+
+    router = ReplicaRouter([Fake(), Fake(), Fake()])  # type: ignore[list-item]
+    router.in_flight = [2, 0, 1]
+    assert router.pick() == 1
+    router.in_flight = [1, 1, 1]
+    assert router.pick() == 0
+
+
+def test_device_list_must_fit():
+    with pytest.raises(TopologyError, match="2 workers"):
+        build_client(Topology("replicas", 2), lambda d: None, _config(), devices=["cpu", "cpu", "cpu"])

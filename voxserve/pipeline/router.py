@@ -1,0 +1,75 @@
+"""`replicas:N`: N independent engines behind one least-loaded router.
+
+Each replica is a complete `EngineClient`; the router places a request on the replica with the fewest
+requests in flight (ties to the lowest index), keeps it there for its whole life, and forwards aborts to it.
+It is the control every other topology is compared against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+
+from voxserve.models.qwen3_tts.inputs import VoiceFeatures
+from voxserve.pipeline.client import EngineClient, EngineStats, StreamChunk, SynthesisRequest
+
+
+class ReplicaRouter(EngineClient):
+    def __init__(self, replicas: Sequence[EngineClient]) -> None:
+        if not replicas:
+            raise ValueError("a router needs at least one replica")
+        self.replicas = list(replicas)
+        self.info = self.replicas[0].info
+        self.in_flight = [0] * len(self.replicas)
+        self._placement: dict[str, int] = {}
+        self._voice_turn = 0
+
+    async def start(self) -> None:
+        await asyncio.gather(*(r.start() for r in self.replicas))
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await asyncio.gather(*(r.stop(grace_s) for r in self.replicas))
+
+    def pick(self) -> int:
+        return min(range(len(self.replicas)), key=lambda i: (self.in_flight[i], i))
+
+    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        idx = self.pick()
+        self.in_flight[idx] += 1
+        self._placement[req.request_id] = idx
+        try:
+            async for chunk in self.replicas[idx].generate(req):
+                yield chunk
+        finally:
+            self.in_flight[idx] -= 1
+            self._placement.pop(req.request_id, None)
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        idx = self._placement.get(request_id)
+        if idx is not None:
+            await self.replicas[idx].abort(request_id, reason)
+
+    async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
+        # Every replica holds the same model: any can encode a voice; rotate to spread the work.
+        idx = self._voice_turn % len(self.replicas)
+        self._voice_turn += 1
+        return await self.replicas[idx].extract_voice(samples, sample_rate)
+
+    def stats(self) -> EngineStats:
+        parts = [r.stats() for r in self.replicas]
+        aborted: dict[str, int] = {}
+        for p in parts:
+            for k, v in p.aborted.items():
+                aborted[k] = aborted.get(k, 0) + v
+        blocks = sum(p.num_kv_blocks for p in parts)
+        free = sum(p.free_kv_blocks for p in parts)
+        return EngineStats(
+            waiting=sum(p.waiting for p in parts),
+            running=sum(p.running for p in parts),
+            kv_usage=(1.0 - free / blocks) if blocks else 0.0,
+            num_kv_blocks=blocks,
+            free_kv_blocks=free,
+            aborted=aborted,
+        )
