@@ -12,7 +12,7 @@ from voxserve.engine.config import EngineConfig
 from voxserve.models.qwen3_tts.inputs import SpeechInput
 from voxserve.models.qwen3_tts.loader import load_model
 from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline.client import SynthesisRequest
+from voxserve.pipeline.client import RequestRejected, SynthesisRequest
 from voxserve.pipeline.router import ReplicaRouter
 from voxserve.pipeline.topology import Topology, TopologyError, build_client, parse_topology
 
@@ -77,11 +77,23 @@ def test_least_loaded_placement():
     class Fake:
         info = None
 
+        def __init__(self, alive=True):
+            self.alive = alive
+
+        def is_alive(self):
+            return self.alive
+
     router = ReplicaRouter([Fake(), Fake(), Fake()])  # type: ignore[list-item]
     router.in_flight = [2, 0, 1]
     assert router.pick() == 1
     router.in_flight = [1, 1, 1]
     assert router.pick() == 0
+    router.replicas[0].alive = False
+    assert router.pick() == 1
+    for r in router.replicas:
+        r.alive = False
+    with pytest.raises(RequestRejected, match="no engine replica"):
+        router.pick()
 
 
 def test_device_list_must_fit():

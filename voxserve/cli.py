@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=_synth)
+    from voxserve.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+    from voxserve.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

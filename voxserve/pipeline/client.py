@@ -100,3 +100,7 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    def is_alive(self) -> bool:
+        """True while the engine side can serve (its loop runs and it is not shutting down)."""

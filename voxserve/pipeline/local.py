@@ -118,6 +118,9 @@ class LocalEngineClient(EngineClient):
     def stats(self) -> EngineStats:
         return self._stats
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
     # --- engine thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:

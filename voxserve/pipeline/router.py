@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 
 from voxserve.models.qwen3_tts.inputs import VoiceFeatures
-from voxserve.pipeline.client import EngineClient, EngineStats, StreamChunk, SynthesisRequest
+from voxserve.pipeline.client import EngineClient, EngineStats, RequestRejected, StreamChunk, SynthesisRequest
 
 
 class ReplicaRouter(EngineClient):
@@ -33,7 +33,11 @@ class ReplicaRouter(EngineClient):
         await asyncio.gather(*(r.stop(grace_s) for r in self.replicas))
 
     def pick(self) -> int:
-        return min(range(len(self.replicas)), key=lambda i: (self.in_flight[i], i))
+        """The live replica with the fewest requests in flight; a dead replica gets none."""
+        alive = [i for i, r in enumerate(self.replicas) if r.is_alive()]
+        if not alive:
+            raise RequestRejected(503, "no engine replica is serving")
+        return min(alive, key=lambda i: (self.in_flight[i], i))
 
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         idx = self.pick()
@@ -56,6 +60,10 @@ class ReplicaRouter(EngineClient):
         idx = self._voice_turn % len(self.replicas)
         self._voice_turn += 1
         return await self.replicas[idx].extract_voice(samples, sample_rate)
+
+    def is_alive(self) -> bool:
+        # Replicas are independent: the router serves while any of them can.
+        return any(r.is_alive() for r in self.replicas)
 
     def stats(self) -> EngineStats:
         parts = [r.stats() for r in self.replicas]

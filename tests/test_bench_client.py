@@ -1,0 +1,147 @@
+"""The bench client against a fake streaming server: timings, limits, and failures that are counted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+from bench_fake_server import FRAME_SAMPLES, FakeSpeechServer
+from bench_helpers import write_prompt_dir
+
+from voxserve.bench.client import ClientConfig, arrival_offsets, run_benchmark
+from voxserve.bench.datasets import BenchRequest
+from voxserve.bench.metrics import aggregate
+from voxserve.bench.sweep import free_port
+from voxserve.cli import main
+
+FRAME_S = FRAME_SAMPLES / 24000
+
+
+def reqs(texts: list[str], frames: int = 3) -> list[BenchRequest]:
+    return [BenchRequest(f"u{i}", {"input": t, "voice": "ryan", "num_frames": frames, "ignore_eos": True}, len(t),
+                         frames) for i, t in enumerate(texts)]
+
+
+def bench(texts: list[str], frame_delay: float = 0.01, **cfg):
+    async def go():
+        server = await FakeSpeechServer(frame_delay).start()
+        try:
+            out = await run_benchmark(ClientConfig(base_url=server.url, progress=False, **cfg), reqs(texts))
+        finally:
+            await server.close()
+        return server, out
+
+    return asyncio.run(go())
+
+
+def test_streams_are_timed_and_bodies_carry_the_transport_fields():
+    server, out = bench(["hello there", "second one", "third"], frame_delay=0.02, model="m1", max_concurrency=2)
+    assert len(out.records) == 3 and not out.warmups
+    for r in out.records:
+        assert r.ok, r.error
+        assert r.status == 200 and len(r.chunk_bytes) == 3 and r.total_bytes == 3 * FRAME_SAMPLES * 2
+        assert r.audio_s == pytest.approx(3 * FRAME_S)
+        assert 0.02 <= r.ttfp_s <= r.e2el_s and r.e2el_s >= 0.06
+        assert r.rtf == pytest.approx(r.e2el_s / r.audio_s)
+        assert r.chunk_times_s == sorted(r.chunk_times_s)
+    body = server.bodies[0]
+    assert body["stream"] is True and body["stream_format"] == "audio" and body["response_format"] == "pcm"
+    assert body["model"] == "m1" and body["voice"] == "ryan" and body["num_frames"] == 3
+    assert out.check_pcm is not None and len(out.check_pcm) == 3 * FRAME_SAMPLES * 2
+    assert out.duration_s >= max(r.sent_s + r.e2el_s for r in out.records) - 1e-6
+
+
+def test_failures_and_timeouts_are_counted_not_dropped():
+    texts = ["ok one", "fail please", "hang forever", "cut short", "json instead", "empty stream", "ok two"]
+    _, out = bench(texts, timeout_s=1.0)
+    kinds = {r.utt_id: r.error_kind for r in out.records}
+    assert kinds == {"u0": None, "u1": "http_500", "u2": "timeout", "u3": "stream_cut", "u4": "bad_content_type",
+                     "u5": "no_audio", "u6": None}
+    assert "engine exploded" in out.records[1].error
+    assert out.records[2].end_s == pytest.approx(1.0, abs=0.3)  # ended by the deadline
+    assert out.records[3].total_bytes == 2 * FRAME_SAMPLES * 2  # what arrived before the cut is kept
+    agg = aggregate(out.records, out.duration_s)
+    assert (agg["num_requests"], agg["completed"], agg["failed"]) == (7, 2, 5)
+    assert agg["failures"] == {"bad_content_type": 1, "http_500": 1, "no_audio": 1, "stream_cut": 1, "timeout": 1}
+    assert agg["continuity_rate"] <= 2 / 7
+
+
+def test_connection_refused_is_a_transport_failure():
+    async def go():
+        cfg = ClientConfig(base_url=f"http://127.0.0.1:{free_port()}", progress=False, timeout_s=5)
+        return await run_benchmark(cfg, reqs(["a", "b"]))
+
+    out = asyncio.run(go())
+    assert [r.error_kind for r in out.records] == ["transport", "transport"]
+
+
+def test_max_concurrency_caps_requests_in_flight_and_warmups_are_separate():
+    server, out = bench(["x"] * 6, frame_delay=0.02, max_concurrency=2, num_warmups=2)
+    assert server.max_in_flight == 2
+    assert len(server.bodies) == 8 and len(out.warmups) == 2 and len(out.records) == 6
+    assert all(r.ok for r in out.records + out.warmups)
+    _, unbounded = bench(["x"] * 5, frame_delay=0.05)
+    # With no cap (rate inf) all requests go out at once.
+    assert max(r.sent_s for r in unbounded.records) < 0.05
+
+
+def test_poisson_arrivals_are_seeded_and_respected():
+    offs = arrival_offsets(2000, rate=50.0, seed=3)
+    assert offs[0] == 0.0 and offs == arrival_offsets(2000, 50.0, 3) and offs != arrival_offsets(2000, 50.0, 4)
+    gaps = [b - a for a, b in zip(offs, offs[1:], strict=False)]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.1)
+    assert arrival_offsets(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    _, out = bench(["x"] * 5, request_rate=20.0, seed=1)
+    for r, planned in zip(out.records, arrival_offsets(5, 20.0, 1), strict=True):
+        assert r.scheduled_s == planned and r.sent_s >= planned - 1e-3
+
+
+def _fake_server_proc(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "bench_fake_server.py"), "--port", str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    assert "fake server" in proc.stdout.readline()
+    return proc
+
+
+def test_cli_serve_writes_json_and_check_wav_then_compare(tmp_path, capsys):
+    port = free_port()
+    proc = _fake_server_proc(port)
+    try:
+        root = write_prompt_dir(tmp_path / "prompts", n=4)
+        common = ["bench", "serve", "--dataset-path", str(root), "--num-prompts", "4", "--voice", "ryan",
+                  "--fixed-length", "--frames-per-char", "0.1", "--min-frames", "2", "--max-frames", "5",
+                  "--base-url", f"http://127.0.0.1:{port}", "--num-warmups", "1", "--no-progress",
+                  "--result-dir", str(tmp_path / "res"), "--slo", "ttfp_ms=5000", "--num-gpus", "1"]
+        assert main([*common, "--label", "a", "--max-concurrency", "2"]) == 0
+        assert main([*common, "--label", "b", "--max-concurrency", "2", "--topology", "other"]) == 0
+        assert main([*common, "--label", "c", "--max-concurrency", "4"]) == 0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    result = json.loads((tmp_path / "res" / "a-server-c2.json").read_text())
+    assert len(result["requests"]) == 4 and len(result["warmups"]) == 1
+    assert result["aggregates"]["completed"] == 4 and result["aggregates"]["goodput"]["good_requests"] == 4
+    assert result["config"]["request"]["fixed_length"]["rule"].startswith("ignore_eos=true, num_frames = clamp(")
+    assert result["config"]["client"]["request_rate"] == "inf" and result["config"]["num_gpus"] == 1
+    assert [r["num_frames"] for r in result["requests"]] == [min(5, max(2, round(r["text_chars"] * 0.1)))
+                                                             for r in result["requests"]]
+    audio, sr = sf.read(tmp_path / "res" / "a-server-c2-check.wav")
+    assert sr == 24000 and len(audio) % FRAME_SAMPLES == 0 and len(audio) > 0
+    assert result["check_wav"] == "a-server-c2-check.wav"
+    capsys.readouterr()
+    assert main(["bench", "compare", str(tmp_path / "res" / "a-server-c2.json"),
+                 str(tmp_path / "res" / "b-other-c2.json")]) == 0
+    out = capsys.readouterr().out
+    assert "B/A" in out and "ttfp_ms.p99" in out and "request_throughput" in out
+    # Different max concurrency: refused unless --allow-unfair.
+    c_json = str(tmp_path / "res" / "c-server-c4.json")
+    assert main(["bench", "compare", str(tmp_path / "res" / "a-server-c2.json"), c_json]) == 2
+    assert "max_concurrency differs" in capsys.readouterr().err
+    assert main(["bench", "compare", str(tmp_path / "res" / "a-server-c2.json"), c_json, "--allow-unfair"]) == 0
+    assert "UNFAIR: max_concurrency differs" in capsys.readouterr().out

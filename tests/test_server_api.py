@@ -1,0 +1,474 @@
+"""The HTTP API on tiny CPU models: formats and usage, streaming modes, OpenAI-shaped refusals, request ids,
+limits, health/models/metrics, structured logs; failure paths (429, mid-stream errors, timeouts,
+disconnects) through a scripted fake engine client; and `voxserve serve` shutting down gracefully."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+from server_helpers import (
+    SAMPLES_PER_FRAME,
+    FakeClient,
+    LiveServer,
+    frames_chunk,
+    local_client,
+    pcm_samples,
+    rejected,
+    server_settings,
+    tiny_loaded,
+    wait_until,
+)
+from starlette.testclient import TestClient
+
+from voxserve.server.app import build_app
+from voxserve.server.voices import VoiceStore
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def cv_loaded(tmp_path_factory):
+    return tiny_loaded(tmp_path_factory.getbasetemp(), "custom_voice")
+
+
+@pytest.fixture(scope="module")
+def cv(cv_loaded):
+    app = build_app(local_client(cv_loaded), server_settings(cv_loaded, max_input_chars=200,
+                                                             max_ref_audio_bytes=64 * 1024), None)
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    loaded = tiny_loaded(tmp_path_factory.getbasetemp(), "base")
+    client = local_client(loaded)
+    store = VoiceStore(tmp_path_factory.mktemp("voices"), client)
+    app = build_app(client, server_settings(loaded), store)
+    with TestClient(app) as c:
+        yield c
+
+
+def speak(c: TestClient, **body) -> httpx.Response:
+    return c.post("/v1/audio/speech", json={"input": "Hello there.", "voice": "ryan", **body})
+
+
+def decode(fmt: str, data: bytes) -> np.ndarray:
+    """16-bit samples of a response body."""
+    if fmt == "pcm":
+        return pcm_samples(data)
+    samples, sr = sf.read(io.BytesIO(data), dtype="int16")
+    assert sr == 24000
+    return samples
+
+
+def sse_events(text: str) -> list[dict]:
+    return [json.loads(block[len("data: "):]) for block in text.split("\n\n") if block.startswith("data: ")]
+
+
+def assert_error(r: httpx.Response, status: int, *needles: str, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and err["type"] and err["code"]
+    for n in needles:
+        assert n in err["message"], err["message"]
+    if param is not None:
+        assert err["param"] == param
+    assert r.headers["x-request-id"]
+    return err
+
+
+# --- formats, usage, streaming modes ------------------------------------------------------------------
+
+
+def test_each_file_format_holds_the_reported_frames(cv):
+    decoded = {}
+    for fmt in ("wav", "pcm", "flac"):
+        r = speak(cv, response_format=fmt, seed=5, max_new_tokens=10)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == f"audio/{fmt}"
+        frames = int(r.headers["x-usage-output-tokens"])
+        assert 1 <= frames <= 9
+        assert int(r.headers["x-usage-input-tokens"]) > 0
+        assert r.headers["x-seed"] == "5"
+        samples = decode(fmt, r.content)
+        assert len(samples) == frames * SAMPLES_PER_FRAME
+        assert float(r.headers["x-audio-seconds"]) == pytest.approx(len(samples) / 24000)
+        decoded[fmt] = samples
+    # one seed, one utterance: every container carries the same samples
+    assert np.array_equal(decoded["wav"], decoded["pcm"]) and np.array_equal(decoded["flac"], decoded["pcm"])
+
+
+def test_raw_stream_sends_an_open_ended_wav_header_then_the_same_pcm(cv):
+    whole = speak(cv, response_format="pcm", seed=9, max_new_tokens=12)
+    with cv.stream("POST", "/v1/audio/speech", json={"input": "Hello there.", "voice": "ryan", "seed": 9,
+                                                     "max_new_tokens": 12, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "audio/wav" and r.headers["x-seed"] == "9"
+        parts = list(r.iter_bytes())
+    data = b"".join(parts)
+    assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff" and data[40:44] == b"\xff\xff\xff\xff"
+    assert data[44:] == whole.content
+
+
+def test_sse_streams_deltas_then_done_with_usage(cv):
+    whole = speak(cv, response_format="pcm", seed=4, max_new_tokens=14, first_chunk_frames=2)
+    r = speak(cv, stream_format="sse", response_format="pcm", seed=4, max_new_tokens=14, first_chunk_frames=2)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    deltas, done = events[:-1], events[-1]
+    assert deltas and all(e["type"] == "speech.audio.delta" for e in deltas)
+    assert done["type"] == "speech.audio.done" and done["request_id"] == r.headers["x-request-id"]
+    audio = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert audio == whole.content
+    assert done["usage"]["output_tokens"] * SAMPLES_PER_FRAME * 2 == len(audio)
+    assert done["usage"]["input_tokens"] == int(whole.headers["x-usage-input-tokens"])
+    assert done["seed"] == 4
+
+
+def test_fixed_length_requests_for_benchmarks(cv):
+    r = speak(cv, response_format="pcm", ignore_eos=True, num_frames=7)
+    assert r.status_code == 200
+    assert r.headers["x-usage-output-tokens"] == "7" and len(r.content) == 7 * SAMPLES_PER_FRAME * 2
+
+
+# --- refusals -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, status, needles, param", [
+    ({"voice": "alloy"}, 400, ["unknown voice 'alloy'", "ryan", "serena"], "voice"),
+    ({"voice": None}, 400, ["voice is required", "ryan"], "voice"),
+    ({"voice": {"id": "Serena"}, "response_format": "mp3"}, 400, ["'wav', 'pcm' or 'flac'"], "response_format"),
+    ({"speed": 1.5}, 400, ["speed 1.5 is not supported"], "speed"),
+    ({"speed": 9}, 400, ["less than or equal to 4"], "speed"),
+    ({"response_format": "flac", "stream": True}, 400, ["cannot be streamed", "wav, pcm"], "response_format"),
+    ({"response_format": "flac", "stream_format": "sse"}, 400, ["cannot be streamed"], "response_format"),
+    ({"task_type": "Base"}, 400, ["does not match", "CustomVoice"], "task_type"),
+    ({"model": "tts-1"}, 404, ["'tts-1' is not served", "tiny"], "model"),
+    ({"input": "x" * 201}, 400, ["201 characters", "limit is 200"], "input"),
+    ({"max_new_tokens": 65}, 400, ["exceeds the limit of 64"], "max_new_tokens"),
+    ({"num_frames": 64, "ignore_eos": True}, 400, ["limit of 63"], "num_frames"),
+    ({"ref_audio": "data:audio/wav;base64,AAAA"}, 400, ["for Base"], "ref_audio"),
+    ({"language": "klingon"}, 400, ["unsupported language", "english"], "language"),
+    ({"input": "   "}, 400, ["blank"], "input"),
+    ({"input": ""}, 400, ["at least 1 character"], "input"),
+    ({"temperature": 0}, 400, ["greater than or equal to 0.01"], "temperature"),
+    ({"seed": -1}, 400, ["greater than or equal to 0"], "seed"),
+    ({"top_k": "many"}, 400, ["valid integer"], "top_k"),
+    ({"first_chunk_frames": 0}, 400, ["greater than or equal to 1"], "first_chunk_frames"),
+    ({"frobnicate": 1}, 400, ["Extra inputs are not permitted"], "frobnicate"),
+])
+def test_rejections_are_openai_shaped_4xx(cv, body, status, needles, param):
+    assert_error(speak(cv, **body), status, *needles, param=param)
+
+
+def test_malformed_json_and_non_finite_numbers_are_400(cv):
+    r = cv.post("/v1/audio/speech", content=b'{"input": "hi", "voice": "ryan", "temperature": NaN}',
+                headers={"content-type": "application/json"})
+    assert_error(r, 400, "finite")
+    r = cv.post("/v1/audio/speech", content=b'{"input": ', headers={"content-type": "application/json"})
+    assert_error(r, 400)
+    assert_error(cv.get("/v1/nothing"), 404)
+    assert_error(cv.get("/v1/audio/speech"), 405)
+
+
+def test_oversized_bodies_are_413_before_parsing(cv):
+    huge = "A" * (64 * 1024 * 4 // 3 + 1024 * 1024 + 10)
+    assert_error(speak(cv, input=huge), 413, "exceeds the limit")
+
+
+def test_request_ids_are_echoed_generated_or_refused(cv):
+    r = cv.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "max_new_tokens": 3},
+                headers={"X-Request-Id": "client-7:a.b_c"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "client-7:a.b_c"
+    r = speak(cv, max_new_tokens=3)
+    assert len(r.headers["x-request-id"]) == 32 and int(r.headers["x-request-id"], 16) >= 0
+    r = cv.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan"}, headers={"X-Request-Id": "bad id!"})
+    assert_error(r, 400, "X-Request-Id", param="X-Request-Id")
+
+
+# --- models, health, metrics, logs --------------------------------------------------------------------
+
+
+def test_models_health_and_metrics(cv):
+    models = cv.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["task_type"] == "CustomVoice" and "ryan" in models["data"][0]["voices"]
+    speak(cv, max_new_tokens=4)
+    health = cv.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.json()["engine"]["num_kv_blocks"] == 512
+    # the engine refreshes its stats after delivering the last chunk, so they settle just after the response
+    assert wait_until(lambda: cv.get("/health").json()["engine"]["free_kv_blocks"] == 512, timeout=5)
+    text = cv.get("/metrics").text
+    for name in ("voxserve_time_to_first_audio_seconds_bucket", "voxserve_real_time_factor_bucket",
+                 "voxserve_e2e_latency_seconds_count", "voxserve_num_requests_waiting",
+                 "voxserve_num_requests_running", "voxserve_kv_cache_usage_ratio",
+                 'voxserve_requests_total{status="200"}', 'voxserve_requests_total{status="400"}'):
+        assert name in text, name
+
+
+def test_logs_carry_the_request_id_and_usage(cv, caplog):
+    with caplog.at_level(logging.INFO, logger="voxserve.server"):
+        r = cv.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "max_new_tokens": 5},
+                    headers={"X-Request-Id": "log-check-1"})
+    assert r.status_code == 200
+    done = [rec for rec in caplog.records if getattr(rec, "request_id", None) == "log-check-1"]
+    assert done and done[-1].status == 200
+    assert done[-1].frames == int(r.headers["x-usage-output-tokens"])
+
+
+def test_json_log_lines_hold_request_id_and_extras():
+    from voxserve.server.logs import JsonFormatter, RequestIdFilter, current_request_id
+
+    record = logging.makeLogRecord({"name": "x", "levelname": "INFO", "msg": "speech %s", "args": ("done",),
+                                    "frames": 12})
+    token = current_request_id.set("rid-42")
+    try:
+        RequestIdFilter().filter(record)
+    finally:
+        current_request_id.reset(token)
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == "rid-42" and line["msg"] == "speech done" and line["frames"] == 12
+
+
+# --- Base (voice clone) model -------------------------------------------------------------------------
+
+
+def test_base_model_voice_sources(base):
+    hidden = 64
+    r = base.post("/v1/audio/speech", json={"input": "Hi.", "speaker_embedding": [0.1] * hidden,
+                                            "max_new_tokens": 4, "response_format": "pcm"})
+    assert r.status_code == 200, r.text
+    assert len(r.content) == int(r.headers["x-usage-output-tokens"]) * SAMPLES_PER_FRAME * 2
+    assert_error(base.post("/v1/audio/speech", json={"input": "Hi.", "speaker_embedding": [0.1] * 3}), 400,
+                 "has 3 values", "needs 64", param="speaker_embedding")
+    clip = "data:audio/wav;base64," + base64.b64encode((DATA / "voice01.wav").read_bytes()).decode()
+    r = base.post("/v1/audio/speech", json={"input": "Hi.", "ref_audio": clip, "ref_text": "Some words.",
+                                            "max_new_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert_error(base.post("/v1/audio/speech", json={"input": "Hi.", "ref_audio": clip}), 400, "ref_text",
+                 param="ref_text")
+    assert_error(base.post("/v1/audio/speech", json={"input": "Hi.", "ref_audio": "not audio!",
+                                                     "x_vector_only_mode": True}), 400,
+                 param="ref_audio")
+    assert_error(base.post("/v1/audio/speech", json={"input": "Hi."}), 400, "clones a voice")
+    assert_error(base.post("/v1/audio/speech", json={"input": "Hi.", "voice": "x", "speaker_embedding": [0.0]}),
+                 400, "only one voice source")
+    assert_error(base.post("/v1/audio/speech", json={"input": "Hi.", "speaker_embedding": [0.1] * hidden,
+                                                     "instructions": "happy"}), 400, "no instructions")
+
+
+def test_base_model_speaks_in_a_saved_voice(base):
+    r = base.post("/v1/audio/voices", json={"name": "Narrator", "speaker_embedding": [0.2] * 64})
+    assert r.status_code == 201, r.text
+    r = base.post("/v1/audio/speech", json={"input": "Hi.", "voice": "narrator", "max_new_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert_error(base.post("/v1/audio/speech", json={"input": "Hi.", "voice": "nobody"}), 400,
+                 "unknown voice 'nobody'", "Narrator", param="voice")
+    assert "Narrator" in base.get("/v1/models").json()["data"][0]["voices"]
+
+
+def test_voice_design_model_needs_a_description(tmp_path_factory):
+    loaded = tiny_loaded(tmp_path_factory.getbasetemp(), "voice_design")
+    with TestClient(build_app(local_client(loaded), server_settings(loaded), None)) as c:
+        r = c.post("/v1/audio/speech", json={"input": "Hi.", "instructions": "A calm, low voice.",
+                                             "max_new_tokens": 4, "task_type": "VoiceDesign"})
+        assert r.status_code == 200, r.text
+        assert_error(c.post("/v1/audio/speech", json={"input": "Hi."}), 400, "needs instructions",
+                     param="instructions")
+        assert_error(c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "instructions": "Calm."}),
+                     400, "no voices", param="voice")
+
+
+# --- failure paths through a scripted fake client -----------------------------------------------------
+
+
+def fake_app(script, **settings):
+    client = FakeClient(script)
+    return client, build_app(client, server_settings(**settings), None)
+
+
+def test_full_queue_is_429_with_retry_after():
+    client, app = fake_app(lambda req: [rejected(429, "server busy: waiting queue is full", retry_after=2.0)])
+    with TestClient(app) as c:
+        r = speak(c)
+        assert_error(r, 429, "server busy")
+        assert r.headers["retry-after"] == "2"
+        assert_error(speak(c, stream=True), 429)
+        assert 'voxserve_requests_total{status="429"} 2.0' in c.get("/metrics").text
+
+
+def test_engine_failure_fails_only_that_request():
+    def script(req):
+        if req.input.text == "fail":
+            return [frames_chunk(1, 1), 0.05, frames_chunk(0, 1, True, "error", "engine step failed: boom")]
+        return [0.02, frames_chunk(2, 2), 0.05, frames_chunk(1, 3, True, "stop")]
+
+    client, app = fake_app(script)
+    with TestClient(app) as c:
+        results = {}
+
+        def call(text, **body):
+            results[text + str(body)] = speak(c, input=text, **body)
+
+        threads = [threading.Thread(target=call, args=(t,), kwargs=kw)
+                   for t, kw in [("fail", {}), ("ok", {}), ("fail", {"stream_format": "sse"})]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        ok = results["ok{}"]
+        assert ok.status_code == 200 and ok.headers["x-usage-output-tokens"] == "3"
+        assert_error(results["fail{}"], 500, "engine step failed: boom")
+        events = sse_events(results["fail{'stream_format': 'sse'}"].text)
+        assert [e["type"] for e in events] == ["speech.audio.delta", "speech.audio.error"]
+        assert events[-1]["error"]["message"] == "engine step failed: boom" and events[-1]["error"]["partial_audio"]
+        assert c.get("/health").status_code == 200
+
+
+def test_a_broken_engine_stream_is_reported_not_hung():
+    def script(req):
+        if req.input.text == "raise":
+            return [frames_chunk(1, 1), RuntimeError("client bug")]
+        return [frames_chunk(1, 1)]  # ends without a final chunk
+
+    client, app = fake_app(script)
+    with TestClient(app) as c:
+        events = sse_events(speak(c, input="raise", stream_format="sse").text)
+        assert events[-1]["type"] == "speech.audio.error" and "RuntimeError" in events[-1]["error"]["message"]
+        assert_error(speak(c, input="truncated"), 500, "without a final chunk")
+        events = sse_events(speak(c, input="truncated", stream_format="sse").text)
+        assert events[-1]["error"]["message"] == "the engine stream ended without a final chunk"
+
+
+def test_failure_before_any_audio_is_a_plain_http_error():
+    client, app = fake_app(lambda req: [frames_chunk(0, 0, True, "abort", "server shutting down")])
+    with TestClient(app) as c:
+        assert_error(speak(c, stream=True), 503, "shutting down")
+        assert_error(speak(c, stream_format="sse"), 503)
+
+
+def test_timeouts_abort_and_report(tmp_path):
+    client, app = fake_app(lambda req: [frames_chunk(1, 1), 5.0, frames_chunk(1, 2, True, "stop")],
+                           request_timeout_s=0.3)
+    with TestClient(app) as c:
+        t0 = time.monotonic()
+        assert_error(speak(c), 504, "timed out")
+        events = sse_events(speak(c, stream_format="sse").text)
+        assert events[-1]["type"] == "speech.audio.error" and events[-1]["error"]["code"] == 504
+        assert time.monotonic() - t0 < 3
+        assert len(client.closed_early) == 2
+        assert 'voxserve_request_aborts_total{reason="timeout"} 2.0' in c.get("/metrics").text
+
+
+def test_raw_stream_failure_cuts_the_connection_and_disconnects_abort():
+    def script(req):
+        if req.input.text == "fail":
+            return [frames_chunk(1, 1), 0.05, frames_chunk(0, 1, True, "error", "boom")]
+        return [frames_chunk(1, 1), 30.0, frames_chunk(1, 2, True, "stop")]
+
+    client, app = fake_app(script)
+    with LiveServer(app) as srv, httpx.Client(base_url=srv.url, timeout=10) as http:
+        body = {"input": "fail", "voice": "ryan", "stream": True, "response_format": "pcm"}
+        with pytest.raises(httpx.RemoteProtocolError):
+            with http.stream("POST", "/v1/audio/speech", json=body) as r:
+                assert r.status_code == 200
+                for _ in r.iter_bytes():
+                    pass
+        # a client that leaves mid-stream, and one that leaves a non-streaming request, both abort at once
+        with http.stream("POST", "/v1/audio/speech", json={**body, "input": "slow"}) as r:
+            next(r.iter_bytes())
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/audio/speech", json={"input": "slow", "voice": "ryan"}, timeout=0.5)
+        assert wait_until(lambda: len(client.closed_early) == 2, timeout=5)
+        metrics = http.get("/metrics").text
+        assert 'voxserve_request_aborts_total{reason="client_disconnect"} 2.0' in metrics
+        assert 'voxserve_requests_total{status="500"} 1.0' in metrics
+
+
+def test_health_is_503_when_the_engine_is_dead():
+    client, app = fake_app(lambda req: [])
+    with TestClient(app) as c:
+        client.alive = False
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+    assert client.started and client.stopped
+
+
+# --- the CLI: start, serve, shut down gracefully ------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_cli_starts_on_the_default_model_and_shuts_down_gracefully(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "VOXSERVE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voxserve.cli", "serve", "--port", str(port), "--log-format", "json",
+         "--max-num-seqs", "4", "--chunk-frames", "2", "--shutdown-grace", "20"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _healthy(url), timeout=120, interval=0.2), "server did not come up"
+        got = bytearray()
+        first = threading.Event()
+        times = {}
+
+        def stream() -> None:
+            body = {"input": "Hello.", "voice": "ryan", "stream": True, "response_format": "pcm",
+                    "ignore_eos": True, "num_frames": 60}
+            with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=60,
+                              headers={"X-Request-Id": "graceful-1"}) as r:
+                for part in r.iter_bytes():
+                    got.extend(part)
+                    first.set()
+            times["done"] = time.monotonic()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60)
+        proc.send_signal(signal.SIGTERM)  # mid-stream: the request must still finish whole
+        times["signal"] = time.monotonic()
+        t.join(60)
+        # uvicorn re-raises the signal once its graceful shutdown is done, so the exit is "killed by SIGTERM"
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, err = proc.communicate()
+    assert times["done"] > times["signal"], "the stream ended before the signal: nothing was shown"
+    assert len(got) == 60 * SAMPLES_PER_FRAME * 2
+    lines = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+    assert any("RANDOM weights" in x["msg"] for x in lines)
+    done = [x for x in lines if x.get("request_id") == "graceful-1" and x["msg"] == "speech done"]
+    assert done and done[0]["frames"] == 60
+    assert any(x["msg"] == "engine stopped" for x in lines)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,134 @@
+"""End to end through the real server (`build_app`) on the tiny Base model: upload a voice, speak with it,
+restart the server over the same voices directory and speak with it again (same seed, same audio), delete
+it; the encoders run once, at upload, never when a saved voice speaks. Reference audio naming a local file
+outside the allowed directory is refused by /v1/audio/speech."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import Counter
+
+import pytest
+import soundfile as sf
+import torch
+from fastapi.testclient import TestClient
+from voice_helpers import CLIP
+
+from voxserve.engine.config import EngineConfig
+from voxserve.models.qwen3_tts import inputs
+from voxserve.models.qwen3_tts.loader import load_model
+from voxserve.pipeline import local
+from voxserve.pipeline.local import LocalEngineClient
+from voxserve.server.app import build_app
+from voxserve.server.settings import ServerSettings
+from voxserve.server.voices import VoiceStore
+
+SPEECH = "/v1/audio/speech"
+VOICES = "/v1/audio/voices"
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    torch.set_num_threads(1)
+    return load_model(tiny_checkpoint)
+
+
+@pytest.fixture
+def encoder_calls(monkeypatch) -> Counter:
+    """Counts runs of the speaker + codec encoders, wherever they are called from."""
+    calls: Counter = Counter()
+    real = inputs.extract_voice
+
+    def counted(*args, **kwargs):
+        calls["extract_voice"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(inputs, "extract_voice", counted)  # build_spec's ref_audio path
+    monkeypatch.setattr(local, "extract_voice", counted)  # EngineClient.extract_voice
+    return calls
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "clip.wav").write_bytes(CLIP.read_bytes())
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "secret.wav").write_bytes(CLIP.read_bytes())
+    return tmp_path / "voices", media, tmp_path / "private"
+
+
+def server(loaded, settings: ServerSettings) -> TestClient:
+    """A fresh server process, as far as the voices are concerned: a new engine client and a new store."""
+    client = LocalEngineClient(loaded, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4,
+                                                    num_kv_blocks=64, max_model_len=1024))
+    return TestClient(build_app(client, settings, VoiceStore(settings.voices_dir, client)))
+
+
+def speak(http: TestClient, **fields):
+    body = {"input": "Hello there.", "max_new_tokens": 6, "seed": 7, "language": "english", **fields}
+    return http.post(SPEECH, json=body)
+
+
+def wav_of(resp) -> tuple[int, int]:
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("audio/wav")
+    samples, rate = sf.read(io.BytesIO(resp.content), dtype="float32")
+    return len(samples), rate
+
+
+def test_voice_survives_a_restart_and_speaks(loaded, dirs, encoder_calls):
+    voices_dir, media, _ = dirs
+    settings = ServerSettings(voices_dir=str(voices_dir), allowed_local_media_path=str(media))
+
+    with server(loaded, settings) as http:
+        r = http.post(VOICES, data={"name": "Alice", "ref_text": "Hello, this is my voice."},
+                      files={"file": ("voice01.wav", CLIP.read_bytes(), "audio/wav")})
+        assert r.status_code == 201, r.text
+        assert r.json()["ref_frames"] == 51 and encoder_calls["extract_voice"] == 1
+        first = speak(http, voice="alice")
+        n, rate = wav_of(first)
+        assert rate == 24000 and n > 0 and n % 1920 == 0
+        assert encoder_calls["extract_voice"] == 1  # the saved voice needed no encoder run
+        assert "Alice" in http.get("/v1/models").json()["data"][0]["voices"]
+        listed = http.get(VOICES).json()["voices"]
+
+    with server(loaded, settings) as http:  # restarted over the same directory
+        assert http.get(VOICES).json()["voices"] == listed
+        again = speak(http, voice="ALICE")
+        wav_of(again)
+        assert again.content == first.content  # same voice, same seed: the same audio
+        assert encoder_calls["extract_voice"] == 1
+        assert http.delete(f"{VOICES}/alice").json()["deleted"] is True
+        gone = speak(http, voice="alice")
+        assert gone.status_code == 400 and "unknown voice" in gone.json()["error"]["message"]
+
+    with server(loaded, settings) as http:  # and the deletion is durable
+        assert http.get(VOICES).json()["voices"] == []
+    assert os.listdir(voices_dir) == []
+
+
+def test_speech_ref_audio_obeys_the_local_media_policy(loaded, dirs, encoder_calls):
+    voices_dir, media, private = dirs
+    os.symlink(private / "secret.wav", media / "link.wav")
+    settings = ServerSettings(voices_dir=str(voices_dir), allowed_local_media_path=str(media))
+    with server(loaded, settings) as http:
+        ok = speak(http, ref_audio=f"file://{media}/clip.wav", ref_text="Hello, this is my voice.")
+        wav_of(ok)
+        assert encoder_calls["extract_voice"] == 1
+        for url in (f"file://{private}/secret.wav", f"file://{media}/../private/secret.wav",
+                    f"file://{media}/link.wav", "file:///etc/passwd"):
+            r = speak(http, ref_audio=url, x_vector_only_mode=True)
+            assert r.status_code == 403, (url, r.text)
+            assert "outside" in r.json()["error"]["message"]
+        plain = speak(http, ref_audio=str(private / "secret.wav"), x_vector_only_mode=True)
+        assert plain.status_code == 400 and "file://" in plain.json()["error"]["message"]
+        r = http.post(VOICES, json={"name": "sneaky", "ref_audio": f"file://{private}/secret.wav"})
+        assert r.status_code == 403 and http.get(VOICES).json()["voices"] == []
+        assert encoder_calls["extract_voice"] == 1
+
+    no_files = ServerSettings(voices_dir=str(voices_dir))  # no allowed directory: no file:// at all
+    with server(loaded, no_files) as http:
+        r = speak(http, ref_audio=f"file://{media}/clip.wav", x_vector_only_mode=True)
+        assert r.status_code == 403 and "allowed-local-media-path" in r.json()["error"]["message"]
