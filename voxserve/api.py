@@ -60,19 +60,7 @@ class TTS:
         return cls(load_model(model, device=device, dtype=dtype))
 
     def default_sampling(self) -> SamplingParams:
-        g = self.loaded.generation_defaults
-        return SamplingParams(
-            do_sample=g["do_sample"],
-            temperature=g["temperature"],
-            top_k=g["top_k"],
-            top_p=g["top_p"],
-            repetition_penalty=g["repetition_penalty"],
-            max_new_tokens=g["max_new_tokens"],
-            subtalker_do_sample=g["subtalker_dosample"],
-            subtalker_temperature=g["subtalker_temperature"],
-            subtalker_top_k=g["subtalker_top_k"],
-            subtalker_top_p=g["subtalker_top_p"],
-        )
+        return SamplingParams.from_generation_defaults(self.loaded.generation_defaults)
 
     def generate(
         self,

@@ -99,8 +99,6 @@ class SpeechService:
                            "num_frames_too_large", "num_frames")
 
     def _sampling(self, body: SpeechRequest) -> tuple[SamplingParams, int | None]:
-        g = self.settings.generation_defaults
-
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -110,18 +108,12 @@ class SpeechService:
             max_frames = body.num_frames
             max_new_tokens = body.num_frames + 1
         try:
-            params = SamplingParams(
-                do_sample=pick(body.do_sample, g["do_sample"]),
-                temperature=pick(body.temperature, g["temperature"]),
-                top_k=pick(body.top_k, g["top_k"]),
-                top_p=pick(body.top_p, g["top_p"]),
-                repetition_penalty=pick(body.repetition_penalty, g["repetition_penalty"]),
-                max_new_tokens=max_new_tokens,
-                subtalker_do_sample=pick(body.subtalker_do_sample, g["subtalker_dosample"]),
-                subtalker_temperature=pick(body.subtalker_temperature, g["subtalker_temperature"]),
-                subtalker_top_k=pick(body.subtalker_top_k, g["subtalker_top_k"]),
-                subtalker_top_p=pick(body.subtalker_top_p, g["subtalker_top_p"]),
-                seed=body.seed,
+            params = SamplingParams.from_generation_defaults(
+                self.settings.generation_defaults,
+                do_sample=body.do_sample, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                repetition_penalty=body.repetition_penalty, max_new_tokens=max_new_tokens,
+                subtalker_do_sample=body.subtalker_do_sample, subtalker_temperature=body.subtalker_temperature,
+                subtalker_top_k=body.subtalker_top_k, subtalker_top_p=body.subtalker_top_p, seed=body.seed,
             )
         except SamplingParamsError as e:
             raise ApiError(400, str(e), "invalid_sampling") from e

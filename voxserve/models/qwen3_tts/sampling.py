@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +47,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def from_generation_defaults(cls, defaults: dict[str, Any], **overrides: Any) -> SamplingParams:
+        """Params from a model's `generation_config.json` values (HF key names, e.g. `subtalker_dosample`),
+        with `overrides` (our field names) taking precedence where they are not None."""
+        names = {"subtalker_dosample": "subtalker_do_sample"}
+        fields = {f for f in cls.__dataclass_fields__}
+        values = {names.get(k, k): v for k, v in defaults.items() if names.get(k, k) in fields}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
 
     def validate(self) -> None:
         _check_warp("", self.do_sample, self.temperature, self.top_k, self.top_p)
