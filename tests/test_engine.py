@@ -164,9 +164,7 @@ def test_64_requests_none_lost_or_duplicated(root):
                       max_frames=rng.randint(1, 10), ignore_eos=True, stream_audio=i % 2 == 0)
         for i in range(64)
     ]
-    max_running = 0
     out = run_all(engine, reqs[:40], join_at={3: reqs[40:]})
-    max_running = max(max_running, engine.scheduler.num_running)
     for r in reqs:
         assert out.finish_count.get(r.request_id) == 1, r.request_id
         assert out.finished[r.request_id] == "length"
@@ -241,3 +239,49 @@ def test_a_failing_step_fails_its_requests_not_the_engine(root, monkeypatch):
     after = run_all(engine, [EngineRequest("y", spec, greedy(6))])
     assert after.finished["y"] == "length"
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_a_failing_codec_open_fails_only_that_request(root, monkeypatch):
+    """Admission work (slot reset, codec priming) fails the one request; the step and the engine go on."""
+    lm = tiny_model(root, "base")
+    specs = [build_spec(lm, i) for i in base_inputs()]
+    engine = Engine(lm, engine_config())
+    original = engine.codec.open
+
+    def open_or_fail(request_id, *args, **kw):
+        if request_id == "bad":
+            raise RuntimeError("injected codec fault")
+        return original(request_id, *args, **kw)
+
+    monkeypatch.setattr(engine.codec, "open", open_or_fail)
+    got = run_all(engine, [EngineRequest("good", specs[0], greedy(6)), EngineRequest("bad", specs[2], greedy(6))])
+    assert got.finished["bad"] == "error" and "injected codec fault" in got.errors["bad"]
+    assert got.finished["good"] == "length" and got.frames("good").shape[0] == 5
+    assert got.finish_count == {"good": 1, "bad": 1}
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+    assert not engine.live and not engine.codec.streams
+    after = run_all(engine, [EngineRequest("next", specs[0], greedy(6))])
+    assert torch.equal(after.frames("next"), got.frames("good"))
+
+
+def test_a_failing_codec_decode_fails_its_streams_not_the_engine(root, monkeypatch):
+    """A codec failure while streaming fails the streams in it (running or just finished) with an error;
+    a request without audio streaming is untouched, nothing leaks, and the engine keeps serving."""
+    lm = tiny_model(root, "base")
+    spec = build_spec(lm, base_inputs()[0])
+    engine = Engine(lm, engine_config(first_chunk_frames=1, chunk_frames=2))
+
+    def boom(*args, **kw):
+        raise RuntimeError("injected decoder fault")
+
+    monkeypatch.setattr(engine.codec.decoder, "stream_step", boom)
+    got = run_all(engine, [EngineRequest("audio", spec, greedy(6)),
+                           EngineRequest("codes", spec, greedy(6), stream_audio=False)])
+    assert got.finished["audio"] == "error" and "injected decoder fault" in got.errors["audio"]
+    assert got.finished["codes"] == "length" and got.frames("codes").shape[0] == 5
+    assert got.finish_count == {"audio": 1, "codes": 1}
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+    assert not engine.live and not engine.codec.streams
+    monkeypatch.undo()
+    after = run_all(engine, [EngineRequest("again", spec, greedy(6))])
+    assert after.finished["again"] == "length" and after.pcm("again").shape[0] == 5 * 1920

@@ -8,6 +8,7 @@ goes out when the request finishes. In-context clones first run their reference 
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ import torch
 
 from voxserve.models.qwen3_tts.codec_decoder import CodecDecoder
 from voxserve.models.qwen3_tts.codec_streaming import CodecStreamState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,8 +55,11 @@ class CodecStreamer:
         self.streams.pop(request_id, None)
 
     @torch.inference_mode()
-    def flush(self, finished: set[str]) -> dict[str, np.ndarray]:
-        """Decodes every due chunk; requests in `finished` flush their tail and are closed."""
+    def flush(self, finished: set[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """Decodes every due chunk; requests in `finished` flush their tail and are closed.
+
+        Returns (new PCM by request, failures by request). A decode that raises fails only the streams
+        batched into it: they are closed and reported with the reason, the others still get their audio."""
         groups: dict[int, list[str]] = defaultdict(list)
         for rid, s in self.streams.items():
             need = s.first_chunk_frames if s.emitted_frames == 0 else self.chunk_frames
@@ -63,12 +69,20 @@ class CodecStreamer:
             elif n >= need:
                 groups[need].append(rid)
         out: dict[str, np.ndarray] = {}
+        failed: dict[str, str] = {}
         for n, rids in groups.items():
             streams = [self.streams[r] for r in rids]
-            codes = torch.stack([torch.stack(s.pending[:n]) for s in streams]).to(self.device)  # [B, n, 16]
-            state = CodecStreamState.cat([s.state for s in streams])
-            wav, state = self.decoder.stream_step(codes.transpose(1, 2), state)
-            wav = wav[:, 0].float().cpu().numpy()
+            try:
+                codes = torch.stack([torch.stack(s.pending[:n]) for s in streams]).to(self.device)  # [B, n, 16]
+                state = CodecStreamState.cat([s.state for s in streams])
+                wav, state = self.decoder.stream_step(codes.transpose(1, 2), state)
+                wav = wav[:, 0].float().cpu().numpy()
+            except Exception as e:
+                log.exception("codec decode failed for %d streams", len(rids))
+                for rid in rids:
+                    failed[rid] = f"codec decode failed: {type(e).__name__}: {e}"
+                    self.close(rid)
+                continue
             for s, rid, st, w in zip(streams, rids, state.split(), wav, strict=True):
                 s.state = st
                 del s.pending[:n]
@@ -76,4 +90,4 @@ class CodecStreamer:
                 out[rid] = w
         for rid in finished:
             self.close(rid)
-        return out
+        return out, failed

@@ -17,6 +17,7 @@ import torch
 from voxserve.engine.block_manager import BlockManager
 from voxserve.engine.codec_streamer import CodecStreamer
 from voxserve.engine.config import EngineConfig
+from voxserve.engine.kv_cache import PagedKVCache
 from voxserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
 from voxserve.engine.request import Request
 from voxserve.engine.sampler import draw_seed
@@ -127,33 +128,33 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         outputs, self._done = self._done, []
-        if out.is_empty:
-            return outputs
+        # Per-request start-up (slot reset, codec priming) fails only its own request, before the model runs.
         for req in out.new_requests:
-            live = self.live[req.request_id]
-            self.runner.slots.assign(req.slot, live.prompt.trailing_text, live.engine_req.sampling, live.seed,
-                                     live.engine_req.ignore_eos)
-            if live.engine_req.stream_audio:
-                self.codec.open(req.request_id, live.engine_req.spec.ref_code, live.engine_req.first_chunk_frames)
-        results: list[StepResult] = []
+            try:
+                self._start(req)
+            except Exception as e:
+                log.exception("starting request %s failed", req.request_id)
+                outputs += self._fail([req], f"request start failed: {type(e).__name__}: {e}")
+        prefills = [c for c in out.prefills if c.request.request_id in self.live]
+        decodes = out.decodes
+        if not prefills and not decodes:
+            self.scheduler.update([])  # reports the step; results of requests failed above are not expected
+            return outputs
         try:
-            results += self._run_prefills(out.prefills)
-            results += self._run_decodes(out.decodes)
+            results = self._run_prefills(prefills) + self._run_decodes(decodes)
         except Exception as e:  # a step failure fails its requests, never the engine
             log.exception("engine step failed")
-            reason = f"engine step failed: {type(e).__name__}: {e}"
-            for r in [c.request for c in out.prefills] + list(out.decodes):
-                self.scheduler.fail(r.request_id, reason)
-                live = self.live.pop(r.request_id, None)
-                self.codec.close(r.request_id)
-                if live is not None:
-                    outputs.append(self._final(live, "error", reason))
+            outputs += self._fail([c.request for c in prefills] + decodes,
+                                  f"engine step failed: {type(e).__name__}: {e}")
             self.scheduler.update([])
             return outputs
         finished = {r.request_id: r for r in self.scheduler.update(results)}
-        audio = self.codec.flush(set(finished))
-        touched = {r.request_id for r in results}
-        for rid in touched:
+        audio, codec_errors = self.codec.flush(set(finished))
+        for rid in codec_errors.keys() - finished.keys():
+            req = self.scheduler.fail(rid, codec_errors[rid])
+            if req is not None:
+                finished[rid] = req
+        for rid in {r.request_id for r in results} | set(codec_errors):
             live = self.live.get(rid)
             if live is None:
                 continue
@@ -164,12 +165,31 @@ class Engine:
                 self.live.pop(rid, None)
             if req is None and codes.shape[0] == 0 and rid not in audio:
                 continue
+            reason, error = (req.finish_reason, req.error) if req is not None else (None, None)
+            if rid in codec_errors:  # it may have finished normally, but its audio is incomplete
+                reason, error = "error", codec_errors[rid]
             outputs.append(RequestOutput(
-                request_id=rid, codes=codes, audio=audio.get(rid), finished=req is not None,
-                finish_reason=req.finish_reason if req is not None else None,
-                error=req.error if req is not None else None,
-                num_prompt_tokens=live.req.prompt_len, num_frames=live.req.num_frames, seed=live.seed,
+                request_id=rid, codes=codes, audio=audio.get(rid), finished=req is not None, finish_reason=reason,
+                error=error, num_prompt_tokens=live.req.prompt_len, num_frames=live.req.num_frames, seed=live.seed,
             ))
+        return outputs
+
+    def _start(self, req: Request) -> None:
+        live = self.live[req.request_id]
+        self.runner.slots.assign(req.slot, live.prompt.trailing_text, live.engine_req.sampling, live.seed,
+                                 live.engine_req.ignore_eos)
+        if live.engine_req.stream_audio:
+            self.codec.open(req.request_id, live.engine_req.spec.ref_code, live.engine_req.first_chunk_frames)
+
+    def _fail(self, reqs: list[Request], reason: str) -> list[RequestOutput]:
+        """Finishes `reqs` with an error: blocks, slot and codec stream are freed at once."""
+        outputs = []
+        for r in reqs:
+            self.scheduler.fail(r.request_id, reason)
+            self.codec.close(r.request_id)
+            live = self.live.pop(r.request_id, None)
+            if live is not None:
+                outputs.append(self._final(live, "error", reason))
         return outputs
 
     def _run_prefills(self, chunks) -> list[StepResult]:
@@ -217,8 +237,8 @@ class Engine:
         to hold a full-length request capped at 4096 positions."""
         tc = self.loaded.config.talker_config
         dtype = self.loaded.talker.codec_head.weight.dtype
-        per_block = (2 * tc.num_hidden_layers * self.config.block_size * tc.num_key_value_heads * tc.head_dim
-                     * torch.tensor([], dtype=dtype).element_size())
+        per_block = PagedKVCache.bytes_per_block(tc.num_hidden_layers, self.config.block_size,
+                                                 tc.num_key_value_heads, tc.head_dim, dtype)
         device = self.loaded.talker.codec_head.weight.device
         if device.type != "cuda":
             per_seq = -(-min(self.config.max_model_len, 4096) // self.config.block_size)
