@@ -22,6 +22,7 @@ from voxserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
 from voxserve.engine.request import Request
 from voxserve.engine.sampler import draw_seed
 from voxserve.engine.scheduler import Scheduler, StepResult
+from voxserve.models.qwen3_tts.decoder_layer import pack_projections, packed_bytes
 from voxserve.models.qwen3_tts.loader import LoadedModel
 from voxserve.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt, build_prompt
 from voxserve.models.qwen3_tts.sampling import SamplingParams
@@ -72,6 +73,9 @@ class Engine:
         self.loaded = loaded
         self.config = config
         talker = loaded.talker
+        if talker.codec_head.weight.is_cuda:
+            # Packed serving copies of the projections exist before the KV cache is sized, so they count.
+            pack_projections(talker)
         num_blocks = config.num_kv_blocks or self._profile_kv_blocks()
         config.num_kv_blocks = num_blocks
         pad_id = torch.tensor([loaded.config.tts_pad_token_id], device=talker.codec_head.weight.device)
@@ -247,7 +251,7 @@ class Engine:
         # `gpu_memory_utilization` is this engine's share of the device (several engines may share one):
         # its own weights, activations and KV must fit in it, and the KV must fit in what is free now.
         own = sum(t.numel() * t.element_size() for m in (self.loaded.model, self.loaded.speech_tokenizer)
-                  for t in list(m.parameters()) + list(m.buffers()))
+                  for t in list(m.parameters()) + list(m.buffers())) + packed_bytes(self.loaded.talker)
         reserve = 4 << 30  # activations of the largest step, CUDA graphs, codec streaming state
         budget = min(int(total * self.config.gpu_memory_utilization) - own - reserve, free - reserve)
         if budget < per_block * 16:

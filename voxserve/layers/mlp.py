@@ -23,7 +23,7 @@ class SwiGLU(nn.Module):
     def pack(self) -> None:
         """Serve gate and up from one matmul (call after the weights are loaded and placed; a packed copy
         is kept beside the checkpoint parameters, which stay as loaded)."""
-        if self.gate_proj.bias is not None:
+        if self.gate_proj.bias is not None or self.gate_up_weight is not None:
             return
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0).detach()
 

@@ -113,7 +113,9 @@ class Attention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Serve q, k and v from one matmul (call after loading and placing the weights)."""
+        """Serve q, k and v from one matmul (call after loading and placing the weights; idempotent)."""
+        if self.qkv_weight is not None:
+            return
         self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
 
     def forward(
@@ -183,3 +185,14 @@ def pack_projections(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, (Attention, SwiGLU)):
             sub.pack()
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes held by the packed projection copies under `module`."""
+    total = 0
+    for sub in module.modules():
+        for name in ("qkv_weight", "gate_up_weight"):
+            t = getattr(sub, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
