@@ -40,3 +40,9 @@ def test_dtype_and_device():
         EngineConfig(device="")
     cfg = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=10)
     assert dataclasses.replace(cfg, num_kv_blocks=20).num_kv_blocks == 20
+
+
+def test_block_size_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig(block_size=12)
+    assert EngineConfig(block_size=32).block_size == 32

@@ -58,6 +58,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_positive_int(value):
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            # The paged-attention kernel tiles one block at a time with power-of-two shapes.
+            raise ValueError(f"EngineConfig.block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and not _is_positive_int(self.num_kv_blocks):
             raise ValueError(f"EngineConfig.num_kv_blocks must be a positive int or None, got {self.num_kv_blocks!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
