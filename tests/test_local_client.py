@@ -166,3 +166,67 @@ def test_extract_voice_runs_on_the_engine_thread(loaded):
     assert feats.speaker_embedding.shape == (64,)
     assert feats.ref_code.shape == (-(-len(wav) // 1920), 16)
     assert err.status == 400
+
+
+def test_a_refused_duplicate_id_does_not_abort_the_live_request(loaded):
+    """A second request reusing a live request's id is refused; its cleanup must not abort the first one."""
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            first = asyncio.create_task(collect(client, request("dup", frames=8, ignore_eos=True)))
+            while client.stats().running == 0:
+                await asyncio.sleep(0.01)
+            with pytest.raises(RequestRejected) as err:
+                await collect(client, request("dup"))
+            chunks, _ = await first
+        finally:
+            await client.stop()
+        return err.value, chunks
+
+    err, chunks = asyncio.run(main())
+    assert err.status == 400 and "duplicate" in err.message
+    assert chunks[-1].finish_reason == "length" and chunks[-1].num_frames == 8
+
+
+def test_a_dead_engine_refuses_at_once_instead_of_hanging(loaded):
+    async def main():
+        client = make_client(loaded)
+
+        def crash():
+            raise RuntimeError("scheduler invariant broken")
+
+        client.engine.step = crash  # the loop itself fails (not one request's step)
+        await client.start()
+        await asyncio.wait_for(asyncio.to_thread(client._stopped.wait, 10), 15)
+        assert not client.is_alive()
+        with pytest.raises(RequestRejected) as gen_err:
+            await asyncio.wait_for(collect(client, request("after-crash")), 5)
+        with pytest.raises(RequestRejected) as voice_err:
+            await asyncio.wait_for(client.extract_voice(np.zeros(24000, np.float32), 24000), 5)
+        await asyncio.wait_for(client.stop(grace_s=0), 5)
+        return gen_err.value, voice_err.value
+
+    gen_err, voice_err = asyncio.run(main())
+    assert gen_err.status == voice_err.status == 503
+
+
+def test_stop_uses_the_given_grace_and_returns_at_once_before_start(loaded):
+    async def main():
+        idle = make_client(loaded)
+        t0 = asyncio.get_running_loop().time()
+        await idle.stop(grace_s=5)  # never started: nothing to wait for
+        never_started_s = asyncio.get_running_loop().time() - t0
+        client = make_client(loaded)
+        await client.start()
+        task = asyncio.create_task(collect(client, request("long", frames=400, ignore_eos=True)))
+        while client.stats().running == 0:
+            await asyncio.sleep(0.01)
+        t0 = asyncio.get_running_loop().time()
+        await client.stop(grace_s=0.2)
+        chunks, _ = await task
+        return never_started_s, asyncio.get_running_loop().time() - t0, chunks
+
+    never_started_s, stop_s, chunks = asyncio.run(main())
+    assert never_started_s < 1
+    assert chunks[-1].finish_reason == "abort" and stop_s < 5

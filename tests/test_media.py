@@ -57,6 +57,23 @@ def test_data_url_decodes_the_clip():
     assert_is_clip(resolve(f"data:;base64,{b64(CLIP_BYTES)}"))  # no media type given
 
 
+def test_inline_base64_is_decoded_off_the_event_loop(monkeypatch):
+    """A 13 MB base64 payload takes tens of ms to decode: on the loop it would stall every audio stream."""
+    import voxserve.server.media as media
+
+    threads = []
+    real = base64.b64decode
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(media.base64, "b64decode", spy)
+    resolve(f"data:audio/wav;base64,{b64(CLIP_BYTES)}")
+    resolve(b64(CLIP_BYTES))
+    assert len(threads) == 2 and threading.main_thread() not in threads
+
+
 def test_bare_base64_decodes_the_clip_even_with_line_breaks():
     assert_is_clip(resolve(b64(CLIP_BYTES)))
     wrapped = base64.encodebytes(CLIP_BYTES).decode()  # 76-character lines, like the `base64` tool

@@ -4,6 +4,7 @@ disconnects) through a scripted fake engine client; and `voxserve serve` shuttin
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -35,6 +36,7 @@ from server_helpers import (
 )
 from starlette.testclient import TestClient
 
+from voxserve.pipeline.client import StreamChunk
 from voxserve.server.app import build_app
 from voxserve.server.voices import VoiceStore
 
@@ -203,6 +205,29 @@ def test_request_ids_are_echoed_generated_or_refused(cv):
     assert_error(r, 400, "X-Request-Id", param="X-Request-Id")
 
 
+def test_a_request_id_with_a_line_break_is_refused_not_echoed():
+    """`$` also matches before a final newline: an id like "abc\\n" must not reach a response header."""
+    from voxserve.server.app import RequestIdMiddleware
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": [(b"x-request-id", b"abc\n")]}
+    asyncio.run(RequestIdMiddleware(ok)(scope, receive, send))
+    assert sent[0]["status"] == 400
+    echoed = dict(sent[0]["headers"])[b"x-request-id"]
+    assert b"\n" not in echoed and len(echoed) == 32
+
+
 # --- models, health, metrics, logs --------------------------------------------------------------------
 
 
@@ -365,6 +390,37 @@ def test_failure_before_any_audio_is_a_plain_http_error():
         assert_error(speak(c, stream_format="sse"), 503)
 
 
+def codes_only(total: int) -> StreamChunk:
+    """A chunk carrying new codec codes but no audio yet (the engine sends one per decoded frame)."""
+    return StreamChunk(np.zeros(0, np.float32), total, num_prompt_tokens=7, seed=11,
+                       codes=np.zeros((1, 16), np.int64))
+
+
+def test_chunks_without_audio_add_nothing_to_any_stream():
+    def script(req):
+        return [codes_only(1), frames_chunk(2, 2), codes_only(3), frames_chunk(1, 3), codes_only(4),
+                frames_chunk(0, 4, True, "stop")]
+
+    client, app = fake_app(script)
+    with TestClient(app) as c:
+        events = sse_events(speak(c, stream_format="sse", response_format="pcm").text)
+        assert [e["type"] for e in events] == ["speech.audio.delta"] * 2 + ["speech.audio.done"]
+        assert [len(base64.b64decode(e["audio"])) for e in events[:-1]] == [2 * SAMPLES_PER_FRAME * 2,
+                                                                           SAMPLES_PER_FRAME * 2]
+        raw = speak(c, stream=True, response_format="pcm")
+        assert raw.status_code == 200 and len(raw.content) == 3 * SAMPLES_PER_FRAME * 2
+        whole = speak(c, response_format="pcm")
+        assert whole.content == raw.content and whole.headers["x-usage-output-tokens"] == "4"
+
+
+def test_failure_after_codes_but_before_any_audio_is_a_plain_http_error():
+    client, app = fake_app(lambda req: [codes_only(1), codes_only(2),
+                                        frames_chunk(0, 2, True, "error", "codec failed")])
+    with TestClient(app) as c:
+        for body in ({"stream": True}, {"stream_format": "sse"}, {}):
+            assert_error(speak(c, **body), 500, "codec failed")
+
+
 def test_timeouts_abort_and_report(tmp_path):
     client, app = fake_app(lambda req: [frames_chunk(1, 1), 5.0, frames_chunk(1, 2, True, "stop")],
                            request_timeout_s=0.3)
@@ -401,6 +457,76 @@ def test_raw_stream_failure_cuts_the_connection_and_disconnects_abort():
         metrics = http.get("/metrics").text
         assert 'voxserve_request_aborts_total{reason="client_disconnect"} 2.0' in metrics
         assert 'voxserve_requests_total{status="500"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("mode", ["file", "sse"])
+def test_a_cancelled_handler_ends_its_engine_stream_cleanly(mode):
+    """Uvicorn cancels handlers still running when its graceful shutdown times out: the engine request must
+    be closed, and the cancellation must stay a cancellation (not "generator already running")."""
+    from types import SimpleNamespace
+
+    from voxserve.models.qwen3_tts.inputs import SpeechInput
+    from voxserve.models.qwen3_tts.sampling import SamplingParams
+    from voxserve.pipeline.client import SynthesisRequest
+    from voxserve.server.metrics import ServerMetrics
+    from voxserve.server.streaming import SpeechResponder
+
+    client = FakeClient(lambda req: [30.0])
+
+    async def main():
+        never = asyncio.Event()
+
+        async def receive():
+            await never.wait()
+
+        request = SimpleNamespace(receive=receive, state=SimpleNamespace(started=time.perf_counter()))
+        responder = SpeechResponder(client, server_settings(), ServerMetrics(client))
+        req = SynthesisRequest("cancel-me", SpeechInput("Hi.", speaker="ryan"), SamplingParams())
+        task = asyncio.create_task(responder.respond(req, "wav", mode, request))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert client.closed_early == ["cancel-me"]
+
+
+@pytest.mark.parametrize("mode", ["audio", "sse"])
+def test_a_client_gone_before_the_stream_body_starts_still_aborts(mode):
+    """The body generator may never start (the client left between the first chunk and the response
+    start): closing an unstarted generator skips its `finally`, so the response itself must end the request."""
+    from types import SimpleNamespace
+
+    from voxserve.models.qwen3_tts.inputs import SpeechInput
+    from voxserve.models.qwen3_tts.sampling import SamplingParams
+    from voxserve.pipeline.client import SynthesisRequest
+    from voxserve.server.metrics import ServerMetrics
+    from voxserve.server.streaming import SpeechResponder
+
+    client = FakeClient(lambda req: [frames_chunk(1, 1), 30.0, frames_chunk(1, 2, True, "stop")])
+
+    async def main():
+        left = asyncio.Event()
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await asyncio.sleep(0)
+
+        request = SimpleNamespace(receive=receive, state=SimpleNamespace(started=time.perf_counter()))
+        responder = SpeechResponder(client, server_settings(), ServerMetrics(client))
+        req = SynthesisRequest("left-early", SpeechInput("Hi.", speaker="ryan"), SamplingParams())
+        response = await responder.respond(req, "pcm", mode, request)
+        left.set()  # the client is gone before the body is sent
+        await asyncio.wait_for(response({"type": "http"}, receive, send), 5)
+        return request.state.generation, list(client.closed_early)
+
+    gen, closed_early = asyncio.run(main())
+    assert closed_early == ["left-early"]  # at once, not when the loop finalises leftover generators
+    assert gen.outcome == 499
 
 
 def test_health_is_503_when_the_engine_is_dead():

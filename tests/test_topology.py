@@ -99,3 +99,27 @@ def test_least_loaded_placement():
 def test_device_list_must_fit():
     with pytest.raises(TopologyError, match="2 workers"):
         build_client(Topology("replicas", 2), lambda d: None, _config(), devices=["cpu", "cpu", "cpu"])
+
+
+def test_voices_are_extracted_only_on_live_replicas():
+    class Fake:
+        info = None
+
+        def __init__(self, name, alive=True):
+            self.name, self.alive = name, alive
+
+        def is_alive(self):
+            return self.alive
+
+        async def extract_voice(self, samples, sample_rate):
+            if not self.alive:
+                raise AssertionError(f"{self.name} is dead: its inbox would never answer")
+            return self.name
+
+    router = ReplicaRouter([Fake("a", alive=False), Fake("b"), Fake("c")])  # type: ignore[list-item]
+    got = [asyncio.run(router.extract_voice(None, 16000)) for _ in range(4)]
+    assert set(got) == {"b", "c"}
+    for r in router.replicas:
+        r.alive = False
+    with pytest.raises(RequestRejected, match="no engine replica"):
+        asyncio.run(router.extract_voice(None, 16000))

@@ -173,6 +173,13 @@ def test_multipart_refusals(fake_app):
     assert r.status_code == 201 and r.json()["ref_frames"] == 7
 
 
+def test_deeply_nested_form_embedding_is_400(fake_app):
+    """json.loads raises RecursionError (not ValueError) on deep nesting: still the client's fault."""
+    http, store, _ = fake_app
+    assert_error(http.post(URL, data={"name": "x", "speaker_embedding": "[" * 50_000}), 400, "JSON list")
+    assert len(store) == 0
+
+
 def test_body_size_caps(fake_app):
     http, store, _ = fake_app
     big = CLIP_BYTES + bytes(1000)  # 900 bytes over the policy's limit

@@ -2,7 +2,8 @@
 
 The engine thread owns the model and the engine: it drains a command inbox, steps, and hands each
 request's chunks to that request's asyncio queue through `call_soon_threadsafe`. Nothing else touches the
-engine, so no locks guard it.
+engine, so no locks guard it. The one lock guards the inbox's end of life: once the thread exits (stopped or
+crashed) nothing more is queued and whatever was queued is refused with 503, so no caller waits forever.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ class LocalEngineClient(EngineClient):
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
         self._stopped = threading.Event()
+        self._closed = False  # the engine thread has exited: the inbox takes nothing more
+        self._inbox_lock = threading.Lock()
+        self._deadline: float | None = None  # engine thread: when shutdown aborts what is still running
 
     # --- server side ----------------------------------------------------------------------------------
 
@@ -84,7 +88,9 @@ class LocalEngineClient(EngineClient):
 
     async def stop(self, grace_s: float = 10.0) -> None:
         self._stopping = True
-        self._inbox.put(("stop", grace_s))
+        if self._thread.ident is None:  # never started: nothing runs, nothing to wait for
+            return
+        self._submit(("stop", grace_s))
         await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, grace_s + 30.0)
 
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
@@ -93,7 +99,8 @@ class LocalEngineClient(EngineClient):
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._inbox.put(("add", req, admitted, stream))
+        if not self._submit(("add", req, admitted, stream)):
+            raise RequestRejected(503, "the engine is not running")
         finished = False
         try:
             await admitted  # raises RequestRejected
@@ -104,15 +111,18 @@ class LocalEngineClient(EngineClient):
                 if finished:
                     return
         finally:
-            if not finished:
-                self._inbox.put(("abort", req.request_id, "client disconnected"))
+            # A refused request is not in the engine; aborting its id could end another request using it.
+            refused = admitted.done() and not admitted.cancelled() and admitted.exception() is not None
+            if not finished and not refused:
+                self._submit(("abort", req.request_id, "client disconnected"))
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self._inbox.put(("abort", request_id, reason))
+        self._submit(("abort", request_id, reason))
 
     async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
         fut = asyncio.get_running_loop().create_future()
-        self._inbox.put(("voice", samples, sample_rate, fut))
+        if not self._submit(("voice", samples, sample_rate, fut)):
+            raise RequestRejected(503, "the engine is not running")
         return await fut
 
     def stats(self) -> EngineStats:
@@ -121,16 +131,22 @@ class LocalEngineClient(EngineClient):
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    def _submit(self, cmd: tuple) -> bool:
+        """Queues a command for the engine thread; False once that thread has exited."""
+        with self._inbox_lock:
+            if self._closed:
+                return False
+            self._inbox.put(cmd)
+            return True
+
     # --- engine thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        deadline = None
         try:
             while True:
                 idle = not self.engine.has_unfinished()
-                self._drain(block=idle and deadline is None)
-                if self._stopping and deadline is None:
-                    deadline = time.monotonic() + self._grace
+                self._drain(block=idle and self._deadline is None)
+                deadline = self._deadline  # set by a "stop" command, from the grace that came with it
                 if deadline is not None and (not self.engine.has_unfinished() or time.monotonic() > deadline):
                     for rid in list(self._streams):
                         self.engine.abort(rid, "server shutting down")
@@ -146,9 +162,23 @@ class LocalEngineClient(EngineClient):
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, chunk)
                 self._streams.pop(rid, None)
         finally:
+            with self._inbox_lock:
+                self._closed = True
+            self._refuse_queued()
             self._stopped.set()
 
-    _grace = 10.0
+    def _refuse_queued(self) -> None:
+        """Settles the commands left in the inbox once the loop has exited (their callers are waiting)."""
+        gone = RequestRejected(503, "the engine is not running")
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _settle(cmd[2], error=gone)
+            elif cmd[0] == "voice":
+                _settle(cmd[3], error=gone)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -181,7 +211,8 @@ class LocalEngineClient(EngineClient):
                 _settle(fut, result=result)
         elif kind == "stop":
             self._stopping = True
-            self._grace = cmd[1]
+            if self._deadline is None:
+                self._deadline = time.monotonic() + cmd[1]
 
     def _add(self, req: SynthesisRequest, admitted: asyncio.Future, stream: _Stream) -> None:
         if self._stopping:
@@ -234,4 +265,7 @@ def _settle(fut: asyncio.Future, result=None, error: Exception | None = None) ->
         else:
             fut.set_result(result)
 
-    fut.get_loop().call_soon_threadsafe(apply)
+    try:
+        fut.get_loop().call_soon_threadsafe(apply)
+    except RuntimeError:  # that event loop is closed: nobody is left to tell
+        pass

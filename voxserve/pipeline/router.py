@@ -56,10 +56,12 @@ class ReplicaRouter(EngineClient):
             await self.replicas[idx].abort(request_id, reason)
 
     async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
-        # Every replica holds the same model: any can encode a voice; rotate to spread the work.
-        idx = self._voice_turn % len(self.replicas)
+        # Every replica holds the same model: any live one can encode a voice; rotate to spread the work.
+        alive = [r for r in self.replicas if r.is_alive()]
+        if not alive:
+            raise RequestRejected(503, "no engine replica is serving")
         self._voice_turn += 1
-        return await self.replicas[idx].extract_voice(samples, sample_rate)
+        return await alive[self._voice_turn % len(alive)].extract_voice(samples, sample_rate)
 
     def is_alive(self) -> bool:
         # Replicas are independent: the router serves while any of them can.

@@ -33,7 +33,7 @@ from voxserve.server.voices import VoiceStore
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: `$` would let a final "\n" in
 
 
 def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None) -> FastAPI:
@@ -132,7 +132,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"x-request-id")
-        valid = given is None or REQUEST_ID_PATTERN.match(given) is not None
+        valid = given is None or REQUEST_ID_PATTERN.fullmatch(given) is not None
         rid = given if given is not None and valid else uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"] = rid

@@ -62,7 +62,7 @@ async def resolve_ref_audio(value: str, policy: MediaPolicy) -> tuple[np.ndarray
     m = _SCHEME.match(value)
     scheme = m.group(1).lower() if m else None
     if scheme == "data":
-        data = _decode_data_url(value, policy)
+        data = await asyncio.to_thread(_decode_data_url, value, policy)
     elif scheme == "file":
         data = await asyncio.to_thread(_read_local, value, policy)
     elif scheme in ("http", "https"):
@@ -72,7 +72,7 @@ async def resolve_ref_audio(value: str, policy: MediaPolicy) -> tuple[np.ndarray
         raise MediaError(400, f"unsupported ref_audio URL scheme {scheme!r}: use a data: URL, base64, "
                               "file:// or http(s)://")
     else:
-        data = _decode_base64(value, policy)
+        data = await asyncio.to_thread(_decode_base64, value, policy)
     return await decode_ref_audio(data, policy)
 
 

@@ -21,7 +21,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -141,6 +141,11 @@ class Generation:
         with anyio.CancelScope(shield=True):
             await self._chunks.aclose()
 
+    async def abandon(self) -> None:
+        """Ends the request as the client leaving (499) unless an outcome was recorded, and closes it."""
+        self.finish(499, abort_reason="client_disconnect")
+        await self.close()
+
 
 class SpeechResponder:
     def __init__(self, client: EngineClient, settings: ServerSettings, metrics: ServerMetrics) -> None:
@@ -157,8 +162,7 @@ class SpeechResponder:
                 return await until_disconnected(request, self._file(gen, fmt))
             first = await until_disconnected(request, self._first(gen))
         except ClientGone:
-            gen.finish(499, abort_reason="client_disconnect")
-            await gen.close()
+            await gen.abandon()
             return Response(status_code=499)
         except BaseException:
             await gen.close()
@@ -166,13 +170,16 @@ class SpeechResponder:
         headers = {"X-Request-Id": req.request_id, "X-Seed": str(gen.seed),
                    "X-Sample-Rate": str(gen.sample_rate), "Cache-Control": "no-cache"}
         if mode == "sse":
-            return AudioStreamResponse(self._sse(gen, first), "text/event-stream", headers)
-        return AudioStreamResponse(self._raw(gen, first, fmt), media_type(fmt), headers)
+            return AudioStreamResponse(self._sse(gen, first), "text/event-stream", headers, gen.abandon)
+        return AudioStreamResponse(self._raw(gen, first, fmt), media_type(fmt), headers, gen.abandon)
 
     async def _first(self, gen: Generation) -> StreamChunk:
-        """The first chunk, or the request's error as an ApiError when it failed before any audio."""
+        """The first chunk with audio (or the last chunk), or the request's error as an ApiError when it
+        failed before any audio. Chunks carrying only codec codes are skipped: they hold nothing to send."""
         try:
             chunk = await gen.next()
+            while not chunk.finished and not chunk.audio.size:
+                chunk = await gen.next()
         except RequestRejected as e:
             gen.finish(e.status, error=e.message)
             headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after is not None else None
@@ -237,8 +244,7 @@ class SpeechResponder:
             gen.finish(500, error=f"{type(e).__name__}: {e}")
             raise StreamCut(f"internal error: {type(e).__name__}") from e
         finally:
-            gen.finish(499, abort_reason="client_disconnect")  # no-op unless the client left
-            await gen.close()
+            await gen.abandon()  # no-op unless the client left
 
     async def _sse(self, gen: Generation, first: StreamChunk) -> AsyncIterator[bytes]:
         try:
@@ -267,8 +273,7 @@ class SpeechResponder:
             status, message = 500, f"internal error: {type(e).__name__}"
             gen.finish(status, error=f"{type(e).__name__}: {e}")
         finally:
-            gen.finish(499, abort_reason="client_disconnect")  # no-op unless the client left
-            await gen.close()
+            await gen.abandon()  # no-op unless the client left
         yield _event({"type": "speech.audio.error", "request_id": gen.req.request_id, "usage": gen.usage(),
                       "error": {"message": message, "type": "timeout_error" if status == 504 else "server_error",
                                 "code": status, "partial_audio": gen.samples > 0}})
@@ -295,12 +300,14 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done() and not watcher.done():  # we were cancelled ourselves
-            task.cancel()
         watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        gone = not task.done()
+        if gone:  # the client left, or we were cancelled ourselves
+            # Wait for the work to unwind: until it has, the engine stream it pulls from cannot be closed.
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+    if gone:
         raise ClientGone
     return task.result()
 
@@ -313,10 +320,14 @@ async def _wait_disconnect(receive: Receive) -> None:
 class AudioStreamResponse(Response):
     """A streamed body that (a) watches for the client leaving and cancels the body at once, whatever
     the ASGI spec version (Starlette's StreamingResponse only notices on the next write with spec 2.4),
-    and (b) lets the body end the response without its final chunk by raising `StreamCut`."""
+    (b) lets the body end the response without its final chunk by raising `StreamCut`, and (c) always
+    awaits `on_close` at the end: a body that never started (the client left first) skips its own
+    `finally`, so the request it streams must be ended from here."""
 
-    def __init__(self, body: AsyncIterator[bytes], media_type: str, headers: dict[str, str]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], media_type: str, headers: dict[str, str],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
         self.body_iterator = body
+        self.on_close = on_close
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -348,3 +359,4 @@ class AudioStreamResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                await self.on_close()

@@ -177,7 +177,7 @@ async def _parse_form(request: Request, body: bytes, policy: MediaPolicy) -> tup
     if "speaker_embedding" in fields:
         try:
             fields["speaker_embedding"] = json.loads(fields["speaker_embedding"])
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # deep nesting ("[[[[...") exhausts the parser's recursion
             raise VoiceError(400, "speaker_embedding must be a JSON list of numbers") from e
     return fields, upload
 
