@@ -17,11 +17,13 @@ import torch
 from voxserve.engine.block_manager import BlockManager
 from voxserve.engine.codec_streamer import CodecStreamer
 from voxserve.engine.config import EngineConfig
+from voxserve.engine.disagg import make_handoff, model_hash, receive_handoff
 from voxserve.engine.kv_cache import PagedKVCache
 from voxserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
 from voxserve.engine.request import Request
 from voxserve.engine.sampler import draw_seed
 from voxserve.engine.scheduler import Scheduler, StepResult
+from voxserve.kv_transfer.handoff import Handoff, KVLayout
 from voxserve.models.qwen3_tts.decoder_layer import pack_projections, packed_bytes
 from voxserve.models.qwen3_tts.loader import LoadedModel
 from voxserve.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt, build_prompt
@@ -42,6 +44,7 @@ class EngineRequest:
     ignore_eos: bool = False
     stream_audio: bool = True
     first_chunk_frames: int | None = None  # None: the engine's configured first chunk
+    handoff_only: bool = False  # prefill worker: stop after prefill and emit a Handoff for a decode worker
 
 
 @dataclass
@@ -57,6 +60,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_frames: int = 0  # total so far
     seed: int = 0
+    handoff: Handoff | None = None  # set on the final output of a `handoff_only` request
 
 
 @dataclass
@@ -65,6 +69,9 @@ class _Live:
     prompt: TalkerPrompt
     engine_req: EngineRequest
     seed: int
+    ref_code: torch.Tensor | None = None
+    incoming: Handoff | None = None  # a decode worker's request: the prefill it continues from
+    outgoing: Handoff | None = None  # a prefill worker's request: what it hands on
     new_codes: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -88,6 +95,7 @@ class Engine:
         self.live: dict[str, _Live] = {}
         self._done: list[RequestOutput] = []
         self.eos_id = loaded.config.talker_config.codec_eos_token_id
+        self.kv_layout = KVLayout.of_cache(self.runner.kv.k, model_hash(loaded))
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -109,10 +117,28 @@ class Engine:
                 f"{self.config.max_text_tokens}"
             )
         seed = er.sampling.seed if er.sampling.seed is not None else draw_seed()
+        if er.handoff_only:
+            er.stream_audio = False  # the decode worker streams this request's audio
         req = Request(request_id=er.request_id, prompt_len=prompt.length, max_frames=max_frames)
         self.scheduler.add(req)
-        self.live[er.request_id] = _Live(req, prompt, er, seed)
+        self.live[er.request_id] = _Live(req, prompt, er, seed, ref_code=er.spec.ref_code)
         return seed
+
+    def add_handoff(self, h: Handoff, stream_audio: bool = True) -> int:
+        """Admits a request prefilled by another engine; it decodes from the handoff's KV and side state.
+        Raises LayoutMismatch when the handoff's KV layout is not this engine's."""
+        if h.request_id in self.live:
+            raise ValueError(f"duplicate request id {h.request_id!r}")
+        self.kv_layout.check_compatible(h.layout)
+        h.validate()
+        prompt = TalkerPrompt(embeds=h.trailing_text[:0], trailing_text=h.trailing_text, tts_pad=self.runner.tts_pad)
+        er = EngineRequest(h.request_id, spec=None, sampling=h.sampling, max_frames=h.max_frames,
+                           ignore_eos=h.ignore_eos, stream_audio=stream_audio,
+                           first_chunk_frames=h.first_chunk_frames)
+        req = Request(request_id=h.request_id, prompt_len=h.num_tokens, max_frames=h.max_frames, kv_handoff=True)
+        self.scheduler.add(req)
+        self.live[h.request_id] = _Live(req, prompt, er, h.seed, ref_code=h.ref_code, incoming=h)
+        return h.seed
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Frees the request's blocks and slot at once; its final output says `abort`. Unknown ids: False."""
@@ -172,9 +198,12 @@ class Engine:
             reason, error = (req.finish_reason, req.error) if req is not None else (None, None)
             if rid in codec_errors:  # it may have finished normally, but its audio is incomplete
                 reason, error = "error", codec_errors[rid]
+            if live.outgoing is not None and reason == "stop":
+                reason = "handoff"
             outputs.append(RequestOutput(
                 request_id=rid, codes=codes, audio=audio.get(rid), finished=req is not None, finish_reason=reason,
                 error=error, num_prompt_tokens=live.req.prompt_len, num_frames=live.req.num_frames, seed=live.seed,
+                handoff=live.outgoing,
             ))
         return outputs
 
@@ -183,7 +212,13 @@ class Engine:
         self.runner.slots.assign(req.slot, live.prompt.trailing_text, live.engine_req.sampling, live.seed,
                                  live.engine_req.ignore_eos)
         if live.engine_req.stream_audio:
-            self.codec.open(req.request_id, live.engine_req.spec.ref_code, live.engine_req.first_chunk_frames)
+            self.codec.open(req.request_id, live.ref_code, live.engine_req.first_chunk_frames)
+        if live.incoming is not None:
+            # The prompt's KV and the state after its prefill land in this request's blocks and slot at once;
+            # it decodes from the next step on.
+            receive_handoff(self.runner, req.slot, list(req.block_table), live.incoming)
+            live.incoming = None
+            self.scheduler.handoff_complete(req.request_id)
 
     def _fail(self, reqs: list[Request], reason: str) -> list[RequestOutput]:
         """Finishes `reqs` with an error: blocks, slot and codec stream are freed at once."""
@@ -205,11 +240,16 @@ class Engine:
             embeds = live.prompt.embeds[c.start : c.start + c.num_tokens]
             work.append(PrefillWork(c.request.slot, embeds, c.start, list(c.request.block_table), c.is_last))
         first = self.runner.prefill(work)
-        return [
-            StepResult(c.request.request_id, c.num_tokens, 0,
-                       stopped=c.is_last and first[c.request.slot] == self.eos_id)
-            for c in chunks
-        ]
+        results = []
+        for c in chunks:
+            live = self.live[c.request.request_id]
+            stopped = c.is_last and first[c.request.slot] == self.eos_id
+            if c.is_last and live.engine_req.handoff_only and not stopped:
+                live.outgoing = make_handoff(self.runner, c.request, live.prompt, live.engine_req, live.seed,
+                                             first[c.request.slot], live.ref_code, self.kv_layout)
+                stopped = True  # done here: its blocks are freed, the handoff holds a copy
+            results.append(StepResult(c.request.request_id, c.num_tokens, 0, stopped=stopped))
+        return results
 
     def _run_decodes(self, reqs: list[Request]) -> list[StepResult]:
         if not reqs:

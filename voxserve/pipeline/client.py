@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from voxserve.kv_transfer.handoff import Handoff
 from voxserve.models.qwen3_tts.inputs import SpeechInput, VoiceFeatures
 from voxserve.models.qwen3_tts.sampling import SamplingParams
 
@@ -26,6 +27,7 @@ class SynthesisRequest:
     max_frames: int | None = None  # None: sampling.max_new_tokens - 1
     ignore_eos: bool = False
     first_chunk_frames: int | None = None  # None: the engine's default
+    handoff_only: bool = False  # prefill workers: stop after prefill, the last chunk carries the Handoff
 
 
 @dataclass
@@ -40,6 +42,7 @@ class StreamChunk:
     error: str | None = None
     seed: int = 0
     codes: np.ndarray | None = None  # [n, 16] int64: the new frames' codec codes (topology equivalence checks)
+    handoff: Handoff | None = None  # on the last chunk of a `handoff_only` request (finish_reason "handoff")
 
 
 class RequestRejected(Exception):

@@ -22,6 +22,7 @@ import numpy as np
 from voxserve.engine.config import EngineConfig
 from voxserve.engine.engine import Engine, EngineRequest, RequestOutput
 from voxserve.engine.scheduler import QueueFullError, RequestTooLargeError
+from voxserve.kv_transfer.handoff import Handoff, LayoutMismatch
 from voxserve.models.qwen3_tts.audio import AudioError
 from voxserve.models.qwen3_tts.inputs import VoiceFeatures, build_spec, extract_voice
 from voxserve.models.qwen3_tts.loader import LoadedModel
@@ -51,6 +52,8 @@ def rejection(exc: Exception) -> RequestRejected:
         return exc
     if isinstance(exc, QueueFullError):
         return RequestRejected(429, f"server busy: {exc}", retry_after=1.0)
+    if isinstance(exc, LayoutMismatch):  # two workers of one deployment disagree: a deployment error
+        return RequestRejected(500, f"KV layout mismatch between workers: {exc}")
     if isinstance(exc, (PromptError, AudioError, SamplingParamsError, RequestTooLargeError, ValueError)):
         return RequestRejected(400, str(exc))
     return RequestRejected(500, f"internal error: {type(exc).__name__}: {exc}")
@@ -94,12 +97,21 @@ class LocalEngineClient(EngineClient):
         await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, grace_s + 30.0)
 
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        async for chunk in self._stream("add", req, req.request_id):
+            yield chunk
+
+    async def generate_from_handoff(self, handoff: Handoff) -> AsyncIterator[StreamChunk]:
+        """Decodes a request prefilled by another engine (prefill-decode disaggregation, same process)."""
+        async for chunk in self._stream("handoff", handoff, handoff.request_id):
+            yield chunk
+
+    async def _stream(self, kind: str, payload: object, request_id: str) -> AsyncIterator[StreamChunk]:
         if self._stopping:
             raise RequestRejected(503, "server is shutting down")
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        if not self._submit(("add", req, admitted, stream)):
+        if not self._submit((kind, payload, admitted, stream)):
             raise RequestRejected(503, "the engine is not running")
         finished = False
         try:
@@ -114,7 +126,7 @@ class LocalEngineClient(EngineClient):
             # A refused request is not in the engine; aborting its id could end another request using it.
             refused = admitted.done() and not admitted.cancelled() and admitted.exception() is not None
             if not finished and not refused:
-                self._submit(("abort", req.request_id, "client disconnected"))
+                self._submit(("abort", request_id, "client disconnected"))
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
         self._submit(("abort", request_id, reason))
@@ -194,9 +206,9 @@ class LocalEngineClient(EngineClient):
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
-        if kind == "add":
-            _, req, admitted, stream = cmd
-            self._add(req, admitted, stream)
+        if kind in ("add", "handoff"):
+            _, payload, admitted, stream = cmd
+            self._add(payload, admitted, stream)
         elif kind == "abort":
             _, rid, reason = cmd
             if self.engine.abort(rid, reason):
@@ -214,16 +226,20 @@ class LocalEngineClient(EngineClient):
             if self._deadline is None:
                 self._deadline = time.monotonic() + cmd[1]
 
-    def _add(self, req: SynthesisRequest, admitted: asyncio.Future, stream: _Stream) -> None:
+    def _add(self, req: SynthesisRequest | Handoff, admitted: asyncio.Future, stream: _Stream) -> None:
         if self._stopping:
             _settle(admitted, error=RequestRejected(503, "server is shutting down"))
             return
         try:
-            spec = build_spec(self.loaded, req.input)
-            seed = self.engine.add_request(EngineRequest(
-                request_id=req.request_id, spec=spec, sampling=req.sampling, max_frames=req.max_frames,
-                ignore_eos=req.ignore_eos, first_chunk_frames=req.first_chunk_frames,
-            ))
+            if isinstance(req, Handoff):
+                seed = self.engine.add_handoff(req)
+            else:
+                spec = build_spec(self.loaded, req.input)
+                seed = self.engine.add_request(EngineRequest(
+                    request_id=req.request_id, spec=spec, sampling=req.sampling, max_frames=req.max_frames,
+                    ignore_eos=req.ignore_eos, first_chunk_frames=req.first_chunk_frames,
+                    handoff_only=req.handoff_only,
+                ))
         except Exception as e:
             _settle(admitted, error=rejection(e))
             return
@@ -239,6 +255,7 @@ class LocalEngineClient(EngineClient):
                 audio=o.audio if o.audio is not None else np.zeros(0, np.float32),
                 num_frames=o.num_frames, num_prompt_tokens=o.num_prompt_tokens, finished=o.finished,
                 finish_reason=o.finish_reason, error=o.error, seed=o.seed, codes=o.codes.numpy(),
+                handoff=o.handoff,
             )
             if o.finished:
                 del self._streams[o.request_id]

@@ -68,18 +68,22 @@ class ReplicaRouter(EngineClient):
         return any(r.is_alive() for r in self.replicas)
 
     def stats(self) -> EngineStats:
-        parts = [r.stats() for r in self.replicas]
-        aborted: dict[str, int] = {}
-        for p in parts:
-            for k, v in p.aborted.items():
-                aborted[k] = aborted.get(k, 0) + v
-        blocks = sum(p.num_kv_blocks for p in parts)
-        free = sum(p.free_kv_blocks for p in parts)
-        return EngineStats(
-            waiting=sum(p.waiting for p in parts),
-            running=sum(p.running for p in parts),
-            kv_usage=(1.0 - free / blocks) if blocks else 0.0,
-            num_kv_blocks=blocks,
-            free_kv_blocks=free,
-            aborted=aborted,
-        )
+        return sum_stats([r.stats() for r in self.replicas])
+
+
+def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
+    """One view of several engines: counts add up, KV usage is over all their blocks."""
+    aborted: dict[str, int] = {}
+    for p in parts:
+        for k, v in p.aborted.items():
+            aborted[k] = aborted.get(k, 0) + v
+    blocks = sum(p.num_kv_blocks for p in parts)
+    free = sum(p.free_kv_blocks for p in parts)
+    return EngineStats(
+        waiting=sum(p.waiting for p in parts),
+        running=sum(p.running for p in parts),
+        kv_usage=(1.0 - free / blocks) if blocks else 0.0,
+        num_kv_blocks=blocks,
+        free_kv_blocks=free,
+        aborted=aborted,
+    )

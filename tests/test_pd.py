@@ -1,0 +1,146 @@
+"""Prefill-decode disaggregation in one process: MpNd gives the codes of `single` for seeded and greedy
+requests, frees every block on both sides, and refuses a handoff whose KV layout does not match."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from voxserve.engine.config import EngineConfig
+from voxserve.kv_transfer.handoff import LayoutMismatch
+from voxserve.models.qwen3_tts.inputs import SpeechInput
+from voxserve.models.qwen3_tts.loader import load_model
+from voxserve.models.qwen3_tts.sampling import SamplingParams
+from voxserve.pipeline.client import SynthesisRequest
+from voxserve.pipeline.local import LocalEngineClient
+from voxserve.pipeline.pd import PrefillDecodeRouter
+
+EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
+REF = torch.randint(0, 2048, (9, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    torch.set_num_threads(1)
+    return load_model(tiny_checkpoint)
+
+
+def engine(loaded) -> LocalEngineClient:
+    return LocalEngineClient(loaded, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=96,
+                                                  max_model_len=512, max_num_batched_tokens=64))
+
+
+def requests(n: int) -> list[SynthesisRequest]:
+    out = []
+    for i in range(n):
+        if i % 2:
+            inp = SpeechInput(f"In context clone number {i}.", speaker_embedding=EMB, ref_code=REF,
+                              ref_text="The reference transcript.")
+        else:
+            inp = SpeechInput(f"Plain sentence {i}, said twice.", language="english", speaker_embedding=EMB,
+                              x_vector_only=True)
+        greedy = i % 3 == 2
+        params = SamplingParams(seed=40 + i, max_new_tokens=7 + i % 4, do_sample=not greedy,
+                                subtalker_do_sample=not greedy)
+        out.append(SynthesisRequest(f"p{i}", inp, params))
+    return out
+
+
+async def run(client, reqs, concurrency):
+    await client.start()
+    sem = asyncio.Semaphore(concurrency)
+    try:
+        async def one(r):
+            async with sem:
+                return [c async for c in client.generate(r)]
+        return await asyncio.gather(*(one(r) for r in reqs))
+    finally:
+        await client.stop()
+
+
+def outcome(chunks):
+    codes = np.concatenate([c.codes for c in chunks if c.codes is not None])
+    return codes, np.concatenate([c.audio for c in chunks]), chunks[-1].finish_reason
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize(("m", "n"), [(1, 1), (1, 2), (2, 1)])
+def test_pd_gives_the_codes_of_single(loaded, m, n, concurrency):
+    reqs = requests(8)
+    want = asyncio.run(run(engine(loaded), reqs, concurrency))
+    prefill = [engine(loaded) for _ in range(m)]
+    decode = [engine(loaded) for _ in range(n)]
+    router = PrefillDecodeRouter(prefill, decode)
+    got = asyncio.run(run(router, reqs, concurrency))
+    for r, a, b in zip(reqs, want, got, strict=True):
+        ca, wa, fa = outcome(a)
+        cb, wb, fb = outcome(b)
+        assert fa == fb == "length", r.request_id
+        assert ca.shape == (r.sampling.max_new_tokens - 1, 16) and np.array_equal(ca, cb), r.request_id
+        assert wa.shape == wb.shape and np.abs(wa - wb).max() < 1e-5
+    for e in prefill + decode:
+        stats = e.stats()
+        assert stats.free_kv_blocks == stats.num_kv_blocks == 96
+    assert router.decode_in_flight == [0] * n
+
+
+def test_decode_refuses_a_handoff_of_another_layout(loaded, tmp_path):
+    from voxserve.models.qwen3_tts.testing import write_checkpoint
+    from voxserve.models.qwen3_tts.tiny import tiny_config
+
+    cfg = tiny_config("base")
+    cfg.talker_config.num_key_value_heads = 4  # a different KV layout
+    other = load_model(write_checkpoint(tmp_path / "other", cfg))
+
+    async def main():
+        pre, dec = engine(loaded), engine(other)
+        await pre.start()
+        await dec.start()
+        try:
+            req = requests(1)[0]
+            from dataclasses import replace
+            chunks = [c async for c in pre.generate(replace(req, handoff_only=True))]
+            handoff = chunks[-1].handoff
+            with pytest.raises(Exception) as err:
+                [c async for c in dec.generate_from_handoff(handoff)]
+            return chunks[-1], err.value, dec.stats()
+        finally:
+            await pre.stop()
+            await dec.stop()
+
+    last, err, stats = asyncio.run(main())
+    assert last.finish_reason == "handoff" and last.handoff is not None and last.handoff.num_tokens > 0
+    assert getattr(err, "status", None) == 500 and "kv_heads" in str(err)
+    assert stats.free_kv_blocks == stats.num_kv_blocks
+    with pytest.raises(LayoutMismatch):
+        last.handoff.layout.check_compatible(
+            type(last.handoff.layout)(**{**last.handoff.layout.__dict__, "kv_heads": 4}))
+
+
+def test_aborting_during_decode_frees_both_sides(loaded):
+    async def main():
+        prefill, decode = [engine(loaded)], [engine(loaded)]
+        router = PrefillDecodeRouter(prefill, decode)
+        await router.start()
+        try:
+            req = SynthesisRequest("long", SpeechInput("A long one.", language="english", speaker_embedding=EMB,
+                                                       x_vector_only=True),
+                                   SamplingParams(seed=1, max_new_tokens=200), ignore_eos=True, first_chunk_frames=1)
+            stream = router.generate(req)
+            first = await stream.__anext__()
+            await stream.aclose()
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                s = router.stats()
+                if s.free_kv_blocks == s.num_kv_blocks and s.running == 0:
+                    break
+            return first, router.stats()
+        finally:
+            await router.stop()
+
+    first, stats = asyncio.run(main())
+    assert first.num_frames >= 0
+    assert stats.free_kv_blocks == stats.num_kv_blocks == 192
