@@ -23,7 +23,9 @@ def test_parse():
     assert parse_topology("single") == Topology("single")
     assert parse_topology("Replicas:3") == Topology("replicas", 3)
     assert str(parse_topology("replicas:2")) == "replicas:2"
-    for bad, match in [("1p1d", "not implemented"), ("split", "not implemented"), ("replicas:0", "1 <= N"),
+    assert parse_topology("1p1d") == Topology("pd", 1, 1) and str(parse_topology("3P1D")) == "3p1d"
+    assert parse_topology("2p3d").num_workers == 5
+    for bad, match in [("0p1d", "1 <= M"), ("split", "not implemented"), ("replicas:0", "1 <= N"),
                        ("ring", "unknown")]:
         with pytest.raises(TopologyError, match=match):
             parse_topology(bad)

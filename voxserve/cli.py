@@ -1,4 +1,4 @@
-"""`voxserve` command line: `synth` (offline, one utterance to a WAV file)."""
+"""`voxserve` command line: `synth` (one utterance to a WAV file), `serve`, `bench`, `probe`."""
 
 from __future__ import annotations
 
@@ -72,11 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=_synth)
     from voxserve.bench.cli import add_parser as add_bench_parser
-
-    add_bench_parser(sub)
+    from voxserve.eval.probe import add_probe_parser
     from voxserve.server.cli import add_serve_parser
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
+    add_probe_parser(sub)
     return parser
 
 
