@@ -35,6 +35,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--topology", default="single", help="single | replicas:N (N engines behind a router)")
     t.add_argument("--devices", default=None,
                    help="comma-separated devices for the workers, in order (default: --device for all)")
+    t.add_argument("--workers", default="thread", choices=["thread", "process"],
+                   help="run each engine on a thread of the server process or in its own worker process")
     e = p.add_argument_group("engine (per worker)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoding at once")
     e.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -68,7 +70,7 @@ def serve(args: argparse.Namespace) -> int:
     from voxserve.engine.config import EngineConfig
     from voxserve.models.qwen3_tts.config import ConfigError
     from voxserve.models.qwen3_tts.default import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
-    from voxserve.models.qwen3_tts.loader import load_model
+    from voxserve.models.qwen3_tts.loader import load_generation_defaults, load_model, resolve_model_dir
     from voxserve.pipeline.topology import TopologyError, build_client, parse_topology
     from voxserve.server.app import build_app
     from voxserve.server.logs import configure_logging
@@ -111,7 +113,10 @@ def serve(args: argparse.Namespace) -> int:
             generation_defaults.update(loaded.generation_defaults)
             return loaded
 
-        client = build_client(topology, load, engine_config, devices=devices, name=name)
+        client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
+                              model_path=model_path)
+        if args.workers == "process":  # the workers load the model; its generation defaults come from disk
+            generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
     except (ConfigError, TopologyError, ValueError) as e:
         print(f"voxserve serve: error: {e}", file=sys.stderr)
         return 2
