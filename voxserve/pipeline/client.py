@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from voxserve.kv_transfer.handoff import Handoff
+from voxserve.models.qwen3_tts.config import Qwen3TTSConfig, SpeechTokenizerConfig
 from voxserve.models.qwen3_tts.inputs import SpeechInput, VoiceFeatures
+from voxserve.models.qwen3_tts.prompt import supported_languages
 from voxserve.models.qwen3_tts.sampling import SamplingParams
 
 
@@ -75,6 +77,12 @@ class ModelInfo:
     languages: list[str]
     speakers: list[str]
     hidden_size: int
+
+    @classmethod
+    def from_configs(cls, name: str, config: Qwen3TTSConfig, speech: SpeechTokenizerConfig) -> ModelInfo:
+        return cls(name=name, model_type=config.tts_model_type, model_size=config.tts_model_size,
+                   sample_rate=speech.output_sample_rate, languages=supported_languages(config),
+                   speakers=sorted(config.talker_config.spk_id), hidden_size=config.talker_config.hidden_size)
 
 
 class EngineClient(abc.ABC):

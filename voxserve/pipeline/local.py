@@ -26,7 +26,7 @@ from voxserve.kv_transfer.handoff import Handoff, LayoutMismatch
 from voxserve.models.qwen3_tts.audio import AudioError
 from voxserve.models.qwen3_tts.inputs import VoiceFeatures, build_spec, extract_voice
 from voxserve.models.qwen3_tts.loader import LoadedModel
-from voxserve.models.qwen3_tts.prompt import PromptError, supported_languages
+from voxserve.models.qwen3_tts.prompt import PromptError
 from voxserve.models.qwen3_tts.sampling import SamplingParamsError
 from voxserve.pipeline.client import (
     EngineClient,
@@ -63,16 +63,7 @@ class LocalEngineClient(EngineClient):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, name: str = "voxserve") -> None:
         self.loaded = loaded
         self.engine = Engine(loaded, config)
-        cfg = loaded.config
-        self.info = ModelInfo(
-            name=name,
-            model_type=cfg.tts_model_type,
-            model_size=cfg.tts_model_size,
-            sample_rate=loaded.sample_rate,
-            languages=supported_languages(cfg),
-            speakers=sorted(cfg.talker_config.spk_id),
-            hidden_size=cfg.talker_config.hidden_size,
-        )
+        self.info = ModelInfo.from_configs(name, loaded.config, loaded.speech_config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._aborted: Counter[str] = Counter()

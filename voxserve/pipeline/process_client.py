@@ -33,7 +33,6 @@ from voxserve.engine.config import EngineConfig
 from voxserve.models.qwen3_tts.config import load_model_config, load_speech_tokenizer_config
 from voxserve.models.qwen3_tts.inputs import VoiceFeatures
 from voxserve.models.qwen3_tts.loader import resolve_model_dir
-from voxserve.models.qwen3_tts.prompt import supported_languages
 from voxserve.pipeline import messages as m
 from voxserve.pipeline.client import (
     EngineClient,
@@ -62,9 +61,7 @@ def model_info(model_path: str | Path, name: str) -> ModelInfo:
     """What the server needs to know about a model, from its config files alone (no weights loaded)."""
     path = resolve_model_dir(model_path)
     cfg, speech = load_model_config(path), load_speech_tokenizer_config(path)
-    return ModelInfo(name=name, model_type=cfg.tts_model_type, model_size=cfg.tts_model_size,
-                     sample_rate=speech.output_sample_rate, languages=supported_languages(cfg),
-                     speakers=sorted(cfg.talker_config.spk_id), hidden_size=cfg.talker_config.hidden_size)
+    return ModelInfo.from_configs(name, cfg, speech)
 
 
 @dataclass
