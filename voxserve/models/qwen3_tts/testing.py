@@ -148,13 +148,13 @@ def random_model(
     """A `LoadedModel` with random weights built directly on `device`, for speed work on full-size configs
     (writing and reading GBs of random safetensors would only measure the disk). The text tokenizer is the
     small test one: the ids it produces are valid for any Qwen3-TTS text vocabulary."""
-    import tempfile
-
+    from .default import cache_dir
     from .loader import GENERATION_DEFAULTS as defaults
     from .loader import LoadedModel
 
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir else Path(tempfile.mkdtemp(prefix="voxserve-tok-"))
-    if not (tok_dir / "vocab.json").is_file():
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else cache_dir() / "random-model-tokenizer"
+    if not (tok_dir / "tokenizer_config.json").is_file():
+        tok_dir.mkdir(parents=True, exist_ok=True)
         write_text_tokenizer(tok_dir)
     torch.manual_seed(seed)
     with torch.device(device):
