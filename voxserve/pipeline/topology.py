@@ -72,6 +72,7 @@ def build_client(
     model_path: str | None = None,
     instance_id: str | None = None,
     process_options: dict | None = None,
+    memory_shares: list[float] | None = None,
 ) -> EngineClient:
     """One engine per worker; `load(device)` loads a model copy onto a device. Workers take `devices` in
     order (several workers may share one device, each with its own KV budget from `config`).
@@ -79,7 +80,8 @@ def build_client(
     `workers="thread"` runs each engine on a thread of this process (`load` is called here);
     `workers="process"` runs each in its own process (`voxserve.pipeline.worker`) that loads `model_path`
     itself; IPC names derive from `instance_id` (a fresh one when None); `process_options` are passed on
-    to `ProcessEngineClient` (e.g. torch_threads, start_timeout_s)."""
+    to `ProcessEngineClient` (e.g. torch_threads, start_timeout_s). `memory_shares` gives each worker its
+    own `gpu_memory_utilization` (prefill engines first); without it, workers sharing a device split it."""
     if workers not in ("thread", "process"):
         raise TopologyError(f"workers must be 'thread' or 'process', got {workers!r}")
     if workers == "process" and topology.kind == "pd":
@@ -91,6 +93,9 @@ def build_client(
         from voxserve.pipeline.process_client import ProcessEngineClient, new_instance_id
 
         instance_id = instance_id or new_instance_id()
+    if memory_shares is not None and len(memory_shares) != topology.num_workers:
+        raise TopologyError(f"{topology} runs {topology.num_workers} workers; worker_memory names "
+                            f"{len(memory_shares)}")
     devices = devices or [config.device]
     if len(devices) not in (1, topology.num_workers):
         raise TopologyError(f"{topology} runs {topology.num_workers} workers; give 1 device or "
@@ -99,7 +104,9 @@ def build_client(
     for i in range(topology.num_workers):
         device = devices[i % len(devices)]
         cfg = dataclasses.replace(config, device=device)
-        if len(devices) == 1 and topology.num_workers > 1:
+        if memory_shares is not None:
+            cfg.gpu_memory_utilization = memory_shares[i]
+        elif len(devices) == 1 and topology.num_workers > 1:
             # Workers sharing one device split its memory budget.
             cfg.gpu_memory_utilization = config.gpu_memory_utilization / topology.num_workers
         if workers == "process":

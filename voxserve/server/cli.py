@@ -32,7 +32,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--log-format", default="text", choices=["text", "json"])
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     t = p.add_argument_group("topology")
-    t.add_argument("--topology", default="single", help="single | replicas:N (N engines behind a router)")
+    t.add_argument("--topology", default="single",
+                   help="single | replicas:N (N engines behind a router) | MpNd (M prefill, N decode engines)")
+    t.add_argument("--deploy", default=None, help="a deploy/*.yaml file of options (the command line wins)")
     t.add_argument("--devices", default=None,
                    help="comma-separated devices for the workers, in order (default: --device for all)")
     t.add_argument("--workers", default="thread", choices=["thread", "process"],
@@ -60,7 +62,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests get on shutdown")
     r.add_argument("--voices-dir", default=None,
                    help="saved voices of a Base model (default: $VOXSERVE_CACHE/voices/<served name>)")
-    p.set_defaults(func=serve)
+    p.set_defaults(func=serve, serve_defaults={a.dest: a.default for a in p._actions})
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -71,12 +73,20 @@ def serve(args: argparse.Namespace) -> int:
     from voxserve.models.qwen3_tts.config import ConfigError
     from voxserve.models.qwen3_tts.default import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
     from voxserve.models.qwen3_tts.loader import load_generation_defaults, load_model, resolve_model_dir
+    from voxserve.pipeline.deploy import DeployError, apply_deploy, load_deploy
     from voxserve.pipeline.topology import TopologyError, build_client, parse_topology
     from voxserve.server.app import build_app
     from voxserve.server.logs import configure_logging
     from voxserve.server.settings import ServerSettings
     from voxserve.server.voices import VoiceStore
 
+    args.worker_memory = None
+    if args.deploy:
+        try:
+            apply_deploy(args, load_deploy(args.deploy, args.serve_defaults), args.serve_defaults)
+        except DeployError as e:
+            print(f"voxserve serve: error: {e}", file=sys.stderr)
+            return 2
     configure_logging(args.log_format, args.log_level)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
@@ -114,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
             return loaded
 
         client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
-                              model_path=model_path)
+                              model_path=model_path, memory_shares=args.worker_memory)
         if args.workers == "process":  # the workers load the model; its generation defaults come from disk
             generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
     except (ConfigError, TopologyError, ValueError) as e:

@@ -1,0 +1,60 @@
+"""deploy/*.yaml: every file is a valid topology with fitting devices and budgets; the command line wins."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from voxserve.pipeline.deploy import DeployError, apply_deploy, load_deploy
+from voxserve.pipeline.topology import parse_topology
+from voxserve.server.cli import add_serve_parser
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return serve_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_deploy_file_is_valid(path):
+    args = parse([])
+    apply_deploy(args, load_deploy(path, args.serve_defaults), args.serve_defaults)
+    topology = parse_topology(args.topology)
+    devices = args.devices.split(",")
+    assert len(devices) in (1, topology.num_workers)
+    if getattr(args, "worker_memory", None):
+        assert len(args.worker_memory) == topology.num_workers
+        # Workers that share a device must not ask for more than all of it.
+        per_device: dict[str, float] = {}
+        for dev, share in zip(devices, args.worker_memory, strict=True):
+            per_device[dev] = per_device.get(dev, 0.0) + share
+        assert all(total <= 1.0 for total in per_device.values()), per_device
+
+
+def test_expected_files_exist():
+    assert {p.stem for p in DEPLOY.glob("*.yaml")} >= {"single", "replicas", "1p1d", "1p3d", "1p6d", "3p1d"}
+
+
+def test_command_line_wins_and_unknown_keys_are_refused(tmp_path):
+    args = parse(["--max-num-seqs", "8"])
+    apply_deploy(args, load_deploy(DEPLOY / "1p1d.yaml", args.serve_defaults), args.serve_defaults)
+    assert args.max_num_seqs == 8 and args.topology == "1p1d" and args.worker_memory == [0.25, 0.65]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("topology: single\nwarp_drive: true\n")
+    with pytest.raises(DeployError, match="warp_drive"):
+        load_deploy(bad, args.serve_defaults)
+    bad.write_text("worker_memory: [0.5, 2]\n")
+    with pytest.raises(DeployError, match="fractions"):
+        load_deploy(bad, args.serve_defaults)
+    bad.write_text("- not a mapping\n")
+    with pytest.raises(DeployError, match="mapping"):
+        load_deploy(bad, args.serve_defaults)
