@@ -39,7 +39,6 @@ def make_handoff(
     layout: KVLayout,
 ) -> Handoff:
     """The handoff of a request whose prefill just ended (call before its blocks are freed)."""
-    max_frames = engine_req.max_frames if engine_req.max_frames is not None else engine_req.sampling.max_new_tokens - 1
     return Handoff(
         request_id=req.request_id,
         layout=layout,
@@ -50,7 +49,7 @@ def make_handoff(
         trailing_text=prompt.trailing_text.to(runner.dtype).clone(),
         sampling=engine_req.sampling,
         seed=seed,
-        max_frames=max_frames,
+        max_frames=req.max_frames,
         ignore_eos=engine_req.ignore_eos,
         first_chunk_frames=engine_req.first_chunk_frames,
         ref_code=None if ref_code is None else ref_code.to(torch.int64).cpu(),

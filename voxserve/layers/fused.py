@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from voxserve.layers.rotary import apply_rotary
+
 
 def cuda_compiled(fn: Callable) -> Callable:
     """`fn` eagerly for CPU tensors, through `torch.compile` (compiled lazily) for CUDA tensors."""
@@ -39,13 +41,6 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 @cuda_compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back before the weight multiply (the Qwen3 order)."""
@@ -56,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
     """q/k head norm followed by the rotary embedding: x [..., heads, D], cos/sin broadcastable."""
-    return _rotate(_rms(x, weight, eps), cos, sin)
+    return apply_rotary(_rms(x, weight, eps), cos, sin)
 
 
 @cuda_compiled

@@ -6,7 +6,6 @@ Delivery (whole file, raw stream, SSE) is `streaming.SpeechResponder`'s job; the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ from voxserve.server.media import MediaError, MediaPolicy, resolve_ref_audio
 from voxserve.server.schemas import SpeechRequest
 from voxserve.server.settings import ServerSettings
 from voxserve.server.streaming import SpeechResponder
-from voxserve.server.voices import VoiceStore
+from voxserve.server.voices import VoiceStore, parse_speaker_embedding
 
 SPEECH_PATH = "/v1/audio/speech"
 TASK_TYPES = {"base": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
@@ -208,15 +207,10 @@ class SpeechService:
         return fields
 
     def _embedding(self, values: list[float]) -> torch.Tensor:
-        hidden = self.client.info.hidden_size
-        if len(values) != hidden:
-            raise ApiError(400, f"speaker_embedding has {len(values)} values; this model needs {hidden}",
-                           "invalid_speaker_embedding", "speaker_embedding")
-        t = torch.tensor(values, dtype=torch.float32)
-        if not bool(torch.isfinite(t).all()) or not all(math.isfinite(v) for v in values):
-            raise ApiError(400, "speaker_embedding values must be finite float32 numbers",
-                           "invalid_speaker_embedding", "speaker_embedding")
-        return t
+        try:
+            return parse_speaker_embedding(values, self.client.info.hidden_size)
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_speaker_embedding", "speaker_embedding") from e
 
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 403, 404, 413, 429, 500, 503, 504)}

@@ -225,19 +225,10 @@ class VoiceStore:
         return Voice(name, emb, code, ref_text if keep_codes else None, time.time(), "audio")
 
     def _embedding_tensor(self, values: object) -> torch.Tensor:
-        hidden = self.client.info.hidden_size
-        if not isinstance(values, (list, tuple)) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
-        ):
-            raise VoiceError(400, "speaker_embedding must be a list of numbers")
-        if len(values) != hidden:
-            raise VoiceError(400, f"speaker_embedding has {len(values)} values; this model needs {hidden}")
-        if not all(math.isfinite(v) for v in values):
-            raise VoiceError(400, "speaker_embedding contains NaN or infinite values")
-        t = torch.tensor(values, dtype=torch.float32)
-        if not torch.isfinite(t).all():
-            raise VoiceError(400, "speaker_embedding values overflow float32")
-        return t
+        try:
+            return parse_speaker_embedding(values, self.client.info.hidden_size)
+        except ValueError as e:
+            raise VoiceError(400, str(e)) from e
 
     def _path(self, key: str) -> Path:
         return self.root / f"{key}{_SUFFIX}"
@@ -331,3 +322,19 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def parse_speaker_embedding(values: object, hidden: int) -> torch.Tensor:
+    """A client-supplied x-vector as a float32 [hidden] tensor; ValueError says what is wrong with it."""
+    if not isinstance(values, (list, tuple)) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+    ):
+        raise ValueError("speaker_embedding must be a list of numbers")
+    if len(values) != hidden:
+        raise ValueError(f"speaker_embedding has {len(values)} values; this model needs {hidden}")
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError("speaker_embedding contains NaN or infinite values")
+    t = torch.tensor(values, dtype=torch.float32)
+    if not torch.isfinite(t).all():
+        raise ValueError("speaker_embedding values overflow float32")
+    return t
