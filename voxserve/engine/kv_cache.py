@@ -51,10 +51,6 @@ class PagedKVCache(KVCache):
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         kc, vc = self.k[layer], self.v[layer]

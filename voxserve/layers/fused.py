@@ -30,7 +30,6 @@ def cuda_compiled(fn: Callable) -> Callable:
             compiled = torch.compile(fn, dynamic=True)
         return compiled(x, *args, **kwargs)
 
-    wrapper.eager = fn  # type: ignore[attr-defined]
     return wrapper
 
 
