@@ -12,6 +12,12 @@ fi
 # The official implementation, used only as a parity oracle: its declared dependencies (gradio,
 # torchaudio, sox, onnxruntime) are not needed for the 12 Hz path, and tests/oracle.py stubs the imports.
 "$PY" -m pip install -q --no-deps "qwen-tts==0.1.1"
+# The Mooncake transfer engine (a test dependency: the `mooncake` KV backend is tested over TCP) links
+# libibverbs even in its CPU/TCP build; install the system library when it is missing.
+if ! "$PY" -c "import mooncake.engine" 2>/dev/null && command -v apt-get >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q libibverbs1 >/dev/null; }
+fi
 "$PY" -m ruff check voxserve tests
 # CI runs the slow parity checks too (full-size configs, ~1 min more).
 export VOXSERVE_SLOW_TESTS=${VOXSERVE_SLOW_TESTS:-1}

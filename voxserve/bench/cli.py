@@ -186,6 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from .environment import environment
     from .sweep import SweepConfig, SweepError, parse_flag, run_sweep
 
     requests, ccfg, slo, config = _prepare(args)
@@ -211,7 +212,7 @@ def _sweep(args: argparse.Namespace) -> int:
             "mode": config["request"]["mode"], "fixed_length": fixed["rule"] if fixed else None,
             "max_num_seqs": parse_flag(scfg.server_args, "--max-num-seqs"), "max_new_tokens": args.max_new_tokens,
             "request_rate": args.request_rate,
-            "slo": config["slo"]}
+            "slo": config["slo"], "environment": environment()}
     try:
         cells, paths = run_sweep(scfg, requests, ccfg, config, slo, meta)
     except SweepError as e:

@@ -133,7 +133,7 @@ def summary_markdown(cells: list[dict], meta: dict) -> str:
     """SUMMARY.md: the sweep's settings, fairness notes and one row per (topology, concurrency)."""
     lines = ["# voxserve bench sweep", ""]
     for key in ("model", "dataset", "mode", "fixed_length", "max_num_seqs", "max_new_tokens", "server_args",
-                "request_rate", "slo", "control"):
+                "request_rate", "slo", "topology_args", "control", "environment"):
         if meta.get(key) not in (None, "", [], {}):
             lines.append(f"- **{key}**: `{meta[key]}`")
     lines.append("")

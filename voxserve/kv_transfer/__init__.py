@@ -5,7 +5,8 @@ library is needed only by the deployments that use it:
 
     inproc    both ends in one process (tests, single-process topologies)
     shm       same host, separate processes: POSIX shared memory + a control channel (the default)
-    mooncake  cross-host over TCP/RDMA (extra: pip install voxserve[mooncake]); not implemented yet
+    mooncake  cross-host over TCP/RDMA: one-sided reads from the sender's registered arena by the
+              Mooncake Transfer Engine (extra: pip install voxserve[mooncake])
     nixl      cross-host over UCX (extra: pip install voxserve[nixl]); not implemented yet
 """
 
