@@ -8,6 +8,7 @@ import torch
 from engine_helpers import engine_config, run_all, tiny_model
 
 from voxserve.engine.engine import Engine, EngineRequest
+from voxserve.engine.mtp_replicas import group_buckets
 from voxserve.layers.paged_attention import decode_attention, decode_attention_reference
 from voxserve.layers.snake import snake_beta, snake_beta_reference
 from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
@@ -73,3 +74,35 @@ def test_graph_decode_equals_cpu_engine(tmp_path):
     for i in range(6):
         assert torch.equal(got.frames(f"g{i}"), eager.frames(f"g{i}"))
         assert torch.equal(got.frames(f"g{i}"), want.frames(f"g{i}"))
+
+
+def test_mtp_replicas_on_cuda_match_one_group(tmp_path):
+    """mtp_replicas=2 on CUDA (one stream, graph pool and bucket set per group; groups of 4 rows replayed as
+    a 3-row and a padded 1-row chunk) gives the codes of K=1 with graphs, of K=2 eager and of the CPU engine,
+    with requests of different lengths leaving and two joining mid-run."""
+    cpu = tiny_model(tmp_path, "base")
+    gpu = load_model(cpu.path, device="cuda")
+    emb = torch.randn(64, generator=torch.Generator().manual_seed(1))
+
+    def run(lm, **kw):
+        spec = build_spec(lm, SpeechInput("Hello there, how are you?", language="english",
+                                          speaker_embedding=emb, x_vector_only=True))
+        reqs = [EngineRequest(f"g{i}", spec, SamplingParams(seed=i, max_new_tokens=8 + 2 * i)) for i in range(8)]
+        reqs[5].sampling = SamplingParams(do_sample=False, subtalker_do_sample=False, max_new_tokens=14)
+        engine = Engine(lm, engine_config(**kw))
+        return engine, run_all(engine, reqs[:6], join_at={5: reqs[6:]})
+
+    _, want = run(cpu)
+    _, one = run(gpu, device="cuda", cuda_graph_max_batch=6)
+    engine, two = run(gpu, device="cuda", cuda_graph_max_batch=6, mtp_replicas=2)
+    _, eager = run(gpu, device="cuda", enforce_eager=True, mtp_replicas=2)
+    reps = engine.runner.replicas
+    assert all(r.stream is not None and sorted(r.graphs) == sorted(group_buckets(6, 2)) for r in reps)
+    assert all(rows > 0 for rows in engine.runner.replica_rows)
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+    print(f"graph memory reserved: K=2 {engine.runner.graph_bytes / 2**20:.1f} MiB")
+    for i in range(8):
+        rid = f"g{i}"
+        assert torch.equal(two.frames(rid), one.frames(rid)), rid
+        assert torch.equal(two.frames(rid), eager.frames(rid)), rid
+        assert torch.equal(two.frames(rid), want.frames(rid)), rid

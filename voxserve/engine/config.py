@@ -41,6 +41,9 @@ class EngineConfig:
     """Skip CUDA-graph capture."""
     cuda_graph_max_batch: int = 64
     """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
+    mtp_replicas: int = 1
+    """Code-predictor replica groups (`mtp:K`): the decode batch is split into K groups by crc32(request id),
+    each running on its own stream with its own CUDA graphs, so groups overlap on the device."""
     first_chunk_frames: int = 1
     """Frames in the first streamed codec chunk (time to first audio)."""
     chunk_frames: int = 25
@@ -51,6 +54,9 @@ class EngineConfig:
     dtype: str = "bfloat16"
     codec_dtype: str = "float32"
     """The codec decoder's dtype (the reference runs it in fp32)."""
+    emit_audio: bool = True
+    """Decode audio in this engine. False: a talker-only engine (`split`) that never runs the codec decoder
+    and streams each step's codes with empty audio; a codec worker turns them into PCM."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_waiting",
@@ -63,6 +69,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and not _is_positive_int(self.num_kv_blocks):
             raise ValueError(f"EngineConfig.num_kv_blocks must be a positive int or None, got {self.num_kv_blocks!r}")
+        if not _is_positive_int(self.mtp_replicas):
+            raise ValueError(f"EngineConfig.mtp_replicas must be a positive int, got {self.mtp_replicas!r}")
+        if self.mtp_replicas > self.max_num_seqs:
+            raise ValueError(f"EngineConfig.mtp_replicas ({self.mtp_replicas}) must be <= max_num_seqs "
+                             f"({self.max_num_seqs}): a replica group without a request to run is pure overhead")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running request decodes every step; the budget must cover a full decode batch.
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -73,5 +84,7 @@ class EngineConfig:
         for name in ("dtype", "codec_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"EngineConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+        if not isinstance(self.emit_audio, bool):
+            raise ValueError(f"EngineConfig.emit_audio must be a bool, got {self.emit_audio!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"EngineConfig.device must be a non-empty string, got {self.device!r}")

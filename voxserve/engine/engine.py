@@ -20,6 +20,7 @@ from voxserve.engine.config import EngineConfig
 from voxserve.engine.disagg import make_handoff, model_hash, receive_handoff
 from voxserve.engine.kv_cache import PagedKVCache
 from voxserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
+from voxserve.engine.mtp_replicas import replica_group
 from voxserve.engine.request import Request
 from voxserve.engine.sampler import draw_seed
 from voxserve.engine.scheduler import Scheduler, StepResult
@@ -91,7 +92,9 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(talker, config, num_blocks, tts_pad)
-        self.codec = CodecStreamer(loaded.speech_tokenizer.decoder, config.first_chunk_frames, config.chunk_frames)
+        # A talker-only engine (`split`) has no codec streamer: its codes go to a codec worker.
+        self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, config.first_chunk_frames, config.chunk_frames)
+                      if config.emit_audio else None)
         self.live: dict[str, _Live] = {}
         self._done: list[RequestOutput] = []
         self.eos_id = loaded.config.talker_config.codec_eos_token_id
@@ -117,8 +120,8 @@ class Engine:
                 f"{self.config.max_text_tokens}"
             )
         seed = er.sampling.seed if er.sampling.seed is not None else draw_seed()
-        if er.handoff_only:
-            er.stream_audio = False  # the decode worker streams this request's audio
+        if er.handoff_only or self.codec is None:
+            er.stream_audio = False  # the decode worker (or the codec worker) makes this request's audio
         req = Request(request_id=er.request_id, prompt_len=prompt.length, max_frames=max_frames)
         self.scheduler.add(req)
         self.live[er.request_id] = _Live(req, prompt, er, seed, ref_code=er.spec.ref_code)
@@ -133,7 +136,7 @@ class Engine:
         h.validate()
         prompt = TalkerPrompt(embeds=h.trailing_text[:0], trailing_text=h.trailing_text, tts_pad=self.runner.tts_pad)
         er = EngineRequest(h.request_id, spec=None, sampling=h.sampling, max_frames=h.max_frames,
-                           ignore_eos=h.ignore_eos, stream_audio=stream_audio,
+                           ignore_eos=h.ignore_eos, stream_audio=stream_audio and self.codec is not None,
                            first_chunk_frames=h.first_chunk_frames)
         req = Request(request_id=h.request_id, prompt_len=h.num_tokens, max_frames=h.max_frames, kv_handoff=True)
         self.scheduler.add(req)
@@ -144,7 +147,8 @@ class Engine:
         """Frees the request's blocks and slot at once; its final output says `abort`. Unknown ids: False."""
         req = self.scheduler.abort(request_id, reason)
         live = self.live.pop(request_id, None)
-        self.codec.close(request_id)
+        if self.codec is not None:
+            self.codec.close(request_id)
         if req is None or live is None:
             return False
         self._done.append(self._final(live, "abort", reason))
@@ -179,7 +183,7 @@ class Engine:
             self.scheduler.update([])
             return outputs
         finished = {r.request_id: r for r in self.scheduler.update(results)}
-        audio, codec_errors = self.codec.flush(set(finished))
+        audio, codec_errors = self.codec.flush(set(finished)) if self.codec is not None else ({}, {})
         for rid in codec_errors.keys() - finished.keys():
             req = self.scheduler.fail(rid, codec_errors[rid])
             if req is not None:
@@ -225,7 +229,8 @@ class Engine:
         outputs = []
         for r in reqs:
             self.scheduler.fail(r.request_id, reason)
-            self.codec.close(r.request_id)
+            if self.codec is not None:
+                self.codec.close(r.request_id)
             live = self.live.pop(r.request_id, None)
             if live is not None:
                 outputs.append(self._final(live, "error", reason))
@@ -254,7 +259,9 @@ class Engine:
     def _run_decodes(self, reqs: list[Request]) -> list[StepResult]:
         if not reqs:
             return []
-        work = [DecodeWork(r.slot, r.num_computed_tokens, list(r.block_table)) for r in reqs]
+        k = self.config.mtp_replicas
+        work = [DecodeWork(r.slot, r.num_computed_tokens, list(r.block_table), replica_group(r.request_id, k))
+                for r in reqs]
         codes, nxt = self.runner.decode(work)
         nxt_ids = nxt.tolist()
         results = []
@@ -292,7 +299,9 @@ class Engine:
         # its own weights, activations and KV must fit in it, and the KV must fit in what is free now.
         own = sum(t.numel() * t.element_size() for m in (self.loaded.model, self.loaded.speech_tokenizer)
                   for t in list(m.parameters()) + list(m.buffers())) + packed_bytes(self.loaded.talker)
-        reserve = 4 << 30  # activations of the largest step, CUDA graphs, codec streaming state
+        # Activations of the largest step, CUDA graphs, codec streaming state. With mtp_replicas = K there are K
+        # graph pools, but each group's buckets stop at ceil(batch / K), so together they hold about one pool.
+        reserve = 4 << 30
         budget = min(int(total * self.config.gpu_memory_utilization) - own - reserve, free - reserve)
         if budget < per_block * 16:
             raise RuntimeError(f"not enough device memory for a KV cache (budget {budget / 2**30:.2f} GiB)")

@@ -5,10 +5,15 @@ hot path). Decode runs every running request together: one batched code-predicto
 then one batched talker step, then codebook-0 sampling. On CUDA that whole decode step is one CUDA graph
 per batch-size bucket (captured largest first into one memory pool, padded rows pointing at a scratch slot
 and a scratch KV block); on the CPU it runs eagerly through the same function.
+
+With `mtp_replicas = K > 1` the decode batch is split into K replica groups (see `mtp_replicas.py`), each
+with its own stream, graphs, pool and scratch rows, launched back to back so their work overlaps on the
+GPU; weights, per-slot state and the paged KV pool are shared (groups touch disjoint rows and blocks).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -17,6 +22,7 @@ import torch
 
 from voxserve.engine.config import EngineConfig
 from voxserve.engine.kv_cache import DecodeMeta, PagedKVCache, PrefillMeta
+from voxserve.engine.mtp_replicas import Replica, group_buckets
 from voxserve.engine.sampler import Sampler
 from voxserve.engine.slot_state import SlotState
 from voxserve.models.qwen3_tts.decoder_layer import pack_projections
@@ -39,6 +45,7 @@ class DecodeWork:
     slot: int
     position: int  # position of the talker token written this step
     block_table: list[int]
+    group: int = 0  # replica group (`mtp_replicas.replica_group`), fixed for the request's life
 
 
 class ModelRunner:
@@ -50,21 +57,30 @@ class ModelRunner:
         self.device, self.dtype = weight.device, weight.dtype
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        # One extra block past the allocator's range is the scratch block of padded rows.
-        self.scratch_block = num_kv_blocks
+        k = config.mtp_replicas
+        # Past the allocator's range, each replica group has one scratch block and one scratch slot for its
+        # padded rows, so concurrent groups never write the same padding memory.
         self.kv = PagedKVCache(
-            tc.num_hidden_layers, num_kv_blocks + 1, config.block_size, tc.num_key_value_heads, tc.head_dim,
+            tc.num_hidden_layers, num_kv_blocks + k, config.block_size, tc.num_key_value_heads, tc.head_dim,
             self.dtype, self.device,
         )
-        self.slots = SlotState(config.max_num_seqs, tc.hidden_size, tc.vocab_size, config.max_text_tokens,
+        self.slots = SlotState(config.max_num_seqs + k - 1, tc.hidden_size, tc.vocab_size, config.max_text_tokens,
                                self.dtype, self.device)
         self.tts_pad = tts_pad.to(device=self.device, dtype=self.dtype)
         # The fused (compiled) sampler is what makes sampling cheap inside the CUDA graph.
         self.sampler = Sampler.from_talker_config(tc, compile=self.device.type == "cuda")
         if self.device.type == "cuda":
             pack_projections(talker)
-        self.graphs: dict[int, _DecodeGraph] = {}
-        self.graph_pool = None
+        streams = self.device.type == "cuda" and k > 1
+        self.replicas = [
+            Replica(g, copy.copy(self.kv), config.max_num_seqs + g, num_kv_blocks + g,
+                    torch.cuda.Stream(self.device) if streams else None)
+            for g in range(k)
+        ]
+        # Decode batches up to this size run as graph replays (chunked per group when a group outgrows its
+        # largest bucket); larger ones run eagerly.
+        self.graph_limit = min(config.cuda_graph_max_batch, config.max_num_seqs)
+        self.graph_bytes = 0
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
 
@@ -99,48 +115,84 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, work: list[DecodeWork]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One frame for every request in `work`: returns (codes [B, 16], next codebook 0 [B]) on the CPU."""
-        bsz = len(work)
-        bucket = next((b for b in sorted(self.graphs) if b >= bsz), None)
-        inputs = self._decode_inputs(work, bucket or bsz)
-        if bucket is not None:
-            codes, nxt = self.graphs[bucket].replay(inputs)
-        else:
-            codes, nxt = self._decode_step(*inputs)
-        # One device-to-host copy per step.
-        host = torch.cat([codes[:bsz], nxt[:bsz, None]], dim=1).cpu()
+        """One frame for every request in `work`: returns (codes [B, 16], next codebook 0 [B]) on the CPU.
+
+        Each replica group runs its rows on its own stream; the main stream joins them all before the one
+        device-to-host copy of the step."""
+        if not work:
+            return torch.zeros(0, 16, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        slots, positions, tables, groups = self._host_rows(work)
+        main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        parts, order = [], []
+        for rep in self.replicas:
+            if len(self.replicas) == 1:
+                rows = (slots, positions, tables)
+            else:
+                idx = np.flatnonzero(groups == rep.index)
+                if not idx.size:
+                    continue
+                order.append(idx)
+                rows = (slots[idx], positions[idx], tables[idx])
+            parts.append(rep.run(rows, self.graph_limit, self._decode_inputs, self._decode_step, main))
+        if main is not None:
+            for rep in self.replicas:
+                if rep.stream is not None:
+                    main.wait_stream(rep.stream)
+        host = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
+        if order:  # back from group order to the order of `work`
+            host = host[torch.from_numpy(np.argsort(np.concatenate(order), kind="stable"))]
         return host[:, :-1], host[:, -1]
 
-    def _decode_inputs(self, work: list[DecodeWork], padded: int) -> tuple[torch.Tensor, ...]:
-        # Host-side metadata is built in numpy: one vectorised pass instead of a tensor op per request.
+    @property
+    def replica_rows(self) -> list[int]:
+        """Real rows each replica group has decoded so far (one entry per group)."""
+        return [rep.rows for rep in self.replicas]
+
+    def _host_rows(self, work: list[DecodeWork]) -> tuple[np.ndarray, ...]:
+        # Host-side metadata is built in numpy: one pass over the requests, the rest vectorised.
         n = len(work)
-        slots = np.full(padded, self.slots.scratch, dtype=np.int64)
-        positions = np.zeros(padded, dtype=np.int64)
-        tables = np.full((padded, self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
+        slots = np.empty(n, dtype=np.int64)
+        positions = np.empty(n, dtype=np.int64)
+        groups = np.empty(n, dtype=np.int64)
+        # Entries past a row's own blocks are never attended (the CUDA kernel stops at the context length, the
+        # CPU path masks them), but must name a valid block: the first scratch block.
+        tables = np.full((n, self.max_blocks_per_seq), self.replicas[0].scratch_block, dtype=np.int32)
         for i, w in enumerate(work):
             slots[i] = w.slot
             positions[i] = w.position
+            groups[i] = w.group
             tables[i, : len(w.block_table)] = w.block_table
-        blocks = tables[np.arange(padded), positions // self.block_size].astype(np.int64)
-        slot_mapping = blocks * self.block_size + positions % self.block_size
-        context_lens = (positions + 1).astype(np.int32)
-        if n < padded:
-            slot_mapping[n:] = self.scratch_block * self.block_size
+        if not (0 <= groups.min() and groups.max() < len(self.replicas)):
+            raise ValueError(f"decode work names a replica group outside [0, {len(self.replicas)})")
+        return slots, positions, tables, groups
+
+    def _decode_inputs(self, slots: np.ndarray, positions: np.ndarray, tables: np.ndarray, padded: int,
+                       rep: Replica) -> tuple[torch.Tensor, ...]:
+        """Device inputs of `len(slots)` rows padded to `padded`; padding reads and writes only the group's
+        scratch slot and scratch block. Call on the group's stream."""
+        n = len(slots)
+        s = np.full(padded, rep.scratch_slot, dtype=np.int64)
+        pos = np.zeros(padded, dtype=np.int64)
+        s[:n], pos[:n] = slots, positions
+        t = tables if n == padded else np.concatenate(
+            [tables, np.full((padded - n, self.max_blocks_per_seq), rep.scratch_block, dtype=np.int32)])
+        blocks = t[np.arange(padded), pos // self.block_size].astype(np.int64)
+        slot_mapping = blocks * self.block_size + pos % self.block_size
+        context_lens = (pos + 1).astype(np.int32)
         dev = self.device
-        return tuple(
-            torch.from_numpy(a).to(dev, non_blocking=True)
-            for a in (slots, positions, slot_mapping, tables, context_lens)
-        )
+        return tuple(torch.from_numpy(a).to(dev, non_blocking=True) for a in (s, pos, slot_mapping, t, context_lens))
 
     def _decode_step(
         self,
+        kv: PagedKVCache,
         slots: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole per-frame computation on device tensors only (graph-capturable)."""
+        """The whole per-frame computation on device tensors only (graph-capturable). `kv` is the calling
+        group's view of the shared cache."""
         s, talker = self.slots, self.talker
         frame = s.frames[slots]
         st = s.gather_params(slots, frame)
@@ -150,9 +202,9 @@ class ModelRunner:
         )
         codes = torch.cat([c0.unsqueeze(1), residual], dim=1)
         embeds = talker.embed_frame(codes) + s.text_for(slots, frame, self.tts_pad)
-        self.kv.meta = DecodeMeta(slot_mapping, block_tables, context_lens)
-        hidden = talker(embeds.unsqueeze(1), positions.unsqueeze(1), self.kv)[:, 0]
-        self.kv.meta = None
+        kv.meta = DecodeMeta(slot_mapping, block_tables, context_lens)
+        hidden = talker(embeds.unsqueeze(1), positions.unsqueeze(1), kv)[:, 0]
+        kv.meta = None
         st.frame = frame + 1
         nxt = self.sampler.sample_codebook0(talker.logits(hidden), st, s.seen, slots)
         s.past_hidden[slots] = hidden
@@ -166,36 +218,11 @@ class ModelRunner:
     # --- CUDA graphs ----------------------------------------------------------------------------------
 
     def _capture_graphs(self) -> None:
-        limit = min(self.config.cuda_graph_max_batch, self.config.max_num_seqs)
-        sizes = sorted({b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-                        if b <= limit} | {limit}, reverse=True)
-        for b in sizes:
-            graph = _DecodeGraph(self, b)
-            self.graphs[b] = graph
-            self.graph_pool = graph.pool
-        log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
-
-
-class _DecodeGraph:
-    """A captured decode step for one padded batch size, with static input and output tensors."""
-
-    def __init__(self, runner: ModelRunner, batch: int) -> None:
-        self.inputs = runner._decode_inputs([], batch)
-        # Warm up on the side stream (kernel selection, Triton compilation) before capturing; the padded
-        # rows only touch the scratch slot and the scratch block.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):
-                runner._decode_step(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=runner.graph_pool):
-            self.outputs = runner._decode_step(*self.inputs)
-        self.pool = self.graph.pool()
-
-    def replay(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        for static, new in zip(self.inputs, inputs, strict=True):
-            static.copy_(new, non_blocking=True)
-        self.graph.replay()
-        return self.outputs
+        sizes = group_buckets(self.graph_limit, len(self.replicas))
+        no_rows = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, self.max_blocks_per_seq), np.int32))
+        before = torch.cuda.memory_reserved(self.device)
+        for rep in self.replicas:
+            rep.capture(sizes, no_rows, self._decode_inputs, self._decode_step)
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) - before
+        log.info("captured decode CUDA graphs for %d replica group(s), batch sizes %s each (%.1f MiB reserved)",
+                 len(self.replicas), sorted(sizes), self.graph_bytes / 2**20)
