@@ -1,0 +1,283 @@
+"""`split`: a talker-only engine (emit_audio=False) streams codes to a codec worker. Codes and audio equal
+`single`'s for seeded and greedy requests (in-context clones included), the talker runs no codec, a codec
+failure fails only its request, aborts free both sides, and the talker may run as a worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from voxserve.engine.config import EngineConfig
+from voxserve.engine.engine import Engine, EngineRequest
+from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
+from voxserve.models.qwen3_tts.loader import load_model
+from voxserve.models.qwen3_tts.sampling import SamplingParams
+from voxserve.pipeline.client import RequestRejected, SynthesisRequest
+from voxserve.pipeline.codec_worker import CodecEngine, load_codec_decoder
+from voxserve.pipeline.local import LocalEngineClient
+from voxserve.pipeline.split import SplitClient, build_split_client
+
+EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
+REF = torch.randint(0, 2048, (9, 16), generator=torch.Generator().manual_seed(1))
+CLIP = np.random.default_rng(0).uniform(-0.5, 0.5, 24000).astype(np.float32)
+BLOCKS = 128
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    torch.set_num_threads(1)
+    return load_model(tiny_checkpoint)
+
+
+def config(**kw) -> EngineConfig:
+    base = dict(device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=BLOCKS, max_model_len=512,
+                max_num_batched_tokens=256, first_chunk_frames=1, chunk_frames=3)
+    return EngineConfig(**{**base, **kw})
+
+
+def requests(n: int) -> list[SynthesisRequest]:
+    out = []
+    for i in range(n):
+        if i % 4 == 1:  # in-context clone of a saved voice
+            inp = SpeechInput(f"In context clone number {i}.", speaker_embedding=EMB, ref_code=REF,
+                              ref_text="The reference transcript.")
+        elif i % 4 == 3:  # in-context clone from reference audio (its codes are extracted first)
+            inp = SpeechInput(f"Cloned from audio {i}.", ref_audio=CLIP, ref_sample_rate=24000,
+                              ref_text="The reference transcript.")
+        else:
+            inp = SpeechInput(f"Plain sentence {i}, said twice.", language="english", speaker_embedding=EMB,
+                              x_vector_only=True)
+        greedy = i % 3 == 2
+        params = SamplingParams(seed=40 + i, max_new_tokens=7 + i % 5, do_sample=not greedy,
+                                subtalker_do_sample=not greedy)
+        out.append(SynthesisRequest(f"s{i}", inp, params, first_chunk_frames=2 if i == 4 else None))
+    return out
+
+
+async def run(client, reqs, concurrency):
+    await client.start()
+    sem = asyncio.Semaphore(concurrency)
+    try:
+        async def one(r):
+            async with sem:
+                return [c async for c in client.generate(r)]
+        return await asyncio.gather(*(one(r) for r in reqs))
+    finally:
+        await client.stop()
+
+
+def outcome(chunks):
+    codes = np.concatenate([c.codes for c in chunks if c.codes is not None])
+    return codes, np.concatenate([c.audio for c in chunks]), chunks[-1]
+
+
+def split_client(tiny_checkpoint, devices, **kw) -> SplitClient:
+    return build_split_client(lambda dev: load_model(tiny_checkpoint, device=dev), config(**kw), devices)
+
+
+def assert_same(want, got, reqs):
+    for r, a, b in zip(reqs, want, got, strict=True):
+        ca, wa, la = outcome(a)
+        cb, wb, lb = outcome(b)
+        assert la.finish_reason == lb.finish_reason == "length", (r.request_id, lb.error)
+        assert (la.seed, la.num_frames, la.num_prompt_tokens) == (lb.seed, lb.num_frames, lb.num_prompt_tokens)
+        assert ca.shape == (r.sampling.max_new_tokens - 1, 16) and np.array_equal(ca, cb), r.request_id
+        assert wa.shape == wb.shape and np.abs(wa - wb).max() < 1e-5, r.request_id
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
+def test_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoint, devices, concurrency):
+    reqs = requests(8)
+    want = asyncio.run(run(LocalEngineClient(loaded, config()), reqs, concurrency))
+    client = split_client(tiny_checkpoint, devices)
+    got = asyncio.run(run(client, reqs, concurrency))
+    assert_same(want, got, reqs)
+    # The first audio comes on the same schedule as single: first_chunk_frames, then chunk_frames.
+    for r, chunks in zip(reqs, got, strict=True):
+        sizes = [c.audio.size // 1920 for c in chunks if c.audio.size]
+        first = r.first_chunk_frames or 1
+        assert sizes[0] == first and all(s == 3 for s in sizes[1:-1]) and 1 <= sizes[-1] <= 3
+    stats = client.stats()
+    assert stats.free_kv_blocks == stats.num_kv_blocks == BLOCKS and stats.running == 0
+    assert client.codec.stats().streams == 0 and client.codec.stats().frames_decoded == sum(
+        r.sampling.max_new_tokens - 1 for r in reqs)
+
+
+def test_talker_only_engine_runs_no_codec(tiny_checkpoint, monkeypatch):
+    talker_model = load_model(tiny_checkpoint)
+    reference = Engine(load_model(tiny_checkpoint), config())
+    engine = Engine(talker_model, config(emit_audio=False))
+    assert engine.codec is None
+
+    def boom(*a, **kw):
+        raise AssertionError("the talker-only engine ran the codec decoder")
+
+    monkeypatch.setattr(talker_model.speech_tokenizer.decoder, "stream_step", boom)
+    got = {}
+    for e in (reference, engine):
+        reqs = requests(3)
+        for r in reqs:
+            spec = build_spec(e.loaded, r.input)
+            e.add_request(EngineRequest(r.request_id, spec, r.sampling))
+        codes, audio = {}, {}
+        while e.has_unfinished():
+            for o in e.step():
+                codes.setdefault(o.request_id, []).append(o.codes)
+                if o.audio is not None:
+                    audio.setdefault(o.request_id, []).append(o.audio)
+                # A talker-only engine streams every step's codes at once.
+                assert e is reference or o.finished or o.codes.shape[0] == 1
+        got[e is engine] = ({k: torch.cat(v) for k, v in codes.items()}, audio)
+    (want_codes, want_audio), (codes, audio) = got[False], got[True]
+    assert want_audio and not audio
+    assert want_codes.keys() == codes.keys() and all(torch.equal(want_codes[k], codes[k]) for k in codes)
+
+    # In the topology too: the codec worker has its own decoder; the talker's is never touched.
+    client = build_split_client(lambda dev: talker_model, config(), ["cpu", "cpu"])
+    [chunks] = asyncio.run(run(client, requests(1), 1))
+    assert chunks[-1].finish_reason == "length" and sum(c.audio.size for c in chunks) == 6 * 1920
+    assert client.talker.engine.codec is None
+
+
+def test_codec_engine_cuts_bursts_on_the_single_schedule(loaded):
+    codes = torch.randint(0, 2048, (10, 16), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for burst in (1, 10, 4):
+        eng = CodecEngine(loaded.speech_tokenizer.decoder, first_chunk_frames=1, chunk_frames=4)
+        eng.open("a", ref_code=REF)
+        outs = []
+        for i in range(0, 10, burst):
+            eng.push("a", codes[i : i + burst])
+            outs += eng.step()
+        eng.end("a")
+        outs += eng.step()
+        assert [o.frames for o in outs if o.frames] == [1, 4, 4, 1] and outs[-1].finished
+        assert eng.num_streams == 0 and eng.frames_decoded == 10
+        runs.append(np.concatenate([o.audio for o in outs]))
+    assert all(np.abs(w - runs[0]).max() < 1e-6 for w in runs[1:])
+    eng = CodecEngine(loaded.speech_tokenizer.decoder)
+    eng.open("b")
+    with pytest.raises(ValueError, match=r"\[n, 16\]"):
+        eng.push("b", codes[:, :8])
+    with pytest.raises(ValueError, match="duplicate"):
+        eng.open("b")
+    assert eng.abort("b") and not eng.push("b", codes) and not eng.abort("b")
+
+
+def test_codec_decoder_alone_matches_the_full_load(loaded, tiny_checkpoint):
+    decoder = load_codec_decoder(tiny_checkpoint, "cpu")
+    full = loaded.speech_tokenizer.decoder.state_dict()
+    assert decoder.state_dict().keys() == full.keys()
+    assert all(torch.equal(v, full[k]) for k, v in decoder.state_dict().items())
+
+
+def test_a_codec_failure_fails_only_its_request(tiny_checkpoint):
+    client = split_client(tiny_checkpoint, ["cpu", "cpu"])
+    decoder = client.codec.engine.streamer.decoder
+    real = decoder.stream_step
+
+    def flaky(codes, state, lengths=None):
+        if codes.shape[-1] == 2:  # only the request with first_chunk_frames=2 decodes 2-frame chunks
+            raise RuntimeError("injected codec fault")
+        return real(codes, state, lengths)
+
+    decoder.stream_step = flaky
+    reqs = [SynthesisRequest(f"f{i}", SpeechInput(f"Sentence {i}.", language="english", speaker_embedding=EMB,
+                                                  x_vector_only=True),
+                             SamplingParams(seed=i, max_new_tokens=60 if i == 2 else 8), ignore_eos=True,
+                             first_chunk_frames=2 if i == 2 else None) for i in range(5)]
+    got = asyncio.run(run(client, reqs, 5))
+    for i, chunks in enumerate(got):
+        last = chunks[-1]
+        if i == 2:
+            assert last.finish_reason == "error" and "injected codec fault" in last.error
+        else:
+            assert last.finish_reason == "length" and sum(c.audio.size for c in chunks) == 7 * 1920
+    stats = client.stats()
+    assert stats.free_kv_blocks == stats.num_kv_blocks == BLOCKS
+    # The talker's half is aborted (unless it had already finished its frames) and the failure is counted.
+    assert stats.aborted.get("codec error") == 1 and set(stats.aborted) <= {"codec error", "codec failed"}
+    assert client.codec.stats().streams == 0
+
+
+def test_abort_mid_stream_frees_both_sides(tiny_checkpoint):
+    client = split_client(tiny_checkpoint, ["cpu"])
+    long = SpeechInput("A long one.", language="english", speaker_embedding=EMB, x_vector_only=True)
+
+    async def main():
+        await client.start()
+        try:
+            gen = client.generate(SynthesisRequest("gone", long, SamplingParams(seed=1, max_new_tokens=300),
+                                                   ignore_eos=True))
+            seen = [await gen.__anext__() for _ in range(3)]
+            await gen.aclose()  # the client went away
+            other = client.generate(SynthesisRequest("cut", long, SamplingParams(seed=2, max_new_tokens=300),
+                                                     ignore_eos=True))
+            first = await other.__anext__()
+            await client.abort("cut", "operator")
+            rest = [c async for c in other]
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                s = client.stats()
+                if s.free_kv_blocks == BLOCKS and s.running == 0 and client.codec.stats().streams == 0:
+                    break
+                await asyncio.sleep(0.02)
+            return seen, [first, *rest], client.stats(), client.codec.stats()
+        finally:
+            await client.stop()
+
+    seen, cut, stats, codec = asyncio.run(main())
+    assert not seen[-1].finished and seen[0].audio.size == 1920
+    assert cut[-1].finished and cut[-1].finish_reason == "abort" and cut[-1].error == "operator"
+    assert stats.free_kv_blocks == stats.num_kv_blocks == BLOCKS and stats.running == stats.waiting == 0
+    assert codec.streams == 0 and codec.failures == {}
+    assert client.talker.engine.live == {}
+
+
+def test_rejections_pass_through_and_open_nothing(tiny_checkpoint):
+    client = split_client(tiny_checkpoint, ["cpu"])
+    bad = SynthesisRequest("bad", SpeechInput("   ", language="english", speaker_embedding=EMB, x_vector_only=True),
+                           SamplingParams(seed=1))
+
+    async def main():
+        await client.start()
+        try:
+            with pytest.raises(RequestRejected) as err:
+                [c async for c in client.generate(bad)]
+            await asyncio.sleep(0.2)
+            return err.value, client.codec.stats()
+        finally:
+            await client.stop()
+            assert not client.is_alive()
+            with pytest.raises(RequestRejected):
+                [c async for c in client.generate(requests(1)[0])]
+
+    err, codec = asyncio.run(main())
+    assert err.status == 400 and "empty" in err.message and codec.streams == 0
+
+
+def test_process_talker_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoint):
+    reqs = requests(4)
+    want = asyncio.run(run(LocalEngineClient(loaded, config()), reqs, 4))
+    client = build_split_client(None, config(), ["cpu"], workers="process", model_path=str(tiny_checkpoint),
+                                process_options={"torch_threads": 1, "start_timeout_s": 60})
+    from voxserve.pipeline.process_client import ProcessEngineClient
+
+    assert isinstance(client.talker, ProcessEngineClient) and client.talker.config.emit_audio is False
+    talker_audio = []
+    talker_generate = client.talker.generate
+
+    async def spy(req):  # the flag travels to the worker: its chunks carry codes and no audio
+        async for chunk in talker_generate(req):
+            talker_audio.append(chunk.audio.size)
+            yield chunk
+
+    client.talker.generate = spy
+    got = asyncio.run(run(client, reqs, 4))
+    assert_same(want, got, reqs)
+    assert len(talker_audio) > len(reqs) and not any(talker_audio)
