@@ -10,17 +10,24 @@ from voxserve.cli import main
 from voxserve.eval.probe import probe
 
 
-@pytest.mark.parametrize("topology", ["replicas:2", "1p1d", "2p1d"])
-def test_probe_finds_identical_codes(tiny_checkpoint, topology):
-    report = probe(topology, str(tiny_checkpoint), "cpu", n=4, concurrency=2, frames=6, greedy=False)
-    assert report["codes_identical"] and all(report["identical_per_request"])
-    assert report["finish_reasons"] == ["length"] * 4
-    assert report["ttfp_ratio"] > 0
+@pytest.mark.parametrize(("topology", "workers", "mtp"), [
+    ("replicas:2", "thread", 1), ("1p1d", "thread", 1), ("2p1d", "thread", 1), ("split", "thread", 1),
+    ("single", "thread", 2), ("1p1d", "process", 2),
+])
+def test_probe_finds_identical_codes(tiny_checkpoint, topology, workers, mtp):
+    report = probe(topology, str(tiny_checkpoint), "cpu", n=4, concurrencies=[1, 3], frames=6, greedy=False,
+                   workers=workers, mtp_replicas=mtp)
+    assert report["codes_identical"] and [r["concurrency"] for r in report["runs"]] == [1, 3]
+    for run in report["runs"]:
+        assert all(run["identical_per_request"]) and run["finish_reasons"] == ["length"]
+        assert run["ttfp_ratio"] > 0 and run["frames_per_s_topology"] > 0
 
 
-def test_probe_cli(tiny_checkpoint, capsys):
+def test_probe_cli(tiny_checkpoint, capsys, tmp_path):
+    out_file = tmp_path / "probe.json"
     rc = main(["probe", "--topology", "1p2d", "--model", str(tiny_checkpoint), "--device", "cpu",
-               "--requests", "3", "--concurrency", "3", "--frames", "5", "--greedy"])
+               "--requests", "3", "--concurrency", "3", "--frames", "5", "--greedy", "--out", str(out_file)])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["codes_identical"] and out["topology"] == "1p2d"
-    assert main(["probe", "--topology", "split", "--model", str(tiny_checkpoint), "--device", "cpu"]) == 2
+    assert json.loads(out_file.read_text()) == out
+    assert main(["probe", "--topology", "mtp:2", "--model", str(tiny_checkpoint), "--device", "cpu"]) == 2

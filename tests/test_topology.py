@@ -25,7 +25,8 @@ def test_parse():
     assert str(parse_topology("replicas:2")) == "replicas:2"
     assert parse_topology("1p1d") == Topology("pd", 1, 1) and str(parse_topology("3P1D")) == "3p1d"
     assert parse_topology("2p3d").num_workers == 5
-    for bad, match in [("0p1d", "1 <= M"), ("split", "not implemented"), ("replicas:0", "1 <= N"),
+    assert parse_topology("split") == Topology("split") and parse_topology("split").num_workers == 2
+    for bad, match in [("0p1d", "1 <= M"), ("mtp:2", "--mtp-replicas"), ("replicas:0", "1 <= N"),
                        ("ring", "unknown")]:
         with pytest.raises(TopologyError, match=match):
             parse_topology(bad)

@@ -1,13 +1,15 @@
 """`voxserve probe`: run the same seeded requests through a topology and through `single`, and report whether
 the codes are identical and how the time to first audio compares.
 
-    voxserve probe --topology 1p1d --requests 8 --concurrency 4 [--model PATH] [--greedy]
+    voxserve probe --topology 1p1d --requests 8 --concurrency 1,8 [--workers process] [--kv-transfer shm]
+                   [--mtp-replicas K] [--model PATH] [--greedy]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -34,6 +36,7 @@ class RunResult:
     codes: list[np.ndarray]
     ttfp_s: list[float]
     reasons: list[str | None]
+    wall_s: float
 
 
 def probe_requests(loaded: LoadedModel, n: int, frames: int, greedy: bool) -> list[SynthesisRequest]:
@@ -63,11 +66,11 @@ def probe_requests(loaded: LoadedModel, n: int, frames: int, greedy: bool) -> li
     return reqs
 
 
-async def run_client(client: EngineClient, reqs: list[SynthesisRequest], concurrency: int) -> RunResult:
+async def run_client(client: EngineClient, reqs: list[SynthesisRequest], concurrencies: list[int]) -> list[RunResult]:
+    """Starts `client` once and runs all of `reqs` at each concurrency in turn."""
     await client.start()
-    sem = asyncio.Semaphore(concurrency)
 
-    async def one(req: SynthesisRequest):
+    async def one(req: SynthesisRequest, sem: asyncio.Semaphore):
         async with sem:
             t0 = time.perf_counter()
             ttfp, codes, reason = None, [], None
@@ -79,15 +82,24 @@ async def run_client(client: EngineClient, reqs: list[SynthesisRequest], concurr
                 reason = chunk.finish_reason
             return np.concatenate(codes) if codes else np.zeros((0, 16), np.int64), ttfp or float("nan"), reason
 
+    results = []
     try:
-        out = await asyncio.gather(*(one(r) for r in reqs))
+        for conc in concurrencies:
+            sem = asyncio.Semaphore(conc)
+            t0 = time.perf_counter()
+            out = await asyncio.gather(*(one(r, sem) for r in reqs))
+            results.append(RunResult([o[0] for o in out], [o[1] for o in out], [o[2] for o in out],
+                                     time.perf_counter() - t0))
     finally:
         await client.stop()
-    return RunResult([o[0] for o in out], [o[1] for o in out], [o[2] for o in out])
+    return results
 
 
-def probe(topology: str, model: str | None, device: str, n: int, concurrency: int, frames: int,
-          greedy: bool) -> dict:
+def probe(topology: str, model: str | None, device: str, n: int, concurrencies: list[int], frames: int,
+          greedy: bool, workers: str = "thread", kv_backend: str = "shm", mtp_replicas: int = 1,
+          memory: float = 0.2) -> dict:
+    """`single` (thread, one code-predictor group) against `topology` for the same seeded requests at each
+    concurrency: code equality, TTFP p50 and frames/s side by side."""
     import torch
 
     from voxserve.engine.config import EngineConfig
@@ -97,8 +109,9 @@ def probe(topology: str, model: str | None, device: str, n: int, concurrency: in
 
     path = model or default_model_dir()
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    config = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."), max_num_seqs=max(concurrency, 1),
-                          max_model_len=4096, gpu_memory_utilization=0.4)
+    config = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."),
+                          max_num_seqs=max(max(concurrencies), 1), max_model_len=4096,
+                          gpu_memory_utilization=memory)
 
     def load(dev: str) -> LoadedModel:
         return load_model(path, device=dev, dtype=dtype)
@@ -106,17 +119,26 @@ def probe(topology: str, model: str | None, device: str, n: int, concurrency: in
     reference = load(device)
     reqs = probe_requests(reference, n, frames, greedy)
     single = asyncio.run(run_client(build_client(parse_topology("single"), lambda _: reference, config), reqs,
-                                    concurrency))
-    other = asyncio.run(run_client(build_client(parse_topology(topology), load, config), reqs, concurrency))
-    equal = [bool(np.array_equal(a, b)) for a, b in zip(single.codes, other.codes, strict=True)]
-    return {
-        "topology": topology, "requests": n, "concurrency": concurrency, "frames": frames, "greedy": greedy,
-        "codes_identical": all(equal), "identical_per_request": equal,
-        "finish_reasons": other.reasons,
-        "ttfp_p50_single_s": statistics.median(single.ttfp_s),
-        "ttfp_p50_topology_s": statistics.median(other.ttfp_s),
-        "ttfp_ratio": statistics.median(other.ttfp_s) / statistics.median(single.ttfp_s),
-    }
+                                    concurrencies))
+    other_cfg = dataclasses.replace(config, mtp_replicas=mtp_replicas)
+    other = asyncio.run(run_client(build_client(parse_topology(topology), load, other_cfg, workers=workers,
+                                                model_path=str(path), kv_backend=kv_backend), reqs, concurrencies))
+    runs = []
+    for conc, a, b in zip(concurrencies, single, other, strict=True):
+        equal = [bool(np.array_equal(x, y)) for x, y in zip(a.codes, b.codes, strict=True)]
+        frames_total = sum(len(c) for c in b.codes)
+        runs.append({
+            "concurrency": conc, "codes_identical": all(equal), "identical_per_request": equal,
+            "finish_reasons": sorted(set(map(str, b.reasons))),
+            "ttfp_p50_single_s": statistics.median(a.ttfp_s), "ttfp_p50_topology_s": statistics.median(b.ttfp_s),
+            "ttfp_ratio": statistics.median(b.ttfp_s) / statistics.median(a.ttfp_s),
+            "frames_per_s_single": sum(len(c) for c in a.codes) / a.wall_s,
+            "frames_per_s_topology": frames_total / b.wall_s,
+            "throughput_ratio": (frames_total / b.wall_s) / (sum(len(c) for c in a.codes) / a.wall_s),
+        })
+    return {"topology": topology, "workers": workers, "kv_backend": kv_backend, "mtp_replicas": mtp_replicas,
+            "device": device, "model": str(path), "requests": n, "frames": frames, "greedy": greedy,
+            "codes_identical": all(r["codes_identical"] for r in runs), "runs": runs}
 
 
 def add_probe_parser(sub: argparse._SubParsersAction) -> None:
@@ -125,9 +147,14 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model directory or hub id (default: the embedded tiny model)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", default="4", help="comma list, e.g. 1,8,32 (each topology starts once)")
     p.add_argument("--frames", type=int, default=16)
     p.add_argument("--greedy", action="store_true")
+    p.add_argument("--workers", choices=["thread", "process"], default="thread")
+    p.add_argument("--kv-transfer", default="shm", help="KV backend of process MpNd: shm | mooncake")
+    p.add_argument("--mtp-replicas", type=int, default=1, help="code-predictor replicas of the topology's engines")
+    p.add_argument("--memory", type=float, default=0.2, help="gpu_memory_utilization of each side")
+    p.add_argument("--out", default=None, help="also write the report (JSON) here")
     p.set_defaults(func=_main)
 
 
@@ -138,12 +165,17 @@ def _main(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        report = probe(args.topology, args.model, device, args.requests, args.concurrency, args.frames,
-                       args.greedy)
-    except TopologyError as e:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        report = probe(args.topology, args.model, device, args.requests, concurrencies, args.frames,
+                       args.greedy, args.workers, args.kv_transfer, args.mtp_replicas, args.memory)
+    except (TopologyError, ValueError) as e:
         print(f"voxserve probe: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
     return 0 if report["codes_identical"] else 1
 
 

@@ -30,6 +30,7 @@ class SynthesisRequest:
     ignore_eos: bool = False
     first_chunk_frames: int | None = None  # None: the engine's default
     handoff_only: bool = False  # prefill workers: stop after prefill, the last chunk carries the Handoff
+    handoff_to: int | None = None  # process MpNd: the decode worker whose KV link takes the handoff
 
 
 @dataclass

@@ -154,6 +154,7 @@ class LocalEngineClient(EngineClient):
                     for rid in list(self._streams):
                         self.engine.abort(rid, "server shutting down")
                     self._deliver(self.engine.step())
+                    self._refresh_stats()
                     return
                 self._deliver(self.engine.step())
                 self._refresh_stats()

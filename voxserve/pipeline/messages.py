@@ -5,8 +5,9 @@ header `{"type": ..., "v": 1, "body": {...}, "arrays": [[name, dtype, shape], ..
 is the raw C-order bytes of one array, in the order the header lists them. Nothing is pickled: decoding
 only ever builds the types named here, and any header or frame that does not fit raises `MessageError`.
 
-Direction: Submit, Abort, ExtractVoice, Shutdown go server -> worker; Ready, Chunk, Rejected, VoiceResult,
-Stats, Heartbeat go worker -> server. `request_id` doubles as the call id of ExtractVoice/VoiceResult.
+Direction: Submit, AwaitHandoff, Abort, ExtractVoice, Shutdown go server -> worker; Ready, Chunk, Rejected,
+VoiceResult, Stats, LinkStatus, Heartbeat go worker -> server. `request_id` doubles as the call id of
+ExtractVoice/VoiceResult.
 """
 
 from __future__ import annotations
@@ -39,6 +40,27 @@ class Submit:
     """Start streaming one request."""
 
     request: SynthesisRequest
+
+
+@dataclass
+class AwaitHandoff:
+    """Decode worker of process MpNd: arm the KV link from prefill worker `peer` for `request_id`, then stream
+    the request's chunks once its handoff lands (or end it with an error chunk when the transfer fails)."""
+
+    request_id: str
+    peer: int
+    deadline_s: float
+
+
+@dataclass
+class LinkStatus:
+    """A worker's KV link to worker `peer` of the other role: its state (not_ready | ready | failed), why it
+    failed, and the connector's counters (sent, received, failed, timeouts, late, duplicate, unknown, ...)."""
+
+    peer: int
+    state: str
+    error: str | None = None
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,7 +127,8 @@ class Heartbeat:
     seq: int
 
 
-Message = Submit | Abort | Chunk | Rejected | ExtractVoice | VoiceResult | Stats | Ready | Shutdown | Heartbeat
+Message = (Submit | AwaitHandoff | Abort | Chunk | Rejected | ExtractVoice | VoiceResult | Stats | LinkStatus | Ready
+           | Shutdown | Heartbeat)
 
 
 # --- encoding -----------------------------------------------------------------------------------------
@@ -235,7 +258,7 @@ def _enc_submit(m: Submit):
     r, inp = m.request, m.request.input
     body = {
         "request_id": r.request_id, "max_frames": r.max_frames, "ignore_eos": r.ignore_eos,
-        "first_chunk_frames": r.first_chunk_frames,
+        "first_chunk_frames": r.first_chunk_frames, "handoff_to": r.handoff_to,
         "input": {k: getattr(inp, k) for k in _INPUT_FIELDS},
         "sampling": {k: getattr(r.sampling, k) for k in _SAMPLING_FIELDS},
     }
@@ -265,6 +288,7 @@ def _dec_submit(b: _Body) -> Submit:
         request_id=b.get("request_id", str), input=inp, sampling=SamplingParams(**sub["sampling"]),
         max_frames=b.get("max_frames", int, optional=True), ignore_eos=b.get("ignore_eos", bool),
         first_chunk_frames=b.get("first_chunk_frames", int, optional=True),
+        handoff_to=b.get("handoff_to", int, optional=True),
     ))
 
 
@@ -277,7 +301,7 @@ def _enc_chunk(m: Chunk):
 
 def _dec_chunk(b: _Body) -> Chunk:
     reason = b.get("finish_reason", str, optional=True)
-    if reason not in (None, "stop", "length", "abort", "error"):
+    if reason not in (None, "stop", "length", "abort", "error", "handoff"):
         raise MessageError(f"chunk: unknown finish_reason {reason!r}")
     return Chunk(b.get("request_id", str), StreamChunk(
         audio=b.array("audio", "float32", 1), num_frames=b.get("num_frames", int),
@@ -320,8 +344,21 @@ def _dec_ready(b: _Body) -> Ready:
     return Ready(info, b.get("pid", int), b.get("generation_defaults", dict))
 
 
+def _dec_link_status(b: _Body) -> LinkStatus:
+    state, counters = b.get("state", str), b.get("counters", dict)
+    if state not in ("not_ready", "ready", "failed"):
+        raise MessageError(f"link_status: unknown state {state!r}")
+    if not all(isinstance(k, str) and _is_int(v) for k, v in counters.items()):
+        raise MessageError("link_status: field 'counters' must map names to counts")
+    return LinkStatus(b.get("peer", int), state, b.get("error", str, optional=True), counters)
+
+
 _ENCODERS = {
     Submit: _enc_submit,
+    AwaitHandoff: lambda m: ("await_handoff", {"request_id": m.request_id, "peer": m.peer,
+                                               "deadline_s": m.deadline_s}, {}),
+    LinkStatus: lambda m: ("link_status", {"peer": m.peer, "state": m.state, "error": m.error,
+                                           "counters": m.counters}, {}),
     Abort: lambda m: ("abort", {"request_id": m.request_id, "reason": m.reason}, {}),
     Chunk: _enc_chunk,
     Rejected: lambda m: ("rejected", {"request_id": m.request_id, "status": m.status, "message": m.message,
@@ -339,6 +376,8 @@ _ENCODERS = {
 
 _DECODERS = {
     "submit": _dec_submit,
+    "await_handoff": lambda b: AwaitHandoff(b.get("request_id", str), b.get("peer", int), b.get("deadline_s", float)),
+    "link_status": _dec_link_status,
     "abort": lambda b: Abort(b.get("request_id", str), b.get("reason", str)),
     "chunk": _dec_chunk,
     "rejected": lambda b: Rejected(b.get("request_id", str), b.get("status", int), b.get("message", str),

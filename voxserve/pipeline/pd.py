@@ -3,14 +3,18 @@
 The router places a request on the least-loaded prefill engine, which builds the prompt, runs the talker
 prefill, samples the first codebook-0 token and returns a `Handoff` (KV + side state); the router then
 places the handoff on a decode engine (least loaded, ties round robin), which streams the frames and audio.
-Here every engine runs on a thread of this process and the handoff moves by reference (the `inproc`
-path); process workers move it through a `voxserve.kv_transfer` connector instead.
+`PrefillDecodeRouter` runs every engine on a thread of this process and moves the handoff by reference;
+`LinkedPrefillDecodeRouter` runs them as worker processes and the handoff moves straight from the prefill
+worker to the decode worker over their KV link (`kv_links.py`: shm or mooncake), never through this
+process: the router picks the pair, arms the decode side, sends the prompt to the prefill side, and
+streams what the decode worker produces.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
@@ -76,3 +80,87 @@ class PrefillDecodeRouter(EngineClient):
 
     def stats(self) -> EngineStats:
         return sum_stats([self.prefill.stats(), *(d.stats() for d in self.decode)])
+
+
+class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
+    """MpNd over worker processes joined by KV links (see the module docstring)."""
+
+    def __init__(self, prefill: Sequence, decode: Sequence, receive_timeout_s: float = 300.0,
+                 link_timeout_s: float = 120.0) -> None:
+        super().__init__(prefill, decode)
+        self.receive_timeout_s = receive_timeout_s  # decode side: from the submit until the handoff lands
+        self.link_timeout_s = link_timeout_s
+
+    async def start(self) -> None:
+        await super().start()
+        await self.wait_links()
+
+    async def wait_links(self) -> None:
+        """Waits (bounded) until every prefill worker reports every link ready; a link that failed its
+        handshake (e.g. a KV layout mismatch between workers) makes the deployment fail to start."""
+        deadline = time.monotonic() + self.link_timeout_s
+        while True:
+            states = {(p, d): c.links.get(d) for p, c in enumerate(self.prefill.replicas)
+                      for d in range(len(self.decode))}
+            failed = [f"prefill {p} -> decode {d}: {s.error}" for (p, d), s in states.items()
+                      if s is not None and s.state == "failed"]
+            if failed:
+                await self.stop(0.0)
+                raise RuntimeError("KV links failed: " + "; ".join(failed))
+            if all(s is not None and s.state == "ready" for s in states.values()):
+                return
+            if time.monotonic() > deadline:
+                await self.stop(0.0)
+                waiting = [f"prefill {p} -> decode {d}" for (p, d), s in states.items() if s is None or
+                           s.state != "ready"]
+                raise RuntimeError(f"KV links not ready within {self.link_timeout_s:.0f} s: " + ", ".join(waiting))
+            await asyncio.sleep(0.05)
+
+    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        p, d = self.prefill.pick(), self.pick_decode()
+        prefill, decode = self.prefill.replicas[p], self.decode[d]
+        rid = req.request_id
+        self.prefill.in_flight[p] += 1
+        self.decode_in_flight[d] += 1
+        self.prefill._placement[rid] = p
+        decoded = decode.await_handoff(rid, p, self.receive_timeout_s)  # armed before the prefill starts
+        # Both sides are watched at once: the decode side may start streaming before the prefill's "sent"
+        # arrives, and may fail first (its receive deadline), which must end the request at once.
+        prefilled = asyncio.ensure_future(_last_chunk(prefill.generate(replace(req, handoff_only=True,
+                                                                                 handoff_to=d))))
+        first = asyncio.ensure_future(anext(decoded))
+        try:
+            await asyncio.wait({prefilled, first}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                end = prefilled.result()  # raises RequestRejected: the prefill worker refused it
+                if end.finish_reason != "handoff":  # EOS at prefill, abort, failure: the decode side never runs
+                    yield end
+                    return
+            chunk = await first
+            yield chunk
+            if not chunk.finished:
+                async for chunk in decoded:
+                    yield chunk
+        finally:
+            for task in (first, prefilled):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(first, prefilled, return_exceptions=True)
+            if not (first.done() and not first.cancelled() and first.exception() is None):
+                await decode.abort(rid, "prefill ended")  # the decode side is still armed: disarm it
+            await decoded.aclose()
+            self.prefill.in_flight[p] -= 1
+            self.decode_in_flight[d] -= 1
+            self.prefill._placement.pop(rid, None)
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        await asyncio.gather(*(c.abort(request_id, reason) for c in [*self.prefill.replicas, *self.decode]))
+
+
+async def _last_chunk(chunks: AsyncIterator[StreamChunk]) -> StreamChunk:
+    last = None
+    async for chunk in chunks:
+        last = chunk
+    if last is None:
+        raise RequestRejected(500, "the prefill worker ended the request without a chunk")
+    return last

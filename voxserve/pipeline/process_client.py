@@ -42,6 +42,7 @@ from voxserve.pipeline.client import (
     StreamChunk,
     SynthesisRequest,
 )
+from voxserve.pipeline.kv_links import KVLinkSpec
 from voxserve.pipeline.worker import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class ProcessEngineClient(EngineClient):
         start_timeout_s: float = 300.0,
         heartbeat_s: float = 0.5,
         heartbeat_timeout_s: float = 15.0,
+        kv: KVLinkSpec | None = None,
     ) -> None:
         self.model_path = str(resolve_model_dir(model_path))
         self.config = dataclasses.replace(engine_config, device=device or engine_config.device)
@@ -98,6 +100,8 @@ class ProcessEngineClient(EngineClient):
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.generation_defaults: dict = {}
+        self.kv = kv
+        self.links: dict[int, m.LinkStatus] = {}  # process MpNd: the worker's KV links, by peer index
         self.proc: subprocess.Popen | None = None
         self.dead_reason: str | None = None  # set once the worker is found dead
         self._stats = EngineStats(num_kv_blocks=self.config.num_kv_blocks or 0)
@@ -134,6 +138,7 @@ class ProcessEngineClient(EngineClient):
             model_path=self.model_path, engine_config=dataclasses.asdict(self.config), name=self.info.name,
             label=self.label, cmd_endpoint=f"ipc://{self.ipc_paths[0]}", out_endpoint=f"ipc://{self.ipc_paths[1]}",
             parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s, torch_threads=self.torch_threads,
+            kv=None if self.kv is None else self.kv.to_dict(),
         )
         env = dict(os.environ)
         root = str(Path(voxserve.__file__).resolve().parents[1])  # the worker imports the same voxserve
@@ -196,17 +201,30 @@ class ProcessEngineClient(EngineClient):
     # --- requests -------------------------------------------------------------------------------------
 
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        stream = self._open(req.request_id, m.Submit(req))
+        async for chunk in self._read(req.request_id, stream):
+            yield chunk
+
+    def await_handoff(self, request_id: str, peer: int, deadline_s: float) -> AsyncIterator[StreamChunk]:
+        """Process MpNd, decode worker: arm its KV link from prefill worker `peer` now (raises RequestRejected
+        if it cannot) and return the request's chunks, which flow once the handoff lands. Closing the
+        iterator early aborts the request (and cancels the transfer if it is still in flight)."""
+        return self._read(request_id, self._open(request_id, m.AwaitHandoff(request_id, peer, deadline_s)))
+
+    def _open(self, rid: str, msg: m.Message) -> _Stream:
         if not self.is_alive():
             raise RequestRejected(503, self._unavailable())
-        rid = req.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if rid in self._streams:
                 raise RequestRejected(400, f"request id {rid!r} is already in flight")
             self._streams[rid] = stream
-        if not self._send(m.Submit(req)):
+        if not self._send(msg):
             self._streams.pop(rid, None)
             raise RequestRejected(503, self._unavailable())
+        return stream
+
+    async def _read(self, rid: str, stream: _Stream) -> AsyncIterator[StreamChunk]:
         done = False
         try:
             while True:
@@ -318,6 +336,8 @@ class ProcessEngineClient(EngineClient):
             self._last_beat = time.monotonic()
         elif isinstance(msg, m.Stats):
             self._stats = msg.stats
+        elif isinstance(msg, m.LinkStatus):
+            self.links[msg.peer] = msg
         elif isinstance(msg, m.Chunk):
             with self._lock:
                 stream = (self._streams.pop if msg.chunk.finished else self._streams.get)(msg.request_id, None)

@@ -1,9 +1,11 @@
 """Topology names and how they become an `EngineClient`.
 
-Supported here: `single` (one engine), `replicas:N` (N engines behind the least-loaded router) and `MpNd`
-(M prefill engines handing requests to N decode engines), each engine on its own thread (or, with
-workers="process", in its own process; not yet for MpNd) and device. `split` and code-predictor replicas are
-named by the architecture but not built yet: asking for them is a clear error.
+Supported: `single` (one engine), `split` (a talker engine streaming codes to a codec worker),
+`replicas:N` (N engines behind the least-loaded router) and `MpNd` (M prefill engines handing requests to N
+decode engines), each engine on its own thread or (workers="process") in its own worker process, on its
+device. Process MpNd moves each handoff over a KV link between the two workers (`kv_backend`: shm or
+mooncake). Code-predictor replicas are an engine setting (`EngineConfig.mtp_replicas`), so they combine
+with every topology; MpNd applies them to its decode engines only.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from voxserve.engine.config import EngineConfig
 from voxserve.models.qwen3_tts.loader import LoadedModel
 from voxserve.pipeline.client import EngineClient
 from voxserve.pipeline.local import LocalEngineClient
-from voxserve.pipeline.pd import PrefillDecodeRouter
+from voxserve.pipeline.pd import LinkedPrefillDecodeRouter, PrefillDecodeRouter
 from voxserve.pipeline.router import ReplicaRouter
 
 
@@ -27,24 +29,24 @@ class TopologyError(ValueError):
 
 @dataclass(frozen=True)
 class Topology:
-    kind: str  # single | replicas | pd
+    kind: str  # single | split | replicas | pd
     replicas: int = 1  # replicas: N; pd: the number of prefill engines (M)
     decode: int = 0  # pd: the number of decode engines (N)
 
     @property
     def num_workers(self) -> int:
-        return self.replicas + self.decode
+        return 2 if self.kind == "split" else self.replicas + self.decode
 
     def __str__(self) -> str:
         if self.kind == "pd":
             return f"{self.replicas}p{self.decode}d"
-        return "single" if self.kind == "single" else f"replicas:{self.replicas}"
+        return self.kind if self.kind in ("single", "split") else f"replicas:{self.replicas}"
 
 
 def parse_topology(text: str) -> Topology:
     text = text.strip().lower()
-    if text == "single":
-        return Topology("single")
+    if text in ("single", "split"):
+        return Topology(text)
     m = re.fullmatch(r"replicas:(\d+)", text)
     if m:
         n = int(m.group(1))
@@ -57,9 +59,10 @@ def parse_topology(text: str) -> Topology:
         if not (1 <= prefill <= 32 and 1 <= decode <= 32):
             raise TopologyError(f"MpNd needs 1 <= M, N <= 32, got {text!r}")
         return Topology("pd", prefill, decode)
-    if text == "split" or text.startswith("mtp"):
-        raise TopologyError(f"topology {text!r} is not implemented yet; available: single, replicas:N, MpNd")
-    raise TopologyError(f"unknown topology {text!r}; available: single, replicas:N, MpNd")
+    if text.startswith("mtp"):
+        raise TopologyError(f"{text!r}: code-predictor replicas are a modifier, not a topology: use "
+                            "--mtp-replicas K with any topology")
+    raise TopologyError(f"unknown topology {text!r}; available: single, split, replicas:N, MpNd")
 
 
 def build_client(
@@ -73,6 +76,8 @@ def build_client(
     instance_id: str | None = None,
     process_options: dict | None = None,
     memory_shares: list[float] | None = None,
+    kv_backend: str = "shm",
+    kv_options: dict | None = None,
 ) -> EngineClient:
     """One engine per worker; `load(device)` loads a model copy onto a device. Workers take `devices` in
     order (several workers may share one device, each with its own KV budget from `config`).
@@ -81,12 +86,20 @@ def build_client(
     `workers="process"` runs each in its own process (`voxserve.pipeline.worker`) that loads `model_path`
     itself; IPC names derive from `instance_id` (a fresh one when None); `process_options` are passed on
     to `ProcessEngineClient` (e.g. torch_threads, start_timeout_s). `memory_shares` gives each worker its
-    own `gpu_memory_utilization` (prefill engines first); without it, workers sharing a device split it."""
+    own `gpu_memory_utilization` (prefill engines first); without it, workers sharing a device split it.
+    `kv_backend` and `kv_options` (KVLinkSpec fields, e.g. transfer_timeout_s) configure process MpNd's
+    KV links. `config.mtp_replicas` applies to every engine except MpNd's prefill engines."""
     if workers not in ("thread", "process"):
         raise TopologyError(f"workers must be 'thread' or 'process', got {workers!r}")
-    if workers == "process" and topology.kind == "pd":
-        raise TopologyError("MpNd runs its engines as threads for now (workers='thread'); process workers "
-                            "need the KV connector between processes")
+    if topology.kind == "split":
+        from voxserve.pipeline.split import build_split_client
+
+        try:
+            return build_split_client(load, config, devices, name=name, workers=workers, model_path=model_path,
+                                      instance_id=instance_id, process_options=process_options,
+                                      memory_shares=memory_shares)
+        except ValueError as e:
+            raise TopologyError(str(e)) from None
     if workers == "process" and model_path is None:
         raise TopologyError("workers='process' needs model_path (each worker loads the model itself)")
     if workers == "process":
@@ -100,20 +113,37 @@ def build_client(
     if len(devices) not in (1, topology.num_workers):
         raise TopologyError(f"{topology} runs {topology.num_workers} workers; give 1 device or "
                             f"{topology.num_workers}, got {devices}")
+    if topology.kind == "pd" and workers == "process":
+        from voxserve.kv_transfer import backend_names
+        from voxserve.pipeline.kv_links import KVLinkSpec
+
+        if kv_backend not in backend_names() or kv_backend == "inproc":
+            raise TopologyError(f"process MpNd needs a cross-process KV backend (shm, mooncake), got {kv_backend!r}")
     clients = []
     for i in range(topology.num_workers):
         device = devices[i % len(devices)]
         cfg = dataclasses.replace(config, device=device)
+        if topology.kind == "pd" and i < topology.replicas:
+            cfg.mtp_replicas = 1  # the prefill engines never run the code predictor's decode loop
         if memory_shares is not None:
             cfg.gpu_memory_utilization = memory_shares[i]
         elif len(devices) == 1 and topology.num_workers > 1:
             # Workers sharing one device split its memory budget.
             cfg.gpu_memory_utilization = config.gpu_memory_utilization / topology.num_workers
         if workers == "process":
+            kv = None
+            if topology.kind == "pd":
+                prefill = i < topology.replicas
+                kv = KVLinkSpec(role="prefill" if prefill else "decode",
+                                index=i if prefill else i - topology.replicas,
+                                peers=topology.decode if prefill else topology.replicas,
+                                instance_id=instance_id, backend=kv_backend, **(kv_options or {}))
             clients.append(ProcessEngineClient(model_path, cfg, device, name, instance_id, i,
-                                               **(process_options or {})))
+                                               **(process_options or {}), kv=kv))
         else:
             clients.append(LocalEngineClient(load(device), cfg, name=name))
     if topology.kind == "pd":
+        if workers == "process":
+            return LinkedPrefillDecodeRouter(clients[: topology.replicas], clients[topology.replicas :])
         return PrefillDecodeRouter(clients[: topology.replicas], clients[topology.replicas :])
     return clients[0] if topology.kind == "single" else ReplicaRouter(clients)

@@ -21,8 +21,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from voxserve.kv_transfer import EventKind
 from voxserve.pipeline import messages as m
 from voxserve.pipeline.client import RequestRejected, StreamChunk
+from voxserve.pipeline.kv_links import KVLinks, KVLinkSpec
 
 log = logging.getLogger("voxserve.worker")
 
@@ -40,6 +42,7 @@ class WorkerSpec:
     parent_pid: int
     heartbeat_s: float = 0.5
     torch_threads: int | None = None
+    kv: dict | None = None  # process MpNd: this worker's KVLinkSpec fields
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -52,6 +55,8 @@ class WorkerSpec:
 class _Worker:
     def __init__(self, spec: WorkerSpec, client, out: zmq.asyncio.Socket) -> None:
         self.spec, self.client, self.out = spec, client, out
+        self.links: KVLinks | None = None
+        self.cancelled: set[str] = set()  # aborted while their handoff was held or in transfer
         self.tasks: dict[str, asyncio.Task] = {}
         self.stop = asyncio.Event()
         self.grace_s = 0.0
@@ -65,6 +70,8 @@ class _Worker:
         await self.stop.wait()
         receiving.cancel()
         await self.client.stop(self.grace_s)  # aborts what is left after the grace: their last chunks go out
+        if self.links is not None:
+            await self.links.close()  # fails transfers still in flight: their tasks send error chunks
         if self.tasks:
             await asyncio.wait(list(self.tasks.values()), timeout=5.0)
         await self.send(m.Stats(self.client.stats()))
@@ -79,10 +86,23 @@ class _Worker:
                 log.error("dropping a malformed message: %s", e)
                 continue
             if isinstance(msg, m.Submit):
-                rid = msg.request.request_id
-                self.tasks[rid] = asyncio.create_task(self.stream(msg.request))
+                req = msg.request
+                if req.handoff_to is not None:
+                    job = self.prefill_and_send(req) if self.links is not None else self.no_links(req.request_id)
+                else:
+                    job = self.stream(req.request_id, self.client.generate(req))
+                self.tasks[req.request_id] = asyncio.create_task(job)
+            elif isinstance(msg, m.AwaitHandoff):
+                job = self.receive_and_decode(msg) if self.links is not None else self.no_links(msg.request_id)
+                self.tasks[msg.request_id] = asyncio.create_task(job)
             elif isinstance(msg, m.Abort):
-                await self.client.abort(msg.request_id, msg.reason)
+                rid = msg.request_id
+                if self.links is not None and rid in self.tasks:
+                    self.cancelled.add(rid)
+                    peer = self.links.pending(rid)
+                    if peer is not None:
+                        self.links.cancel(peer, rid, msg.reason)
+                await self.client.abort(rid, msg.reason)
             elif isinstance(msg, m.ExtractVoice):
                 asyncio.create_task(self.voice(msg))
             elif isinstance(msg, m.Shutdown):
@@ -93,21 +113,83 @@ class _Worker:
             else:
                 log.error("dropping a %s: not a server -> worker message", type(msg).__name__)
 
-    async def stream(self, req) -> None:
-        rid = req.request_id
+    async def stream(self, rid: str, chunks) -> None:
         try:
-            async with contextlib.aclosing(self.client.generate(req)) as chunks:
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     await self.send(m.Chunk(rid, chunk))
         except RequestRejected as e:
             await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
         except Exception as e:  # a failure here fails this request, with a reason, not the worker
             log.exception("streaming %s failed", rid)
-            await self.send(m.Chunk(rid, StreamChunk(np.zeros(0, np.float32), 0, finished=True,
-                                                     finish_reason="error", error=f"worker error: {e}")))
+            await self.send(m.Chunk(rid, _end("error", f"worker error: {e}")))
         finally:
             self.tasks.pop(rid, None)
+            self.cancelled.discard(rid)
         await self.send(m.Stats(self.client.stats()))  # blocks came back: say so without waiting for a beat
+
+    async def prefill_and_send(self, req) -> None:
+        """Prefill worker: run the prefill, then move the handoff over the KV link to decode worker
+        `req.handoff_to`; the server hears "handoff" once the peer has it, or why it failed."""
+        rid, peer = req.request_id, req.handoff_to
+        final: StreamChunk | None = None
+        try:
+            async with contextlib.aclosing(self.client.generate(dataclasses.replace(req, handoff_only=True))) as cs:
+                async for chunk in cs:
+                    final = chunk if chunk.finished else final
+            if final is None or final.finish_reason != "handoff" or final.handoff is None:
+                await self.send(m.Chunk(rid, final or _end("error", "prefill ended without a handoff")))
+                return
+            if self.links.spec.send_delay_s > 0 and rid.startswith(self.links.spec.delay_prefix):
+                await asyncio.sleep(self.links.spec.send_delay_s)
+            if rid in self.cancelled:
+                await self.send(m.Chunk(rid, _end("abort", "aborted before its handoff was sent")))
+                return
+            ev = await self.links.send(peer, final.handoff)
+            if ev.kind is EventKind.SENT:
+                await self.send(m.Chunk(rid, dataclasses.replace(final, handoff=None)))
+            else:
+                how = "abort" if rid in self.cancelled else "error"
+                await self.send(m.Chunk(rid, _end(how, f"KV transfer to decode worker {peer} failed: "
+                                                       f"{ev.reason.value if ev.reason else ''} {ev.detail}".strip())))
+        except RequestRejected as e:
+            await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
+        except Exception as e:
+            log.exception("prefill of %s failed", rid)
+            await self.send(m.Chunk(rid, _end("error", f"worker error: {e}")))
+        finally:
+            self.tasks.pop(rid, None)
+            self.cancelled.discard(rid)
+        await self.send(m.Stats(self.client.stats()))
+
+    async def receive_and_decode(self, msg: m.AwaitHandoff) -> None:
+        """Decode worker: wait (bounded) for the handoff from prefill worker `msg.peer`, then decode it."""
+        rid = msg.request_id
+        try:
+            ev = await self.links.receive(msg.peer, rid, msg.deadline_s)
+        except ValueError as e:  # the same id armed twice: refuse this one
+            await self.send(m.Rejected(rid, 400, str(e)))
+            return
+        if ev.kind is not EventKind.RECEIVED:
+            how = "abort" if rid in self.cancelled else "error"
+            self.tasks.pop(rid, None)
+            self.cancelled.discard(rid)
+            await self.send(m.Chunk(rid, _end(how, f"KV transfer from prefill worker {msg.peer} failed: "
+                                                   f"{ev.reason.value if ev.reason else ''} {ev.detail}".strip())))
+            return
+        if rid in self.cancelled:  # aborted while the handoff was landing
+            self.tasks.pop(rid, None)
+            self.cancelled.discard(rid)
+            await self.send(m.Chunk(rid, _end("abort", "aborted")))
+            return
+        await self.stream(rid, self.client.generate_from_handoff(ev.handoff))
+
+    async def no_links(self, rid: str) -> None:
+        self.tasks.pop(rid, None)
+        await self.send(m.Rejected(rid, 500, "this worker has no KV links: it is not part of an MpNd deployment"))
+
+    def link_changed(self, peer: int, state, error: str | None, counters: dict) -> None:
+        asyncio.get_running_loop().create_task(self.send(m.LinkStatus(peer, state.value, error, counters)))
 
     async def voice(self, msg: m.ExtractVoice) -> None:
         try:
@@ -127,6 +209,8 @@ class _Worker:
             seq += 1
             await self.send(m.Heartbeat(seq))
             await self.send(m.Stats(self.client.stats()))
+            if self.links is not None:
+                self.links.report_all()
             await asyncio.sleep(self.spec.heartbeat_s)
 
 
@@ -153,6 +237,9 @@ async def run(spec: WorkerSpec) -> int:
         client = LocalEngineClient(loaded, config, name=spec.name)
         await client.start()
         worker = _Worker(spec, client, out)
+        if spec.kv is not None:
+            worker.links = KVLinks(KVLinkSpec(**spec.kv), client.engine.kv_layout, worker.link_changed)
+            worker.links.start()
         await worker.send(m.Ready(client.info, os.getpid(), dict(loaded.generation_defaults)))
         log.info("ready: %s on %s", spec.model_path, config.device)
         await worker.serve(cmd)
@@ -161,6 +248,10 @@ async def run(spec: WorkerSpec) -> int:
         cmd.close()
         out.close()
         ctx.term()
+
+
+def _end(reason: str, error: str) -> StreamChunk:
+    return StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason=reason, error=error)
 
 
 def main(argv: list[str] | None = None) -> int:

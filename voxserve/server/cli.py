@@ -33,12 +33,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     t = p.add_argument_group("topology")
     t.add_argument("--topology", default="single",
-                   help="single | replicas:N (N engines behind a router) | MpNd (M prefill, N decode engines)")
+                   help="single | split (talker worker + codec worker) | replicas:N (N engines behind a router) | "
+                        "MpNd (M prefill, N decode engines)")
     t.add_argument("--deploy", default=None, help="a deploy/*.yaml file of options (the command line wins)")
     t.add_argument("--devices", default=None,
                    help="comma-separated devices for the workers, in order (default: --device for all)")
     t.add_argument("--workers", default="thread", choices=["thread", "process"],
                    help="run each engine on a thread of the server process or in its own worker process")
+    t.add_argument("--kv-transfer", default="shm", choices=["shm", "mooncake"],
+                   help="how process MpNd moves each handoff between its prefill and decode workers")
+    t.add_argument("--mtp-replicas", type=int, default=1,
+                   help="code-predictor replicas in each decode engine (own CUDA stream and graph pool each; "
+                        "requests pinned by crc32(request id) %% K)")
     e = p.add_argument_group("engine (per worker)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoding at once")
     e.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -104,6 +110,7 @@ def serve(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting, max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
+            mtp_replicas=args.mtp_replicas,
         )
         voices_dir = args.voices_dir or str(cache_dir() / "voices" / _safe(name))
         settings = ServerSettings(
@@ -124,7 +131,7 @@ def serve(args: argparse.Namespace) -> int:
             return loaded
 
         client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
-                              model_path=model_path, memory_shares=args.worker_memory)
+                              model_path=model_path, memory_shares=args.worker_memory, kv_backend=args.kv_transfer)
         if args.workers == "process":  # the workers load the model; its generation defaults come from disk
             generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
     except (ConfigError, TopologyError, ValueError) as e:

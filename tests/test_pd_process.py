@@ -1,0 +1,292 @@
+"""Process MpNd: prefill and decode engines in their own worker processes, each handoff moving straight
+between them over a KV link (shm or mooncake). Codes must equal `single`'s for seeded and greedy requests,
+and every fault (a worker killed, a transfer deadline passing, a layout mismatch, an abort while the
+handoff is in flight) must fail only the requests it touches, with a reason, and leak no KV block."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from voxserve.engine.config import EngineConfig
+from voxserve.models.qwen3_tts.inputs import SpeechInput
+from voxserve.models.qwen3_tts.sampling import SamplingParams
+from voxserve.pipeline.client import SynthesisRequest
+from voxserve.pipeline.pd import LinkedPrefillDecodeRouter
+from voxserve.pipeline.process_client import ProcessEngineClient, new_instance_id
+from voxserve.pipeline.topology import TopologyError, build_client, parse_topology
+
+EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
+REF = torch.randint(0, 2048, (9, 16), generator=torch.Generator().manual_seed(1))
+BLOCKS = 128
+OPTS = {"torch_threads": 1, "start_timeout_s": 90}
+
+
+def _config(**kw) -> EngineConfig:
+    return EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=BLOCKS, max_model_len=512,
+                        max_num_batched_tokens=256, **kw)
+
+
+def _requests(n: int, prefix: str = "q") -> list[SynthesisRequest]:
+    """Seeded sampling, greedy, x-vector and in-context clones, of several lengths."""
+    out = []
+    for i in range(n):
+        if i % 2:
+            inp = SpeechInput(f"In context clone number {i}.", speaker_embedding=EMB, ref_code=REF,
+                              ref_text="The reference transcript.")
+        else:
+            inp = SpeechInput(f"Plain sentence {i}, said twice.", language="english", speaker_embedding=EMB,
+                              x_vector_only=True)
+        greedy = i % 3 == 2
+        params = SamplingParams(seed=40 + i, max_new_tokens=7 + i % 4, do_sample=not greedy,
+                                subtalker_do_sample=not greedy)
+        out.append(SynthesisRequest(f"{prefix}{i}", inp, params))
+    return out
+
+
+def _long(rid: str, frames: int = 40) -> SynthesisRequest:
+    inp = SpeechInput("A long one.", language="english", speaker_embedding=EMB, x_vector_only=True)
+    return SynthesisRequest(rid, inp, SamplingParams(seed=3, max_new_tokens=frames + 1), ignore_eos=True)
+
+
+async def _gather(client, reqs, concurrency: int):
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(r):
+        async with sem:
+            return [c async for c in client.generate(r)]
+    return await asyncio.gather(*(one(r) for r in reqs))
+
+
+def _codes(chunks) -> np.ndarray:
+    return np.concatenate([c.codes for c in chunks if c.codes is not None])
+
+
+def _pd(path, topology: str, kv_backend: str = "shm", instance_id: str | None = None, kv_options=None,
+        **config) -> LinkedPrefillDecodeRouter:
+    router = build_client(parse_topology(topology), None, _config(**config), workers="process",
+                          model_path=str(path), instance_id=instance_id, process_options=OPTS,
+                          kv_backend=kv_backend, kv_options=kv_options)
+    assert isinstance(router, LinkedPrefillDecodeRouter)
+    return router
+
+
+def _workers(router) -> list[ProcessEngineClient]:
+    return [*router.prefill.replicas, *router.decode]
+
+
+async def _settled(router, timeout_s: float = 15.0) -> None:
+    """Waits until every live worker reports all its KV blocks free and nothing running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        live = [w for w in _workers(router) if w.is_alive()]
+        if all(w.stats().free_kv_blocks == BLOCKS and w.stats().running == 0 for w in live):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("KV blocks leaked: " + ", ".join(f"{w.label}: {w.stats()}" for w in _workers(router)))
+
+
+@pytest.fixture(scope="module")
+def want(tiny_checkpoint):
+    """Codes of `_requests(8)` from the in-process `single` engine."""
+    from voxserve.models.qwen3_tts.loader import load_model
+
+    torch.set_num_threads(1)
+    single = build_client(parse_topology("single"), lambda d: load_model(tiny_checkpoint, device=d), _config())
+
+    async def run():
+        await single.start()
+        try:
+            return await _gather(single, _requests(8), 8)
+        finally:
+            await single.stop()
+    return [_codes(chunks) for chunks in asyncio.run(run())]
+
+
+@pytest.mark.parametrize(("topology", "backend", "mtp"), [
+    ("1p1d", "shm", 1), ("1p2d", "shm", 1), ("2p1d", "shm", 1), ("1p1d", "shm", 2),
+    ("1p1d", "mooncake", 1), ("1p2d", "mooncake", 1), ("2p1d", "mooncake", 1), ("1p1d", "mooncake", 2),
+])
+def test_process_pd_gives_the_codes_of_single(tiny_checkpoint, want, topology, backend, mtp):
+    router = _pd(tiny_checkpoint, topology, backend, mtp_replicas=mtp)
+
+    async def run():
+        await router.start()
+        try:
+            got = {c: await _gather(router, _requests(8, prefix=f"c{c}-"), c) for c in (1, 8)}
+            await _settled(router)
+            await asyncio.sleep(0.6)  # one more heartbeat: fresh link counters
+            return got, [s for w in router.prefill.replicas for s in w.links.values()]
+        finally:
+            await router.stop()
+
+    got, links = asyncio.run(run())
+    for conc, results in got.items():
+        for i, chunks in enumerate(results):
+            assert chunks[-1].finish_reason == "length", (conc, i, chunks[-1])
+            assert np.array_equal(_codes(chunks), want[i]), (conc, i)
+            assert np.concatenate([c.audio for c in chunks]).size == want[i].shape[0] * 1920
+    assert links and all(s.state == "ready" for s in links)
+    assert sum(s.counters.get("sent", 0) for s in links) == 16  # every handoff crossed a link, none the server
+    assert all(w.proc.returncode == 0 for w in _workers(router))
+
+
+def test_topology_refuses_inproc_between_processes(tiny_checkpoint):
+    with pytest.raises(TopologyError, match="cross-process"):
+        _pd(tiny_checkpoint, "1p1d", "inproc")
+
+
+def test_layout_mismatch_is_refused_at_handshake(tiny_checkpoint):
+    instance = new_instance_id()
+    good = _pd(tiny_checkpoint, "1p1d", instance_id=instance)
+    prefill = good.prefill.replicas[0]
+    other = good.decode[0]
+    other.config = dataclasses.replace(other.config, block_size=32)  # prefill pages by 16
+    router = LinkedPrefillDecodeRouter([prefill], [other], link_timeout_s=60)
+    with pytest.raises(RuntimeError, match="block_size"):
+        asyncio.run(router.start())
+    assert prefill.proc.poll() is not None and other.proc.poll() is not None  # stopped, not left running
+
+
+def test_transfer_deadline_fails_that_request_only(tiny_checkpoint):
+    # Handoffs of "slow" requests are held 1.5 s; the decode side gives up after 0.5 s.
+    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 1.5, "delay_prefix": "slow"})
+    router.receive_timeout_s = 0.5
+
+    async def run():
+        await router.start()
+        try:
+            slow, fast = await asyncio.gather(_gather(router, [_long("slow-1", 5)], 1),
+                                              _gather(router, _requests(3, prefix="ok"), 3))
+            await asyncio.sleep(2.0)  # the held handoff is offered late, and declined
+            after = await _gather(router, _requests(2, prefix="after"), 2)
+            await _settled(router)
+            prefill, decode = router.prefill.replicas[0], router.decode[0]
+            return slow[0], fast, after, prefill.links[0].counters, decode.links[0].counters
+        finally:
+            await router.stop()
+
+    slow, fast, after, p_counts, d_counts = asyncio.run(run())
+    assert slow[-1].finish_reason == "error" and "xfer_timeout" in slow[-1].error
+    assert all(c[-1].finish_reason == "length" for c in fast + after)
+    assert d_counts["timeouts"] == 1
+    assert p_counts["sent"] == 5 and p_counts["failed"] == 0  # the router aborted the held handoff: never sent
+
+
+def test_abort_while_the_handoff_is_held(tiny_checkpoint):
+    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 0.6, "delay_prefix": "slow"})
+
+    async def run():
+        await router.start()
+        try:
+            gen = router.generate(_long("slow-a"))
+            task = asyncio.create_task(anext(gen))
+            await asyncio.sleep(0.3)  # prefill done, handoff held by the injected delay
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await gen.aclose()  # the client went away: both sides are aborted
+            await asyncio.sleep(1.0)
+            ok = await _gather(router, _requests(2, prefix="ok"), 2)
+            await _settled(router)
+            await asyncio.sleep(0.6)
+            return ok, router.prefill.replicas[0].links[0].counters, router.decode[0].links[0].counters
+        finally:
+            await router.stop()
+
+    ok, p_counts, d_counts = asyncio.run(run())
+    assert all(c[-1].finish_reason == "length" for c in ok)
+    assert p_counts["sent"] == 2 and d_counts["received"] == 2  # the aborted handoff never crossed
+
+
+def test_late_handoff_for_a_request_the_decode_side_aborted(tiny_checkpoint):
+    """The decode side gives the request up while the prefill worker still holds its handoff; the handoff
+    is sent anyway and must be refused and counted, with nothing leaked on either side."""
+    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 0.8, "delay_prefix": "slow"})
+
+    async def run():
+        await router.start()
+        try:
+            prefill, decode = router.prefill.replicas[0], router.decode[0]
+            req = _long("slow-late", 5)
+            decoded = decode.await_handoff(req.request_id, 0, 30.0)
+            sent = asyncio.ensure_future(_gather(prefill, [dataclasses.replace(req, handoff_only=True,
+                                                                               handoff_to=0)], 1))
+            await asyncio.sleep(0.3)
+            await decode.abort(req.request_id, "client disconnected")  # only the decode side hears it
+            dec = [c async for c in decoded]
+            pre = (await sent)[0]
+            ok = await _gather(router, _requests(2, prefix="ok"), 2)
+            await _settled(router)
+            await asyncio.sleep(0.6)
+            return dec, pre, ok, prefill.links[0].counters, decode.links[0].counters
+        finally:
+            await router.stop()
+
+    dec, pre, ok, p_counts, d_counts = asyncio.run(run())
+    assert dec[-1].finish_reason == "abort"
+    assert pre[-1].finish_reason == "error" and "peer_cancelled" in pre[-1].error  # the late send was refused
+    # The decode side's decline reached the prefill side before the send: never published, failed, counted.
+    assert p_counts["failed"] == 1 and d_counts["cancelled"] == 1
+    assert all(c[-1].finish_reason == "length" for c in ok)
+    assert p_counts["sent"] == 2 and d_counts["received"] == 2
+
+
+def test_killed_prefill_worker_fails_its_requests_and_the_rest_serve(tiny_checkpoint):
+    router = _pd(tiny_checkpoint, "2p1d", kv_options={"send_delay_s": 3.0, "delay_prefix": "slow"})
+
+    async def run():
+        await router.start()
+        try:
+            victim = router.prefill.replicas[0]
+            doomed = asyncio.ensure_future(_gather(router, [_long("slow-k", 5)], 1))  # placed on prefill 0
+            await asyncio.sleep(0.1)
+            survivors = asyncio.ensure_future(_gather(router, [_long("s-long", 30)], 1))  # on prefill 1
+            await asyncio.sleep(0.5)  # the doomed handoff is held; the decode side is armed for it
+            os.kill(victim.pid, signal.SIGKILL)
+            doomed, survivors = await doomed, await survivors
+            after = await _gather(router, _requests(2, prefix="after"), 2)
+            await _settled(router)
+            await asyncio.sleep(0.6)
+            return doomed[0], survivors, after, router.decode[0].links
+        finally:
+            await router.stop()
+
+    doomed, survivors, after, d_links = asyncio.run(run())
+    assert doomed[-1].finish_reason == "error"
+    assert "worker died" in doomed[-1].error or "peer_died" in doomed[-1].error
+    assert all(c[-1].finish_reason == "length" for c in survivors + after)
+    assert d_links[0].state == "failed" and d_links[1].state == "ready"
+
+
+def test_killed_decode_worker_fails_its_requests_and_the_server_stays_up(tiny_checkpoint):
+    router = _pd(tiny_checkpoint, "1p2d")
+
+    async def run():
+        await router.start()
+        try:
+            streams = [router.generate(_long(f"k{i}", 60)) for i in range(2)]
+            first = [await s.__anext__() for s in streams]  # k0 on decode 0, k1 on decode 1
+            assert not any(c.finished for c in first)
+            os.kill(router.decode[0].pid, signal.SIGKILL)
+            rest = []
+            for stream in streams:
+                rest.append([c async for c in stream])
+            assert router.is_alive() and not router.decode[0].is_alive()
+            after = await _gather(router, _requests(3, prefix="after"), 3)  # all placed on decode 1
+            await _settled(router)
+            return rest, after
+        finally:
+            await router.stop()
+
+    rest, after = asyncio.run(run())
+    assert rest[0][-1].finish_reason == "error" and "worker died" in rest[0][-1].error
+    assert rest[1][-1].finish_reason == "length"
+    assert all(c[-1].finish_reason == "length" for c in after)
