@@ -12,15 +12,17 @@ PROMPTS=${PROMPTS:-../shared/data/prompts}
 OUT=${OUT:-bench-out}
 CKPT=${CKPT:-/tmp/qwen3tts-0.6b-random}
 PY=${PY:-python3}
+DEV=${DEV:-cuda:0}
 if [ ! -f "$CKPT/model.safetensors" ]; then
   $PY -c "import torch; from voxserve.models.qwen3_tts.config import preset; \
 from voxserve.models.qwen3_tts.testing import write_checkpoint; \
 write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
 fi
-# Workers that share the one GPU: replicas:2 and MpNd count as 1 GPU here.
+# Every worker shares the one GPU: replicas:2, 1p1d (process workers, shm KV links) and split count as 1 GPU.
 $PY -m voxserve.cli bench sweep --dataset-path "$PROMPTS" --locale en --num-prompts "$NPROMPTS" \
   --fixed-length --topologies "$TOPOLOGIES" --concurrency "$CONC" \
-  --gpus replicas:2=1 --gpus 1p1d=1 \
-  --topology-args "replicas:2=--devices cuda:0" --topology-args "1p1d=--devices cuda:0 ${PD_ARGS:-}" \
+  --gpus replicas:2=1 --gpus 1p1d=1 --gpus split=1 \
+  --topology-args "replicas:2=--devices $DEV" --topology-args "split=--devices $DEV" \
+  --topology-args "1p1d=--devices $DEV --workers process --kv-transfer shm ${PD_ARGS:-}" \
   --server-args "--model $CKPT --max-num-seqs 64 ${SERVER_ARGS:-}" \
   --no-progress --out-dir "$OUT"
