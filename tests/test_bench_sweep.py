@@ -133,6 +133,17 @@ def test_sweep_against_the_fake_server_writes_every_output(tmp_path, capsys):
     for png in PNGS:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "voxserve bench sweep" in capsys.readouterr().out
+    assert summary["meta"]["environment"]["cpus"] >= 1  # where it ran is recorded
+
+    # The same cells rebuilt from the run JSONs alone (a sweep cut short, or cells of several sweeps).
+    again = tmp_path / "again"
+    runs = sorted(str(p) for p in (out / "runs").glob("*.json"))
+    assert main(["bench", "summarize", *runs, "--out-dir", str(again), "--env", "commit=abc"]) == 0
+    redo = json.loads((again / "summary.json").read_text())
+    assert redo["meta"]["environment"] == {"commit": "abc"}
+    assert {(c["topology"], c["concurrency"]): c["aggregates"] for c in redo["cells"]} == \
+        {k: c["aggregates"] for k, c in cells.items() if c["aggregates"] is not None}
+    assert "| replicas:2 | 2 | 3 | 6/6 |" in (again / "SUMMARY.md").read_text()
 
 
 @pytest.mark.slow

@@ -183,3 +183,19 @@ def test_full_size_stream_matches_whole_forward():
     assert want.std() > 0.01
     got = _stream(dec, codes, [1, 2])
     assert (got - want).abs().max().item() < TOL
+
+
+def test_the_engine_chunk_schedule_ramps_to_the_steady_size():
+    from voxserve.engine.codec_streamer import next_chunk_frames
+
+    def sizes(first, steady, ramp, frames=80):
+        out, emitted = [], 0
+        while emitted < frames:
+            out.append(next_chunk_frames(emitted, first, steady, ramp))
+            emitted += out[-1]
+        return out
+
+    assert sizes(1, 25, True)[:8] == [1, 1, 2, 4, 8, 16, 25, 25]  # each chunk = the audio already sent
+    assert sizes(3, 25, True)[:6] == [3, 3, 6, 12, 24, 25]
+    assert sizes(1, 25, False)[:3] == [1, 25, 25]
+    assert sizes(30, 25, True)[:3] == [30, 25, 25]  # a first chunk above the steady size is kept

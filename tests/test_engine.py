@@ -25,12 +25,8 @@ TEXTS = [
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core box run far faster single-threaded.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

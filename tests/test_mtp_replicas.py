@@ -18,11 +18,8 @@ from voxserve.models.qwen3_tts.sampling import SamplingParams
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

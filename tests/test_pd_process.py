@@ -27,6 +27,7 @@ EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
 REF = torch.randint(0, 2048, (9, 16), generator=torch.Generator().manual_seed(1))
 BLOCKS = 128
 OPTS = {"torch_threads": 1, "start_timeout_s": 90}
+HEARTBEATS = 1.2  # link counters reach the server with each worker heartbeat (every 0.5 s): wait two
 
 
 def _config(**kw) -> EngineConfig:
@@ -122,7 +123,7 @@ def test_process_pd_gives_the_codes_of_single(tiny_checkpoint, want, topology, b
         try:
             got = {c: await _gather(router, _requests(8, prefix=f"c{c}-"), c) for c in (1, 8)}
             await _settled(router)
-            await asyncio.sleep(0.6)  # one more heartbeat: fresh link counters
+            await asyncio.sleep(HEARTBEATS)  # fresh link counters
             return got, [s for w in router.prefill.replicas for s in w.links.values()]
         finally:
             await router.stop()
@@ -168,6 +169,7 @@ def test_transfer_deadline_fails_that_request_only(tiny_checkpoint):
             await asyncio.sleep(2.0)  # the held handoff is offered late, and declined
             after = await _gather(router, _requests(2, prefix="after"), 2)
             await _settled(router)
+            await asyncio.sleep(HEARTBEATS)
             prefill, decode = router.prefill.replicas[0], router.decode[0]
             return slow[0], fast, after, prefill.links[0].counters, decode.links[0].counters
         finally:
@@ -196,7 +198,7 @@ def test_abort_while_the_handoff_is_held(tiny_checkpoint):
             await asyncio.sleep(1.0)
             ok = await _gather(router, _requests(2, prefix="ok"), 2)
             await _settled(router)
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(HEARTBEATS)
             return ok, router.prefill.replicas[0].links[0].counters, router.decode[0].links[0].counters
         finally:
             await router.stop()
@@ -225,7 +227,7 @@ def test_late_handoff_for_a_request_the_decode_side_aborted(tiny_checkpoint):
             pre = (await sent)[0]
             ok = await _gather(router, _requests(2, prefix="ok"), 2)
             await _settled(router)
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(HEARTBEATS)
             return dec, pre, ok, prefill.links[0].counters, decode.links[0].counters
         finally:
             await router.stop()
@@ -254,7 +256,7 @@ def test_killed_prefill_worker_fails_its_requests_and_the_rest_serve(tiny_checkp
             doomed, survivors = await doomed, await survivors
             after = await _gather(router, _requests(2, prefix="after"), 2)
             await _settled(router)
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(HEARTBEATS)
             return doomed[0], survivors, after, router.decode[0].links
         finally:
             await router.stop()

@@ -11,13 +11,13 @@ from voxserve.eval.probe import probe
 
 
 @pytest.mark.parametrize(("topology", "workers", "mtp"), [
-    ("replicas:2", "thread", 1), ("1p1d", "thread", 1), ("2p1d", "thread", 1), ("split", "thread", 1),
-    ("single", "thread", 2), ("1p1d", "process", 2),
+    ("replicas:2", "thread", 1), ("replicas:2", "process", 1), ("1p1d", "thread", 1), ("2p1d", "thread", 1),
+    ("split", "thread", 1), ("split", "process", 1), ("single", "thread", 2), ("1p1d", "process", 2),
 ])
 def test_probe_finds_identical_codes(tiny_checkpoint, topology, workers, mtp):
-    report = probe(topology, str(tiny_checkpoint), "cpu", n=4, concurrencies=[1, 3], frames=6, greedy=False,
+    report = probe(topology, str(tiny_checkpoint), "cpu", n=8, concurrencies=[1, 8], frames=6, greedy=False,
                    workers=workers, mtp_replicas=mtp)
-    assert report["codes_identical"] and [r["concurrency"] for r in report["runs"]] == [1, 3]
+    assert report["codes_identical"] and [r["concurrency"] for r in report["runs"]] == [1, 8]
     for run in report["runs"]:
         assert all(run["identical_per_request"]) and run["finish_reasons"] == ["length"]
         assert run["ttfp_ratio"] > 0 and run["frames_per_s_topology"] > 0

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from voxserve.engine.codec_streamer import next_chunk_frames
 from voxserve.engine.config import EngineConfig
 from voxserve.engine.engine import Engine, EngineRequest
 from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
@@ -89,19 +90,24 @@ def assert_same(want, got, reqs):
         assert wa.shape == wb.shape and np.abs(wa - wb).max() < 1e-5, r.request_id
 
 
-@pytest.mark.parametrize("concurrency", [1, 8])
-@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
-def test_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoint, devices, concurrency):
+@pytest.mark.parametrize(("devices", "concurrency", "ramp"), [
+    (["cpu"], 1, False), (["cpu"], 8, False), (["cpu", "cpu"], 1, False), (["cpu", "cpu"], 8, False),
+    (["cpu", "cpu"], 8, True),
+])
+def test_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoint, devices, concurrency, ramp):
     reqs = requests(8)
-    want = asyncio.run(run(LocalEngineClient(loaded, config()), reqs, concurrency))
-    client = split_client(tiny_checkpoint, devices)
+    want = asyncio.run(run(LocalEngineClient(loaded, config(chunk_ramp=ramp)), reqs, concurrency))
+    client = split_client(tiny_checkpoint, devices, chunk_ramp=ramp)
     got = asyncio.run(run(client, reqs, concurrency))
     assert_same(want, got, reqs)
-    # The first audio comes on the same schedule as single: first_chunk_frames, then chunk_frames.
+    # The audio comes on the same schedule as single: first_chunk_frames, then the ramp up to chunk_frames.
     for r, chunks in zip(reqs, got, strict=True):
         sizes = [c.audio.size // 1920 for c in chunks if c.audio.size]
-        first = r.first_chunk_frames or 1
-        assert sizes[0] == first and all(s == 3 for s in sizes[1:-1]) and 1 <= sizes[-1] <= 3
+        first, emitted = r.first_chunk_frames or 1, 0
+        for s in sizes[:-1]:
+            assert s == next_chunk_frames(emitted, first, 3, ramp)
+            emitted += s
+        assert 1 <= sizes[-1] <= next_chunk_frames(emitted, first, 3, ramp)
     stats = client.stats()
     assert stats.free_kv_blocks == stats.num_kv_blocks == BLOCKS and stats.running == 0
     assert client.codec.stats().streams == 0 and client.codec.stats().frames_decoded == sum(
@@ -177,7 +183,7 @@ def test_codec_decoder_alone_matches_the_full_load(loaded, tiny_checkpoint):
 
 
 def test_a_codec_failure_fails_only_its_request(tiny_checkpoint):
-    client = split_client(tiny_checkpoint, ["cpu", "cpu"])
+    client = split_client(tiny_checkpoint, ["cpu", "cpu"])  # chunks of 1, then 3s
     decoder = client.codec.engine.streamer.decoder
     real = decoder.stream_step
 

@@ -102,6 +102,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run/compare topologies with different GPU counts or limits (flagged in the summary)")
     p.set_defaults(func=_run(_sweep))
 
+    p = bsub.add_parser("summarize", help="SUMMARY.md, summary.json and plots from run JSONs (a sweep cut "
+                                          "short, or cells of several sweeps)")
+    p.add_argument("runs", nargs="+", help="result JSONs written by `bench serve` or `bench sweep`")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="recorded under environment (e.g. commit)")
+    p.set_defaults(func=_run(_summarize))
+
     p = bsub.add_parser("compare", help="two result JSONs side by side, with B/A for every aggregate")
     p.add_argument("a")
     p.add_argument("b")
@@ -222,6 +229,33 @@ def _sweep(args: argparse.Namespace) -> int:
     print("wrote " + ", ".join(str(p) for p in paths))
     bad = [c for c in cells if c["aggregates"] is None or not c["aggregates"]["completed"]]
     return 1 if bad else 0
+
+
+def _summarize(args: argparse.Namespace) -> int:
+    from .report import load_result, write_sweep
+    from .sweep import control_for, parse_flag
+
+    out_dir = Path(args.out_dir)
+    cells = []
+    for path in args.runs:
+        r = load_result(path)
+        cfg = r["config"]
+        gpus = cfg.get("num_gpus") or 1
+        cells.append({"topology": cfg.get("topology", "server"), "gpus": gpus,
+                      "concurrency": cfg["client"]["max_concurrency"], "control": control_for(gpus),
+                      "aggregates": r["aggregates"], "error": None, "result": str(Path(path))})
+    first = load_result(args.runs[0])["config"]
+    fixed = first["request"].get("fixed_length")
+    meta = {"model": parse_flag(first.get("server_args", []), "--model") or "(server default)",
+            "dataset": first["dataset"]["path"], "mode": first["request"]["mode"],
+            "fixed_length": fixed["rule"] if fixed else None, "max_num_seqs": first.get("max_num_seqs"),
+            "server_args": first.get("server_args"), "slo": first.get("slo"),
+            "environment": _pairs(args.env, "--env"), "control": sorted({c["control"] for c in cells})}
+    cells.sort(key=lambda c: (c["topology"] != c["control"], c["topology"], c["concurrency"]))
+    paths = write_sweep(cells, meta, out_dir)
+    print((out_dir / "SUMMARY.md").read_text(encoding="utf-8"))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -1,9 +1,12 @@
 """Streams codec frames into PCM chunks, batching every request whose chunk is due in the same call.
 
 Each request keeps a stateful decoder state, so the chunks concatenate to exactly the whole-utterance
-decode. The chunk schedule is `first_chunk_frames` (time to first audio), then `chunk_frames`; the tail
-goes out when the request finishes. In-context clones first run their reference codes through the state
-(output dropped), which equals the reference's decode-with-prefix-then-cut without re-decoding it.
+decode. The chunk schedule is `first_chunk_frames` (time to first audio), then chunks that double the
+audio already sent (with `chunk_ramp`) up to `chunk_frames`; the tail goes out when the request finishes. The
+ramp is what keeps a real-time player fed: after E frames (E x 80 ms of audio) the next chunk is E frames,
+which the engine makes in far less than E x 80 ms, whereas a jump from 1 frame straight to 25 leaves the
+player 80 ms of audio to cover 25 frames of generation. In-context clones first run their reference codes
+through the state (output dropped), which equals the reference's decode-with-prefix-then-cut without re-decoding it.
 """
 
 from __future__ import annotations
@@ -29,11 +32,21 @@ class _Stream:
     emitted_frames: int = 0
 
 
+def next_chunk_frames(emitted: int, first: int, steady: int, ramp: bool = False) -> int:
+    """Frames of a stream's next chunk after `emitted` frames: `first`, then (ramp) as many as were already
+    sent, capped at `steady`; without the ramp `steady` straight after the first chunk."""
+    if emitted == 0:
+        return first
+    return min(steady, max(first, emitted)) if ramp else steady
+
+
 class CodecStreamer:
-    def __init__(self, decoder: CodecDecoder, first_chunk_frames: int, chunk_frames: int) -> None:
+    def __init__(self, decoder: CodecDecoder, first_chunk_frames: int, chunk_frames: int,
+                 chunk_ramp: bool = False) -> None:
         self.decoder = decoder
         self.first_chunk_frames = first_chunk_frames
         self.chunk_frames = chunk_frames
+        self.chunk_ramp = chunk_ramp
         self.streams: dict[str, _Stream] = {}
         weight = next(decoder.parameters())
         self.device = weight.device
@@ -62,7 +75,7 @@ class CodecStreamer:
         batched into it: they are closed and reported with the reason, the others still get their audio."""
         groups: dict[int, list[str]] = defaultdict(list)
         for rid, s in self.streams.items():
-            need = s.first_chunk_frames if s.emitted_frames == 0 else self.chunk_frames
+            need = next_chunk_frames(s.emitted_frames, s.first_chunk_frames, self.chunk_frames, self.chunk_ramp)
             n = len(s.pending)
             if rid in finished and n:
                 groups[n].append(rid)

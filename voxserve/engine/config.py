@@ -44,10 +44,23 @@ class EngineConfig:
     mtp_replicas: int = 1
     """Code-predictor replica groups (`mtp:K`): the decode batch is split into K groups by crc32(request id),
     each running on its own stream with its own CUDA graphs, so groups overlap on the device."""
+    batch_invariant: bool = False
+    """Make a request's codes independent of what runs beside it, on any device: every decode step runs in
+    chunks of exactly `invariant_rows` rows (padded), prefill chunks are cut at fixed sizes, and the first
+    token of each prompt is sampled alone. GPU kernels pick tilings and reduction splits by batch shape, so
+    without this a seeded request's codes on a GPU can depend on the load and the topology (they never do
+    on the CPU). Costs latency at low load (a step is never smaller than `invariant_rows` rows) and
+    throughput above it (bigger batches run as several chunks)."""
+    invariant_rows: int = 32
+    """The fixed decode chunk of `batch_invariant`; engines compared for identical codes must agree on it."""
     first_chunk_frames: int = 1
     """Frames in the first streamed codec chunk (time to first audio)."""
     chunk_frames: int = 25
-    """Frames in each later streamed codec chunk."""
+    """Frames in each later streamed codec chunk (the largest, once the ramp reaches it)."""
+    chunk_ramp: bool = False
+    """Between the first chunk and `chunk_frames`, make each chunk as long as the audio already sent (1, 1, 2,
+    4, 8, 16, 25, ...), so a real-time player never runs dry; off: straight to `chunk_frames` after the first.
+    Off by default until measured on a GPU: it adds small codec calls to the engine step."""
     max_text_tokens: int = 2048
     """Most text tokens one request may trail into its decode steps (sizes a per-slot device buffer)."""
     device: str = "cuda"
@@ -60,7 +73,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_waiting",
-                     "cuda_graph_max_batch", "first_chunk_frames", "chunk_frames", "max_text_tokens"):
+                     "cuda_graph_max_batch", "first_chunk_frames", "chunk_frames", "max_text_tokens",
+                     "invariant_rows"):
             value = getattr(self, name)
             if not _is_positive_int(value):
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
@@ -84,6 +98,13 @@ class EngineConfig:
         for name in ("dtype", "codec_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"EngineConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"EngineConfig.batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.max_num_batched_tokens <= self.max_num_seqs:
+            raise ValueError("EngineConfig.batch_invariant needs max_num_batched_tokens > max_num_seqs: prefill "
+                             "chunks are cut at max_num_batched_tokens - max_num_seqs tokens")
+        if not isinstance(self.chunk_ramp, bool):
+            raise ValueError(f"EngineConfig.chunk_ramp must be a bool, got {self.chunk_ramp!r}")
         if not isinstance(self.emit_audio, bool):
             raise ValueError(f"EngineConfig.emit_audio must be a bool, got {self.emit_audio!r}")
         if not isinstance(self.device, str) or not self.device:

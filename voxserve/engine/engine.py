@@ -93,7 +93,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(talker, config, num_blocks, tts_pad)
         # A talker-only engine (`split`) has no codec streamer: its codes go to a codec worker.
-        self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, config.first_chunk_frames, config.chunk_frames)
+        self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, config.first_chunk_frames, config.chunk_frames,
+                                    config.chunk_ramp)
                       if config.emit_audio else None)
         self.live: dict[str, _Live] = {}
         self._done: list[RequestOutput] = []

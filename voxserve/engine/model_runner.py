@@ -103,13 +103,18 @@ class ModelRunner:
         self.kv.meta = None
         if not last_slots:
             return {}
-        slots = torch.tensor(last_slots, dtype=torch.long, device=self.device)
-        hidden = torch.stack(last_hidden)
-        st = self.slots.gather_params(slots, torch.zeros_like(slots))
-        tokens = self.sampler.sample_codebook0(self.talker.logits(hidden), st, self.slots.seen, slots)
-        self.slots.past_hidden[slots] = hidden
-        self.slots.last_c0[slots] = tokens
-        return dict(zip(last_slots, tokens.tolist(), strict=True))
+        # Batch invariance: each prompt's first token alone, so its logits never depend on how many
+        # prompts ended in the same step.
+        groups = [[i] for i in range(len(last_slots))] if self.config.batch_invariant else [range(len(last_slots))]
+        tokens = []
+        for rows in groups:
+            slots = torch.tensor([last_slots[i] for i in rows], dtype=torch.long, device=self.device)
+            hidden = torch.stack([last_hidden[i] for i in rows])
+            st = self.slots.gather_params(slots, torch.zeros_like(slots))
+            tokens.append(self.sampler.sample_codebook0(self.talker.logits(hidden), st, self.slots.seen, slots))
+            self.slots.past_hidden[slots] = hidden
+            self.slots.last_c0[slots] = tokens[-1]
+        return dict(zip(last_slots, torch.cat(tokens).tolist(), strict=True))
 
     # --- decode ---------------------------------------------------------------------------------------
 
@@ -133,7 +138,8 @@ class ModelRunner:
                     continue
                 order.append(idx)
                 rows = (slots[idx], positions[idx], tables[idx])
-            parts.append(rep.run(rows, self.graph_limit, self._decode_inputs, self._decode_step, main))
+            parts.append(rep.run(rows, self.graph_limit, self._decode_inputs, self._decode_step, main,
+                                 fixed_rows=self.config.invariant_rows if self.config.batch_invariant else None))
         if main is not None:
             for rep in self.replicas:
                 if rep.stream is not None:
@@ -218,7 +224,10 @@ class ModelRunner:
     # --- CUDA graphs ----------------------------------------------------------------------------------
 
     def _capture_graphs(self) -> None:
-        sizes = group_buckets(self.graph_limit, len(self.replicas))
+        if self.config.batch_invariant:  # every step runs in chunks of exactly this many rows
+            sizes = [self.config.invariant_rows]
+        else:
+            sizes = group_buckets(self.graph_limit, len(self.replicas))
         no_rows = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, self.max_blocks_per_seq), np.int32))
         before = torch.cuda.memory_reserved(self.device)
         for rep in self.replicas:

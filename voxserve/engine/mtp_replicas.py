@@ -74,23 +74,27 @@ class Replica:
             self.graphs[b] = DecodeGraph(functools.partial(step, self.kv), inputs, pool, self.stream)
 
     def run(self, rows: tuple[np.ndarray, np.ndarray, np.ndarray], graph_limit: int, make_inputs: InputsFn,
-            step: StepFn, main: torch.cuda.Stream | None) -> torch.Tensor:
+            step: StepFn, main: torch.cuda.Stream | None, fixed_rows: int | None = None) -> torch.Tensor:
         """rows: (slots [n], positions [n], block tables [n, W]). Up to `graph_limit` rows run as graph
         replays (several, in chunks of the largest bucket, when the group outgrew it); beyond that, or without
-        graphs, as one eager step."""
+        graphs, as one eager step. With `fixed_rows` (batch invariance) every chunk is exactly that many rows,
+        padded, graphs or not."""
         slots, positions, tables = rows
         n = len(slots)
         self.rows += n
-        use_graphs = bool(self.graphs) and n <= graph_limit
-        chunk = max(self.graphs) if use_graphs else n
+        if fixed_rows is not None:
+            use_graphs, chunk = fixed_rows in self.graphs, fixed_rows
+        else:
+            use_graphs = bool(self.graphs) and n <= graph_limit
+            chunk = max(self.graphs) if use_graphs else n
         with self.on_stream():
             if self.stream is not None:
                 self.stream.wait_stream(main)  # slot resets and prefills of this step ran on the main stream
             # Every chunk's inputs go to the device before the first launch: a copy from pageable host memory
             # may wait for the stream, which must not hold up the launches behind it.
             spans = [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
-            inputs = [make_inputs(slots[lo:hi], positions[lo:hi], tables[lo:hi],
-                                  min(b for b in self.graphs if b >= hi - lo) if use_graphs else hi - lo, self)
+            inputs = [make_inputs(slots[lo:hi], positions[lo:hi], tables[lo:hi], self._padded(hi - lo, use_graphs,
+                                                                                          fixed_rows), self)
                       for lo, hi in spans]
             outs = []
             for (lo, hi), chunk_inputs in zip(spans, inputs, strict=True):
@@ -99,6 +103,11 @@ class Replica:
                 # A copy out of the static outputs, queued before the next replay of this pool can reuse them.
                 outs.append(torch.cat([codes[: hi - lo], nxt[: hi - lo, None]], dim=1))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _padded(self, rows: int, use_graphs: bool, fixed_rows: int | None) -> int:
+        if fixed_rows is not None:
+            return fixed_rows
+        return min(b for b in self.graphs if b >= rows) if use_graphs else rows
 
 
 class DecodeGraph:

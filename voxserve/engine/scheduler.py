@@ -185,6 +185,9 @@ class Scheduler:
         for req in partial:
             if budget == 0:
                 break
+            if self.config.batch_invariant and min(req.prompt_len - req.num_computed_tokens,
+                                                   self.invariant_chunk) > budget:
+                break  # a chunk is never cut by what else runs this step
             budget -= self._schedule_chunk(req, budget, out)
 
         while self._waiting and self._free_slots:
@@ -200,7 +203,11 @@ class Scheduler:
                 break
             cached = bm.match_prefix(req)
             chunk = req.prompt_len - cached
-            if self.config.enable_chunked_prefill:
+            if self.config.batch_invariant:
+                chunk = min(chunk, self.invariant_chunk)
+                if chunk > budget:
+                    break
+            elif self.config.enable_chunked_prefill:
                 chunk = min(chunk, budget)
             elif chunk > budget:
                 break
@@ -298,8 +305,15 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------------------------
 
+    @property
+    def invariant_chunk(self) -> int:
+        """Batch-invariant prefill chunk: what the budget leaves beside a full decode batch, always."""
+        return self.config.max_num_batched_tokens - self.config.max_num_seqs
+
     def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         n = min(req.prompt_len - req.num_computed_tokens, budget)
+        if self.config.batch_invariant:
+            n = min(n, self.invariant_chunk)
         if not self.block_manager.grow(req, req.num_computed_tokens + n):
             raise RuntimeError(f"request {req.request_id!r} outgrew its reservation")
         out.prefills.append(PrefillChunk(req, req.num_computed_tokens, n))

@@ -84,6 +84,7 @@ async def run_client(client: EngineClient, reqs: list[SynthesisRequest], concurr
 
     results = []
     try:
+        await one(reqs[0], asyncio.Semaphore(1))  # warm-up: lazy compilation stays out of the timings
         for conc in concurrencies:
             sem = asyncio.Semaphore(conc)
             t0 = time.perf_counter()
@@ -97,7 +98,7 @@ async def run_client(client: EngineClient, reqs: list[SynthesisRequest], concurr
 
 def probe(topology: str, model: str | None, device: str, n: int, concurrencies: list[int], frames: int,
           greedy: bool, workers: str = "thread", kv_backend: str = "shm", mtp_replicas: int = 1,
-          memory: float = 0.2) -> dict:
+          memory: float = 0.2, batch_invariant: bool = False, invariant_rows: int = 32) -> dict:
     """`single` (thread, one code-predictor group) against `topology` for the same seeded requests at each
     concurrency: code equality, TTFP p50 and frames/s side by side."""
     import torch
@@ -111,7 +112,8 @@ def probe(topology: str, model: str | None, device: str, n: int, concurrencies: 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     config = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."),
                           max_num_seqs=max(max(concurrencies), 1), max_model_len=4096,
-                          gpu_memory_utilization=memory)
+                          gpu_memory_utilization=memory, batch_invariant=batch_invariant,
+                          invariant_rows=invariant_rows)
 
     def load(dev: str) -> LoadedModel:
         return load_model(path, device=dev, dtype=dtype)
@@ -137,6 +139,7 @@ def probe(topology: str, model: str | None, device: str, n: int, concurrencies: 
             "throughput_ratio": (frames_total / b.wall_s) / (sum(len(c) for c in a.codes) / a.wall_s),
         })
     return {"topology": topology, "workers": workers, "kv_backend": kv_backend, "mtp_replicas": mtp_replicas,
+            "batch_invariant": batch_invariant, "invariant_rows": invariant_rows if batch_invariant else None,
             "device": device, "model": str(path), "requests": n, "frames": frames, "greedy": greedy,
             "codes_identical": all(r["codes_identical"] for r in runs), "runs": runs}
 
@@ -154,6 +157,8 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-transfer", default="shm", help="KV backend of process MpNd: shm | mooncake")
     p.add_argument("--mtp-replicas", type=int, default=1, help="code-predictor replicas of the topology's engines")
     p.add_argument("--memory", type=float, default=0.2, help="gpu_memory_utilization of each side")
+    p.add_argument("--batch-invariant", action="store_true", help="both sides in batch-invariant mode")
+    p.add_argument("--invariant-rows", type=int, default=32)
     p.add_argument("--out", default=None, help="also write the report (JSON) here")
     p.set_defaults(func=_main)
 
@@ -167,7 +172,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         concurrencies = [int(c) for c in args.concurrency.split(",")]
         report = probe(args.topology, args.model, device, args.requests, concurrencies, args.frames,
-                       args.greedy, args.workers, args.kv_transfer, args.mtp_replicas, args.memory)
+                       args.greedy, args.workers, args.kv_transfer, args.mtp_replicas, args.memory,
+                       args.batch_invariant, args.invariant_rows)
     except (TopologyError, ValueError) as e:
         print(f"voxserve probe: error: {e}", file=sys.stderr)
         return 2

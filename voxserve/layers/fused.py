@@ -27,6 +27,9 @@ def cuda_compiled(fn: Callable) -> Callable:
         if not x.is_cuda:
             return fn(x, *args, **kwargs)
         if compiled is None:
+            # One function serves several dtypes and ranks (talker, code predictor, fp32 codec modules);
+            # past dynamo's default of 8 variants it would silently fall back to eager for new ones.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             compiled = torch.compile(fn, dynamic=True)
         return compiled(x, *args, **kwargs)
 

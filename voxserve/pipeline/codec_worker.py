@@ -4,8 +4,9 @@
 `CodecEngine` is plain and synchronous, like `Engine`: `open` a stream per request, `push` frames as the
 talker makes them, then `end` it (its tail is decoded) or `abort` it; `step()` decodes every stream's due
 chunks, batched through the engine's own `CodecStreamer`. The chunk schedule is the one `single` streams:
-`first_chunk_frames`, then `chunk_frames`, the tail when the stream ends. Frames that arrive in a burst are
-still cut at those boundaries, so the audio equals `single`'s (up to float rounding of other batch make-ups).
+`first_chunk_frames`, then `chunk_frames` (or the ramp up to it), the tail when the stream ends. Frames that arrive
+in a burst are still cut at those boundaries, so the audio equals `single`'s (up to float rounding of other
+batch make-ups).
 
 `LocalCodecClient` runs a `CodecEngine` on a thread, as `LocalEngineClient` runs an `Engine`: a command
 inbox, and each stream's outputs handed to its asyncio queue through `call_soon_threadsafe`. A failed
@@ -64,8 +65,9 @@ class CodecOutput:
 class CodecEngine:
     """Streams of code frames -> PCM chunks. Not thread-safe: one thread owns it."""
 
-    def __init__(self, decoder: CodecDecoder, first_chunk_frames: int = 1, chunk_frames: int = 25) -> None:
-        self.streamer = CodecStreamer(decoder, first_chunk_frames, chunk_frames)
+    def __init__(self, decoder: CodecDecoder, first_chunk_frames: int = 1, chunk_frames: int = 25,
+                 chunk_ramp: bool = False) -> None:
+        self.streamer = CodecStreamer(decoder, first_chunk_frames, chunk_frames, chunk_ramp)
         self._pushed: dict[str, int] = {}  # frames received per open stream
         self._ended: set[str] = set()
         self.frames_decoded = 0
@@ -184,8 +186,8 @@ class LocalCodecClient:
     """A `CodecEngine` on a dedicated thread of this process. Call its methods from one event loop."""
 
     def __init__(self, decoder: CodecDecoder, first_chunk_frames: int = 1, chunk_frames: int = 25,
-                 name: str = "codec") -> None:
-        self.engine = CodecEngine(decoder, first_chunk_frames, chunk_frames)
+                 name: str = "codec", chunk_ramp: bool = False) -> None:
+        self.engine = CodecEngine(decoder, first_chunk_frames, chunk_frames, chunk_ramp)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # codec thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

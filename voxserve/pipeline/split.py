@@ -207,5 +207,6 @@ def build_split_client(
     if decoder is None:
         decoder = (load_codec(codec_device) if load_codec is not None else
                    load_codec_decoder(source, codec_device, getattr(torch, config.codec_dtype)))
-    codec = LocalCodecClient(decoder, config.first_chunk_frames, config.chunk_frames, name=f"{name}-codec")
+    codec = LocalCodecClient(decoder, config.first_chunk_frames, config.chunk_frames, name=f"{name}-codec",
+                             chunk_ramp=config.chunk_ramp)
     return SplitClient(talker, codec)

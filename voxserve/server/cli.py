@@ -52,8 +52,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-model-len", type=int, default=32768)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--batch-invariant", action="store_true",
+                   help="a seeded request's codes never depend on the load or topology, on GPUs too (decode steps "
+                        "run in fixed chunks of --invariant-rows rows; costs latency at low load)")
+    e.add_argument("--invariant-rows", type=int, default=32)
     e.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first audio chunk")
     e.add_argument("--chunk-frames", type=int, default=25, help="frames in each later audio chunk")
+    e.add_argument("--chunk-ramp", action="store_true",
+                   help="after the first chunk, make each chunk as long as the audio already sent, up to "
+                        "--chunk-frames, so real-time playback never runs dry (default: straight to --chunk-frames)")
     r = p.add_argument_group("requests")
     r.add_argument("--max-input-chars", type=int, default=4096)
     r.add_argument("--default-max-new-tokens", type=int, default=2048)
@@ -110,7 +117,8 @@ def serve(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting, max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
-            mtp_replicas=args.mtp_replicas,
+            mtp_replicas=args.mtp_replicas, chunk_ramp=args.chunk_ramp, batch_invariant=args.batch_invariant,
+            invariant_rows=args.invariant_rows,
         )
         voices_dir = args.voices_dir or str(cache_dir() / "voices" / _safe(name))
         settings = ServerSettings(
