@@ -120,9 +120,8 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
         p, d = self.prefill.pick(), self.pick_decode()
         prefill, decode = self.prefill.replicas[p], self.decode[d]
         rid = req.request_id
-        self.prefill.in_flight[p] += 1
+        self.prefill.claim(p, rid)
         self.decode_in_flight[d] += 1
-        self.prefill._placement[rid] = p
         decoded = decode.await_handoff(rid, p, self.receive_timeout_s)  # armed before the prefill starts
         # Both sides are watched at once: the decode side may start streaming before the prefill's "sent"
         # arrives, and may fail first (its receive deadline), which must end the request at once.
@@ -149,9 +148,8 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
             if not (first.done() and not first.cancelled() and first.exception() is None):
                 await decode.abort(rid, "prefill ended")  # the decode side is still armed: disarm it
             await decoded.aclose()
-            self.prefill.in_flight[p] -= 1
+            self.prefill.release(p, rid)
             self.decode_in_flight[d] -= 1
-            self.prefill._placement.pop(rid, None)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
         await asyncio.gather(*(c.abort(request_id, reason) for c in [*self.prefill.replicas, *self.decode]))

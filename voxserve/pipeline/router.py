@@ -39,16 +39,23 @@ class ReplicaRouter(EngineClient):
             raise RequestRejected(503, "no engine replica is serving")
         return min(alive, key=lambda i: (self.in_flight[i], i))
 
+    def claim(self, idx: int, request_id: str) -> None:
+        """Counts `request_id` as in flight on replica `idx` (and routes its aborts there) until `release`."""
+        self.in_flight[idx] += 1
+        self._placement[request_id] = idx
+
+    def release(self, idx: int, request_id: str) -> None:
+        self.in_flight[idx] -= 1
+        self._placement.pop(request_id, None)
+
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         idx = self.pick()
-        self.in_flight[idx] += 1
-        self._placement[req.request_id] = idx
+        self.claim(idx, req.request_id)
         try:
             async for chunk in self.replicas[idx].generate(req):
                 yield chunk
         finally:
-            self.in_flight[idx] -= 1
-            self._placement.pop(req.request_id, None)
+            self.release(idx, req.request_id)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
         idx = self._placement.get(request_id)
