@@ -544,3 +544,16 @@ def test_registry_errors_are_clear():
         with pytest.raises(ImportError, match=rf"pip install voxserve\[{name}\]"):
             get_backend(name)
     assert get_backend("inproc") is InprocConnector and get_backend("shm") is ShmConnector
+
+
+def test_an_offer_of_another_shape_fails_that_request_without_raising():
+    """A locator the shm carrier cannot read (e.g. from a peer running another backend) is a bad payload for
+    that request; `poll` never raises, and the link keeps working."""
+    lk = make_link("shm")
+    lk.a.connect(2.0), lk.b.connect(2.0)
+    lk.b.receive("m", 5.0)
+    lk.tap_a.send({"op": "offer", "rid": "m", "gen": 1, "ttl_s": 5.0, "loc": {"session": "h:1", "addr": 4}})
+    (ev,) = lk.b.poll()
+    assert (ev.kind, ev.reason) == (EventKind.FAILED, FailReason.BAD_PAYLOAD) and "KeyError" in ev.detail
+    assert lk.b.link_state is LinkState.READY
+    lk.a.close(), lk.b.close()

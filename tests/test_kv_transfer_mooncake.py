@@ -318,11 +318,12 @@ def test_across_processes_over_tcp():
             started = time.monotonic()
             (ev,) = recv.poll()
             assert 0.4 < time.monotonic() - started < 3
-            assert ev.kind is EventKind.FAILED and "took over 0.5s" in ev.detail
+            assert (ev.kind, ev.reason) == (EventKind.FAILED, FailReason.TRANSPORT_ERROR)
+            assert "took over 0.5s" in ev.detail
             assert recv._mooncake.arena.in_use > 0 and recv.stats().extra == {"mooncake_read_timeout": 1}
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        assert _report(cmd_parent) == ("event", "p3", "failed", "bad_payload")  # our reject reached it
+        assert _report(cmd_parent) == ("event", "p3", "failed", "transport_error")  # our reject reached it
         end = time.monotonic() + 10
         while recv._mooncake.arena.in_use and time.monotonic() < end:
             assert recv.poll() == []  # polling reclaims it

@@ -301,8 +301,12 @@ class LinkConnector(KVConnector):
         except LayoutMismatch as e:
             self._reject(rid, offer.gen, FailReason.LAYOUT_MISMATCH, str(e))
             return
-        except (HandoffFormatError, OSError, ValueError) as e:
-            self._reject(rid, offer.gen, FailReason.BAD_PAYLOAD, str(e))
+        except (HandoffFormatError, ValueError, KeyError, TypeError) as e:
+            # KeyError/TypeError: a locator of another shape (e.g. a peer running another backend).
+            self._reject(rid, offer.gen, FailReason.BAD_PAYLOAD, f"{type(e).__name__}: {e}")
+            return
+        except OSError as e:  # the transport could not read it (peer gone, read timed out, no room)
+            self._reject(rid, offer.gen, FailReason.TRANSPORT_ERROR, str(e))
             return
         finally:
             self._reap(rid)
