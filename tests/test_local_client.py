@@ -230,3 +230,41 @@ def test_stop_uses_the_given_grace_and_returns_at_once_before_start(loaded):
     never_started_s, stop_s, chunks = asyncio.run(main())
     assert never_started_s < 1
     assert chunks[-1].finish_reason == "abort" and stop_s < 5
+
+
+@pytest.mark.parametrize("cache_size", [0, 2])
+def test_a_reference_clip_sent_again_is_not_encoded_again(loaded, monkeypatch, cache_size):
+    """Voice clones with the same clip reuse its features (same codes as encoding it each time); the cache
+    keeps `voice_cache_size` clips, least recently used out first, and 0 turns it off."""
+    from voxserve.models.qwen3_tts import inputs
+
+    calls = []
+    real = inputs.extract_voice
+    monkeypatch.setattr(inputs, "extract_voice", lambda *a: (calls.append(a[2]), real(*a))[1])
+    rng = np.random.default_rng(0)
+    clips = [rng.uniform(-0.5, 0.5, 24000).astype(np.float32) for _ in range(3)]
+
+    def clone(rid, clip, rate=24000):
+        inp = SpeechInput("Cloned speech.", language="english", ref_audio=clip, ref_sample_rate=rate,
+                          ref_text="A reference transcript.")
+        return SynthesisRequest(rid, inp, SamplingParams(seed=5, max_new_tokens=5))
+
+    async def main():
+        client = make_client(loaded, voice_cache_size=cache_size)
+        await client.start()
+        try:
+            order = [(0, 24000), (0, 24000), (1, 24000), (0, 16000), (0, 24000), (2, 24000), (1, 24000)]
+            out = [(await collect(client, clone(f"c{i}", clips[c], r)))[0] for i, (c, r) in enumerate(order)]
+        finally:
+            await client.stop()
+        return out, client.voices
+
+    out, cache = asyncio.run(main())
+    codes = [np.concatenate([c.codes for c in chunks]) for chunks in out]
+    assert np.array_equal(codes[0], codes[1]) and np.array_equal(codes[0], codes[4])
+    if cache_size == 0:
+        assert len(calls) == 7
+    else:
+        # 0 miss, 0 hit, 1 miss, 0@16k miss (a rate is part of the key; evicts 0), 0 miss (evicts 1),
+        # 2 miss (evicts 0@16k), 1 miss.
+        assert len(calls) == 6 and (cache.hits, cache.misses) == (1, 6)

@@ -57,6 +57,9 @@ class EngineConfig:
     """Frames in the first streamed codec chunk (time to first audio)."""
     chunk_frames: int = 25
     """Frames in each later streamed codec chunk (the largest, once the ramp reaches it)."""
+    voice_cache_size: int = 256
+    """Reference clips whose voice features (speaker embedding, reference codes) are kept, so a clip sent
+    again is not encoded again; 0 turns the cache off."""
     chunk_ramp: bool = False
     """Between the first chunk and `chunk_frames`, make each chunk as long as the audio already sent (1, 1, 2,
     4, 8, 16, 25, ...), so a real-time player never runs dry; off: straight to `chunk_frames` after the first.
@@ -103,6 +106,9 @@ class EngineConfig:
         if self.batch_invariant and self.max_num_batched_tokens <= self.max_num_seqs:
             raise ValueError("EngineConfig.batch_invariant needs max_num_batched_tokens > max_num_seqs: prefill "
                              "chunks are cut at max_num_batched_tokens - max_num_seqs tokens")
+        if not isinstance(self.voice_cache_size, int) or isinstance(self.voice_cache_size, bool) \
+                or self.voice_cache_size < 0:
+            raise ValueError(f"EngineConfig.voice_cache_size must be an int >= 0, got {self.voice_cache_size!r}")
         if not isinstance(self.chunk_ramp, bool):
             raise ValueError(f"EngineConfig.chunk_ramp must be a bool, got {self.chunk_ramp!r}")
         if not isinstance(self.emit_audio, bool):

@@ -24,7 +24,7 @@ from voxserve.engine.engine import Engine, EngineRequest, RequestOutput
 from voxserve.engine.scheduler import QueueFullError, RequestTooLargeError
 from voxserve.kv_transfer.handoff import Handoff, LayoutMismatch
 from voxserve.models.qwen3_tts.audio import AudioError
-from voxserve.models.qwen3_tts.inputs import VoiceFeatures, build_spec, extract_voice
+from voxserve.models.qwen3_tts.inputs import VoiceCache, VoiceFeatures, build_spec
 from voxserve.models.qwen3_tts.loader import LoadedModel
 from voxserve.models.qwen3_tts.prompt import PromptError
 from voxserve.models.qwen3_tts.sampling import SamplingParamsError
@@ -63,6 +63,7 @@ class LocalEngineClient(EngineClient):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, name: str = "voxserve") -> None:
         self.loaded = loaded
         self.engine = Engine(loaded, config)
+        self.voices = VoiceCache(config.voice_cache_size)  # engine thread only
         self.info = ModelInfo.from_configs(name, loaded.config, loaded.speech_config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -208,7 +209,7 @@ class LocalEngineClient(EngineClient):
         elif kind == "voice":
             _, samples, rate, fut = cmd
             try:
-                result = extract_voice(self.loaded, samples, rate)
+                result = self.voices(self.loaded, samples, rate)
             except Exception as e:
                 _settle(fut, error=rejection(e))
             else:
@@ -226,7 +227,7 @@ class LocalEngineClient(EngineClient):
             if isinstance(req, Handoff):
                 seed = self.engine.add_handoff(req)
             else:
-                spec = build_spec(self.loaded, req.input)
+                spec = build_spec(self.loaded, req.input, self.voices)
                 seed = self.engine.add_request(EngineRequest(
                     request_id=req.request_id, spec=spec, sampling=req.sampling, max_frames=req.max_frames,
                     ignore_eos=req.ignore_eos, first_chunk_frames=req.first_chunk_frames,

@@ -58,6 +58,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--invariant-rows", type=int, default=32)
     e.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first audio chunk")
     e.add_argument("--chunk-frames", type=int, default=25, help="frames in each later audio chunk")
+    e.add_argument("--voice-cache-size", type=int, default=256,
+                   help="reference clips whose voice features are kept (a clip sent again is not re-encoded); 0: off")
     e.add_argument("--chunk-ramp", action="store_true",
                    help="after the first chunk, make each chunk as long as the audio already sent, up to "
                         "--chunk-frames, so real-time playback never runs dry (default: straight to --chunk-frames)")
@@ -117,7 +119,8 @@ def serve(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting, max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
-            mtp_replicas=args.mtp_replicas, chunk_ramp=args.chunk_ramp, batch_invariant=args.batch_invariant,
+            mtp_replicas=args.mtp_replicas, chunk_ramp=args.chunk_ramp, voice_cache_size=args.voice_cache_size,
+            batch_invariant=args.batch_invariant,
             invariant_rows=args.invariant_rows,
         )
         voices_dir = args.voices_dir or str(cache_dir() / "voices" / _safe(name))

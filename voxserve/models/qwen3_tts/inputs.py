@@ -7,6 +7,8 @@ every entry point treats the same request the same way.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,8 +69,37 @@ def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int) ->
     return VoiceFeatures(speaker_embedding=embedding, ref_code=codes)
 
 
-def build_spec(loaded: LoadedModel, inp: SpeechInput) -> PromptSpec:
-    """Tokenises and, for reference audio, encodes the voice; raises PromptError/AudioError for bad input."""
+class VoiceCache:
+    """Voice features by reference clip (a hash of its samples and rate), least recently used out first.
+    Clients that send the same reference clip with every request pay for its encoding once."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, VoiceFeatures] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def __call__(self, loaded: LoadedModel, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
+        """`extract_voice`, remembered (same signature, so `build_spec` can take it as its `extract`)."""
+        if self.max_entries <= 0:
+            return extract_voice(loaded, samples, sample_rate)
+        arr = np.ascontiguousarray(samples, dtype=np.float32)
+        key = hashlib.blake2b(arr.tobytes(), digest_size=16, key=str(int(sample_rate)).encode()).digest()
+        feats = self._entries.get(key)
+        if feats is None:
+            self.misses += 1
+            feats = extract_voice(loaded, arr, sample_rate)
+            self._entries[key] = feats
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        return VoiceFeatures(feats.speaker_embedding.clone(), feats.ref_code.clone())
+
+
+def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> PromptSpec:
+    """Tokenises and, for reference audio, encodes the voice (with `extract`: `extract_voice` or a
+    `VoiceCache`); raises PromptError/AudioError for bad input."""
     if not isinstance(inp.text, str) or not inp.text.strip():
         raise PromptError("input text is empty")
     tok = loaded.text_tokenizer
@@ -80,7 +111,7 @@ def build_spec(loaded: LoadedModel, inp: SpeechInput) -> PromptSpec:
     if inp.ref_audio is not None:
         if embedding is not None:
             raise PromptError("give either ref_audio or speaker_embedding, not both")
-        feats = extract_voice(loaded, inp.ref_audio, inp.ref_sample_rate)
+        feats = extract(loaded, inp.ref_audio, inp.ref_sample_rate)
         embedding = feats.speaker_embedding
         ref_code = None if inp.x_vector_only else feats.ref_code
     x_vector_only = inp.x_vector_only or (embedding is not None and ref_code is None)
