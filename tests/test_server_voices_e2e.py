@@ -18,7 +18,6 @@ from voice_helpers import CLIP
 from voxserve.engine.config import EngineConfig
 from voxserve.models.qwen3_tts import inputs
 from voxserve.models.qwen3_tts.loader import load_model
-from voxserve.pipeline import local
 from voxserve.pipeline.local import LocalEngineClient
 from voxserve.server.app import build_app
 from voxserve.server.settings import ServerSettings
@@ -44,8 +43,7 @@ def encoder_calls(monkeypatch) -> Counter:
         calls["extract_voice"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(inputs, "extract_voice", counted)  # build_spec's ref_audio path
-    monkeypatch.setattr(local, "extract_voice", counted)  # EngineClient.extract_voice
+    monkeypatch.setattr(inputs, "extract_voice", counted)  # build_spec's path and the engine's VoiceCache
     return calls
 
 
