@@ -106,3 +106,34 @@ def test_mtp_replicas_on_cuda_match_one_group(tmp_path):
         assert torch.equal(two.frames(rid), one.frames(rid)), rid
         assert torch.equal(two.frames(rid), eager.frames(rid)), rid
         assert torch.equal(two.frames(rid), want.frames(rid)), rid
+
+
+def test_batch_invariant_codes_do_not_depend_on_the_batch():
+    """The 0.6B config in bf16 (random weights), where GEMM tilings and split reductions change with the
+    batch shape: with `batch_invariant`, each seeded request gives the same codes alone and in a batch of
+    12 that grows and shrinks (rows padded to chunks of 8, graphs of that one size). H200 probe of the same
+    property across topologies: docs/benchmarks.md."""
+    from voxserve.models.qwen3_tts.config import SpeechTokenizerConfig, preset
+    from voxserve.models.qwen3_tts.testing import random_model
+
+    lm = random_model(preset("0.6B", "base"), SpeechTokenizerConfig(), device="cuda", dtype=torch.bfloat16)
+    hidden = lm.config.talker_config.hidden_size
+    emb = torch.randn(hidden, generator=torch.Generator().manual_seed(2))
+    spec = build_spec(lm, SpeechInput("Please call Stella and ask her to bring these things.", language="english",
+                                      speaker_embedding=emb, x_vector_only=True))
+
+    def reqs():
+        return [EngineRequest(f"b{i}", spec, SamplingParams(seed=i, max_new_tokens=10 + 3 * (i % 4)),
+                              ignore_eos=True, stream_audio=False) for i in range(12)]
+
+    engine = Engine(lm, engine_config(device="cuda", dtype="bfloat16", max_num_seqs=16, num_kv_blocks=512,
+                                      batch_invariant=True, invariant_rows=8))
+    assert sorted(engine.runner.replicas[0].graphs) == [8]
+    alone = {}
+    for r in reqs():
+        alone[r.request_id] = run_all(engine, [r]).frames(r.request_id)
+    batch = reqs()
+    together = run_all(engine, batch[:9], join_at={4: batch[9:]})
+    for r in batch:
+        assert torch.equal(together.frames(r.request_id), alone[r.request_id]), r.request_id
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
