@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from client_helpers import EMB, mixed_requests, run_client
 
 from voxserve.engine.config import EngineConfig
 from voxserve.kv_transfer.handoff import LayoutMismatch
@@ -17,9 +18,6 @@ from voxserve.models.qwen3_tts.sampling import SamplingParams
 from voxserve.pipeline.client import SynthesisRequest
 from voxserve.pipeline.local import LocalEngineClient
 from voxserve.pipeline.pd import PrefillDecodeRouter
-
-EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
-REF = torch.randint(0, 2048, (9, 16), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module")
@@ -34,31 +32,10 @@ def engine(loaded) -> LocalEngineClient:
 
 
 def requests(n: int) -> list[SynthesisRequest]:
-    out = []
-    for i in range(n):
-        if i % 2:
-            inp = SpeechInput(f"In context clone number {i}.", speaker_embedding=EMB, ref_code=REF,
-                              ref_text="The reference transcript.")
-        else:
-            inp = SpeechInput(f"Plain sentence {i}, said twice.", language="english", speaker_embedding=EMB,
-                              x_vector_only=True)
-        greedy = i % 3 == 2
-        params = SamplingParams(seed=40 + i, max_new_tokens=7 + i % 4, do_sample=not greedy,
-                                subtalker_do_sample=not greedy)
-        out.append(SynthesisRequest(f"p{i}", inp, params))
-    return out
+    return mixed_requests(n, "p")
 
 
-async def run(client, reqs, concurrency):
-    await client.start()
-    sem = asyncio.Semaphore(concurrency)
-    try:
-        async def one(r):
-            async with sem:
-                return [c async for c in client.generate(r)]
-        return await asyncio.gather(*(one(r) for r in reqs))
-    finally:
-        await client.stop()
+run = run_client
 
 
 def outcome(chunks):

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from client_helpers import EMB, gather_streams, mixed_requests
 
 from voxserve.engine.config import EngineConfig
 from voxserve.models.qwen3_tts.inputs import SpeechInput
@@ -23,8 +24,6 @@ from voxserve.pipeline.pd import LinkedPrefillDecodeRouter
 from voxserve.pipeline.process_client import ProcessEngineClient, new_instance_id
 from voxserve.pipeline.topology import TopologyError, build_client, parse_topology
 
-EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
-REF = torch.randint(0, 2048, (9, 16), generator=torch.Generator().manual_seed(1))
 BLOCKS = 128
 OPTS = {"torch_threads": 1, "start_timeout_s": 90}
 HEARTBEATS = 1.2  # link counters reach the server with each worker heartbeat (every 0.5 s): wait two
@@ -36,20 +35,7 @@ def _config(**kw) -> EngineConfig:
 
 
 def _requests(n: int, prefix: str = "q") -> list[SynthesisRequest]:
-    """Seeded sampling, greedy, x-vector and in-context clones, of several lengths."""
-    out = []
-    for i in range(n):
-        if i % 2:
-            inp = SpeechInput(f"In context clone number {i}.", speaker_embedding=EMB, ref_code=REF,
-                              ref_text="The reference transcript.")
-        else:
-            inp = SpeechInput(f"Plain sentence {i}, said twice.", language="english", speaker_embedding=EMB,
-                              x_vector_only=True)
-        greedy = i % 3 == 2
-        params = SamplingParams(seed=40 + i, max_new_tokens=7 + i % 4, do_sample=not greedy,
-                                subtalker_do_sample=not greedy)
-        out.append(SynthesisRequest(f"{prefix}{i}", inp, params))
-    return out
+    return mixed_requests(n, prefix)
 
 
 def _long(rid: str, frames: int = 40) -> SynthesisRequest:
@@ -57,13 +43,7 @@ def _long(rid: str, frames: int = 40) -> SynthesisRequest:
     return SynthesisRequest(rid, inp, SamplingParams(seed=3, max_new_tokens=frames + 1), ignore_eos=True)
 
 
-async def _gather(client, reqs, concurrency: int):
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(r):
-        async with sem:
-            return [c async for c in client.generate(r)]
-    return await asyncio.gather(*(one(r) for r in reqs))
+_gather = gather_streams
 
 
 def _codes(chunks) -> np.ndarray:

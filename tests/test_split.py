@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from client_helpers import run_client
 
 from voxserve.engine.codec_streamer import next_chunk_frames
 from voxserve.engine.config import EngineConfig
@@ -59,16 +60,7 @@ def requests(n: int) -> list[SynthesisRequest]:
     return out
 
 
-async def run(client, reqs, concurrency):
-    await client.start()
-    sem = asyncio.Semaphore(concurrency)
-    try:
-        async def one(r):
-            async with sem:
-                return [c async for c in client.generate(r)]
-        return await asyncio.gather(*(one(r) for r in reqs))
-    finally:
-        await client.stop()
+run = run_client
 
 
 def outcome(chunks):

@@ -120,9 +120,9 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
         p, d = self.prefill.pick(), self.pick_decode()
         prefill, decode = self.prefill.replicas[p], self.decode[d]
         rid = req.request_id
-        self.prefill.claim(p, rid)
-        self.decode_in_flight[d] += 1
         decoded = decode.await_handoff(rid, p, self.receive_timeout_s)  # armed before the prefill starts
+        self.prefill.claim(p, rid)  # counted only once nothing above can raise
+        self.decode_in_flight[d] += 1
         # Both sides are watched at once: the decode side may start streaming before the prefill's "sent"
         # arrives, and may fail first (its receive deadline), which must end the request at once.
         prefilled = asyncio.ensure_future(_last_chunk(prefill.generate(replace(req, handoff_only=True,

@@ -149,9 +149,7 @@ class _Worker:
             if ev.kind is EventKind.SENT:
                 await self.send(m.Chunk(rid, dataclasses.replace(final, handoff=None)))
             else:
-                how = "abort" if rid in self.cancelled else "error"
-                await self.send(m.Chunk(rid, _end(how, f"KV transfer to decode worker {peer} failed: "
-                                                       f"{ev.reason.value if ev.reason else ''} {ev.detail}".strip())))
+                await self.send(m.Chunk(rid, self._transfer_failed(rid, f"to decode worker {peer}", ev)))
         except RequestRejected as e:
             await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
         except Exception as e:
@@ -168,25 +166,28 @@ class _Worker:
         try:
             ev = await self.links.receive(msg.peer, rid, msg.deadline_s)
         except ValueError as e:  # the same id armed twice: refuse this one
-            await self.send(m.Rejected(rid, 400, str(e)))
+            ev, refused = None, m.Rejected(rid, 400, str(e))
+        if ev is not None and ev.kind is EventKind.RECEIVED and rid not in self.cancelled:
+            await self.stream(rid, self.client.generate_from_handoff(ev.handoff))  # cleans up after itself
             return
-        if ev.kind is not EventKind.RECEIVED:
-            how = "abort" if rid in self.cancelled else "error"
-            self.tasks.pop(rid, None)
-            self.cancelled.discard(rid)
-            await self.send(m.Chunk(rid, _end(how, f"KV transfer from prefill worker {msg.peer} failed: "
-                                                   f"{ev.reason.value if ev.reason else ''} {ev.detail}".strip())))
-            return
-        if rid in self.cancelled:  # aborted while the handoff was landing
-            self.tasks.pop(rid, None)
-            self.cancelled.discard(rid)
-            await self.send(m.Chunk(rid, _end("abort", "aborted")))
-            return
-        await self.stream(rid, self.client.generate_from_handoff(ev.handoff))
+        if ev is None:
+            out = refused
+        elif ev.kind is EventKind.RECEIVED:  # aborted while the handoff was landing
+            out = m.Chunk(rid, _end("abort", "aborted"))
+        else:
+            out = m.Chunk(rid, self._transfer_failed(rid, f"from prefill worker {msg.peer}", ev))
+        self.tasks.pop(rid, None)
+        self.cancelled.discard(rid)
+        await self.send(out)
 
     async def no_links(self, rid: str) -> None:
         self.tasks.pop(rid, None)
         await self.send(m.Rejected(rid, 500, "this worker has no KV links: it is not part of an MpNd deployment"))
+
+    def _transfer_failed(self, rid: str, where: str, ev) -> StreamChunk:
+        """The last chunk of a request whose handoff did not cross: "abort" if we were told to drop it."""
+        how = "abort" if rid in self.cancelled else "error"
+        return _end(how, f"KV transfer {where} failed: {ev.reason.value if ev.reason else ''} {ev.detail}".strip())
 
     def link_changed(self, peer: int, state, error: str | None, counters: dict) -> None:
         asyncio.get_running_loop().create_task(self.send(m.LinkStatus(peer, state.value, error, counters)))
