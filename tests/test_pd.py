@@ -8,14 +8,14 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from client_helpers import EMB, mixed_requests, run_client
+from client_helpers import EMB, gather_streams, mixed_requests, run_client
 
 from voxserve.engine.config import EngineConfig
 from voxserve.kv_transfer.handoff import LayoutMismatch
 from voxserve.models.qwen3_tts.inputs import SpeechInput
 from voxserve.models.qwen3_tts.loader import load_model
 from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline.client import SynthesisRequest
+from voxserve.pipeline.client import RequestRejected, SynthesisRequest
 from voxserve.pipeline.local import LocalEngineClient
 from voxserve.pipeline.pd import PrefillDecodeRouter
 
@@ -121,3 +121,63 @@ def test_aborting_during_decode_frees_both_sides(loaded):
     first, stats = asyncio.run(main())
     assert first.num_frames >= 0
     assert stats.free_kv_blocks == stats.num_kv_blocks == 192
+
+
+def test_pairing_least_loaded_and_round_robin():
+    """Least loaded picks the idlest live decode engine (ties in turn); round robin ignores the load."""
+
+    class Decode:
+        def __init__(self, alive=True):
+            self.alive = alive
+
+        def is_alive(self):
+            return self.alive
+
+    class Prefill(Decode):
+        info = None
+
+    def router(loads, pairing="least_loaded"):
+        r = PrefillDecodeRouter([Prefill()], [Decode(), Decode(), Decode(alive=False)], pairing=pairing)
+        r.decode_in_flight = list(loads)
+        return r
+
+    least = router([3, 1, 0])
+    assert [least.pick_decode() for _ in range(3)] == [1, 1, 1]  # the dead, idle engine is never picked
+    tied = router([1, 1, 0])
+    assert [tied.pick_decode() for _ in range(3)] == [0, 1, 0]  # ties go in turn (turn 2, the dead one: next)
+    rr = router([3, 1, 0], "round_robin")
+    assert [rr.pick_decode() for _ in range(4)] == [0, 1, 0, 0]  # the load is ignored
+    with pytest.raises(ValueError, match="pairing"):
+        router([0, 0, 0], "random")
+
+
+def test_stop_is_in_order_so_a_handoff_on_its_way_still_decodes(loaded):
+    """Stopping takes the prefill engines down first and waits for their handoffs to reach the decode
+    engines, which then drain: a request whose handoff is on its way when stop() is called finishes."""
+    prefill = engine(loaded)
+    router = PrefillDecodeRouter([prefill], [engine(loaded)])
+    req = SynthesisRequest("late", SpeechInput("Said during shutdown.", language="english", speaker_embedding=EMB,
+                                               x_vector_only=True), SamplingParams(seed=1, max_new_tokens=9))
+    real = prefill.generate
+
+    async def slow_hop(r):  # the handoff takes 0.3 s to reach the router
+        async for chunk in real(r):
+            if chunk.finish_reason == "handoff":
+                held.set()
+                await asyncio.sleep(0.3)
+            yield chunk
+
+    prefill.generate = slow_hop
+
+    async def go():
+        await router.start()
+        stream = asyncio.ensure_future(gather_streams(router, [req], 1))
+        await held.wait()
+        await router.stop(10.0)
+        with pytest.raises(RequestRejected, match="shutting down"):
+            await anext(router.generate(req))
+        return (await stream)[0]
+
+    held = asyncio.Event()
+    chunks = asyncio.run(go())
+    assert chunks[-1].finish_reason == "length" and chunks[-1].num_frames == 8

@@ -51,10 +51,10 @@ def _codes(chunks) -> np.ndarray:
 
 
 def _pd(path, topology: str, kv_backend: str = "shm", instance_id: str | None = None, kv_options=None,
-        **config) -> LinkedPrefillDecodeRouter:
+        on_kv_failure: str = "fail", **config) -> LinkedPrefillDecodeRouter:
     router = build_client(parse_topology(topology), None, _config(**config), workers="process",
                           model_path=str(path), instance_id=instance_id, process_options=OPTS,
-                          kv_backend=kv_backend, kv_options=kv_options)
+                          kv_backend=kv_backend, kv_options=kv_options, on_kv_failure=on_kv_failure)
     assert isinstance(router, LinkedPrefillDecodeRouter)
     return router
 
@@ -247,6 +247,71 @@ def test_killed_prefill_worker_fails_its_requests_and_the_rest_serve(tiny_checkp
     assert "worker died" in doomed[-1].error or "peer_died" in doomed[-1].error
     assert all(c[-1].finish_reason == "length" for c in survivors + after)
     assert d_links[0].state == "failed" and d_links[1].state == "ready"
+
+
+def test_recompute_policy_reruns_a_request_whose_handoff_timed_out(tiny_checkpoint):
+    """`on_kv_failure="recompute"`: the request whose handoff missed its deadline is run again whole on the
+    decode worker and gives the codes it would have given; the recompute is counted, nothing leaks."""
+    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 1.5, "delay_prefix": "slow"},
+                 on_kv_failure="recompute")
+    router.receive_timeout_s = 0.5
+
+    async def run():
+        await router.start()
+        try:
+            slow, ref = await asyncio.gather(_gather(router, [_long("slow-r", 6)], 1),
+                                             _gather(router, [_long("ref-r", 6)], 1))
+            await asyncio.sleep(1.5)  # the held handoff is offered late, and declined
+            await _settled(router)
+            await asyncio.sleep(HEARTBEATS)
+            return slow[0], ref[0], router.stats(), router.decode[0].links[0].counters
+        finally:
+            await router.stop()
+
+    slow, ref, stats, d_counts = asyncio.run(run())
+    assert slow[-1].finish_reason == ref[-1].finish_reason == "length"
+    assert np.array_equal(_codes(slow), _codes(ref))  # same input and seed: the id does not enter the codes
+    assert stats.recomputed == 1 and d_counts["timeouts"] == 1
+
+
+def test_recompute_policy_survives_a_killed_prefill_worker(tiny_checkpoint):
+    router = _pd(tiny_checkpoint, "2p1d", kv_options={"send_delay_s": 3.0, "delay_prefix": "slow"},
+                 on_kv_failure="recompute")
+
+    async def run():
+        await router.start()
+        try:
+            doomed = asyncio.ensure_future(_gather(router, [_long("slow-k", 5)], 1))  # placed on prefill 0
+            await asyncio.sleep(0.5)  # prefilled; its handoff held by the injected delay
+            os.kill(router.prefill.replicas[0].pid, signal.SIGKILL)
+            doomed = (await doomed)[0]
+            ref = (await _gather(router, [_long("ref-k", 5)], 1))[0]  # prefill 1 is the one left
+            await _settled(router)
+            return doomed, ref, router.stats()
+        finally:
+            await router.stop()
+
+    doomed, ref, stats = asyncio.run(run())
+    assert doomed[-1].finish_reason == ref[-1].finish_reason == "length"
+    assert np.array_equal(_codes(doomed), _codes(ref))
+    assert stats.recomputed == 1
+
+
+def test_stop_drains_in_order_so_a_held_handoff_still_lands(tiny_checkpoint):
+    """stop() with a grace: the prefill worker sends the handoff it holds, the decode worker decodes it,
+    then both exit cleanly."""
+    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 1.0, "delay_prefix": "slow"})
+
+    async def run():
+        await router.start()
+        stream = asyncio.ensure_future(_gather(router, [_long("slow-s", 8)], 1))
+        await asyncio.sleep(0.4)  # prefilled; the handoff is held by the injected delay
+        await router.stop(10.0)
+        return (await stream)[0]
+
+    chunks = asyncio.run(run())
+    assert chunks[-1].finish_reason == "length" and chunks[-1].num_frames == 8
+    assert all(w.proc.returncode == 0 for w in _workers(router))
 
 
 def test_killed_decode_worker_fails_its_requests_and_the_server_stays_up(tiny_checkpoint):

@@ -74,7 +74,11 @@ def test_messages_round_trip():
     assert np.array_equal(back.audio, chunk.audio) and np.array_equal(back.codes, code)
     assert (back.num_frames, back.num_prompt_tokens, back.finished, back.finish_reason, back.error, back.seed) == \
         (3, 11, True, "error", "boom", 5)
-    assert m.decode(m.encode(m.Chunk("a", StreamChunk(np.zeros(0, np.float32), 0)))).chunk.codes is None
+    assert not back.retryable
+    plain = m.decode(m.encode(m.Chunk("a", StreamChunk(np.zeros(0, np.float32), 0)))).chunk
+    assert plain.codes is None and not plain.retryable
+    failed = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error", error="x", retryable=True)
+    assert m.decode(m.encode(m.Chunk("a", failed))).chunk.retryable
 
     info = ModelInfo("n", "base", "0b6", 24000, ["auto"], ["x"], 64)
     simple = [m.Abort("a", "gone"), m.Rejected("a", 429, "busy", 1.0), m.Rejected("b", 400, "bad"),

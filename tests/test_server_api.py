@@ -245,7 +245,8 @@ def test_models_health_and_metrics(cv):
     for name in ("voxserve_time_to_first_audio_seconds_bucket", "voxserve_real_time_factor_bucket",
                  "voxserve_e2e_latency_seconds_count", "voxserve_num_requests_waiting",
                  "voxserve_num_requests_running", "voxserve_kv_cache_usage_ratio",
-                 'voxserve_requests_total{status="200"}', 'voxserve_requests_total{status="400"}'):
+                 'voxserve_requests_total{status="200"}', 'voxserve_requests_total{status="400"}',
+                 "voxserve_kv_handoffs_recomputed_total 0.0"):
         assert name in text, name
 
 

@@ -46,6 +46,9 @@ class StreamChunk:
     seed: int = 0
     codes: np.ndarray | None = None  # [n, 16] int64: the new frames' codec codes (topology equivalence checks)
     handoff: Handoff | None = None  # on the last chunk of a `handoff_only` request (finish_reason "handoff")
+    # On an "error" chunk: the failure was the deployment's, not the request's (its worker died, its KV
+    # handoff did not cross), so the same request run elsewhere would give the same result.
+    retryable: bool = False
 
 
 class RequestRejected(Exception):
@@ -67,6 +70,7 @@ class EngineStats:
     num_kv_blocks: int = 0
     free_kv_blocks: int = 0
     aborted: dict[str, int] = field(default_factory=dict)  # reason -> count
+    recomputed: int = 0  # process MpNd: requests whose handoff failed and that were run again on a decode engine
 
 
 @dataclass

@@ -295,7 +295,8 @@ def _dec_submit(b: _Body) -> Submit:
 def _enc_chunk(m: Chunk):
     c = m.chunk
     body = {"request_id": m.request_id, "num_frames": c.num_frames, "num_prompt_tokens": c.num_prompt_tokens,
-            "finished": c.finished, "finish_reason": c.finish_reason, "error": c.error, "seed": c.seed}
+            "finished": c.finished, "finish_reason": c.finish_reason, "error": c.error, "seed": c.seed,
+            "retryable": c.retryable}
     return "chunk", body, {"audio": _np(c.audio, "float32"), "codes": _np(c.codes, "int64")}
 
 
@@ -308,6 +309,7 @@ def _dec_chunk(b: _Body) -> Chunk:
         num_prompt_tokens=b.get("num_prompt_tokens", int), finished=b.get("finished", bool), finish_reason=reason,
         error=b.get("error", str, optional=True), seed=b.get("seed", int),
         codes=b.array("codes", "int64", 2, optional=True, width=16),
+        retryable=b.get("retryable", bool, optional=True, default=False),
     ))
 
 

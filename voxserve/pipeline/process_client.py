@@ -326,7 +326,8 @@ class ProcessEngineClient(EngineClient):
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
         for s in streams.values():
-            chunk = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error", error=reason)
+            chunk = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error", error=reason,
+                                retryable=True)
             _call(s.loop, s.queue.put_nowait, chunk)
         for fut in calls.values():
             _settle(fut, error=RequestRejected(503, reason))

@@ -93,4 +93,5 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         num_kv_blocks=blocks,
         free_kv_blocks=free,
         aborted=aborted,
+        recomputed=sum(p.recomputed for p in parts),
     )

@@ -19,7 +19,7 @@ from voxserve.engine.config import EngineConfig
 from voxserve.models.qwen3_tts.loader import LoadedModel
 from voxserve.pipeline.client import EngineClient
 from voxserve.pipeline.local import LocalEngineClient
-from voxserve.pipeline.pd import LinkedPrefillDecodeRouter, PrefillDecodeRouter
+from voxserve.pipeline.pd import KV_FAILURE_POLICIES, PAIRINGS, LinkedPrefillDecodeRouter, PrefillDecodeRouter
 from voxserve.pipeline.router import ReplicaRouter
 
 
@@ -78,6 +78,8 @@ def build_client(
     memory_shares: list[float] | None = None,
     kv_backend: str = "shm",
     kv_options: dict | None = None,
+    pairing: str = "least_loaded",
+    on_kv_failure: str = "fail",
 ) -> EngineClient:
     """One engine per worker; `load(device)` loads a model copy onto a device. Workers take `devices` in
     order (several workers may share one device, each with its own KV budget from `config`).
@@ -88,9 +90,16 @@ def build_client(
     to `ProcessEngineClient` (e.g. torch_threads, start_timeout_s). `memory_shares` gives each worker its
     own `gpu_memory_utilization` (prefill engines first); without it, workers sharing a device split it.
     `kv_backend` and `kv_options` (KVLinkSpec fields, e.g. transfer_timeout_s) configure process MpNd's
-    KV links. `config.mtp_replicas` applies to every engine except MpNd's prefill engines."""
+    KV links. `config.mtp_replicas` applies to every engine except MpNd's prefill engines. MpNd picks each
+    request's decode engine by `pairing` (least_loaded | round_robin); `on_kv_failure` (fail | recompute)
+    says what process MpNd does with a request whose handoff did not cross (thread MpNd moves handoffs by
+    reference: they cannot fail in transit)."""
     if workers not in ("thread", "process"):
         raise TopologyError(f"workers must be 'thread' or 'process', got {workers!r}")
+    if pairing not in PAIRINGS:
+        raise TopologyError(f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
+    if on_kv_failure not in KV_FAILURE_POLICIES:
+        raise TopologyError(f"on_kv_failure must be one of {', '.join(KV_FAILURE_POLICIES)}, got {on_kv_failure!r}")
     if topology.kind == "split":
         from voxserve.pipeline.split import build_split_client
 
@@ -143,7 +152,8 @@ def build_client(
         else:
             clients.append(LocalEngineClient(load(device), cfg, name=name))
     if topology.kind == "pd":
+        prefill, decode = clients[: topology.replicas], clients[topology.replicas :]
         if workers == "process":
-            return LinkedPrefillDecodeRouter(clients[: topology.replicas], clients[topology.replicas :])
-        return PrefillDecodeRouter(clients[: topology.replicas], clients[topology.replicas :])
+            return LinkedPrefillDecodeRouter(prefill, decode, pairing=pairing, on_kv_failure=on_kv_failure)
+        return PrefillDecodeRouter(prefill, decode, pairing=pairing)
     return clients[0] if topology.kind == "single" else ReplicaRouter(clients)

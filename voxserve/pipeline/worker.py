@@ -60,6 +60,7 @@ class _Worker:
         self.tasks: dict[str, asyncio.Task] = {}
         self.stop = asyncio.Event()
         self.grace_s = 0.0
+        self.draining = False  # after Shutdown: nothing new is taken, aborts still are
 
     async def send(self, msg: m.Message) -> None:
         await self.out.send_multipart(m.encode(msg))
@@ -68,8 +69,14 @@ class _Worker:
         beats = asyncio.create_task(self.heartbeat())
         receiving = asyncio.create_task(self.receive(cmd))
         await self.stop.wait()
+        # Drain: what this worker holds (running requests, handoffs being sent or awaited) ends on its own
+        # within the grace, while aborts are still heard; then the engine aborts what is left.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace_s
+        if self.tasks and self.grace_s > 0:
+            await asyncio.wait(list(self.tasks.values()), timeout=self.grace_s)
         receiving.cancel()
-        await self.client.stop(self.grace_s)  # aborts what is left after the grace: their last chunks go out
+        await self.client.stop(max(0.0, deadline - loop.time()))  # the aborted requests' last chunks go out
         if self.links is not None:
             await self.links.close()  # fails transfers still in flight: their tasks send error chunks
         if self.tasks:
@@ -85,7 +92,9 @@ class _Worker:
             except m.MessageError as e:
                 log.error("dropping a malformed message: %s", e)
                 continue
-            if isinstance(msg, m.Submit):
+            if self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
+                await self.send(m.Rejected(msg.request_id, 503, "the worker is shutting down"))
+            elif isinstance(msg, m.Submit):
                 req = msg.request
                 if req.handoff_to is not None:
                     job = self.prefill_and_send(req) if self.links is not None else self.no_links(req.request_id)
@@ -107,9 +116,8 @@ class _Worker:
                 asyncio.create_task(self.voice(msg))
             elif isinstance(msg, m.Shutdown):
                 log.info("shutdown requested (grace %.1f s)", msg.grace_s)
-                self.grace_s = msg.grace_s
+                self.grace_s, self.draining = msg.grace_s, True
                 self.stop.set()
-                return
             else:
                 log.error("dropping a %s: not a server -> worker message", type(msg).__name__)
 
@@ -187,7 +195,8 @@ class _Worker:
     def _transfer_failed(self, rid: str, where: str, ev) -> StreamChunk:
         """The last chunk of a request whose handoff did not cross: "abort" if we were told to drop it."""
         how = "abort" if rid in self.cancelled else "error"
-        return _end(how, f"KV transfer {where} failed: {ev.reason.value if ev.reason else ''} {ev.detail}".strip())
+        end = _end(how, f"KV transfer {where} failed: {ev.reason.value if ev.reason else ''} {ev.detail}".strip())
+        return dataclasses.replace(end, retryable=how == "error")
 
     def link_changed(self, peer: int, state, error: str | None, counters: dict) -> None:
         asyncio.get_running_loop().create_task(self.send(m.LinkStatus(peer, state.value, error, counters)))

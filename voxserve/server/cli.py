@@ -42,6 +42,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="run each engine on a thread of the server process or in its own worker process")
     t.add_argument("--kv-transfer", default="shm", choices=["shm", "mooncake"],
                    help="how process MpNd moves each handoff between its prefill and decode workers")
+    t.add_argument("--pd-pairing", default="least_loaded", choices=["least_loaded", "round_robin"],
+                   help="MpNd: how each request's decode engine is picked (least loaded, ties round robin; or round "
+                        "robin)")
+    t.add_argument("--kv-failure-policy", default="fail", choices=["fail", "recompute"],
+                   help="process MpNd: a request whose handoff did not cross (prefill worker died, transfer "
+                        "deadline) fails with the reason, or is run again whole on a live decode engine")
     t.add_argument("--mtp-replicas", type=int, default=1,
                    help="code-predictor replicas in each decode engine (own CUDA stream and graph pool each; "
                         "requests pinned by crc32(request id) %% K)")
@@ -142,7 +148,8 @@ def serve(args: argparse.Namespace) -> int:
             return loaded
 
         client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
-                              model_path=model_path, memory_shares=args.worker_memory, kv_backend=args.kv_transfer)
+                              model_path=model_path, memory_shares=args.worker_memory, kv_backend=args.kv_transfer,
+                              pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy)
         if args.workers == "process":  # the workers load the model; its generation defaults come from disk
             generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
     except (ConfigError, TopologyError, ValueError) as e:

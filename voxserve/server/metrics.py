@@ -74,3 +74,6 @@ class _EngineCollector(Collector):
         for reason, count in sorted(s.aborted.items()):
             engine_aborts.add_metric([reason], count)
         yield engine_aborts
+        yield CounterMetricFamily("voxserve_kv_handoffs_recomputed", "Process MpNd: requests whose KV handoff "
+                                  "failed and that were run again on a decode engine (--kv-failure-policy).",
+                                  value=s.recomputed)
