@@ -119,6 +119,24 @@ def test_process_pd_gives_the_codes_of_single(tiny_checkpoint, want, topology, b
     assert all(w.proc.returncode == 0 for w in _workers(router))
 
 
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_process_replicas_give_the_codes_of_single(tiny_checkpoint, want, concurrency):
+    """The control MpNd is compared against, as processes, on the same seeded and greedy requests."""
+    router = build_client(parse_topology("replicas:2"), None, _config(), workers="process",
+                          model_path=str(tiny_checkpoint), process_options=OPTS)
+
+    async def run():
+        await router.start()
+        try:
+            return await _gather(router, _requests(8, prefix=f"r{concurrency}-"), concurrency)
+        finally:
+            await router.stop()
+
+    for i, chunks in enumerate(asyncio.run(run())):
+        assert chunks[-1].finish_reason == "length" and np.array_equal(_codes(chunks), want[i]), i
+    assert all(r.proc.returncode == 0 for r in router.replicas) and router.in_flight == [0, 0]
+
+
 def test_topology_refuses_inproc_between_processes(tiny_checkpoint):
     with pytest.raises(TopologyError, match="cross-process"):
         _pd(tiny_checkpoint, "1p1d", "inproc")

@@ -90,6 +90,13 @@ def test_messages_round_trip():
     assert np.array_equal(voice.speaker_embedding, EMB.numpy()) and np.array_equal(voice.ref_code, code)
     ev = m.decode(m.encode(m.ExtractVoice("v", ref, 16000)))
     assert np.array_equal(ev.samples, ref) and ev.sample_rate == 16000
+    opened = m.decode(m.encode(m.CodecOpen("c", code, 2)))
+    assert np.array_equal(opened.ref_code, code) and opened.first_chunk_frames == 2
+    assert m.decode(m.encode(m.CodecOpen("c"))).ref_code is None
+    frames = m.decode(m.encode(m.CodecFrames("c", code, last=True)))
+    assert np.array_equal(frames.codes, code) and frames.last
+    with pytest.raises(m.MessageError, match="codes"):
+        m.decode(m.encode(m.CodecFrames("c", np.zeros((2, 8), np.int64))))
 
 
 def test_malformed_messages_raise_clear_errors():

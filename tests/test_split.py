@@ -1,6 +1,6 @@
 """`split`: a talker-only engine (emit_audio=False) streams codes to a codec worker. Codes and audio equal
 `single`'s for seeded and greedy requests (in-context clones included), the talker runs no codec, a codec
-failure fails only its request, aborts free both sides, and the talker may run as a worker process."""
+failure fails only its request, aborts free both sides, and talker and codec worker may each run as a process."""
 
 from __future__ import annotations
 
@@ -259,14 +259,22 @@ def test_rejections_pass_through_and_open_nothing(tiny_checkpoint):
     assert err.status == 400 and "empty" in err.message and codec.streams == 0
 
 
-def test_process_talker_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoint):
-    reqs = requests(4)
-    want = asyncio.run(run(LocalEngineClient(loaded, config()), reqs, 4))
-    client = build_split_client(None, config(), ["cpu"], workers="process", model_path=str(tiny_checkpoint),
-                                process_options={"torch_threads": 1, "start_timeout_s": 60})
+def process_split(tiny_checkpoint, **kw) -> SplitClient:
+    return build_split_client(None, config(**kw), ["cpu", "cpu"], workers="process", model_path=str(tiny_checkpoint),
+                              process_options={"torch_threads": 1, "start_timeout_s": 60})
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_process_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoint, concurrency):
+    """Talker and codec worker each in their own process, the codes crossing between them through this one."""
+    reqs = requests(8)
+    want = asyncio.run(run(LocalEngineClient(loaded, config()), reqs, concurrency))
+    client = process_split(tiny_checkpoint)
+    from voxserve.pipeline.codec_process import ProcessCodecClient
     from voxserve.pipeline.process_client import ProcessEngineClient
 
     assert isinstance(client.talker, ProcessEngineClient) and client.talker.config.emit_audio is False
+    assert isinstance(client.codec, ProcessCodecClient)
     talker_audio = []
     talker_generate = client.talker.generate
 
@@ -276,6 +284,56 @@ def test_process_talker_gives_the_codes_and_audio_of_single(loaded, tiny_checkpo
             yield chunk
 
     client.talker.generate = spy
-    got = asyncio.run(run(client, reqs, 4))
+    got = asyncio.run(run(client, reqs, concurrency))
     assert_same(want, got, reqs)
     assert len(talker_audio) > len(reqs) and not any(talker_audio)
+    assert client.codec.stats().frames_decoded == sum(r.sampling.max_new_tokens - 1 for r in reqs)
+    assert client.talker.proc.returncode == 0 and client.codec.worker.proc.returncode == 0
+
+
+def test_process_split_abort_and_a_killed_codec_worker(tiny_checkpoint):
+    """An abort mid-stream frees both workers; a killed codec worker fails its streams with a reason, the
+    talker is left with no KV held (its half was aborted, or had already finished), and the split refuses
+    new requests (503)."""
+    import os
+    import signal
+
+    client = process_split(tiny_checkpoint)
+    long = SpeechInput("A long one.", language="english", speaker_embedding=EMB, x_vector_only=True)
+
+    def req(rid):
+        return SynthesisRequest(rid, long, SamplingParams(seed=1, max_new_tokens=300), ignore_eos=True)
+
+    async def settled():
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            s = client.talker.stats()
+            if s.free_kv_blocks == BLOCKS and s.running == 0 and client.codec.stats().streams == 0:
+                return s
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"not settled: {client.talker.stats()} {client.codec.stats()}")
+
+    async def main():
+        await client.start()
+        try:
+            cut = client.generate(req("cut"))
+            first = await cut.__anext__()
+            await client.abort("cut", "operator")
+            cut_rest = [c async for c in cut]
+            await settled()
+            doomed = client.generate(req("doomed"))
+            await doomed.__anext__()
+            os.kill(client.codec.worker.pid, signal.SIGKILL)
+            doomed_rest = [c async for c in doomed]
+            after = await settled()
+            with pytest.raises(RequestRejected) as refused:
+                await client.generate(req("late")).__anext__()
+            return first, cut_rest, doomed_rest, after, refused.value
+        finally:
+            await client.stop()
+
+    first, cut, doomed, after, refused = asyncio.run(main())
+    assert first.audio.size == 1920 and cut[-1].finish_reason == "abort" and cut[-1].error == "operator"
+    assert doomed[-1].finish_reason == "error" and "worker died" in doomed[-1].error
+    assert after.free_kv_blocks == BLOCKS and set(after.aborted) <= {"operator", "codec failed"}
+    assert refused.status == 503 and client.talker.proc.returncode == 0

@@ -7,7 +7,8 @@ only ever builds the types named here, and any header or frame that does not fit
 
 Direction: Submit, AwaitHandoff, Abort, ExtractVoice, Shutdown go server -> worker; Ready, Chunk, Rejected,
 VoiceResult, Stats, LinkStatus, Heartbeat go worker -> server. `request_id` doubles as the call id of
-ExtractVoice/VoiceResult.
+ExtractVoice/VoiceResult. A codec worker (`split`) takes CodecOpen, CodecFrames, Abort and Shutdown, and
+answers with Ready, Chunk (PCM; `num_frames` counts the frames decoded so far), Rejected, Stats, Heartbeat.
 """
 
 from __future__ import annotations
@@ -50,6 +51,25 @@ class AwaitHandoff:
     request_id: str
     peer: int
     deadline_s: float
+
+
+@dataclass
+class CodecOpen:
+    """Codec worker: start a stream (an in-context clone's reference codes prime it)."""
+
+    request_id: str
+    ref_code: np.ndarray | None = None  # [T, 16] int64
+    first_chunk_frames: int | None = None
+
+
+@dataclass
+class CodecFrames:
+    """Codec worker: the next frames of a stream ([n, 16] int64, n may be 0); `last` ends it (its tail is
+    decoded and sent as the stream's last chunk)."""
+
+    request_id: str
+    codes: np.ndarray
+    last: bool = False
 
 
 @dataclass
@@ -128,7 +148,7 @@ class Heartbeat:
 
 
 Message = (Submit | AwaitHandoff | Abort | Chunk | Rejected | ExtractVoice | VoiceResult | Stats | LinkStatus | Ready
-           | Shutdown | Heartbeat)
+           | Shutdown | Heartbeat | CodecOpen | CodecFrames)
 
 
 # --- encoding -----------------------------------------------------------------------------------------
@@ -374,6 +394,10 @@ _ENCODERS = {
     Ready: _enc_ready,
     Shutdown: lambda m: ("shutdown", {"grace_s": m.grace_s}, {}),
     Heartbeat: lambda m: ("heartbeat", {"seq": m.seq}, {}),
+    CodecOpen: lambda m: ("codec_open", {"request_id": m.request_id, "first_chunk_frames": m.first_chunk_frames},
+                          {"ref_code": _np(m.ref_code, "int64")}),
+    CodecFrames: lambda m: ("codec_frames", {"request_id": m.request_id, "last": m.last},
+                            {"codes": _np(m.codes, "int64")}),
 }
 
 _DECODERS = {
@@ -392,4 +416,9 @@ _DECODERS = {
     "ready": _dec_ready,
     "shutdown": lambda b: Shutdown(b.get("grace_s", float)),
     "heartbeat": lambda b: Heartbeat(b.get("seq", int)),
+    "codec_open": lambda b: CodecOpen(b.get("request_id", str),
+                                      b.array("ref_code", "int64", 2, optional=True, width=16),
+                                      b.get("first_chunk_frames", int, optional=True)),
+    "codec_frames": lambda b: CodecFrames(b.get("request_id", str), b.array("codes", "int64", 2, width=16),
+                                          b.get("last", bool)),
 }

@@ -86,8 +86,10 @@ class ProcessEngineClient(EngineClient):
         heartbeat_s: float = 0.5,
         heartbeat_timeout_s: float = 15.0,
         kv: KVLinkSpec | None = None,
+        role: str = "engine",
     ) -> None:
         self.model_path = str(resolve_model_dir(model_path))
+        self.role = role  # "engine", or "codec": the split topology's codec worker (see codec_process.py)
         self.config = dataclasses.replace(engine_config, device=device or engine_config.device)
         self.info = model_info(self.model_path, name)
         self.instance_id = instance_id or new_instance_id()
@@ -138,7 +140,7 @@ class ProcessEngineClient(EngineClient):
             model_path=self.model_path, engine_config=dataclasses.asdict(self.config), name=self.info.name,
             label=self.label, cmd_endpoint=f"ipc://{self.ipc_paths[0]}", out_endpoint=f"ipc://{self.ipc_paths[1]}",
             parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s, torch_threads=self.torch_threads,
-            kv=None if self.kv is None else self.kv.to_dict(),
+            kv=None if self.kv is None else self.kv.to_dict(), role=self.role,
         )
         env = dict(os.environ)
         root = str(Path(voxserve.__file__).resolve().parents[1])  # the worker imports the same voxserve
@@ -209,7 +211,16 @@ class ProcessEngineClient(EngineClient):
         """Process MpNd, decode worker: arm its KV link from prefill worker `peer` now (raises RequestRejected
         if it cannot) and return the request's chunks, which flow once the handoff lands. Closing the
         iterator early aborts the request (and cancels the transfer if it is still in flight)."""
-        return self._read(request_id, self._open(request_id, m.AwaitHandoff(request_id, peer, deadline_s)))
+        return self.stream(request_id, m.AwaitHandoff(request_id, peer, deadline_s))
+
+    def stream(self, request_id: str, opening: m.Message) -> AsyncIterator[StreamChunk]:
+        """Sends `opening` now (raises RequestRejected if the worker cannot take it) and returns the chunks the
+        worker then sends for `request_id`; closing the iterator early aborts it in the worker."""
+        return self._read(request_id, self._open(request_id, opening))
+
+    def post(self, msg: m.Message) -> bool:
+        """Queues one more message to the worker (e.g. a stream's next input); False when it cannot."""
+        return self._send(msg)
 
     def _open(self, rid: str, msg: m.Message) -> _Stream:
         if not self.is_alive():

@@ -2,11 +2,11 @@
 
 The talker is any `EngineClient` whose engine runs with `emit_audio=False` (a thread, or a worker process):
 it builds prompts, runs the talker and code predictor, and streams each step's codes with no audio. The
-codec worker (`LocalCodecClient`) decodes every request's codes on the chunk schedule of `single`, batched
-across requests. `SplitClient` joins the two per request: the talker's codes flow into a codec stream, and
-each chunk it yields carries the new audio and the codes that came with it, so a seeded request's codes and
-audio equal what `single` gives. The codes travel in-process today (a thread hop, no copy); the wire
-contract for a codec worker process is the same `[n, 16]` int64 arrays the talker's chunks carry.
+codec worker decodes every request's codes on the chunk schedule of `single`, batched across requests: a
+thread of this process (`LocalCodecClient`), or with process workers a process of its own
+(`ProcessCodecClient`, the codes crossing as `[n, 16]` int64 frames). `SplitClient` joins the two per
+request: the talker's codes flow into a codec stream, and each chunk it yields carries the new audio and the
+codes that came with it, so a seeded request's codes and audio equal what `single` gives.
 
 In-context voice clones given as reference audio have their reference codes extracted first (by the talker
 worker, which holds the codec encoder), so the codec worker can prime its state with them, as `single` does.
@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,9 +27,12 @@ import torch
 from voxserve.engine.config import EngineConfig
 from voxserve.models.qwen3_tts.codec_decoder import CodecDecoder
 from voxserve.models.qwen3_tts.inputs import VoiceFeatures
-from voxserve.models.qwen3_tts.loader import LoadedModel, resolve_model_dir
+from voxserve.models.qwen3_tts.loader import LoadedModel
 from voxserve.pipeline.client import EngineClient, EngineStats, RequestRejected, StreamChunk, SynthesisRequest
 from voxserve.pipeline.codec_worker import CodecError, LocalCodecClient, load_codec_decoder
+
+if TYPE_CHECKING:
+    from voxserve.pipeline.codec_process import ProcessCodecClient
 
 _EMPTY = np.zeros(0, np.float32)
 
@@ -63,7 +67,7 @@ class SplitClient(EngineClient):
     """A talker `EngineClient` (its engine built with `emit_audio=False`) and a codec worker, as one engine.
     Aborts reach both; voices, stats (the talker's KV, plus codec failures) and model info are the talker's."""
 
-    def __init__(self, talker: EngineClient, codec: LocalCodecClient) -> None:
+    def __init__(self, talker: EngineClient, codec: LocalCodecClient | ProcessCodecClient) -> None:
         self.talker = talker
         self.codec = codec
 
@@ -166,10 +170,11 @@ def build_split_client(
     - the talker engine, with `emit_audio=False` (it never runs the codec decoder), on `devices[0]`: with
       `workers="thread"` on a thread of this process (`load(device)` loads its model here); with
       `workers="process"` in its own worker process (`ProcessEngineClient`) that loads `model_path` itself.
-    - the codec worker: a thread of this process (the server's) on `devices[-1]`, in both cases. With one
-      device and thread workers it shares the talker's decoder weights; otherwise it loads only the codec
-      decoder (`load_codec(device)`, by default the `speech_tokenizer` decoder weights of the model
-      directory in `config.codec_dtype`).
+    - the codec worker, on `devices[-1]`: with `workers="thread"` a thread of this process (the server's),
+      which shares the talker's decoder weights on one device and otherwise loads only the codec decoder
+      (`load_codec(device)`, by default the `speech_tokenizer` decoder weights of the model directory in
+      `config.codec_dtype`); with `workers="process"` a process of its own (`ProcessCodecClient`) that
+      loads only the codec decoder itself.
 
     `memory_shares` ([talker] or [talker, codec]) sets the talker's `gpu_memory_utilization`; the codec
     worker has no KV cache and sizes nothing up front (its activations fit in the reserve the talker's
@@ -191,22 +196,21 @@ def build_split_client(
     cfg = dataclasses.replace(config, device=talker_device, emit_audio=False)
     if memory_shares is not None:
         cfg.gpu_memory_utilization = memory_shares[0]
-    decoder = None
     if workers == "process":
+        from voxserve.pipeline.codec_process import ProcessCodecClient
         from voxserve.pipeline.process_client import ProcessEngineClient, new_instance_id
 
-        talker: EngineClient = ProcessEngineClient(model_path, cfg, talker_device, name,
-                                                   instance_id or new_instance_id(), 0, **(process_options or {}))
-        source = resolve_model_dir(model_path)
-    else:
-        loaded = load(talker_device)
-        talker = LocalEngineClient(loaded, cfg, name=name)
-        source = loaded.path
-        if len(devices) == 1:
-            decoder = loaded.speech_tokenizer.decoder
+        instance_id = instance_id or new_instance_id()
+        talker = ProcessEngineClient(model_path, cfg, talker_device, name, instance_id, 0, **(process_options or {}))
+        codec = ProcessCodecClient(model_path, dataclasses.replace(config, device=codec_device), codec_device,
+                                   name, instance_id, 1, **(process_options or {}))
+        return SplitClient(talker, codec)
+    loaded = load(talker_device)
+    local_talker = LocalEngineClient(loaded, cfg, name=name)
+    decoder = loaded.speech_tokenizer.decoder if len(devices) == 1 else None
     if decoder is None:
         decoder = (load_codec(codec_device) if load_codec is not None else
-                   load_codec_decoder(source, codec_device, getattr(torch, config.codec_dtype)))
-    codec = LocalCodecClient(decoder, config.first_chunk_frames, config.chunk_frames, name=f"{name}-codec",
-                             chunk_ramp=config.chunk_ramp)
-    return SplitClient(talker, codec)
+                   load_codec_decoder(loaded.path, codec_device, getattr(torch, config.codec_dtype)))
+    local_codec = LocalCodecClient(decoder, config.first_chunk_frames, config.chunk_frames, name=f"{name}-codec",
+                                   chunk_ramp=config.chunk_ramp)
+    return SplitClient(local_talker, local_codec)

@@ -43,6 +43,7 @@ class WorkerSpec:
     heartbeat_s: float = 0.5
     torch_threads: int | None = None
     kv: dict | None = None  # process MpNd: this worker's KVLinkSpec fields
+    role: str = "engine"  # or "codec": the codec worker of `split` (codec_process.py)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -210,18 +211,8 @@ class _Worker:
             await self.send(m.VoiceResult(msg.request_id, v.speaker_embedding.numpy(), v.ref_code.numpy()))
 
     async def heartbeat(self) -> None:
-        seq = 0
-        while True:
-            if os.getppid() != self.spec.parent_pid:  # orphaned: nobody reads our output any more
-                log.error("parent process %d is gone; exiting", self.spec.parent_pid)
-                self.stop.set()
-                return
-            seq += 1
-            await self.send(m.Heartbeat(seq))
-            await self.send(m.Stats(self.client.stats()))
-            if self.links is not None:
-                self.links.report_all()
-            await asyncio.sleep(self.spec.heartbeat_s)
+        await heartbeats(self.spec, self.send, lambda: self.client.stats(), self.stop,
+                         self.links.report_all if self.links is not None else None)
 
 
 async def run(spec: WorkerSpec) -> int:
@@ -242,6 +233,11 @@ async def run(spec: WorkerSpec) -> int:
     cmd.connect(spec.cmd_endpoint)
     try:
         config = EngineConfig(**spec.engine_config)
+        if spec.role == "codec":
+            from voxserve.pipeline.codec_process import serve_codec
+
+            await serve_codec(spec, config, out, cmd)
+            return 0
         loaded = load_model(spec.model_path, device=config.device, dtype=getattr(torch, config.dtype),
                             codec_dtype=getattr(torch, config.codec_dtype))
         client = LocalEngineClient(loaded, config, name=spec.name)
@@ -258,6 +254,23 @@ async def run(spec: WorkerSpec) -> int:
         cmd.close()
         out.close()
         ctx.term()
+
+
+async def heartbeats(spec: WorkerSpec, send, stats, stop: asyncio.Event, each_beat=None) -> None:
+    """Every `spec.heartbeat_s`: a Heartbeat and the worker's Stats (`stats()`), until the process that
+    started this worker is gone, which sets `stop`."""
+    seq = 0
+    while True:
+        if os.getppid() != spec.parent_pid:  # orphaned: nobody reads our output any more
+            log.error("parent process %d is gone; exiting", spec.parent_pid)
+            stop.set()
+            return
+        seq += 1
+        await send(m.Heartbeat(seq))
+        await send(m.Stats(stats()))
+        if each_beat is not None:
+            each_beat()
+        await asyncio.sleep(spec.heartbeat_s)
 
 
 def _end(reason: str, error: str) -> StreamChunk:
