@@ -27,7 +27,7 @@ from voxserve.pipeline import messages as m
 from voxserve.pipeline.client import EngineStats, RequestRejected, StreamChunk
 from voxserve.pipeline.codec_worker import CodecChunk, CodecError, CodecStats, LocalCodecClient, load_codec_decoder
 from voxserve.pipeline.process_client import ProcessEngineClient, model_info
-from voxserve.pipeline.worker import WorkerSpec, heartbeats
+from voxserve.pipeline.worker import WorkerSpec, drain, heartbeats, incoming
 
 log = logging.getLogger("voxserve.codec_worker")
 
@@ -137,25 +137,14 @@ class _CodecWorker:
         beats = asyncio.create_task(heartbeats(self.spec, self.send, self.stats, self.stop))
         receiving = asyncio.create_task(self.receive(cmd))
         await self.stop.wait()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.grace_s
-        if self.tasks and self.grace_s > 0:  # drain: open streams end on their own within the grace
-            await asyncio.wait(list(self.tasks.values()), timeout=self.grace_s)
-        receiving.cancel()
-        await self.codec.stop(max(0.0, deadline - loop.time()))  # fails the streams still open
+        await drain(self.tasks, self.grace_s, receiving, self.codec.stop)  # the codec fails what stays open
         if self.tasks:
             await asyncio.wait(list(self.tasks.values()), timeout=5.0)
         await self.send(m.Stats(self.stats()))
         beats.cancel()
 
     async def receive(self, cmd: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await cmd.recv_multipart()
-            try:
-                msg = m.decode(frames)
-            except m.MessageError as e:
-                log.error("dropping a malformed message: %s", e)
-                continue
+        async for msg in incoming(cmd):
             if isinstance(msg, m.CodecOpen):
                 rid = msg.request_id
                 if self.draining or rid in self.tasks:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,14 +71,7 @@ class _Worker:
         beats = asyncio.create_task(self.heartbeat())
         receiving = asyncio.create_task(self.receive(cmd))
         await self.stop.wait()
-        # Drain: what this worker holds (running requests, handoffs being sent or awaited) ends on its own
-        # within the grace, while aborts are still heard; then the engine aborts what is left.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.grace_s
-        if self.tasks and self.grace_s > 0:
-            await asyncio.wait(list(self.tasks.values()), timeout=self.grace_s)
-        receiving.cancel()
-        await self.client.stop(max(0.0, deadline - loop.time()))  # the aborted requests' last chunks go out
+        await drain(self.tasks, self.grace_s, receiving, self.client.stop)  # running requests, handoffs
         if self.links is not None:
             await self.links.close()  # fails transfers still in flight: their tasks send error chunks
         if self.tasks:
@@ -86,13 +80,7 @@ class _Worker:
         beats.cancel()
 
     async def receive(self, cmd: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await cmd.recv_multipart()
-            try:
-                msg = m.decode(frames)
-            except m.MessageError as e:
-                log.error("dropping a malformed message: %s", e)
-                continue
+        async for msg in incoming(cmd):
             if self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
                 await self.send(m.Rejected(msg.request_id, 503, "the worker is shutting down"))
             elif isinstance(msg, m.Submit):
@@ -254,6 +242,30 @@ async def run(spec: WorkerSpec) -> int:
         cmd.close()
         out.close()
         ctx.term()
+
+
+async def incoming(cmd: zmq.asyncio.Socket) -> AsyncIterator[m.Message]:
+    """The messages arriving on `cmd`; a malformed one is logged and dropped."""
+    while True:
+        frames = await cmd.recv_multipart()
+        try:
+            msg = m.decode(frames)
+        except m.MessageError as e:
+            log.error("dropping a malformed message: %s", e)
+            continue
+        yield msg
+
+
+async def drain(tasks: dict[str, asyncio.Task], grace_s: float, receiving: asyncio.Task, stop_engine) -> None:
+    """A worker's shutdown, in order: what it holds (`tasks`) ends on its own within the grace while aborts are
+    still heard; then `receiving` stops and `stop_engine(what is left of the grace)` aborts the rest, whose
+    last chunks still go out."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    if tasks and grace_s > 0:
+        await asyncio.wait(list(tasks.values()), timeout=grace_s)
+    receiving.cancel()
+    await stop_engine(max(0.0, deadline - loop.time()))
 
 
 async def heartbeats(spec: WorkerSpec, send, stats, stop: asyncio.Event, each_beat=None) -> None:
