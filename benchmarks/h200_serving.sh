@@ -18,11 +18,12 @@ if [ ! -f "$CKPT/model.safetensors" ]; then
 from voxserve.models.qwen3_tts.testing import write_checkpoint; \
 write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
 fi
-# Every worker shares the one GPU: replicas:2, 1p1d (process workers, shm KV links) and split count as 1 GPU.
+# Every worker shares the one GPU: replicas:2, 1p1d (process workers, shm KV links) and split (talker and codec
+# worker processes) count as 1 GPU.
 $PY -m voxserve.cli bench sweep --dataset-path "$PROMPTS" --locale en --num-prompts "$NPROMPTS" \
   --fixed-length --topologies "$TOPOLOGIES" --concurrency "$CONC" \
   --gpus replicas:2=1 --gpus 1p1d=1 --gpus split=1 \
-  --topology-args "replicas:2=--devices $DEV" --topology-args "split=--devices $DEV" \
+  --topology-args "replicas:2=--devices $DEV" --topology-args "split=--devices $DEV --workers process" \
   --topology-args "1p1d=--devices $DEV --workers process --kv-transfer shm ${PD_ARGS:-}" \
   --server-args "--model $CKPT --max-num-seqs 64 ${SERVER_ARGS:-}" \
   --no-progress --out-dir "$OUT"
