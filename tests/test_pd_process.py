@@ -20,6 +20,7 @@ from voxserve.engine.config import EngineConfig
 from voxserve.models.qwen3_tts.inputs import SpeechInput
 from voxserve.models.qwen3_tts.sampling import SamplingParams
 from voxserve.pipeline.client import SynthesisRequest
+from voxserve.pipeline.kv_links import socket_path
 from voxserve.pipeline.pd import LinkedPrefillDecodeRouter
 from voxserve.pipeline.process_client import ProcessEngineClient, new_instance_id
 from voxserve.pipeline.topology import TopologyError, build_client, parse_topology
@@ -354,5 +355,6 @@ def test_killed_decode_worker_fails_its_requests_and_the_server_stays_up(tiny_ch
 
     rest, after = asyncio.run(run())
     assert rest[0][-1].finish_reason == "error" and "worker died" in rest[0][-1].error
+    assert not os.path.exists(socket_path(router.decode[0].kv.instance_id, 0))  # its listener, cleaned up
     assert rest[1][-1].finish_reason == "length"
     assert all(c[-1].finish_reason == "length" for c in after)

@@ -42,7 +42,7 @@ from voxserve.pipeline.client import (
     StreamChunk,
     SynthesisRequest,
 )
-from voxserve.pipeline.kv_links import KVLinkSpec
+from voxserve.pipeline.kv_links import KVLinkSpec, socket_path
 from voxserve.pipeline.worker import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -199,6 +199,8 @@ class ProcessEngineClient(EngineClient):
             self._ctx.term()
         for path in self.ipc_paths:
             Path(path).unlink(missing_ok=True)
+        if self.kv is not None and self.kv.role == "decode":  # a killed decode worker leaves its listener behind
+            Path(socket_path(self.kv.instance_id, self.kv.index)).unlink(missing_ok=True)
 
     # --- requests -------------------------------------------------------------------------------------
 
