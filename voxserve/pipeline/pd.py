@@ -39,13 +39,20 @@ KV_FAILURE_POLICIES = ("fail", "recompute")
 log = logging.getLogger(__name__)
 
 
+def check_pd_options(pairing: str = "least_loaded", on_kv_failure: str = "fail") -> None:
+    """Raises ValueError for a pairing or KV-failure policy this module does not know."""
+    if pairing not in PAIRINGS:
+        raise ValueError(f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
+    if on_kv_failure not in KV_FAILURE_POLICIES:
+        raise ValueError(f"on_kv_failure must be one of {', '.join(KV_FAILURE_POLICIES)}, got {on_kv_failure!r}")
+
+
 class PrefillDecodeRouter(EngineClient):
     def __init__(self, prefill: Sequence[LocalEngineClient], decode: Sequence[LocalEngineClient],
                  pairing: str = "least_loaded") -> None:
         if not prefill or not decode:
             raise ValueError("prefill-decode disaggregation needs at least one prefill and one decode engine")
-        if pairing not in PAIRINGS:
-            raise ValueError(f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
+        check_pd_options(pairing)
         self.pairing = pairing
         self.prefill = ReplicaRouter(prefill)
         self.decode = list(decode)
@@ -126,9 +133,8 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
 
     def __init__(self, prefill: Sequence, decode: Sequence, receive_timeout_s: float = 300.0,
                  link_timeout_s: float = 120.0, pairing: str = "least_loaded", on_kv_failure: str = "fail") -> None:
+        check_pd_options(pairing, on_kv_failure)
         super().__init__(prefill, decode, pairing)
-        if on_kv_failure not in KV_FAILURE_POLICIES:
-            raise ValueError(f"on_kv_failure must be one of {', '.join(KV_FAILURE_POLICIES)}, got {on_kv_failure!r}")
         self.receive_timeout_s = receive_timeout_s  # decode side: from the submit until the handoff lands
         self.link_timeout_s = link_timeout_s
         self.on_kv_failure = on_kv_failure

@@ -19,7 +19,7 @@ from voxserve.engine.config import EngineConfig
 from voxserve.models.qwen3_tts.loader import LoadedModel
 from voxserve.pipeline.client import EngineClient
 from voxserve.pipeline.local import LocalEngineClient
-from voxserve.pipeline.pd import KV_FAILURE_POLICIES, PAIRINGS, LinkedPrefillDecodeRouter, PrefillDecodeRouter
+from voxserve.pipeline.pd import LinkedPrefillDecodeRouter, PrefillDecodeRouter, check_pd_options
 from voxserve.pipeline.router import ReplicaRouter
 
 
@@ -96,10 +96,10 @@ def build_client(
     reference: they cannot fail in transit)."""
     if workers not in ("thread", "process"):
         raise TopologyError(f"workers must be 'thread' or 'process', got {workers!r}")
-    if pairing not in PAIRINGS:
-        raise TopologyError(f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
-    if on_kv_failure not in KV_FAILURE_POLICIES:
-        raise TopologyError(f"on_kv_failure must be one of {', '.join(KV_FAILURE_POLICIES)}, got {on_kv_failure!r}")
+    try:  # before any model is loaded
+        check_pd_options(pairing, on_kv_failure)
+    except ValueError as e:
+        raise TopologyError(str(e)) from None
     if topology.kind == "split":
         from voxserve.pipeline.split import build_split_client
 

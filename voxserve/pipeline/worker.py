@@ -199,7 +199,7 @@ class _Worker:
             await self.send(m.VoiceResult(msg.request_id, v.speaker_embedding.numpy(), v.ref_code.numpy()))
 
     async def heartbeat(self) -> None:
-        await heartbeats(self.spec, self.send, lambda: self.client.stats(), self.stop,
+        await heartbeats(self.spec, self.send, self.client.stats, self.stop,
                          self.links.report_all if self.links is not None else None)
 
 
