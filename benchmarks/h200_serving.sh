@@ -14,13 +14,13 @@ CKPT=${CKPT:-/tmp/qwen3tts-0.6b-random}
 PY=${PY:-python3}
 DEV=${DEV:-cuda:0}
 if [ ! -f "$CKPT/model.safetensors" ]; then
-  $PY -c "import torch; from voxserve.models.qwen3_tts.config import preset; \
-from voxserve.models.qwen3_tts.testing import write_checkpoint; \
+  $PY -c "import torch; from legato.models.qwen3_tts.config import preset; \
+from legato.models.qwen3_tts.testing import write_checkpoint; \
 write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
 fi
 # Every worker shares the one GPU: replicas:2, 1p1d (process workers, shm KV links) and split (talker and codec
 # worker processes) count as 1 GPU.
-$PY -m voxserve.cli bench sweep --dataset-path "$PROMPTS" --locale en --num-prompts "$NPROMPTS" \
+$PY -m legato.cli bench sweep --dataset-path "$PROMPTS" --locale en --num-prompts "$NPROMPTS" \
   --fixed-length --topologies "$TOPOLOGIES" --concurrency "$CONC" \
   --gpus replicas:2=1 --gpus 1p1d=1 --gpus split=1 \
   --topology-args "replicas:2=--devices $DEV" --topology-args "split=--devices $DEV --workers process" \

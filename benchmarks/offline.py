@@ -18,13 +18,13 @@ import time
 
 import torch
 
-from voxserve.engine.config import EngineConfig
-from voxserve.engine.engine import Engine, EngineRequest
-from voxserve.models.qwen3_tts.config import SpeechTokenizerConfig, preset
-from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
-from voxserve.models.qwen3_tts.prompt import build_prompt
-from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.models.qwen3_tts.testing import random_model
+from legato.engine.config import EngineConfig
+from legato.engine.engine import Engine, EngineRequest
+from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset
+from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
+from legato.models.qwen3_tts.prompt import build_prompt
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.models.qwen3_tts.testing import random_model
 
 
 def sync() -> None:
@@ -139,7 +139,7 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = True
 
     if args.size == "tiny":  # a CPU smoke run of this script
-        from voxserve.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
+        from legato.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
 
         lm = random_model(tiny_config(), tiny_speech_tokenizer_config(), device=args.device, dtype=torch.float32)
     else:
@@ -149,8 +149,8 @@ def main() -> None:
         "model": f"Qwen3-TTS-12Hz-{args.size}-Base config, random weights, talker bf16",
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "host": platform.node(),
-        # The device copy of the tree has no .git: pass the commit in VOXSERVE_COMMIT there.
-        "commit": os.environ.get("VOXSERVE_COMMIT")
+        # The device copy of the tree has no .git: pass the commit in LEGATO_COMMIT there.
+        "commit": os.environ.get("LEGATO_COMMIT")
         or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "engine": {}, "codec": [],
     }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs voxserve with its test extra into the active Python environment and runs the test suite.
+# Installs legato with its test extra into the active Python environment and runs the test suite.
 # Idempotent: a second run only runs the tests. CPU installs pin torch==2.13.0 (an unpinned torch
 # resolves to a multi-GB CUDA build).
 set -euo pipefail
@@ -18,7 +18,7 @@ if ! "$PY" -c "import mooncake.engine" 2>/dev/null && command -v apt-get >/dev/n
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
   $SUDO apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q libibverbs1 >/dev/null; }
 fi
-"$PY" -m ruff check voxserve tests
+"$PY" -m ruff check legato tests
 # CI runs the slow parity checks too (full-size configs, ~1 min more).
-export VOXSERVE_SLOW_TESTS=${VOXSERVE_SLOW_TESTS:-1}
+export LEGATO_SLOW_TESTS=${LEGATO_SLOW_TESTS:-1}
 exec "$PY" -m pytest -q "$@"

@@ -6,7 +6,7 @@ silence, `cut…` → two chunks then the connection is closed mid-body, `json�
 a 200 stream with no audio. `GET /health` answers 200.
 
 Used in-process (`FakeSpeechServer.start()` inside a running loop) or as a subprocess standing in for
-`voxserve serve` (`python tests/bench_fake_server.py --port P --topology T ...`).
+`legato serve` (`python tests/bench_fake_server.py --port P --topology T ...`).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ import asyncio
 
 import torch
 
-from voxserve.models.qwen3_tts.inputs import SpeechInput
-from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline.client import SynthesisRequest
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline.client import SynthesisRequest
 
 EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
 REF = torch.randint(0, 2048, (9, 16), generator=torch.Generator().manual_seed(1))

@@ -20,6 +20,6 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A complete tiny random base-model checkpoint directory, written once per test session."""
-    from voxserve.models.qwen3_tts.testing import write_checkpoint
+    from legato.models.qwen3_tts.testing import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("tiny-base"))

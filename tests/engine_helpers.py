@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from voxserve.engine.config import EngineConfig
-from voxserve.engine.engine import Engine, EngineRequest
-from voxserve.models.qwen3_tts.loader import LoadedModel, load_model
-from voxserve.models.qwen3_tts.testing import write_checkpoint
-from voxserve.models.qwen3_tts.tiny import tiny_config
+from legato.engine.config import EngineConfig
+from legato.engine.engine import Engine, EngineRequest
+from legato.models.qwen3_tts.loader import LoadedModel, load_model
+from legato.models.qwen3_tts.testing import write_checkpoint
+from legato.models.qwen3_tts.tiny import tiny_config
 
 _CACHE: dict[str, LoadedModel] = {}
 

@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from voxserve.kv_transfer.handoff import Handoff, KVLayout, blocks_for
-from voxserve.models.qwen3_tts.sampling import SamplingParams
+from legato.kv_transfer.handoff import Handoff, KVLayout, blocks_for
+from legato.models.qwen3_tts.sampling import SamplingParams
 
 HIDDEN = 16
 
@@ -47,7 +47,7 @@ def sender_main(kv_conn, cmd_conn, layout: dict, instance_id: str) -> None:
     Commands: ("send", rid, seed, deadline_s), ("stall_send", rid, seed, deadline_s) (creates the segment
     and then hangs before writing it, to be killed mid-transfer), ("exit",). Reports ("ready",) once the
     handshake is done and ("event", rid, kind, reason) for every event."""
-    from voxserve.kv_transfer import shm
+    from legato.kv_transfer import shm
 
     lay = KVLayout.from_dict(layout)
     conn = shm.ShmConnector(lay, kv_conn, instance_id)

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 import uvicorn
 
-from voxserve.engine.config import EngineConfig
-from voxserve.models.qwen3_tts.loader import LoadedModel, load_model
-from voxserve.models.qwen3_tts.testing import write_checkpoint
-from voxserve.models.qwen3_tts.tiny import tiny_config
-from voxserve.pipeline.client import (
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.loader import LoadedModel, load_model
+from legato.models.qwen3_tts.testing import write_checkpoint
+from legato.models.qwen3_tts.tiny import tiny_config
+from legato.pipeline.client import (
     EngineClient,
     EngineStats,
     ModelInfo,
@@ -26,8 +26,8 @@ from voxserve.pipeline.client import (
     StreamChunk,
     SynthesisRequest,
 )
-from voxserve.pipeline.local import LocalEngineClient
-from voxserve.server.settings import ServerSettings
+from legato.pipeline.local import LocalEngineClient
+from legato.server.settings import ServerSettings
 
 SAMPLES_PER_FRAME = 1920
 SAMPLE_RATE = 24000

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from voxserve.api import TTS
-from voxserve.models.qwen3_tts.sampling import SamplingParams
+from legato.api import TTS
+from legato.models.qwen3_tts.sampling import SamplingParams
 
 
 def test_batched_generate_equals_reference_loop(tiny_checkpoint):

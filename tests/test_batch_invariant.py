@@ -9,10 +9,10 @@ import pytest
 import torch
 from engine_helpers import engine_config, run_all, tiny_model
 
-from voxserve.engine.config import EngineConfig
-from voxserve.engine.engine import Engine, EngineRequest
-from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
-from voxserve.models.qwen3_tts.sampling import SamplingParams
+from legato.engine.config import EngineConfig
+from legato.engine.engine import Engine, EngineRequest
+from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
+from legato.models.qwen3_tts.sampling import SamplingParams
 
 
 @pytest.fixture(autouse=True)

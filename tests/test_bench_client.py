@@ -14,11 +14,11 @@ import soundfile as sf
 from bench_fake_server import FRAME_SAMPLES, FakeSpeechServer
 from bench_helpers import write_prompt_dir
 
-from voxserve.bench.client import ClientConfig, arrival_offsets, run_benchmark
-from voxserve.bench.datasets import BenchRequest
-from voxserve.bench.metrics import aggregate
-from voxserve.bench.sweep import free_port
-from voxserve.cli import main
+from legato.bench.client import ClientConfig, arrival_offsets, run_benchmark
+from legato.bench.datasets import BenchRequest
+from legato.bench.metrics import aggregate
+from legato.bench.sweep import free_port
+from legato.cli import main
 
 FRAME_S = FRAME_SAMPLES / 24000
 

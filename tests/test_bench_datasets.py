@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from bench_helpers import DATA, write_prompt_dir
 
-from voxserve.bench.datasets import (
+from legato.bench.datasets import (
     DatasetError,
     FixedLength,
     RequestSpec,

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from voxserve.bench.metrics import (
+from legato.bench.metrics import (
     RequestRecord,
     SloError,
     aggregate,

@@ -13,7 +13,7 @@ import soundfile as sf
 from bench_fake_server import FRAME_SAMPLES
 from bench_helpers import write_prompt_dir
 
-from voxserve.bench.sweep import (
+from legato.bench.sweep import (
     ServerProcess,
     SweepConfig,
     SweepError,
@@ -22,7 +22,7 @@ from voxserve.bench.sweep import (
     plan,
     with_controls,
 )
-from voxserve.cli import main
+from legato.cli import main
 
 FAKE_SERVER = [sys.executable, str(Path(__file__).parent / "bench_fake_server.py")]
 PNGS = ("throughput_vs_concurrency.png", "ttfp_vs_concurrency.png", "goodput_per_gpu.png")
@@ -132,7 +132,7 @@ def test_sweep_against_the_fake_server_writes_every_output(tmp_path, capsys):
     assert summary["meta"]["control"] == ["replicas:2"] and summary["meta"]["fairness_notes"] == []
     for png in PNGS:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "voxserve bench sweep" in capsys.readouterr().out
+    assert "legato bench sweep" in capsys.readouterr().out
     assert summary["meta"]["environment"]["cpus"] >= 1  # where it ran is recorded
 
     # The same cells rebuilt from the run JSONs alone (a sweep cut short, or cells of several sweeps).
@@ -148,10 +148,10 @@ def test_sweep_against_the_fake_server_writes_every_output(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_end_to_end_sweep_of_the_real_server(tmp_path, monkeypatch):
-    monkeypatch.setenv("VOXSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LEGATO_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny model on a 2-core box: threads only contend
     topologies = "single,replicas:2"
-    server_cmd = [sys.executable, "-m", "voxserve.cli", "serve"]
+    server_cmd = [sys.executable, "-m", "legato.cli", "serve"]
     root = write_prompt_dir(tmp_path / "prompts", n=8)
     out = tmp_path / "sweep"
     t0 = time.monotonic()

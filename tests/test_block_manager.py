@@ -1,7 +1,7 @@
 import pytest
 
-from voxserve.engine.block_manager import BlockManager
-from voxserve.engine.request import Request
+from legato.engine.block_manager import BlockManager
+from legato.engine.request import Request
 
 BS = 4
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from codec_helpers import randomize_codec_weights_
 
-from voxserve.models.qwen3_tts.codec_decoder import CodecDecoder
-from voxserve.models.qwen3_tts.config import CodecDecoderConfig, SpeechTokenizerConfig
-from voxserve.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
+from legato.models.qwen3_tts.codec_decoder import CodecDecoder
+from legato.models.qwen3_tts.config import CodecDecoderConfig, SpeechTokenizerConfig
+from legato.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
 
 # Same weights and the same op order on both sides give ~0 difference on CPU; 1e-5 still catches e.g. a
 # 73-frame attention window (2e-4 at 80 frames).

@@ -20,9 +20,9 @@ import pytest  # noqa: E402
 import soundfile as sf  # noqa: E402
 import torch  # noqa: E402
 
-from voxserve.models.qwen3_tts.codec_encoder import CodecEncoder  # noqa: E402
-from voxserve.models.qwen3_tts.config import CodecEncoderConfig, SpeechTokenizerConfig  # noqa: E402
-from voxserve.models.qwen3_tts.tiny import tiny_speech_tokenizer_config  # noqa: E402
+from legato.models.qwen3_tts.codec_encoder import CodecEncoder  # noqa: E402
+from legato.models.qwen3_tts.config import CodecEncoderConfig, SpeechTokenizerConfig  # noqa: E402
+from legato.models.qwen3_tts.tiny import tiny_speech_tokenizer_config  # noqa: E402
 
 PROMPT_WAV = Path(__file__).parent / "data" / "voice01.wav"  # from shared/data/prompts/en (synthetic voice)
 SR = 24000
@@ -152,9 +152,9 @@ def test_attention_is_full_causal_not_sliding_window(clip):
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not os.environ.get("VOXSERVE_SLOW_TESTS"),
+    not os.environ.get("LEGATO_SLOW_TESTS"),
     reason="full-size encoder parity takes ~17 s on a shared 2-core CPU (mostly building and randomising two "
-    "39M-param models); set VOXSERVE_SLOW_TESTS=1 to run it",
+    "39M-param models); set LEGATO_SLOW_TESTS=1 to run it",
 )
 def test_full_size_released_config_parity():
     """The released encoder config (39M params + 16.8M codebook entries) on 1 s of audio."""

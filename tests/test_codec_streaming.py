@@ -9,10 +9,10 @@ import pytest
 import torch
 from codec_helpers import randomize_codec_weights_
 
-from voxserve.models.qwen3_tts.codec_decoder import CodecDecoder
-from voxserve.models.qwen3_tts.codec_streaming import ChunkSchedule, CodecStreamState, decode_chunks
-from voxserve.models.qwen3_tts.config import CodecDecoderConfig
-from voxserve.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
+from legato.models.qwen3_tts.codec_decoder import CodecDecoder
+from legato.models.qwen3_tts.codec_streaming import ChunkSchedule, CodecStreamState, decode_chunks
+from legato.models.qwen3_tts.config import CodecDecoderConfig
+from legato.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
 
 TOL = 1e-5
 SPF = 1920
@@ -186,7 +186,7 @@ def test_full_size_stream_matches_whole_forward():
 
 
 def test_the_engine_chunk_schedule_ramps_to_the_steady_size():
-    from voxserve.engine.codec_streamer import next_chunk_frames
+    from legato.engine.codec_streamer import next_chunk_frames
 
     def sizes(first, steady, ramp, frames=80):
         out, emitted = [], 0

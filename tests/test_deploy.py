@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from voxserve.pipeline.deploy import DeployError, apply_deploy, load_deploy
-from voxserve.pipeline.topology import parse_topology
-from voxserve.server.cli import add_serve_parser
+from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
+from legato.pipeline.topology import parse_topology
+from legato.server.cli import add_serve_parser
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from engine_helpers import engine_config, run_all, tiny_model
 
-from voxserve.engine.engine import Engine, EngineRequest
-from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
-from voxserve.models.qwen3_tts.prompt import build_prompt
-from voxserve.models.qwen3_tts.reference_loop import generate_codes
-from voxserve.models.qwen3_tts.sampling import SamplingParams
+from legato.engine.engine import Engine, EngineRequest
+from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
+from legato.models.qwen3_tts.prompt import build_prompt
+from legato.models.qwen3_tts.reference_loop import generate_codes
+from legato.models.qwen3_tts.sampling import SamplingParams
 
 TEXTS = [
     "Hello world, this is a test.",

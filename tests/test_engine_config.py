@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from voxserve.engine.config import EngineConfig
+from legato.engine.config import EngineConfig
 
 
 def test_defaults():

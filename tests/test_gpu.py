@@ -7,13 +7,13 @@ import pytest
 import torch
 from engine_helpers import engine_config, run_all, tiny_model
 
-from voxserve.engine.engine import Engine, EngineRequest
-from voxserve.engine.mtp_replicas import group_buckets
-from voxserve.layers.paged_attention import decode_attention, decode_attention_reference
-from voxserve.layers.snake import snake_beta, snake_beta_reference
-from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
-from voxserve.models.qwen3_tts.loader import load_model
-from voxserve.models.qwen3_tts.sampling import SamplingParams
+from legato.engine.engine import Engine, EngineRequest
+from legato.engine.mtp_replicas import group_buckets
+from legato.layers.paged_attention import decode_attention, decode_attention_reference
+from legato.layers.snake import snake_beta, snake_beta_reference
+from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
+from legato.models.qwen3_tts.loader import load_model
+from legato.models.qwen3_tts.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -113,8 +113,8 @@ def test_batch_invariant_codes_do_not_depend_on_the_batch():
     batch shape: with `batch_invariant`, each seeded request gives the same codes alone and in a batch of
     12 that grows and shrinks (rows padded to chunks of 8, graphs of that one size). H200 probe of the same
     property across topologies: docs/benchmarks.md."""
-    from voxserve.models.qwen3_tts.config import SpeechTokenizerConfig, preset
-    from voxserve.models.qwen3_tts.testing import random_model
+    from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset
+    from legato.models.qwen3_tts.testing import random_model
 
     lm = random_model(preset("0.6B", "base"), SpeechTokenizerConfig(), device="cuda", dtype=torch.bfloat16)
     hidden = lm.config.talker_config.hidden_size

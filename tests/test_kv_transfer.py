@@ -1,4 +1,4 @@
-"""voxserve.kv_transfer: handoff packing and wire form, the connector protocol (inproc and shm), the registry."""
+"""legato.kv_transfer: handoff packing and wire form, the connector protocol (inproc and shm), the registry."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 from kv_transfer_helpers import make_handoff, sender_main, small_layout
 
-import voxserve
-from voxserve.kv_transfer import (
+import legato
+from legato.kv_transfer import (
     CancelResult,
     EventKind,
     FailReason,
@@ -37,9 +37,9 @@ from voxserve.kv_transfer import (
     read_handoff,
     scatter_blocks,
 )
-from voxserve.kv_transfer.inproc import InprocChannel, InprocConnector
-from voxserve.kv_transfer.shm import ConnectionChannel, ShmConnector, list_segments, reap_segments, segment_name
-from voxserve.kv_transfer.transport import Channel
+from legato.kv_transfer.inproc import InprocChannel, InprocConnector
+from legato.kv_transfer.shm import ConnectionChannel, ShmConnector, list_segments, reap_segments, segment_name
+from legato.kv_transfer.transport import Channel
 
 # ---------------------------------------------------------------------------------------------------------------
 # gather / scatter
@@ -520,15 +520,15 @@ def test_shm_across_a_spawned_process():
 
 def test_registry_is_lazy():
     code = (
-        "import sys, voxserve.kv_transfer as kt\n"
-        "mods = lambda: sorted(m for m in sys.modules if m.startswith('voxserve.kv_transfer.'))\n"
+        "import sys, legato.kv_transfer as kt\n"
+        "mods = lambda: sorted(m for m in sys.modules if m.startswith('legato.kv_transfer.'))\n"
         "print(mods())\n"
         "assert not any(m.endswith(('.shm', '.inproc', '.link', '.mooncake', '.nixl')) for m in mods()), mods()\n"
         "assert kt.get_backend('inproc').__name__ == 'InprocConnector'\n"
-        "assert 'voxserve.kv_transfer.inproc' in sys.modules and 'voxserve.kv_transfer.shm' not in sys.modules\n"
+        "assert 'legato.kv_transfer.inproc' in sys.modules and 'legato.kv_transfer.shm' not in sys.modules\n"
         "assert kt.get_backend('shm').__name__ == 'ShmConnector'\n"
     )
-    root = str(Path(voxserve.__file__).resolve().parents[1])
+    root = str(Path(legato.__file__).resolve().parents[1])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr
@@ -541,7 +541,7 @@ def test_registry_errors_are_clear():
     for name in ("mooncake", "nixl"):
         if importlib.util.find_spec(name) is not None:
             continue  # the library is installed here: nothing to refuse
-        with pytest.raises(ImportError, match=rf"pip install voxserve\[{name}\]"):
+        with pytest.raises(ImportError, match=rf"pip install legato\[{name}\]"):
             get_backend(name)
     assert get_backend("inproc") is InprocConnector and get_backend("shm") is ShmConnector
 

@@ -1,4 +1,4 @@
-"""voxserve.kv_transfer.mooncake: the link protocol over Mooncake one-sided reads (CPU build, loopback TCP).
+"""legato.kv_transfer.mooncake: the link protocol over Mooncake one-sided reads (CPU build, loopback TCP).
 
 In-process links share one engine (stopping an engine that has talked to a peer takes about a second);
 the cross-process test starts its own on each side, with the control channel on a TCP socket as across
@@ -20,9 +20,9 @@ import pytest
 from kv_transfer_helpers import make_handoff, small_layout
 from test_kv_transfer import Clock, Tap, assert_same_handoff, kinds
 
-from voxserve.kv_transfer import CancelResult, EventKind, FailReason, KVLayout, LayoutMismatch, LinkState, get_backend
-from voxserve.kv_transfer.mooncake import MooncakeConnector, MooncakeEngine, _Arena
-from voxserve.kv_transfer.shm import ConnectionChannel, ShmConnector
+from legato.kv_transfer import CancelResult, EventKind, FailReason, KVLayout, LayoutMismatch, LinkState, get_backend
+from legato.kv_transfer.mooncake import MooncakeConnector, MooncakeEngine, _Arena
+from legato.kv_transfer.shm import ConnectionChannel, ShmConnector
 
 ARENA = 1 << 20
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from voxserve.models.qwen3_tts.config import ConfigError, SpeechTokenizerConfig, preset
-from voxserve.models.qwen3_tts.loader import load_model, resolve_model_dir
-from voxserve.models.qwen3_tts.model import Qwen3TTSModel, SpeechTokenizer
+from legato.models.qwen3_tts.config import ConfigError, SpeechTokenizerConfig, preset
+from legato.models.qwen3_tts.loader import load_model, resolve_model_dir
+from legato.models.qwen3_tts.model import Qwen3TTSModel, SpeechTokenizer
 
 
 def test_tiny_checkpoint_round_trips(tiny_checkpoint):

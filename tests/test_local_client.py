@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from voxserve.engine.config import EngineConfig
-from voxserve.models.qwen3_tts.inputs import SpeechInput
-from voxserve.models.qwen3_tts.loader import load_model
-from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline.client import RequestRejected, SynthesisRequest
-from voxserve.pipeline.local import LocalEngineClient
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.loader import load_model
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline.client import RequestRejected, SynthesisRequest
+from legato.pipeline.local import LocalEngineClient
 
 EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
 
@@ -236,7 +236,7 @@ def test_stop_uses_the_given_grace_and_returns_at_once_before_start(loaded):
 def test_a_reference_clip_sent_again_is_not_encoded_again(loaded, monkeypatch, cache_size):
     """Voice clones with the same clip reuse its features (same codes as encoding it each time); the cache
     keeps `voice_cache_size` clips, least recently used out first, and 0 turns it off."""
-    from voxserve.models.qwen3_tts import inputs
+    from legato.models.qwen3_tts import inputs
 
     calls = []
     real = inputs.extract_voice

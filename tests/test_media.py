@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from voxserve.models.qwen3_tts.audio import encode_wav, read_audio
-from voxserve.server.media import MediaError, MediaPolicy, decode_ref_audio, resolve_ref_audio
+from legato.models.qwen3_tts.audio import encode_wav, read_audio
+from legato.server.media import MediaError, MediaPolicy, decode_ref_audio, resolve_ref_audio
 
 CLIP = Path(__file__).parent / "data" / "voice01.wav"
 CLIP_BYTES = CLIP.read_bytes()
@@ -59,7 +59,7 @@ def test_data_url_decodes_the_clip():
 
 def test_inline_base64_is_decoded_off_the_event_loop(monkeypatch):
     """A 13 MB base64 payload takes tens of ms to decode: on the loop it would stall every audio stream."""
-    import voxserve.server.media as media
+    import legato.server.media as media
 
     threads = []
     real = base64.b64decode

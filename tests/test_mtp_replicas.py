@@ -10,11 +10,11 @@ import pytest
 import torch
 from engine_helpers import Collected, engine_config, run_all, tiny_model
 
-from voxserve.engine.config import EngineConfig
-from voxserve.engine.engine import Engine, EngineRequest
-from voxserve.engine.mtp_replicas import BUCKETS, group_buckets, replica_group
-from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
-from voxserve.models.qwen3_tts.sampling import SamplingParams
+from legato.engine.config import EngineConfig
+from legato.engine.engine import Engine, EngineRequest
+from legato.engine.mtp_replicas import BUCKETS, group_buckets, replica_group
+from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
+from legato.models.qwen3_tts.sampling import SamplingParams
 
 
 @pytest.fixture(autouse=True)

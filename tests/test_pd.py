@@ -10,14 +10,14 @@ import pytest
 import torch
 from client_helpers import EMB, gather_streams, mixed_requests, run_client
 
-from voxserve.engine.config import EngineConfig
-from voxserve.kv_transfer.handoff import LayoutMismatch
-from voxserve.models.qwen3_tts.inputs import SpeechInput
-from voxserve.models.qwen3_tts.loader import load_model
-from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline.client import RequestRejected, SynthesisRequest
-from voxserve.pipeline.local import LocalEngineClient
-from voxserve.pipeline.pd import PrefillDecodeRouter
+from legato.engine.config import EngineConfig
+from legato.kv_transfer.handoff import LayoutMismatch
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.loader import load_model
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline.client import RequestRejected, SynthesisRequest
+from legato.pipeline.local import LocalEngineClient
+from legato.pipeline.pd import PrefillDecodeRouter
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,8 @@ def test_pd_gives_the_codes_of_single(loaded, m, n, concurrency):
 
 
 def test_decode_refuses_a_handoff_of_another_layout(loaded, tmp_path):
-    from voxserve.models.qwen3_tts.testing import write_checkpoint
-    from voxserve.models.qwen3_tts.tiny import tiny_config
+    from legato.models.qwen3_tts.testing import write_checkpoint
+    from legato.models.qwen3_tts.tiny import tiny_config
 
     cfg = tiny_config("base")
     cfg.talker_config.num_key_value_heads = 4  # a different KV layout

@@ -16,14 +16,14 @@ import pytest
 import torch
 from client_helpers import EMB, gather_streams, mixed_requests
 
-from voxserve.engine.config import EngineConfig
-from voxserve.models.qwen3_tts.inputs import SpeechInput
-from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline.client import SynthesisRequest
-from voxserve.pipeline.kv_links import socket_path
-from voxserve.pipeline.pd import LinkedPrefillDecodeRouter
-from voxserve.pipeline.process_client import ProcessEngineClient, new_instance_id
-from voxserve.pipeline.topology import TopologyError, build_client, parse_topology
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline.client import SynthesisRequest
+from legato.pipeline.kv_links import socket_path
+from legato.pipeline.pd import LinkedPrefillDecodeRouter
+from legato.pipeline.process_client import ProcessEngineClient, new_instance_id
+from legato.pipeline.topology import TopologyError, build_client, parse_topology
 
 BLOCKS = 128
 OPTS = {"torch_threads": 1, "start_timeout_s": 90}
@@ -78,7 +78,7 @@ async def _settled(router, timeout_s: float = 15.0) -> None:
 @pytest.fixture(scope="module")
 def want(tiny_checkpoint):
     """Codes of `_requests(8)` from the in-process `single` engine."""
-    from voxserve.models.qwen3_tts.loader import load_model
+    from legato.models.qwen3_tts.loader import load_model
 
     torch.set_num_threads(1)
     single = build_client(parse_topology("single"), lambda d: load_model(tiny_checkpoint, device=d), _config())

@@ -1,4 +1,4 @@
-"""`voxserve probe`: a topology's codes against `single` for seeded requests, and the CLI's exit status."""
+"""`legato probe`: a topology's codes against `single` for seeded requests, and the CLI's exit status."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from voxserve.cli import main
-from voxserve.eval.probe import probe
+from legato.cli import main
+from legato.eval.probe import probe
 
 
 @pytest.mark.parametrize(("topology", "workers", "mtp"), [

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from voxserve.engine.config import EngineConfig
-from voxserve.models.qwen3_tts.inputs import SpeechInput, extract_voice
-from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline import messages as m
-from voxserve.pipeline.client import EngineStats, ModelInfo, RequestRejected, StreamChunk, SynthesisRequest
-from voxserve.pipeline.process_client import ProcessEngineClient, new_instance_id
-from voxserve.pipeline.router import ReplicaRouter
-from voxserve.pipeline.topology import build_client, parse_topology
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.inputs import SpeechInput, extract_voice
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline import messages as m
+from legato.pipeline.client import EngineStats, ModelInfo, RequestRejected, StreamChunk, SynthesisRequest
+from legato.pipeline.process_client import ProcessEngineClient, new_instance_id
+from legato.pipeline.router import ReplicaRouter
+from legato.pipeline.topology import build_client, parse_topology
 
 EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
 N = 4  # seeded requests compared across topologies
@@ -137,7 +137,7 @@ def test_malformed_messages_raise_clear_errors():
 @pytest.fixture(scope="module")
 def want(tiny_checkpoint):
     """Codes of the seeded requests from the in-process (thread) single engine."""
-    from voxserve.models.qwen3_tts.loader import load_model
+    from legato.models.qwen3_tts.loader import load_model
 
     torch.set_num_threads(1)
     single = build_client(parse_topology("single"), lambda dev: load_model(tiny_checkpoint, device=dev), _config())
@@ -184,7 +184,7 @@ def test_process_rejection_and_voice(proc_single, tiny_checkpoint):
         asyncio.run(_collect(proc_single, bad))
     assert err.value.status == 400 and "empty" in err.value.message
 
-    from voxserve.models.qwen3_tts.loader import load_model
+    from legato.models.qwen3_tts.loader import load_model
 
     clip = np.random.default_rng(0).uniform(-0.5, 0.5, 24000).astype(np.float32)
     got = asyncio.run(proc_single.extract_voice(clip, 24000))
@@ -238,7 +238,7 @@ def test_killed_worker_fails_its_requests_and_the_other_replica_serves(tiny_chec
 
     async def run():
         await router.start()
-        assert sorted(glob.glob(f"/tmp/voxserve-{instance}-*")) == sorted(
+        assert sorted(glob.glob(f"/tmp/legato-{instance}-*")) == sorted(
             p for r in router.replicas for p in r.ipc_paths)
         try:
             streams = [router.generate(_req(i, frames=60, ignore_eos=True)) for i in (0, 1)]
@@ -260,6 +260,6 @@ def test_killed_worker_fails_its_requests_and_the_other_replica_serves(tiny_chec
     assert after[-1].finish_reason == "length"
     # stop() leaves no process and no socket file behind.
     assert victim.proc.returncode == -signal.SIGKILL and survivor.proc.returncode == 0
-    assert glob.glob(f"/tmp/voxserve-{instance}-*") == []
+    assert glob.glob(f"/tmp/legato-{instance}-*") == []
     with pytest.raises(RequestRejected, match="shutting down"):
         asyncio.run(_collect(survivor, _req(3)))

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from voxserve.models.qwen3_tts.prompt import (  # noqa: E402
+from legato.models.qwen3_tts.prompt import (  # noqa: E402
     PromptError,
     PromptSpec,
     build_prompt,
@@ -20,8 +20,8 @@ from voxserve.models.qwen3_tts.prompt import (  # noqa: E402
     supported_languages,
     target_text_ids,
 )
-from voxserve.models.qwen3_tts.talker import Talker  # noqa: E402
-from voxserve.models.qwen3_tts.tiny import tiny_config  # noqa: E402
+from legato.models.qwen3_tts.talker import Talker  # noqa: E402
+from legato.models.qwen3_tts.tiny import tiny_config  # noqa: E402
 
 TEXT = [151644, 77091, 198, 11, 22, 33, 44, 151645, 198, 151644, 77091, 198]  # 4 text tokens
 REF = [151644, 77091, 198, 55, 66, 151645, 198]

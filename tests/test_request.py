@@ -2,7 +2,7 @@ import weakref
 
 import pytest
 
-from voxserve.engine.request import InvalidTransitionError, Request, RequestStatus
+from legato.engine.request import InvalidTransitionError, Request, RequestStatus
 
 S = RequestStatus
 LIVE = [S.WAITING, S.WAITING_FOR_HANDOFF, S.RUNNING]

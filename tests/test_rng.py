@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from voxserve.engine.rng import exponential, philox4x32_10, random_bits, uniform
+from legato.engine.rng import exponential, philox4x32_10, random_bits, uniform
 
 # Random123's kat_vectors for philox4x32 with 10 rounds: counter[4], key[2] -> output[4].
 KNOWN_ANSWERS = [

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from voxserve.engine.sampler import HeadTensors, Sampler, SamplingTensors, draw, warp
+from legato.engine.sampler import HeadTensors, Sampler, SamplingTensors, draw, warp
 
 V, EOS, SUPPRESS = 3072, 2150, (2048, 3072)
 RESIDUAL_V = 2048
@@ -305,7 +305,7 @@ def test_from_params_copy_and_validation():
 
 
 def test_from_talker_config_matches_official_rules():
-    from voxserve.models.qwen3_tts.config import TalkerConfig
+    from legato.models.qwen3_tts.config import TalkerConfig
 
     sampler = Sampler.from_talker_config(TalkerConfig())
     assert sampler.eos_token_id == EOS and sampler.suppress_range == SUPPRESS

@@ -11,9 +11,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from voxserve.models.qwen3_tts.prompt import PromptSpec, build_prompt  # noqa: E402
-from voxserve.models.qwen3_tts.reference_loop import generate_codes  # noqa: E402
-from voxserve.models.qwen3_tts.sampling import (  # noqa: E402
+from legato.models.qwen3_tts.prompt import PromptSpec, build_prompt  # noqa: E402
+from legato.models.qwen3_tts.reference_loop import generate_codes  # noqa: E402
+from legato.models.qwen3_tts.sampling import (  # noqa: E402
     SamplingParams,
     SamplingParamsError,
     TalkerRules,
@@ -25,8 +25,8 @@ from voxserve.models.qwen3_tts.sampling import (  # noqa: E402
     choose_tokens,
     multinomial_draw,
 )
-from voxserve.models.qwen3_tts.talker import Talker  # noqa: E402
-from voxserve.models.qwen3_tts.tiny import tiny_config  # noqa: E402
+from legato.models.qwen3_tts.talker import Talker  # noqa: E402
+from legato.models.qwen3_tts.tiny import tiny_config  # noqa: E402
 
 V, EOS = 3072, 2150
 

@@ -2,10 +2,10 @@ import random
 
 import pytest
 
-from voxserve.engine.block_manager import BlockManager
-from voxserve.engine.config import EngineConfig
-from voxserve.engine.request import Request, RequestStatus
-from voxserve.engine.scheduler import (
+from legato.engine.block_manager import BlockManager
+from legato.engine.config import EngineConfig
+from legato.engine.request import Request, RequestStatus
+from legato.engine.scheduler import (
     QueueFullError,
     RequestTooLargeError,
     Scheduler,

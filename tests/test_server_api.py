@@ -1,6 +1,6 @@
 """The HTTP API on tiny CPU models: formats and usage, streaming modes, OpenAI-shaped refusals, request ids,
 limits, health/models/metrics, structured logs; failure paths (429, mid-stream errors, timeouts,
-disconnects) through a scripted fake engine client; and `voxserve serve` shutting down gracefully."""
+disconnects) through a scripted fake engine client; and `legato serve` shutting down gracefully."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ from server_helpers import (
 )
 from starlette.testclient import TestClient
 
-from voxserve.pipeline.client import StreamChunk
-from voxserve.server.app import build_app
-from voxserve.server.voices import VoiceStore
+from legato.pipeline.client import StreamChunk
+from legato.server.app import build_app
+from legato.server.voices import VoiceStore
 
 DATA = Path(__file__).parent / "data"
 
@@ -207,7 +207,7 @@ def test_request_ids_are_echoed_generated_or_refused(cv):
 
 def test_a_request_id_with_a_line_break_is_refused_not_echoed():
     """`$` also matches before a final newline: an id like "abc\\n" must not reach a response header."""
-    from voxserve.server.app import RequestIdMiddleware
+    from legato.server.app import RequestIdMiddleware
 
     async def ok(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -242,16 +242,16 @@ def test_models_health_and_metrics(cv):
     # the engine refreshes its stats after delivering the last chunk, so they settle just after the response
     assert wait_until(lambda: cv.get("/health").json()["engine"]["free_kv_blocks"] == 512, timeout=5)
     text = cv.get("/metrics").text
-    for name in ("voxserve_time_to_first_audio_seconds_bucket", "voxserve_real_time_factor_bucket",
-                 "voxserve_e2e_latency_seconds_count", "voxserve_num_requests_waiting",
-                 "voxserve_num_requests_running", "voxserve_kv_cache_usage_ratio",
-                 'voxserve_requests_total{status="200"}', 'voxserve_requests_total{status="400"}',
-                 "voxserve_kv_handoffs_recomputed_total 0.0"):
+    for name in ("legato_time_to_first_audio_seconds_bucket", "legato_real_time_factor_bucket",
+                 "legato_e2e_latency_seconds_count", "legato_num_requests_waiting",
+                 "legato_num_requests_running", "legato_kv_cache_usage_ratio",
+                 'legato_requests_total{status="200"}', 'legato_requests_total{status="400"}',
+                 "legato_kv_handoffs_recomputed_total 0.0"):
         assert name in text, name
 
 
 def test_logs_carry_the_request_id_and_usage(cv, caplog):
-    with caplog.at_level(logging.INFO, logger="voxserve.server"):
+    with caplog.at_level(logging.INFO, logger="legato.server"):
         r = cv.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "max_new_tokens": 5},
                     headers={"X-Request-Id": "log-check-1"})
     assert r.status_code == 200
@@ -261,7 +261,7 @@ def test_logs_carry_the_request_id_and_usage(cv, caplog):
 
 
 def test_json_log_lines_hold_request_id_and_extras():
-    from voxserve.server.logs import JsonFormatter, RequestIdFilter, current_request_id
+    from legato.server.logs import JsonFormatter, RequestIdFilter, current_request_id
 
     record = logging.makeLogRecord({"name": "x", "levelname": "INFO", "msg": "speech %s", "args": ("done",),
                                     "frames": 12})
@@ -338,7 +338,7 @@ def test_full_queue_is_429_with_retry_after():
         assert_error(r, 429, "server busy")
         assert r.headers["retry-after"] == "2"
         assert_error(speak(c, stream=True), 429)
-        assert 'voxserve_requests_total{status="429"} 2.0' in c.get("/metrics").text
+        assert 'legato_requests_total{status="429"} 2.0' in c.get("/metrics").text
 
 
 def test_engine_failure_fails_only_that_request():
@@ -432,7 +432,7 @@ def test_timeouts_abort_and_report(tmp_path):
         assert events[-1]["type"] == "speech.audio.error" and events[-1]["error"]["code"] == 504
         assert time.monotonic() - t0 < 3
         assert len(client.closed_early) == 2
-        assert 'voxserve_request_aborts_total{reason="timeout"} 2.0' in c.get("/metrics").text
+        assert 'legato_request_aborts_total{reason="timeout"} 2.0' in c.get("/metrics").text
 
 
 def test_raw_stream_failure_cuts_the_connection_and_disconnects_abort():
@@ -456,8 +456,8 @@ def test_raw_stream_failure_cuts_the_connection_and_disconnects_abort():
             http.post("/v1/audio/speech", json={"input": "slow", "voice": "ryan"}, timeout=0.5)
         assert wait_until(lambda: len(client.closed_early) == 2, timeout=5)
         metrics = http.get("/metrics").text
-        assert 'voxserve_request_aborts_total{reason="client_disconnect"} 2.0' in metrics
-        assert 'voxserve_requests_total{status="500"} 1.0' in metrics
+        assert 'legato_request_aborts_total{reason="client_disconnect"} 2.0' in metrics
+        assert 'legato_requests_total{status="500"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("mode", ["file", "sse"])
@@ -466,11 +466,11 @@ def test_a_cancelled_handler_ends_its_engine_stream_cleanly(mode):
     be closed, and the cancellation must stay a cancellation (not "generator already running")."""
     from types import SimpleNamespace
 
-    from voxserve.models.qwen3_tts.inputs import SpeechInput
-    from voxserve.models.qwen3_tts.sampling import SamplingParams
-    from voxserve.pipeline.client import SynthesisRequest
-    from voxserve.server.metrics import ServerMetrics
-    from voxserve.server.streaming import SpeechResponder
+    from legato.models.qwen3_tts.inputs import SpeechInput
+    from legato.models.qwen3_tts.sampling import SamplingParams
+    from legato.pipeline.client import SynthesisRequest
+    from legato.server.metrics import ServerMetrics
+    from legato.server.streaming import SpeechResponder
 
     client = FakeClient(lambda req: [30.0])
 
@@ -499,11 +499,11 @@ def test_a_client_gone_before_the_stream_body_starts_still_aborts(mode):
     start): closing an unstarted generator skips its `finally`, so the response itself must end the request."""
     from types import SimpleNamespace
 
-    from voxserve.models.qwen3_tts.inputs import SpeechInput
-    from voxserve.models.qwen3_tts.sampling import SamplingParams
-    from voxserve.pipeline.client import SynthesisRequest
-    from voxserve.server.metrics import ServerMetrics
-    from voxserve.server.streaming import SpeechResponder
+    from legato.models.qwen3_tts.inputs import SpeechInput
+    from legato.models.qwen3_tts.sampling import SamplingParams
+    from legato.pipeline.client import SynthesisRequest
+    from legato.server.metrics import ServerMetrics
+    from legato.server.streaming import SpeechResponder
 
     client = FakeClient(lambda req: [frames_chunk(1, 1), 30.0, frames_chunk(1, 2, True, "stop")])
 
@@ -550,9 +550,9 @@ def _free_port() -> int:
 
 def test_serve_cli_starts_on_the_default_model_and_shuts_down_gracefully(tmp_path):
     port = _free_port()
-    env = {**os.environ, "VOXSERVE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "LEGATO_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "voxserve.cli", "serve", "--port", str(port), "--log-format", "json",
+        [sys.executable, "-m", "legato.cli", "serve", "--port", str(port), "--log-format", "json",
          "--max-num-seqs", "4", "--chunk-frames", "2", "--shutdown-grace", "20"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

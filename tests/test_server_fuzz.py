@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import LiveServer, local_client, server_settings, tiny_loaded, wait_until
 
-from voxserve.server.app import build_app
-from voxserve.server.voices import VoiceStore
+from legato.server.app import build_app
+from legato.server.voices import VoiceStore
 
 CALL_TIMEOUT = 20.0
 OWN_ROUTES = ("/v1/audio/speech", "/v1/models", "/health")  # the voice routes document their own codes

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from server_helpers import SAMPLES_PER_FRAME, LiveServer, local_client, server_settings, tiny_loaded
 
-from voxserve.server.app import build_app
+from legato.server.app import build_app
 
 NUM_KV_BLOCKS = 512
 
@@ -85,7 +85,7 @@ def test_64_concurrent_streams_all_complete_once(live):
     assert max(s["running"] for s in seen) <= 8
     assert max(s["waiting"] for s in seen) > 0  # the engine really queued the excess
     assert engine["running"] == engine["waiting"] == 0 and engine["free_kv_blocks"] == NUM_KV_BLOCKS
-    assert 'voxserve_requests_total{status="200"} 64.0' in metrics
+    assert 'legato_requests_total{status="200"} 64.0' in metrics
 
 
 def test_clients_leaving_mid_stream_free_every_block(live):
@@ -110,7 +110,7 @@ def test_clients_leaving_mid_stream_free_every_block(live):
     assert engine["running"] == 0 and engine["waiting"] == 0
     assert engine["free_kv_blocks"] == NUM_KV_BLOCKS and engine["kv_usage"] == 0.0
     assert engine["aborted"]["client disconnected"] - before == 20
-    assert 'voxserve_request_aborts_total{reason="client_disconnect"} 20.0' in metrics
+    assert 'legato_request_aborts_total{reason="client_disconnect"} 20.0' in metrics
 
 
 def test_a_full_engine_queue_answers_429_with_retry_after(tmp_path_factory):

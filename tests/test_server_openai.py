@@ -13,7 +13,7 @@ import pytest
 import soundfile as sf
 from server_helpers import SAMPLES_PER_FRAME, LiveServer, local_client, pcm_samples, server_settings, tiny_loaded
 
-from voxserve.server.app import build_app
+from legato.server.app import build_app
 
 
 @pytest.fixture(scope="module")

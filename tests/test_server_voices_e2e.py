@@ -15,13 +15,13 @@ import torch
 from fastapi.testclient import TestClient
 from voice_helpers import CLIP
 
-from voxserve.engine.config import EngineConfig
-from voxserve.models.qwen3_tts import inputs
-from voxserve.models.qwen3_tts.loader import load_model
-from voxserve.pipeline.local import LocalEngineClient
-from voxserve.server.app import build_app
-from voxserve.server.settings import ServerSettings
-from voxserve.server.voices import VoiceStore
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts import inputs
+from legato.models.qwen3_tts.loader import load_model
+from legato.pipeline.local import LocalEngineClient
+from legato.server.app import build_app
+from legato.server.settings import ServerSettings
+from legato.server.voices import VoiceStore
 
 SPEECH = "/v1/audio/speech"
 VOICES = "/v1/audio/voices"

@@ -17,10 +17,10 @@ import oracle  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from voxserve.models.qwen3_tts.config import SpeakerEncoderConfig  # noqa: E402
-from voxserve.models.qwen3_tts.mel import LogMelSpectrogram, MelConfig, slaney_mel_filterbank  # noqa: E402
-from voxserve.models.qwen3_tts.speaker_encoder import SpeakerEncoder  # noqa: E402
-from voxserve.models.qwen3_tts.tiny import tiny_config  # noqa: E402
+from legato.models.qwen3_tts.config import SpeakerEncoderConfig  # noqa: E402
+from legato.models.qwen3_tts.mel import LogMelSpectrogram, MelConfig, slaney_mel_filterbank  # noqa: E402
+from legato.models.qwen3_tts.speaker_encoder import SpeakerEncoder  # noqa: E402
+from legato.models.qwen3_tts.tiny import tiny_config  # noqa: E402
 
 PROMPT_WAV = Path(__file__).parent / "data" / "voice01.wav"  # from shared/data/prompts/en (synthetic voice)
 SR = 24000

@@ -12,16 +12,16 @@ import pytest
 import torch
 from client_helpers import run_client
 
-from voxserve.engine.codec_streamer import next_chunk_frames
-from voxserve.engine.config import EngineConfig
-from voxserve.engine.engine import Engine, EngineRequest
-from voxserve.models.qwen3_tts.inputs import SpeechInput, build_spec
-from voxserve.models.qwen3_tts.loader import load_model
-from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline.client import RequestRejected, SynthesisRequest
-from voxserve.pipeline.codec_worker import CodecEngine, load_codec_decoder
-from voxserve.pipeline.local import LocalEngineClient
-from voxserve.pipeline.split import SplitClient, build_split_client
+from legato.engine.codec_streamer import next_chunk_frames
+from legato.engine.config import EngineConfig
+from legato.engine.engine import Engine, EngineRequest
+from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
+from legato.models.qwen3_tts.loader import load_model
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline.client import RequestRejected, SynthesisRequest
+from legato.pipeline.codec_worker import CodecEngine, load_codec_decoder
+from legato.pipeline.local import LocalEngineClient
+from legato.pipeline.split import SplitClient, build_split_client
 
 EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
 REF = torch.randint(0, 2048, (9, 16), generator=torch.Generator().manual_seed(1))
@@ -270,8 +270,8 @@ def test_process_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoi
     reqs = requests(8)
     want = asyncio.run(run(LocalEngineClient(loaded, config()), reqs, concurrency))
     client = process_split(tiny_checkpoint)
-    from voxserve.pipeline.codec_process import ProcessCodecClient
-    from voxserve.pipeline.process_client import ProcessEngineClient
+    from legato.pipeline.codec_process import ProcessCodecClient
+    from legato.pipeline.process_client import ProcessEngineClient
 
     assert isinstance(client.talker, ProcessEngineClient) and client.talker.config.emit_audio is False
     assert isinstance(client.codec, ProcessCodecClient)

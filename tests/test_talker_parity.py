@@ -23,11 +23,11 @@ for _p in (str(_HERE), str(_HERE.parent)):
 
 import oracle  # noqa: E402
 
-from voxserve.models.qwen3_tts.prompt import PromptSpec, build_prompt  # noqa: E402
-from voxserve.models.qwen3_tts.reference_loop import GenerationTrace, generate_codes  # noqa: E402
-from voxserve.models.qwen3_tts.sampling import SamplingParams  # noqa: E402
-from voxserve.models.qwen3_tts.talker import Talker  # noqa: E402
-from voxserve.models.qwen3_tts.tiny import tiny_config  # noqa: E402
+from legato.models.qwen3_tts.prompt import PromptSpec, build_prompt  # noqa: E402
+from legato.models.qwen3_tts.reference_loop import GenerationTrace, generate_codes  # noqa: E402
+from legato.models.qwen3_tts.sampling import SamplingParams  # noqa: E402
+from legato.models.qwen3_tts.talker import Talker  # noqa: E402
+from legato.models.qwen3_tts.tiny import tiny_config  # noqa: E402
 
 IM_START, IM_END, ASSISTANT, USER, NEWLINE = 151644, 151645, 77091, 872, 198
 EOS = 2150
@@ -264,7 +264,7 @@ def test_code_predictor_batch_equals_single_rows():
 
 
 def test_chunked_prefill_equals_whole_prefill():
-    from voxserve.models.qwen3_tts.decoder_layer import ContiguousKVCache
+    from legato.models.qwen3_tts.decoder_layer import ContiguousKVCache
 
     _, _, talker = models("base", "0b6", None)
     c = talker.config

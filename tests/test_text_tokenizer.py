@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from voxserve.models.qwen3_tts.config import ConfigError
-from voxserve.models.qwen3_tts.prompt import target_text_ids
-from voxserve.models.qwen3_tts.testing import SPECIAL_TOKENS, write_text_tokenizer
-from voxserve.models.qwen3_tts.text_tokenizer import TextTokenizer
+from legato.models.qwen3_tts.config import ConfigError
+from legato.models.qwen3_tts.prompt import target_text_ids
+from legato.models.qwen3_tts.testing import SPECIAL_TOKENS, write_text_tokenizer
+from legato.models.qwen3_tts.text_tokenizer import TextTokenizer
 
 SAMPLES = [
     "Hello world, 你好!",

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from voxserve.engine.config import EngineConfig
-from voxserve.models.qwen3_tts.inputs import SpeechInput
-from voxserve.models.qwen3_tts.loader import load_model
-from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline.client import RequestRejected, SynthesisRequest
-from voxserve.pipeline.router import ReplicaRouter
-from voxserve.pipeline.topology import Topology, TopologyError, build_client, parse_topology
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.loader import load_model
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline.client import RequestRejected, SynthesisRequest
+from legato.pipeline.router import ReplicaRouter
+from legato.pipeline.topology import Topology, TopologyError, build_client, parse_topology
 
 EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
 

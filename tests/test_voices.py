@@ -13,14 +13,14 @@ import pytest
 import torch
 from voice_helpers import CLIP, HIDDEN, FakeClient
 
-from voxserve.engine.config import EngineConfig
-from voxserve.models.qwen3_tts.audio import read_audio_file
-from voxserve.models.qwen3_tts.inputs import SpeechInput, extract_voice
-from voxserve.models.qwen3_tts.loader import load_model
-from voxserve.models.qwen3_tts.sampling import SamplingParams
-from voxserve.pipeline.client import SynthesisRequest
-from voxserve.pipeline.local import LocalEngineClient
-from voxserve.server.voices import Voice, VoiceError, VoiceStore
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.audio import read_audio_file
+from legato.models.qwen3_tts.inputs import SpeechInput, extract_voice
+from legato.models.qwen3_tts.loader import load_model
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline.client import SynthesisRequest
+from legato.pipeline.local import LocalEngineClient
+from legato.server.voices import Voice, VoiceError, VoiceStore
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +295,7 @@ def test_bad_files_are_skipped_with_a_warning(tmp_path, caplog):
     (tmp_path / ".tmp-0123.safetensors").write_bytes(b"half a voice")
     (tmp_path / "notes.txt").write_text("not a voice")
 
-    with caplog.at_level(logging.WARNING, logger="voxserve.server.voices"):
+    with caplog.at_level(logging.WARNING, logger="legato.server.voices"):
         reloaded = VoiceStore(tmp_path, FakeClient())
     assert [v.name for v in reloaded.list()] == ["good"]
     assert reloaded.get("good").info().ref_frames == 7

@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from voice_helpers import CLIP, HIDDEN, FakeClient
 
-from voxserve.engine.config import EngineConfig
-from voxserve.models.qwen3_tts.loader import load_model
-from voxserve.pipeline.local import LocalEngineClient
-from voxserve.server.errors import install_error_handlers
-from voxserve.server.media import MediaPolicy
-from voxserve.server.voices import NAME_PATTERN, VoiceStore
-from voxserve.server.voices_api import build_voices_router
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.loader import load_model
+from legato.pipeline.local import LocalEngineClient
+from legato.server.errors import install_error_handlers
+from legato.server.media import MediaPolicy
+from legato.server.voices import NAME_PATTERN, VoiceStore
+from legato.server.voices_api import build_voices_router
 
 URL = "/v1/audio/voices"
 CLIP_BYTES = CLIP.read_bytes()

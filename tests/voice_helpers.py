@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from voxserve.models.qwen3_tts.inputs import VoiceFeatures
-from voxserve.pipeline.client import EngineClient, EngineStats, ModelInfo
+from legato.models.qwen3_tts.inputs import VoiceFeatures
+from legato.pipeline.client import EngineClient, EngineStats, ModelInfo
 
 CLIP = Path(__file__).parent / "data" / "voice01.wav"
 HIDDEN = 64  # the tiny model's talker hidden size

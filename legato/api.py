@@ -1,0 +1,147 @@
+"""The offline Python API: load a model, synthesise utterances.
+
+    tts = TTS.load()                      # the embedded tiny default (random weights: noise)
+    out = tts.generate("Hello.", speaker="ryan")
+    out.codes, out.audio, out.sample_rate
+
+`generate` runs a list of utterances batched through the engine (continuous batching, the counter-based
+sampler: a seeded utterance gives the same codes whatever it is batched with). `generate_reference` runs
+the plain reference loop, one utterance at a time: the executable definition the engine is tested
+against (greedy results are identical; sampled ones draw from a different random generator).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from legato.engine.config import EngineConfig
+from legato.engine.engine import Engine, EngineRequest
+from legato.models.qwen3_tts.default import DEFAULT_SPEAKER, default_model_dir
+from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
+from legato.models.qwen3_tts.loader import LoadedModel, load_model
+from legato.models.qwen3_tts.prompt import build_prompt
+from legato.models.qwen3_tts.reference_loop import generate_codes
+from legato.models.qwen3_tts.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SpeechResult:
+    codes: torch.Tensor  # [frames, 16] int64
+    audio: np.ndarray  # float32 mono PCM
+    sample_rate: int
+
+    @property
+    def duration(self) -> float:
+        return len(self.audio) / self.sample_rate
+
+
+class TTS:
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> TTS:
+        """A model directory or hub id; None loads the embedded tiny default (random weights)."""
+        if model is None:
+            model = default_model_dir()
+            log.warning("using the embedded default model (random weights: the audio is noise)")
+        return cls(load_model(model, device=device, dtype=dtype))
+
+    def default_sampling(self) -> SamplingParams:
+        return SamplingParams.from_generation_defaults(self.loaded.generation_defaults)
+
+    def generate(
+        self,
+        inputs: str | SpeechInput | list[str | SpeechInput],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+        engine_config: EngineConfig | None = None,
+        **kwargs,
+    ) -> SpeechResult | list[SpeechResult]:
+        """Synthesises one utterance (returns a result) or a list (returns a list, run batched).
+        `kwargs` are `SpeechInput` fields applied to plain-text inputs."""
+        single = not isinstance(inputs, list)
+        items = [self._input(x, kwargs) for x in ([inputs] if single else inputs)]
+        params = sampling if isinstance(sampling, list) else [sampling or self.default_sampling()] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"{len(items)} inputs but {len(params)} sampling settings")
+        specs = [build_spec(self.loaded, x) for x in items]
+        engine = Engine(self.loaded, engine_config or self._engine_config(len(items)))
+        ids = [f"utt-{i}" for i in range(len(items))]
+        for rid, spec, p in zip(ids, specs, params, strict=True):
+            engine.add_request(EngineRequest(rid, spec, p))
+        codes: dict[str, list[torch.Tensor]] = {rid: [] for rid in ids}
+        audio: dict[str, list[np.ndarray]] = {rid: [] for rid in ids}
+        errors: dict[str, str] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                codes[out.request_id].append(out.codes)
+                if out.audio is not None:
+                    audio[out.request_id].append(out.audio)
+                if out.finish_reason == "error":
+                    errors[out.request_id] = out.error or "failed"
+        if errors:
+            raise RuntimeError(f"generation failed: {errors}")
+        results = [
+            SpeechResult(
+                codes=torch.cat(codes[rid]) if codes[rid] else torch.zeros(0, 16, dtype=torch.long),
+                audio=np.concatenate(audio[rid]) if audio[rid] else np.zeros(0, dtype=np.float32),
+                sample_rate=self.loaded.sample_rate,
+            )
+            for rid in ids
+        ]
+        return results[0] if single else results
+
+    def generate_reference(self, text: str | SpeechInput, sampling: SamplingParams | None = None,
+                           **kwargs) -> SpeechResult:
+        """One utterance through the plain eager reference loop (`torch.Generator` sampling)."""
+        inp = self._input(text, kwargs)
+        sampling = sampling or self.default_sampling()
+        spec = build_spec(self.loaded, inp)
+        talker = self.loaded.talker
+        prompt = build_prompt(spec, talker, self.loaded.config)
+        codes = generate_codes(talker, prompt, sampling)
+        audio = self.decode(codes, spec.ref_code)
+        return SpeechResult(codes=codes.cpu(), audio=audio, sample_rate=self.loaded.sample_rate)
+
+    def _input(self, x: str | SpeechInput, kwargs: dict) -> SpeechInput:
+        inp = x if isinstance(x, SpeechInput) else SpeechInput(text=x, **kwargs)
+        if self.loaded.config.tts_model_type == "custom_voice" and inp.speaker is None and self._is_default():
+            log.info("no speaker given: the embedded default model uses %r", DEFAULT_SPEAKER)
+            inp = replace(inp, speaker=DEFAULT_SPEAKER)
+        return inp
+
+    def _engine_config(self, n: int) -> EngineConfig:
+        weight = self.loaded.talker.codec_head.weight
+        dtype = str(weight.dtype).replace("torch.", "")
+        return EngineConfig(device=weight.device.type, dtype=dtype, max_num_seqs=max(1, min(n, 256)),
+                            max_num_batched_tokens=max(4096, n), max_model_len=8192)
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor, ref_code: torch.Tensor | None = None) -> np.ndarray:
+        """Codes [T, 16] -> float32 audio. With in-context cloning the reference codes are decoded in
+        front (as the official wrapper does) and their share of the samples is cut off."""
+        decoder = self.loaded.speech_tokenizer.decoder
+        if codes.shape[0] == 0:
+            return np.zeros(0, dtype=np.float32)
+        device = next(decoder.parameters()).device
+        full = codes if ref_code is None else torch.cat([ref_code.to(codes.device), codes], dim=0)
+        wav = decoder.decode(full.unsqueeze(0).to(device))[0].float().cpu().numpy()
+        if ref_code is not None:
+            cut = int(ref_code.shape[0] / full.shape[0] * len(wav))
+            wav = wav[cut:]
+        return wav
+
+    def _is_default(self) -> bool:
+        return self.loaded.path.name.startswith("legato-tiny")

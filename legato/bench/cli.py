@@ -1,0 +1,277 @@
+"""`legato bench serve|sweep|compare`. Heavy imports happen inside the handlers, so `legato --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+
+def _rate(value: str) -> float:
+    rate = float(value)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError("request rate must be > 0 (or inf)")
+    return rate
+
+
+def _ints(value: str) -> list[int]:
+    return [int(v) for v in value.split(",") if v.strip()]
+
+
+def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
+    """`T=VALUE` items (the topology itself may contain ':')."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"legato bench: {what} {item!r}: expected TOPOLOGY=VALUE")
+        out[key] = value
+    return out
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompts")
+    g.add_argument("--dataset-path", required=True,
+                   help="a meta.lst file, or a folder holding <locale>/meta.lst (Seed-TTS-eval layout) or meta.lst")
+    g.add_argument("--locale", default="en")
+    g.add_argument("--meta-name", default="meta.lst")
+    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--seed", type=int, default=0, help="sampling (shuffle) seed; also seeds the arrival process")
+    g.add_argument("--mode", choices=["clone", "xvec", "voice"], default=None,
+                   help="voice clone (ref audio + text), x-vector only, or a preset voice (default: voice when "
+                        "--voice is given, else clone)")
+    g.add_argument("--voice", default=None, help="preset voice name")
+    g.add_argument("--language", default=None, help="language sent with each request (default: from the locale)")
+    g.add_argument("--fixed-length", action="store_true",
+                   help="ask the server to ignore EOS and produce a length derived from the text (random weights)")
+    g.add_argument("--frames-per-char", type=float, default=0.8)
+    g.add_argument("--min-frames", type=int, default=4)
+    g.add_argument("--max-frames", type=int, default=250)
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--request-seed", type=int, default=None, help="request i sends seed REQUEST_SEED + i")
+    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    c = p.add_argument_group("load")
+    c.add_argument("--model", default=None, help="`model` field sent with each request")
+    c.add_argument("--endpoint", default="/v1/audio/speech")
+    c.add_argument("--request-rate", type=_rate, default=float("inf"),
+                   help="Poisson arrivals per second; inf: all at once")
+    c.add_argument("--num-warmups", type=int, default=2)
+    c.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
+    c.add_argument("--sample-rate", type=int, default=24000, help="sample rate of the PCM stream")
+    c.add_argument("--no-progress", action="store_true")
+    m = p.add_argument_group("metrics and output")
+    m.add_argument("--slo", action="append", default=[], metavar="KEY=VALUE",
+                   help="per request: ttfp_ms, e2el_ms, rtf, underrun_s; run percentiles: ttfp_p50_ms, "
+                        "e2el_p99_ms, rtf_p90, underrun_p99_s, ... (see legato.bench.metrics)")
+    m.add_argument("--label", default="bench", help="names the outputs: <label>-<topology>-c<conc>")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `bench` and its subcommands on the top-level `legato` parser."""
+    bench = sub.add_parser("bench", help="benchmark a streaming speech server")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = bsub.add_parser("serve", help="benchmark one running server")
+    _add_workload_args(p)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--result-dir", default="bench-results")
+    p.add_argument("--topology", default="server", help="recorded in the result (and the file names)")
+    p.add_argument("--num-gpus", type=int, default=None, help="GPUs the server uses: enables per-GPU figures")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the server's limit, recorded for comparisons")
+    p.set_defaults(func=_run(_serve))
+
+    p = bsub.add_parser("sweep", help="start `legato serve` per topology and concurrency, run, summarise")
+    _add_workload_args(p)
+    p.add_argument("--topologies", default="single", help="comma list, e.g. single,replicas:2")
+    p.add_argument("--concurrency", type=_ints, default=[1, 4], help="comma list of max concurrencies")
+    p.add_argument("--out-dir", default="bench-sweep")
+    p.add_argument("--server-args", default="", help="arguments for every server, e.g. '--max-num-seqs 4'")
+    p.add_argument("--topology-args", action="append", metavar="T=ARGS", help="extra arguments of one topology")
+    p.add_argument("--gpus", action="append", metavar="T=N", help="GPU count of a topology kind the bench can't infer")
+    p.add_argument("--devices", default=None, help="comma list of GPU ids; a topology with N GPUs gets the first N")
+    p.add_argument("--server-cmd", default=None, help="server command (default: this python -m legato.cli serve)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default: a free port")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--stop-grace", type=float, default=15.0)
+    p.add_argument("--allow-unfair", action="store_true",
+                   help="run/compare topologies with different GPU counts or limits (flagged in the summary)")
+    p.set_defaults(func=_run(_sweep))
+
+    p = bsub.add_parser("summarize", help="SUMMARY.md, summary.json and plots from run JSONs (a sweep cut "
+                                          "short, or cells of several sweeps)")
+    p.add_argument("runs", nargs="+", help="result JSONs written by `bench serve` or `bench sweep`")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="recorded under environment (e.g. commit)")
+    p.set_defaults(func=_run(_summarize))
+
+    p = bsub.add_parser("compare", help="two result JSONs side by side, with B/A for every aggregate")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--allow-unfair", action="store_true")
+    p.set_defaults(func=_run(_compare))
+
+
+def _run(handler):
+    """Input errors (bad list, SLO, settings) end the command with a message and exit code 2."""
+
+    def wrapped(args: argparse.Namespace) -> int:
+        import logging
+
+        from . import MissingExtraError
+        from .datasets import DatasetError
+        from .metrics import SloError
+
+        for noisy in ("httpx", "matplotlib"):  # one line per request / font cache notes drown the report
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        try:
+            return handler(args)
+        except (DatasetError, SloError, MissingExtraError, ValueError, OSError) as e:
+            print(f"legato bench {args.bench_command}: error: {e}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
+def _prepare(args: argparse.Namespace):
+    """Prompts → request bodies, client config, SLOs and the config recorded in every result."""
+    import legato
+
+    from .client import ClientConfig
+    from .datasets import FixedLength, RequestSpec, build_requests, load_prompts
+    from .metrics import parse_slos
+
+    fixed = FixedLength(args.frames_per_char, args.min_frames, args.max_frames) if args.fixed_length else None
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    mode = args.mode or ("voice" if args.voice else "clone")
+    spec = RequestSpec(mode, args.voice, args.language, fixed, args.max_new_tokens, args.request_seed, extra)
+    ds = load_prompts(args.dataset_path, args.locale, args.num_prompts, args.seed, args.meta_name)
+    for w in ds.warnings:
+        print(f"legato bench: warning: {w}", file=sys.stderr)
+    requests = build_requests(ds, spec)
+    slo = parse_slos(args.slo)
+    ccfg = ClientConfig(base_url=getattr(args, "base_url", "http://127.0.0.1:8000"), endpoint=args.endpoint,
+                        model=args.model, max_concurrency=getattr(args, "max_concurrency", None),
+                        request_rate=args.request_rate, num_warmups=args.num_warmups, timeout_s=args.timeout,
+                        seed=args.seed, sample_rate=args.sample_rate, progress=not args.no_progress)
+    request_cfg = {k: v for k, v in asdict(spec).items() if k != "fixed_length"}
+    request_cfg["fixed_length"] = {**asdict(fixed), "rule": fixed.describe()} if fixed else None
+    config = {
+        "label": args.label,
+        "client": {k: v for k, v in asdict(ccfg).items() if k != "progress"},
+        "dataset": {"path": str(ds.path), "locale": ds.locale, "num_prompts": len(ds.rows), "seed": args.seed,
+                    "warnings": ds.warnings},
+        "request": request_cfg,
+        "slo": slo.to_json(),
+        "argv": sys.argv,
+        "legato_version": legato.__version__,
+    }
+    print(f"legato bench: {len(requests)} prompts from {ds.path} (seed {args.seed}), mode {mode}"
+          + (f"; fixed length: {fixed.describe()}" if fixed else ""), file=sys.stderr)
+    return requests, ccfg, slo, config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .client import run
+    from .report import build_result, run_stem, run_table, save_run
+
+    requests, ccfg, slo, config = _prepare(args)
+    config.update(topology=args.topology, num_gpus=args.num_gpus, max_num_seqs=args.max_num_seqs, server_args=None)
+    out = run(ccfg, requests)
+    result = build_result(config, out, slo, args.num_gpus)
+    paths = save_run(result, out, Path(args.result_dir), run_stem(args.label, args.topology, ccfg.max_concurrency),
+                     ccfg.sample_rate)
+    print(run_table(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if result["aggregates"]["completed"] else 1
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from .environment import environment
+    from .sweep import SweepConfig, SweepError, parse_flag, run_sweep
+
+    requests, ccfg, slo, config = _prepare(args)
+    scfg = SweepConfig(
+        topologies=[t.strip() for t in args.topologies.split(",") if t.strip()],
+        concurrencies=args.concurrency,
+        out_dir=Path(args.out_dir),
+        label=args.label,
+        server_args=shlex.split(args.server_args),
+        topology_args={k: shlex.split(v) for k, v in _pairs(args.topology_args, "--topology-args").items()},
+        gpus={k: int(v) for k, v in _pairs(args.gpus, "--gpus").items()},
+        devices=args.devices.split(",") if args.devices else None,
+        host=args.host,
+        port=args.port,
+        startup_timeout_s=args.startup_timeout,
+        stop_grace_s=args.stop_grace,
+        allow_unfair=args.allow_unfair,
+    )
+    if args.server_cmd:
+        scfg.server_cmd = shlex.split(args.server_cmd)
+    fixed = config["request"]["fixed_length"]
+    meta = {"model": args.model or "(server default)", "dataset": config["dataset"]["path"],
+            "mode": config["request"]["mode"], "fixed_length": fixed["rule"] if fixed else None,
+            "max_num_seqs": parse_flag(scfg.server_args, "--max-num-seqs"), "max_new_tokens": args.max_new_tokens,
+            "request_rate": args.request_rate,
+            "slo": config["slo"], "environment": environment()}
+    try:
+        cells, paths = run_sweep(scfg, requests, ccfg, config, slo, meta)
+    except SweepError as e:
+        print(f"legato bench sweep: error: {e}", file=sys.stderr)
+        return 2
+    print((Path(args.out_dir) / "SUMMARY.md").read_text(encoding="utf-8"))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    bad = [c for c in cells if c["aggregates"] is None or not c["aggregates"]["completed"]]
+    return 1 if bad else 0
+
+
+def _summarize(args: argparse.Namespace) -> int:
+    from .report import load_result, write_sweep
+    from .sweep import control_for, parse_flag
+
+    out_dir = Path(args.out_dir)
+    cells = []
+    for path in args.runs:
+        r = load_result(path)
+        cfg = r["config"]
+        gpus = cfg.get("num_gpus") or 1
+        cells.append({"topology": cfg.get("topology", "server"), "gpus": gpus,
+                      "concurrency": cfg["client"]["max_concurrency"], "control": control_for(gpus),
+                      "aggregates": r["aggregates"], "error": None, "result": str(Path(path))})
+    first = load_result(args.runs[0])["config"]
+    fixed = first["request"].get("fixed_length")
+    meta = {"model": parse_flag(first.get("server_args", []), "--model") or "(server default)",
+            "dataset": first["dataset"]["path"], "mode": first["request"]["mode"],
+            "fixed_length": fixed["rule"] if fixed else None, "max_num_seqs": first.get("max_num_seqs"),
+            "server_args": first.get("server_args"), "slo": first.get("slo"),
+            "environment": _pairs(args.env, "--env"), "control": sorted({c["control"] for c in cells})}
+    cells.sort(key=lambda c: (c["topology"] != c["control"], c["topology"], c["concurrency"]))
+    paths = write_sweep(cells, meta, out_dir)
+    print((out_dir / "SUMMARY.md").read_text(encoding="utf-8"))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .report import compare_table, load_result
+    from .sweep import fairness_problems
+
+    a, b = load_result(args.a), load_result(args.b)
+    problems, warnings = fairness_problems({"A": a["config"], "B": b["config"]})
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if problems and not args.allow_unfair:
+        print("legato bench compare: refusing an unfair comparison (--allow-unfair to show it anyway): "
+              + "; ".join(problems), file=sys.stderr)
+        return 2
+    for p in problems:
+        print(f"UNFAIR: {p}")
+    print(f"A = {args.a} ({a['config'].get('topology')})\nB = {args.b} ({b['config'].get('topology')})")
+    print(compare_table(a, b))
+    return 0

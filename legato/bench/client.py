@@ -1,0 +1,191 @@
+"""The async streaming client: sends speech requests to any OpenAI-style `/v1/audio/speech` endpoint and
+records, per request, when each chunk of raw PCM arrived.
+
+Every request asks for `stream=true, stream_format="audio", response_format="pcm"` (s16le mono), so the body
+is audio bytes and nothing else. Arrivals follow a Poisson process at `request_rate` (inf: all at once),
+capped by `max_concurrency` in-flight requests; a request's clock starts when it is sent (see `metrics`).
+Every failure (non-2xx, timeout, cut stream, connection error, empty audio) is recorded with its kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import httpx
+
+from . import MissingExtraError
+from .datasets import BenchRequest
+from .metrics import RequestRecord
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "/v1/audio/speech"
+    model: str | None = None  # sent as `model` when set
+    max_concurrency: int | None = None  # None: no cap
+    request_rate: float = math.inf  # requests/s of the Poisson arrival process
+    num_warmups: int = 0
+    timeout_s: float = 300.0  # whole-request deadline, first byte to last
+    seed: int = 0  # seeds the arrival process
+    sample_rate: int = 24000
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        if not self.request_rate > 0:
+            raise ValueError("request_rate must be > 0 (inf: all at once)")
+        if self.timeout_s <= 0 or self.num_warmups < 0:
+            raise ValueError("timeout_s must be > 0 and num_warmups >= 0")
+
+
+@dataclass
+class RunOutput:
+    records: list[RequestRecord]
+    warmups: list[RequestRecord]
+    duration_s: float
+    started_at: str
+    check_pcm: bytes | None = None  # the audio of one completed request, for a listening check
+    check_utt_id: str | None = None
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Planned send times (s from the run start): Poisson arrivals, the first at 0; all 0 when rate is inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+class _Runner:
+    def __init__(self, client: httpx.AsyncClient, cfg: ClientConfig):
+        self.client = client
+        self.cfg = cfg
+        self.check_pcm: bytes | None = None
+        self.check_utt_id: str | None = None
+
+    def body(self, req: BenchRequest) -> dict:
+        body = {"model": self.cfg.model} if self.cfg.model else {}
+        body.update(req.body)
+        # Transport fields last: the metrics assume a raw s16le stream whatever the extra body says.
+        body.update(stream=True, stream_format="audio", response_format="pcm")
+        return body
+
+    async def send(self, req: BenchRequest, rec: RequestRecord, t_run0: float, capture: bool) -> None:
+        t_sent = time.perf_counter()
+        rec.sent_s = t_sent - t_run0
+        audio = bytearray() if capture and self.check_pcm is None else None
+        try:
+            await asyncio.wait_for(self._stream(req, rec, t_sent, audio), self.cfg.timeout_s)
+        except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException):
+            rec.fail("timeout", f"no complete response within {self.cfg.timeout_s:g} s")
+        except httpx.TransportError as e:
+            # After the headers a transport error means the audio stream was cut short.
+            rec.fail("stream_cut" if rec.status is not None else "transport", f"{type(e).__name__}: {e}")
+        except Exception as e:  # recorded as a failure of this request, never silently dropped
+            rec.fail("client_error", f"{type(e).__name__}: {e}")
+        if rec.end_s is None:
+            rec.end_s = time.perf_counter() - t_sent
+        rec.finalize(self.cfg.sample_rate)
+        if rec.ok and audio is not None and self.check_pcm is None:
+            self.check_pcm, self.check_utt_id = bytes(audio), rec.utt_id
+
+    async def _stream(self, req: BenchRequest, rec: RequestRecord, t_sent: float, audio: bytearray | None) -> None:
+        async with self.client.stream("POST", self.cfg.endpoint, json=self.body(req)) as resp:
+            rec.status = resp.status_code
+            if not 200 <= resp.status_code < 300:
+                text = (await resp.aread())[:500].decode("utf-8", errors="replace")
+                rec.fail(f"http_{resp.status_code}", text)
+                return
+            ctype = resp.headers.get("content-type", "")
+            if ctype.startswith(("application/json", "text/")):
+                text = (await resp.aread())[:500].decode("utf-8", errors="replace")
+                rec.fail("bad_content_type", f"{ctype}: {text}")
+                return
+            async for chunk in resp.aiter_raw():
+                if chunk:
+                    rec.chunk_times_s.append(time.perf_counter() - t_sent)
+                    rec.chunk_bytes.append(len(chunk))
+                    if audio is not None:
+                        audio += chunk
+            rec.end_s = time.perf_counter() - t_sent
+
+    async def run_all(self, reqs: list[BenchRequest], records: list[RequestRecord], concurrency: int | None,
+                      capture: bool, desc: str) -> float:
+        sem = asyncio.Semaphore(concurrency) if concurrency else None
+        bar = _progress(len(reqs), desc, self.cfg.progress)
+        t0 = time.perf_counter()
+
+        async def one(req: BenchRequest, rec: RequestRecord) -> None:
+            delay = t0 + rec.scheduled_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                await self.send(req, rec, t0, capture)
+            else:
+                async with sem:
+                    await self.send(req, rec, t0, capture)
+            bar.update(1)
+
+        try:
+            await asyncio.gather(*(one(q, r) for q, r in zip(reqs, records, strict=True)))
+        finally:
+            bar.close()
+        return time.perf_counter() - t0
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError as e:
+        hint = "the progress bar needs tqdm: pip install 'legato[bench]', or pass --no-progress"
+        raise MissingExtraError(hint) from e
+    return tqdm(total=total, desc=desc, unit="req", leave=False)
+
+
+def _records(reqs: list[BenchRequest], offsets: list[float]) -> list[RequestRecord]:
+    return [RequestRecord(i, r.utt_id, r.text_chars, r.num_frames, scheduled_s=o)
+            for i, (r, o) in enumerate(zip(reqs, offsets, strict=True))]
+
+
+async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest]) -> RunOutput:
+    """Warm-ups (not measured), then every request once; returns finalized per-request records."""
+    if not requests:
+        raise ValueError("no requests to send")
+    # The pool must never be the bottleneck: a request waiting for a connection would count as latency.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_concurrency or len(requests))
+    timeout = httpx.Timeout(cfg.timeout_s)
+    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits) as client:
+        runner = _Runner(client, cfg)
+        warm_reqs = [requests[i % len(requests)] for i in range(cfg.num_warmups)]
+        warmups = _records(warm_reqs, [0.0] * len(warm_reqs))
+        if warm_reqs:
+            await runner.run_all(warm_reqs, warmups, cfg.max_concurrency, capture=False, desc="warm-up")
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        records = _records(requests, arrival_offsets(len(requests), cfg.request_rate, cfg.seed))
+        duration = await runner.run_all(requests, records, cfg.max_concurrency, capture=True, desc="bench")
+    return RunOutput(records, warmups, duration, started_at, runner.check_pcm, runner.check_utt_id)
+
+
+def run(cfg: ClientConfig, requests: list[BenchRequest]) -> RunOutput:
+    return asyncio.run(run_benchmark(cfg, requests))

@@ -1,0 +1,309 @@
+"""One worker's engine: `add_request`, `abort`, and `step()` = schedule -> run -> update, yielding
+per-request streaming outputs (new frames of 16 codes and new PCM).
+
+The engine knows nothing of HTTP or other workers. Bad requests raise at `add_request` (PromptError,
+QueueFullError, RequestTooLargeError, ValueError) before anything is allocated; a failure inside a step
+fails the requests of that step with a reason, and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from legato.engine.block_manager import BlockManager
+from legato.engine.codec_streamer import CodecStreamer
+from legato.engine.config import EngineConfig
+from legato.engine.disagg import make_handoff, model_hash, receive_handoff
+from legato.engine.kv_cache import PagedKVCache
+from legato.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
+from legato.engine.mtp_replicas import replica_group
+from legato.engine.request import Request
+from legato.engine.sampler import draw_seed
+from legato.engine.scheduler import Scheduler, StepResult
+from legato.kv_transfer.handoff import Handoff, KVLayout
+from legato.models.qwen3_tts.decoder_layer import pack_projections, packed_bytes
+from legato.models.qwen3_tts.loader import LoadedModel
+from legato.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt, build_prompt
+from legato.models.qwen3_tts.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineRequest:
+    """A request as the engine takes it. `max_frames` None means `sampling.max_new_tokens - 1` (the
+    reference's frame count); `ignore_eos` masks EOS for the whole request (fixed-length benchmarks)."""
+
+    request_id: str
+    spec: PromptSpec
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_frames: int | None = None
+    ignore_eos: bool = False
+    stream_audio: bool = True
+    first_chunk_frames: int | None = None  # None: the engine's configured first chunk
+    handoff_only: bool = False  # prefill worker: stop after prefill and emit a Handoff for a decode worker
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: only the new frames and audio (deltas)."""
+
+    request_id: str
+    codes: torch.Tensor  # [n, 16] int64, new frames
+    audio: np.ndarray | None  # float32 PCM, new samples (None when nothing was decoded)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_frames: int = 0  # total so far
+    seed: int = 0
+    handoff: Handoff | None = None  # set on the final output of a `handoff_only` request
+
+
+@dataclass
+class _Live:
+    req: Request
+    prompt: TalkerPrompt
+    engine_req: EngineRequest
+    seed: int
+    ref_code: torch.Tensor | None = None
+    incoming: Handoff | None = None  # a decode worker's request: the prefill it continues from
+    outgoing: Handoff | None = None  # a prefill worker's request: what it hands on
+    new_codes: list[torch.Tensor] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        talker = loaded.talker
+        if talker.codec_head.weight.is_cuda:
+            # Packed serving copies of the projections exist before the KV cache is sized, so they count.
+            pack_projections(talker)
+        num_blocks = config.num_kv_blocks or self._profile_kv_blocks()
+        config.num_kv_blocks = num_blocks
+        pad_id = torch.tensor([loaded.config.tts_pad_token_id], device=talker.codec_head.weight.device)
+        with torch.inference_mode():
+            tts_pad = talker.embed_text(pad_id)[0]
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(talker, config, num_blocks, tts_pad)
+        # A talker-only engine (`split`) has no codec streamer: its codes go to a codec worker.
+        self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, config.first_chunk_frames, config.chunk_frames,
+                                    config.chunk_ramp)
+                      if config.emit_audio else None)
+        self.live: dict[str, _Live] = {}
+        self._done: list[RequestOutput] = []
+        self.eos_id = loaded.config.talker_config.codec_eos_token_id
+        self.kv_layout = KVLayout.of_cache(self.runner.kv.k, model_hash(loaded))
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def add_request(self, er: EngineRequest) -> int:
+        """Admits a request to the waiting queue; returns its seed. Raises for bad or oversized requests."""
+        if er.request_id in self.live:
+            raise ValueError(f"duplicate request id {er.request_id!r}")
+        er.sampling.validate()
+        if er.first_chunk_frames is not None and not (isinstance(er.first_chunk_frames, int) and
+                                                      er.first_chunk_frames >= 1):
+            raise ValueError("first_chunk_frames must be an integer >= 1")
+        max_frames = er.max_frames if er.max_frames is not None else er.sampling.max_new_tokens - 1
+        if max_frames < 1:
+            raise ValueError("the request allows no frames (max_new_tokens must be >= 2)")
+        prompt = build_prompt(er.spec, self.loaded.talker, self.loaded.config)
+        if prompt.trailing_text.shape[0] > self.config.max_text_tokens:
+            raise ValueError(
+                f"input text of {prompt.trailing_text.shape[0]} tokens exceeds max_text_tokens="
+                f"{self.config.max_text_tokens}"
+            )
+        seed = er.sampling.seed if er.sampling.seed is not None else draw_seed()
+        if er.handoff_only or self.codec is None:
+            er.stream_audio = False  # the decode worker (or the codec worker) makes this request's audio
+        req = Request(request_id=er.request_id, prompt_len=prompt.length, max_frames=max_frames)
+        self.scheduler.add(req)
+        self.live[er.request_id] = _Live(req, prompt, er, seed, ref_code=er.spec.ref_code)
+        return seed
+
+    def add_handoff(self, h: Handoff, stream_audio: bool = True) -> int:
+        """Admits a request prefilled by another engine; it decodes from the handoff's KV and side state.
+        Raises LayoutMismatch when the handoff's KV layout is not this engine's."""
+        if h.request_id in self.live:
+            raise ValueError(f"duplicate request id {h.request_id!r}")
+        self.kv_layout.check_compatible(h.layout)
+        h.validate()
+        prompt = TalkerPrompt(embeds=h.trailing_text[:0], trailing_text=h.trailing_text, tts_pad=self.runner.tts_pad)
+        er = EngineRequest(h.request_id, spec=None, sampling=h.sampling, max_frames=h.max_frames,
+                           ignore_eos=h.ignore_eos, stream_audio=stream_audio and self.codec is not None,
+                           first_chunk_frames=h.first_chunk_frames)
+        req = Request(request_id=h.request_id, prompt_len=h.num_tokens, max_frames=h.max_frames, kv_handoff=True)
+        self.scheduler.add(req)
+        self.live[h.request_id] = _Live(req, prompt, er, h.seed, ref_code=h.ref_code, incoming=h)
+        return h.seed
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Frees the request's blocks and slot at once; its final output says `abort`. Unknown ids: False."""
+        req = self.scheduler.abort(request_id, reason)
+        live = self.live.pop(request_id, None)
+        if self.codec is not None:
+            self.codec.close(request_id)
+        if req is None or live is None:
+            return False
+        self._done.append(self._final(live, "abort", reason))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live) or bool(self._done)
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        outputs, self._done = self._done, []
+        # Per-request start-up (slot reset, codec priming) fails only its own request, before the model runs.
+        for req in out.new_requests:
+            try:
+                self._start(req)
+            except Exception as e:
+                log.exception("starting request %s failed", req.request_id)
+                outputs += self._fail([req], f"request start failed: {type(e).__name__}: {e}")
+        prefills = [c for c in out.prefills if c.request.request_id in self.live]
+        decodes = out.decodes
+        if not prefills and not decodes:
+            self.scheduler.update([])  # reports the step; results of requests failed above are not expected
+            return outputs
+        try:
+            results = self._run_prefills(prefills) + self._run_decodes(decodes)
+        except Exception as e:  # a step failure fails its requests, never the engine
+            log.exception("engine step failed")
+            outputs += self._fail([c.request for c in prefills] + decodes,
+                                  f"engine step failed: {type(e).__name__}: {e}")
+            self.scheduler.update([])
+            return outputs
+        finished = {r.request_id: r for r in self.scheduler.update(results)}
+        audio, codec_errors = self.codec.flush(set(finished)) if self.codec is not None else ({}, {})
+        for rid in codec_errors.keys() - finished.keys():
+            req = self.scheduler.fail(rid, codec_errors[rid])
+            if req is not None:
+                finished[rid] = req
+        for rid in {r.request_id for r in results} | set(codec_errors):
+            live = self.live.get(rid)
+            if live is None:
+                continue
+            codes = torch.stack(live.new_codes) if live.new_codes else torch.zeros(0, 16, dtype=torch.long)
+            live.new_codes = []
+            req = finished.get(rid)
+            if req is not None:
+                self.live.pop(rid, None)
+            if req is None and codes.shape[0] == 0 and rid not in audio:
+                continue
+            reason, error = (req.finish_reason, req.error) if req is not None else (None, None)
+            if rid in codec_errors:  # it may have finished normally, but its audio is incomplete
+                reason, error = "error", codec_errors[rid]
+            if live.outgoing is not None and reason == "stop":
+                reason = "handoff"
+            outputs.append(RequestOutput(
+                request_id=rid, codes=codes, audio=audio.get(rid), finished=req is not None, finish_reason=reason,
+                error=error, num_prompt_tokens=live.req.prompt_len, num_frames=live.req.num_frames, seed=live.seed,
+                handoff=live.outgoing,
+            ))
+        return outputs
+
+    def _start(self, req: Request) -> None:
+        live = self.live[req.request_id]
+        self.runner.slots.assign(req.slot, live.prompt.trailing_text, live.engine_req.sampling, live.seed,
+                                 live.engine_req.ignore_eos)
+        if live.engine_req.stream_audio:
+            self.codec.open(req.request_id, live.ref_code, live.engine_req.first_chunk_frames)
+        if live.incoming is not None:
+            # The prompt's KV and the state after its prefill land in this request's blocks and slot at once;
+            # it decodes from the next step on.
+            receive_handoff(self.runner, req.slot, list(req.block_table), live.incoming)
+            live.incoming = None
+            self.scheduler.handoff_complete(req.request_id)
+
+    def _fail(self, reqs: list[Request], reason: str) -> list[RequestOutput]:
+        """Finishes `reqs` with an error: blocks, slot and codec stream are freed at once."""
+        outputs = []
+        for r in reqs:
+            self.scheduler.fail(r.request_id, reason)
+            if self.codec is not None:
+                self.codec.close(r.request_id)
+            live = self.live.pop(r.request_id, None)
+            if live is not None:
+                outputs.append(self._final(live, "error", reason))
+        return outputs
+
+    def _run_prefills(self, chunks) -> list[StepResult]:
+        if not chunks:
+            return []
+        work = []
+        for c in chunks:
+            live = self.live[c.request.request_id]
+            embeds = live.prompt.embeds[c.start : c.start + c.num_tokens]
+            work.append(PrefillWork(c.request.slot, embeds, c.start, list(c.request.block_table), c.is_last))
+        first = self.runner.prefill(work)
+        results = []
+        for c in chunks:
+            live = self.live[c.request.request_id]
+            stopped = c.is_last and first[c.request.slot] == self.eos_id
+            if c.is_last and live.engine_req.handoff_only and not stopped:
+                live.outgoing = make_handoff(self.runner, c.request, live.prompt, live.engine_req, live.seed,
+                                             first[c.request.slot], live.ref_code, self.kv_layout)
+                stopped = True  # done here: its blocks are freed, the handoff holds a copy
+            results.append(StepResult(c.request.request_id, c.num_tokens, 0, stopped=stopped))
+        return results
+
+    def _run_decodes(self, reqs: list[Request]) -> list[StepResult]:
+        if not reqs:
+            return []
+        k = self.config.mtp_replicas
+        work = [DecodeWork(r.slot, r.num_computed_tokens, list(r.block_table), replica_group(r.request_id, k))
+                for r in reqs]
+        codes, nxt = self.runner.decode(work)
+        nxt_ids = nxt.tolist()
+        results = []
+        for i, r in enumerate(reqs):
+            live = self.live[r.request_id]
+            live.new_codes.append(codes[i])
+            if live.engine_req.stream_audio:
+                self.codec.push(r.request_id, codes[i])
+            results.append(StepResult(r.request_id, 1, 1, stopped=nxt_ids[i] == self.eos_id))
+        return results
+
+    def _final(self, live: _Live, reason: str, error: str | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=live.req.request_id, codes=torch.zeros(0, 16, dtype=torch.long), audio=None, finished=True,
+            finish_reason=reason, error=error, num_prompt_tokens=live.req.prompt_len,
+            num_frames=live.req.num_frames, seed=live.seed,
+        )
+
+    # --- memory ---------------------------------------------------------------------------------------
+
+    def _profile_kv_blocks(self) -> int:
+        """KV blocks that fit the memory budget: on CUDA, what is left of `gpu_memory_utilization` of the
+        device after weights and a reserve for activations and graphs; on the CPU, enough for every slot
+        to hold a full-length request capped at 4096 positions."""
+        tc = self.loaded.config.talker_config
+        dtype = self.loaded.talker.codec_head.weight.dtype
+        per_block = PagedKVCache.bytes_per_block(tc.num_hidden_layers, self.config.block_size,
+                                                 tc.num_key_value_heads, tc.head_dim, dtype)
+        device = self.loaded.talker.codec_head.weight.device
+        if device.type != "cuda":
+            per_seq = -(-min(self.config.max_model_len, 4096) // self.config.block_size)
+            return self.config.max_num_seqs * per_seq
+        free, total = torch.cuda.mem_get_info(device)
+        # `gpu_memory_utilization` is this engine's share of the device (several engines may share one):
+        # its own weights, activations and KV must fit in it, and the KV must fit in what is free now.
+        own = sum(t.numel() * t.element_size() for m in (self.loaded.model, self.loaded.speech_tokenizer)
+                  for t in list(m.parameters()) + list(m.buffers())) + packed_bytes(self.loaded.talker)
+        # Activations of the largest step, CUDA graphs, codec streaming state. With mtp_replicas = K there are K
+        # graph pools, but each group's buckets stop at ceil(batch / K), so together they hold about one pool.
+        reserve = 4 << 30
+        budget = min(int(total * self.config.gpu_memory_utilization) - own - reserve, free - reserve)
+        if budget < per_block * 16:
+            raise RuntimeError(f"not enough device memory for a KV cache (budget {budget / 2**30:.2f} GiB)")
+        return budget // per_block

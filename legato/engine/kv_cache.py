@@ -1,0 +1,66 @@
+"""The talker's paged KV cache: one tensor pair for all layers, plus the per-forward attention metadata.
+
+It implements the model's `KVCache` contract, so the talker code is the same for the reference loop
+(contiguous cache) and the engine (paged cache). The runner sets the metadata before each forward:
+`decode(...)` for a batch of one new token per request, `prefill(...)` for one request's prompt chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from legato.layers.paged_attention import decode_attention, prefill_attention, write_kv
+from legato.models.qwen3_tts.decoder_layer import KVCache
+
+
+@dataclass
+class DecodeMeta:
+    slot_mapping: torch.Tensor  # [B] flat cache slot of each row's new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32, including the new token
+
+
+@dataclass
+class PrefillMeta:
+    slot_mapping: torch.Tensor  # [L]
+    block_table: torch.Tensor  # [n_blocks]
+    start: int  # position of the chunk's first token
+
+
+class PagedKVCache(KVCache):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.scale = head_dim**-0.5
+        self.meta: DecodeMeta | PrefillMeta | None = None
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        kc, vc = self.k[layer], self.v[layer]
+        if isinstance(meta, DecodeMeta):
+            # q [B, 1, H, D]
+            write_kv(kc, vc, k[:, 0], v[:, 0], meta.slot_mapping)
+            out = decode_attention(q[:, 0], kc, vc, meta.block_tables, meta.context_lens, self.scale)
+            return out.unsqueeze(1)
+        if isinstance(meta, PrefillMeta):
+            # q [1, L, H, D]
+            write_kv(kc, vc, k[0], v[0], meta.slot_mapping)
+            return prefill_attention(q[0], kc, vc, meta.block_table, meta.start, self.scale).unsqueeze(0)
+        raise RuntimeError("PagedKVCache used without attention metadata")

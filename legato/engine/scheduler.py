@@ -1,0 +1,351 @@
+"""Continuous-batching scheduler: who runs in the next step, and what changed after it.
+
+A step is ``schedule()`` -> the runner executes the :class:`SchedulerOutput` -> ``update(results)``; the two
+calls alternate, and any output that scheduled work must go through ``update`` before the next
+``schedule``. Blocks and slots are only handed out inside ``schedule()``, so an abort between the two calls
+can free them at once: nothing reuses them until the in-flight step has been reported.
+
+Policy:
+
+* **No preemption, ever.** A request is admitted only if the blocks for its whole life
+  (``prompt_len + max_frames``) can be reserved. Blocks are allocated lazily as it grows, but the
+  reservation makes that growth infallible. The price is that ``max_frames`` should be a tight bound.
+  A request that could never fit (more than the whole cache, or ``max_model_len``) is rejected at ``add``.
+* **Decodes first.** Every running request past its prompt decodes every step (1 token each; the config
+  guarantees the budget covers a full batch). Unfinished chunked prefills continue next, then admissions.
+* **Strict FIFO admission.** The head of the waiting queue is admitted or nobody behind it is: small
+  requests never overtake a large one, so none waits forever. With chunked prefill off, a prompt is
+  prefilled whole in one step or the head waits for a step with enough budget.
+* **Handoff requests** (``kv_handoff``) are admitted in the same queue, take no token budget, receive
+  blocks for their prompt and a slot, and wait in WAITING_FOR_HANDOFF until ``handoff_complete``.
+
+Not thread-safe: one engine loop owns the scheduler and feeds it aborts and handoff events between steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from legato.engine.block_manager import BlockManager
+from legato.engine.config import EngineConfig
+from legato.engine.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full; the caller should shed load (HTTP 429/503)."""
+
+
+class RequestTooLargeError(ValueError):
+    """The request could never run on this engine (too long for max_model_len, the KV cache or the budget)."""
+
+
+class PrefillChunk(NamedTuple):
+    """Compute prompt positions [start, start + num_tokens) of ``request``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def is_last(self) -> bool:
+        """This chunk ends the prompt: the runner samples the first codebook-0 token after it."""
+        return self.start + self.num_tokens == self.request.prompt_len
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)
+    """One token each, at position ``num_computed_tokens``."""
+    new_requests: list[Request] = field(default_factory=list)
+    """Admitted this step (a slot was just assigned): the runner resets that slot's per-request state."""
+    kv_receives: list[Request] = field(default_factory=list)
+    """Handoff requests given destination blocks this step: the KV connector may start receiving."""
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the runner to execute (kv_receives need no model step)."""
+        return not self.prefills and not self.decodes
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the runner reports for one scheduled request after a step."""
+
+    request_id: str
+    num_tokens: int
+    """Tokens whose KV was written: the chunk length, or 1 for a decode."""
+    num_frames: int = 0
+    """Frames completed this step."""
+    stopped: bool = False
+    """Codec EOS was sampled."""
+    error: str | None = None
+    """Set when this request failed; it finishes with FINISHED_ERROR."""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_finished: int = 0
+    num_ignored_aborts: int = 0
+    """abort()/fail() calls for unknown or already finished requests (duplicates included)."""
+    num_ignored_handoffs: int = 0
+    """Handoff completions/failures for requests not waiting for one (late, duplicate or unknown)."""
+    num_ignored_results: int = 0
+    """Step results for requests finished while the step ran (e.g. aborted)."""
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        if block_manager.block_size != config.block_size:
+            raise ValueError(f"block manager block_size {block_manager.block_size} != config {config.block_size}")
+        if config.num_kv_blocks is not None and block_manager.num_blocks != config.num_kv_blocks:
+            raise ValueError(f"block manager has {block_manager.num_blocks} blocks, config {config.num_kv_blocks}")
+        if block_manager.enable_prefix_caching != config.enable_prefix_caching:
+            raise ValueError("block manager and config disagree on enable_prefix_caching")
+        self.config = config
+        self.block_manager = block_manager
+        self.stats = SchedulerStats()
+        self._waiting: OrderedDict[str, Request] = OrderedDict()
+        self._receiving: dict[str, Request] = {}
+        # Admission order; dicts give O(1) removal on finish and abort.
+        self._running: dict[str, Request] = {}
+        self._free_slots = list(range(config.max_num_seqs))
+        # Request id -> tokens scheduled in the step awaiting update().
+        self._in_flight: dict[str, int] = {}
+
+    # ---- queries -------------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_receiving(self) -> int:
+        return len(self._receiving)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._receiving or self._running)
+
+    def get(self, request_id: str) -> Request | None:
+        """The live (unfinished) request with this id, if any."""
+        return self._running.get(request_id) or self._receiving.get(request_id) or self._waiting.get(request_id)
+
+    # ---- intake --------------------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        """Queue ``req``. Raises QueueFullError, RequestTooLargeError, or ValueError (duplicate id / not WAITING)."""
+        if req.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {req.request_id!r} is {req.status.name}, expected WAITING")
+        if self.get(req.request_id) is not None:
+            raise ValueError(f"request id {req.request_id!r} is already live")
+        cfg, bm = self.config, self.block_manager
+        if req.max_tokens > cfg.max_model_len:
+            raise RequestTooLargeError(f"request {req.request_id!r}: prompt_len {req.prompt_len} + max_frames "
+                                       f"{req.max_frames} exceeds max_model_len {cfg.max_model_len}")
+        if bm.num_blocks_for(req.max_tokens) > bm.num_blocks:
+            raise RequestTooLargeError(f"request {req.request_id!r}: needs {bm.num_blocks_for(req.max_tokens)} KV "
+                                       f"blocks for {req.max_tokens} tokens, the cache has {bm.num_blocks}")
+        if not req.kv_handoff and not cfg.enable_chunked_prefill and req.prompt_len > cfg.max_num_batched_tokens:
+            raise RequestTooLargeError(f"request {req.request_id!r}: prompt_len {req.prompt_len} exceeds "
+                                       f"max_num_batched_tokens {cfg.max_num_batched_tokens} with chunked prefill off")
+        if len(self._waiting) >= cfg.max_waiting:
+            raise QueueFullError(f"waiting queue full ({cfg.max_waiting} requests)")
+        self._waiting[req.request_id] = req
+
+    # ---- the step ------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        if self._in_flight:
+            raise RuntimeError("schedule() called before update() reported the previous step")
+        bm = self.block_manager
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        partial: list[Request] = []
+        for req in self._running.values():
+            if req.in_prefill:
+                partial.append(req)
+                continue
+            # EngineConfig guarantees max_num_batched_tokens >= max_num_seqs: every decode fits.
+            if not bm.append_slot(req):
+                raise RuntimeError(f"request {req.request_id!r} outgrew its reservation")
+            out.decodes.append(req)
+            self._in_flight[req.request_id] = 1
+            budget -= 1
+
+        for req in partial:
+            if budget == 0:
+                break
+            if self.config.batch_invariant and min(req.prompt_len - req.num_computed_tokens,
+                                                   self.invariant_chunk) > budget:
+                break  # a chunk is never cut by what else runs this step
+            budget -= self._schedule_chunk(req, budget, out)
+
+        while self._waiting and self._free_slots:
+            req = next(iter(self._waiting.values()))
+            if req.kv_handoff:
+                if bm.allocate(req, req.prompt_len, reserve_tokens=req.max_tokens, use_prefix_cache=False) is None:
+                    break
+                self._admit(req, RequestStatus.WAITING_FOR_HANDOFF, out)
+                self._receiving[req.request_id] = req
+                out.kv_receives.append(req)
+                continue
+            if budget == 0:
+                break
+            cached = bm.match_prefix(req)
+            chunk = req.prompt_len - cached
+            if self.config.batch_invariant:
+                chunk = min(chunk, self.invariant_chunk)
+                if chunk > budget:
+                    break
+            elif self.config.enable_chunked_prefill:
+                chunk = min(chunk, budget)
+            elif chunk > budget:
+                break
+            cached = bm.allocate(req, cached + chunk, reserve_tokens=req.max_tokens)
+            if cached is None:
+                break
+            req.num_computed_tokens = req.num_cached_tokens = cached
+            self._admit(req, RequestStatus.RUNNING, out)
+            self._running[req.request_id] = req
+            budget -= self._schedule_chunk(req, budget, out)
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def update(self, results: Sequence[StepResult]) -> list[Request]:
+        """Apply the runner's report of the last step; returns the requests that finished.
+
+        Every scheduled request still live must have exactly one result. Results for requests that
+        finished meanwhile (aborted) are counted and ignored.
+        """
+        scheduled, self._in_flight = self._in_flight, {}
+        live: list[tuple[Request, int, StepResult]] = []
+        seen: set[str] = set()
+        for res in results:
+            req = self._running.get(res.request_id)
+            n = scheduled.get(res.request_id)
+            if req is None:
+                self.stats.num_ignored_results += 1
+                continue
+            if n is None or res.request_id in seen:
+                raise ValueError(f"unexpected result for {res.request_id!r}: not scheduled in this step or duplicated")
+            if res.num_tokens != n:
+                raise ValueError(f"request {res.request_id!r}: scheduled {n} tokens, runner reports {res.num_tokens}")
+            if res.num_frames < 0 or req.num_frames + res.num_frames > req.max_frames:
+                raise ValueError(f"request {res.request_id!r}: {res.num_frames} new frames exceed max_frames")
+            seen.add(res.request_id)
+            live.append((req, n, res))
+        missing = [rid for rid in scheduled if rid not in seen and rid in self._running]
+        if missing:
+            raise ValueError(f"no result for scheduled requests {missing}")
+
+        finished = []
+        for req, n, res in live:
+            start = req.num_computed_tokens
+            req.num_computed_tokens += n
+            if start < req.prompt_len:
+                self.block_manager.cache_blocks(req, start, req.num_computed_tokens)
+            req.num_frames += res.num_frames
+            if res.error is not None:
+                self._finish(req, RequestStatus.FINISHED_ERROR, res.error)
+            elif res.stopped:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.num_frames >= req.max_frames:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+            else:
+                continue
+            finished.append(req)
+        return finished
+
+    # ---- out-of-band events --------------------------------------------------------------------------
+
+    def abort(self, request_id: str, reason: str = "aborted") -> Request | None:
+        """Finish a live request as FINISHED_ABORTED, freeing its blocks and slot now. Unknown ids are counted."""
+        return self._end(request_id, RequestStatus.FINISHED_ABORTED, reason)
+
+    def fail(self, request_id: str, reason: str) -> Request | None:
+        """Finish a live request as FINISHED_ERROR (e.g. its codec stream failed). Unknown ids are counted."""
+        return self._end(request_id, RequestStatus.FINISHED_ERROR, reason)
+
+    def handoff_complete(self, request_id: str) -> bool:
+        """The prompt KV of a WAITING_FOR_HANDOFF request has landed: it becomes RUNNING, ready to decode.
+
+        Returns False (counted) if no request is waiting for a handoff under this id.
+        """
+        req = self._receiving.pop(request_id, None)
+        if req is None:
+            self.stats.num_ignored_handoffs += 1
+            return False
+        req.transition(RequestStatus.RUNNING)
+        req.num_computed_tokens = req.prompt_len
+        self.block_manager.cache_blocks(req, 0, req.prompt_len)
+        self._running[request_id] = req
+        return True
+
+    def handoff_failed(self, request_id: str, reason: str) -> Request | None:
+        """The handoff for a WAITING_FOR_HANDOFF request failed: it finishes with FINISHED_ERROR.
+
+        To keep destination blocks out of use until no late write can land, quarantine
+        ``req.block_table`` in the block manager before calling this.
+        """
+        if request_id not in self._receiving:
+            self.stats.num_ignored_handoffs += 1
+            return None
+        return self._end(request_id, RequestStatus.FINISHED_ERROR, reason)
+
+    # ---- internals -----------------------------------------------------------------------------------
+
+    @property
+    def invariant_chunk(self) -> int:
+        """Batch-invariant prefill chunk: what the budget leaves beside a full decode batch, always."""
+        return self.config.max_num_batched_tokens - self.config.max_num_seqs
+
+    def _schedule_chunk(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        n = min(req.prompt_len - req.num_computed_tokens, budget)
+        if self.config.batch_invariant:
+            n = min(n, self.invariant_chunk)
+        if not self.block_manager.grow(req, req.num_computed_tokens + n):
+            raise RuntimeError(f"request {req.request_id!r} outgrew its reservation")
+        out.prefills.append(PrefillChunk(req, req.num_computed_tokens, n))
+        self._in_flight[req.request_id] = n
+        return n
+
+    def _admit(self, req: Request, status: RequestStatus, out: SchedulerOutput) -> None:
+        del self._waiting[req.request_id]
+        req.transition(status)
+        req.slot = heapq.heappop(self._free_slots)
+        out.new_requests.append(req)
+
+    def _end(self, request_id: str, status: RequestStatus, reason: str) -> Request | None:
+        req = self._waiting.pop(request_id, None)
+        if req is not None:
+            req.transition(status)
+            req.error = reason
+            self.stats.num_finished += 1
+            return req
+        req = self._running.get(request_id) or self._receiving.get(request_id)
+        if req is None:
+            self.stats.num_ignored_aborts += 1
+            return None
+        self._finish(req, status, reason)
+        return req
+
+    def _finish(self, req: Request, status: RequestStatus, reason: str | None = None) -> None:
+        req.transition(status)
+        req.error = reason
+        self._running.pop(req.request_id, None)
+        self._receiving.pop(req.request_id, None)
+        self.block_manager.free(req)
+        heapq.heappush(self._free_slots, req.slot)
+        req.slot = None
+        self.stats.num_finished += 1

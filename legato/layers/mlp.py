@@ -1,0 +1,34 @@
+"""Feed-forward blocks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from legato.layers.fused import silu_mul
+
+
+class SwiGLU(nn.Module):
+    """`down(silu(gate(x)) * up(x))`; parameter names follow the HF Qwen3 MLP."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Serve gate and up from one matmul (call after the weights are loaded and placed; a packed copy
+        is kept beside the checkpoint parameters, which stay as loaded)."""
+        if self.gate_proj.bias is not None or self.gate_up_weight is not None:
+            return
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0).detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

@@ -1,0 +1,198 @@
+"""The Qwen3 decoder block shared by the talker and the code predictor, and the KV-cache contract.
+
+The block is pre-norm: RMSNorm -> attention (q/k RMSNorm over head_dim before RoPE, GQA, no biases)
+-> residual; RMSNorm -> SwiGLU -> residual. Parameter names follow the HF Qwen3 layout
+(`self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`, `mlp.*`, `input_layernorm`,
+`post_attention_layernorm`) so one checkpoint loads into both implementations.
+
+Attention itself (cache write + softmax over the cached keys) is delegated to a `KVCache` object passed
+into `forward`. The layers never see how keys are stored, so the serving engine can swap the contiguous
+per-request cache below for a paged cache and capture decode steps in CUDA graphs without touching the
+model code.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from legato.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
+from legato.layers.mlp import SwiGLU
+from legato.layers.norm import RMSNorm
+
+
+class KVCache(abc.ABC):
+    """Where a model's keys and values live, and how a layer attends over them.
+
+    Tensors use the flash-attention layout: q [B, S, heads, head_dim], k/v [B, S, kv_heads, head_dim],
+    already normalised and rotated. `attend` stores k/v for the S new tokens of every row and returns
+    the causal attention output [B, S, heads, head_dim]; the new tokens see all earlier cached tokens
+    of their row and the new tokens before them.
+    """
+
+    @abc.abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class ContiguousKVCache(KVCache):
+    """A fixed-capacity cache where every row holds the same number of tokens (batch-1 requests, or a
+    batch of code-predictor frames that all advance in lock-step).
+
+    Storage is [layers, B, kv_heads, capacity, head_dim]. Layers write at `length`; the caller moves
+    `length` on with `advance(S)` once the whole forward pass over S tokens is done.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        new = q.shape[1]
+        start, end = self.length, self.length + new
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache full: {end} tokens needed, capacity {self.capacity}")
+        self.k[layer, :, :, start:end] = k.transpose(1, 2)
+        self.v[layer, :, :, start:end] = v.transpose(1, 2)
+        keys = self.k[layer, :, :, :end]
+        values = self.v[layer, :, :, :end]
+        return causal_attention(q.transpose(1, 2), keys, values, start).transpose(1, 2)
+
+
+@cuda_compiled
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+    """Plain (eager) GQA attention: q [B, H, S, D] over k/v [B, Hkv, T, D], where query i sits at absolute
+    position offset + i and sees keys 0..offset + i. Softmax runs in fp32, as in the reference model."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
+    new, total = q.shape[2], k.shape[2]
+    if new > 1:
+        query_pos = torch.arange(offset, offset + new, device=q.device)[:, None]
+        key_pos = torch.arange(total, device=q.device)[None, :]
+        scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.qkv_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Serve q, k and v from one matmul (call after loading and placing the weights; idempotent)."""
+        if self.qkv_weight is not None:
+            return
+        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        """x [B, S, hidden]; cos/sin [B, S, head_dim] (fp32) -> [B, S, hidden]."""
+        b, s, _ = x.shape
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+        if self.qkv_weight is not None:
+            kv_width = self.kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight).split([self.heads * self.head_dim, kv_width, kv_width], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = rms_norm_rope(q.view(b, s, self.heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, cos, sin)
+        k = rms_norm_rope(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, cos, sin)
+        v = v.reshape(b, s, self.kv_heads, self.head_dim)
+        out = cache.attend(layer, q, k, v)
+        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float
+    ) -> None:
+        super().__init__()
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, eps)
+        self.mlp = SwiGLU(hidden, intermediate)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        x, h = add_rms_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, cache, layer),
+                            self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return x + self.mlp(h)
+
+
+def build_layers(cfg) -> nn.ModuleList:
+    """The decoder layers of a talker or code-predictor config (both carry the same field names)."""
+    if cfg.hidden_act != "silu":
+        raise ValueError(f"only silu (SwiGLU) MLPs are supported, config says {cfg.hidden_act!r}")
+    return nn.ModuleList(
+        DecoderLayer(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+        )
+        for _ in range(cfg.num_hidden_layers)
+    )
+
+
+def run_layers(
+    layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
+    for i, layer in enumerate(layers):
+        x = layer(x, cos, sin, cache, i)
+    return x
+
+
+def pack_projections(module: nn.Module) -> None:
+    """Packs q/k/v and gate/up matmuls of every decoder layer under `module` (a serving-time layout on the
+    GPU, where fewer, wider matmuls mean fewer kernel launches per frame)."""
+    for sub in module.modules():
+        if isinstance(sub, (Attention, SwiGLU)):
+            sub.pack()
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes held by the packed projection copies under `module`."""
+    total = 0
+    for sub in module.modules():
+        for name in ("qkv_weight", "gate_up_weight"):
+            t = getattr(sub, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,122 @@
+"""The contract between the HTTP server and whatever runs the engine (a thread in this process today;
+worker processes behind a router with the topologies work).
+
+The server sends a `SynthesisRequest` and reads `StreamChunk`s back; errors are values: a request the
+engine refuses raises `RequestRejected` (with an HTTP-style status) before its first chunk, and a request
+that fails later ends with a chunk whose `finish_reason` is "error" and whose `error` says why.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from legato.kv_transfer.handoff import Handoff
+from legato.models.qwen3_tts.config import Qwen3TTSConfig, SpeechTokenizerConfig
+from legato.models.qwen3_tts.inputs import SpeechInput, VoiceFeatures
+from legato.models.qwen3_tts.prompt import supported_languages
+from legato.models.qwen3_tts.sampling import SamplingParams
+
+
+@dataclass
+class SynthesisRequest:
+    request_id: str
+    input: SpeechInput
+    sampling: SamplingParams
+    max_frames: int | None = None  # None: sampling.max_new_tokens - 1
+    ignore_eos: bool = False
+    first_chunk_frames: int | None = None  # None: the engine's default
+    handoff_only: bool = False  # prefill workers: stop after prefill, the last chunk carries the Handoff
+    handoff_to: int | None = None  # process MpNd: the decode worker whose KV link takes the handoff
+
+
+@dataclass
+class StreamChunk:
+    """New audio of one request (may be empty), and on the last chunk how it ended."""
+
+    audio: np.ndarray  # float32 mono PCM at the model's sample rate
+    num_frames: int  # frames generated so far
+    num_prompt_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    seed: int = 0
+    codes: np.ndarray | None = None  # [n, 16] int64: the new frames' codec codes (topology equivalence checks)
+    handoff: Handoff | None = None  # on the last chunk of a `handoff_only` request (finish_reason "handoff")
+    # On an "error" chunk: the failure was the deployment's, not the request's (its worker died, its KV
+    # handoff did not cross), so the same request run elsewhere would give the same result.
+    retryable: bool = False
+
+
+class RequestRejected(Exception):
+    """The engine refused a request before running it. `status` follows HTTP (400 bad input, 413 too large,
+    429 queue full, 503 shutting down); `retry_after` (seconds) is set for 429."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass
+class EngineStats:
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    num_kv_blocks: int = 0
+    free_kv_blocks: int = 0
+    aborted: dict[str, int] = field(default_factory=dict)  # reason -> count
+    recomputed: int = 0  # process MpNd: requests whose handoff failed and that were run again on a decode engine
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    model_type: str  # base | custom_voice | voice_design
+    model_size: str
+    sample_rate: int
+    languages: list[str]
+    speakers: list[str]
+    hidden_size: int
+
+    @classmethod
+    def from_configs(cls, name: str, config: Qwen3TTSConfig, speech: SpeechTokenizerConfig) -> ModelInfo:
+        return cls(name=name, model_type=config.tts_model_type, model_size=config.tts_model_size,
+                   sample_rate=speech.output_sample_rate, languages=supported_languages(config),
+                   speakers=sorted(config.talker_config.spk_id), hidden_size=config.talker_config.hidden_size)
+
+
+class EngineClient(abc.ABC):
+    """What the server needs from the engine side. All methods are called from the server's event loop."""
+
+    info: ModelInfo
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stops taking requests, lets running ones finish for up to `grace_s`, then aborts the rest."""
+
+    @abc.abstractmethod
+    def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        """Streams the request's chunks. Raises RequestRejected on the first iteration if it is refused.
+        Closing the iterator early (client gone) aborts the request and frees its resources."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str, reason: str = "aborted") -> None: ...
+
+    @abc.abstractmethod
+    async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
+        """Speaker embedding and reference codes of a clip (Base models); raises RequestRejected(400)."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    def is_alive(self) -> bool:
+        """True while the engine side can serve (its loop runs and it is not shutting down)."""

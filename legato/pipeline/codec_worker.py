@@ -1,0 +1,378 @@
+"""The codec side of `split`: a codec-only engine that turns streamed code frames into PCM on its own thread
+(and device), and the asyncio client the split topology talks to.
+
+`CodecEngine` is plain and synchronous, like `Engine`: `open` a stream per request, `push` frames as the
+talker makes them, then `end` it (its tail is decoded) or `abort` it; `step()` decodes every stream's due
+chunks, batched through the engine's own `CodecStreamer`. The chunk schedule is the one `single` streams:
+`first_chunk_frames`, then `chunk_frames` (or the ramp up to it), the tail when the stream ends. Frames that arrive
+in a burst are still cut at those boundaries, so the audio equals `single`'s (up to float rounding of other
+batch make-ups).
+
+`LocalCodecClient` runs a `CodecEngine` on a thread, as `LocalEngineClient` runs an `Engine`: a command
+inbox, and each stream's outputs handed to its asyncio queue through `call_soon_threadsafe`. A failed
+decode fails the streams batched into it, each with a reason; the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from legato.engine.codec_streamer import CodecStreamer
+from legato.models.qwen3_tts.codec_decoder import CodecDecoder
+from legato.models.qwen3_tts.config import load_speech_tokenizer_config
+from legato.models.qwen3_tts.loader import load_into, read_safetensors
+
+log = logging.getLogger(__name__)
+
+_EMPTY = np.zeros(0, np.float32)
+
+
+def load_codec_decoder(model_dir: str | Path, device: str, dtype: torch.dtype = torch.float32) -> CodecDecoder:
+    """Only the codec decoder of a model directory (`speech_tokenizer/`: config and `decoder.*` weights), for
+    a codec worker that needs neither the talker nor the codec encoder."""
+    path = Path(model_dir)
+    decoder = CodecDecoder(load_speech_tokenizer_config(path).decoder_config)
+    source = path / "speech_tokenizer" / "model.safetensors"
+    tensors = read_safetensors(path / "speech_tokenizer")
+    load_into(decoder, {k[len("decoder."):]: v for k, v in tensors.items() if k.startswith("decoder.")}, source)
+    return decoder.to(device=device, dtype=dtype).eval()
+
+
+@dataclass
+class CodecOutput:
+    """What one step produced for one stream: the PCM of `frames` new frames; the last says how it ended."""
+
+    request_id: str
+    audio: np.ndarray  # float32 PCM (empty on a failure, an abort or an empty tail)
+    frames: int
+    finished: bool = False
+    error: str | None = None  # a failed or aborted stream (always finished)
+    aborted: bool = False
+
+
+class CodecEngine:
+    """Streams of code frames -> PCM chunks. Not thread-safe: one thread owns it."""
+
+    def __init__(self, decoder: CodecDecoder, first_chunk_frames: int = 1, chunk_frames: int = 25,
+                 chunk_ramp: bool = False) -> None:
+        self.streamer = CodecStreamer(decoder, first_chunk_frames, chunk_frames, chunk_ramp)
+        self._pushed: dict[str, int] = {}  # frames received per open stream
+        self._ended: set[str] = set()
+        self.frames_decoded = 0
+        self.failures: Counter[str] = Counter()
+
+    @property
+    def device(self) -> torch.device:
+        return self.streamer.device
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._pushed)
+
+    def open(self, request_id: str, ref_code: torch.Tensor | None = None,
+             first_chunk_frames: int | None = None) -> None:
+        """Starts a stream; an in-context clone's reference codes prime its state (this runs the decoder).
+        Raises ValueError for a duplicate id or a bad chunk size, and whatever priming raises."""
+        if request_id in self._pushed:
+            raise ValueError(f"duplicate codec stream {request_id!r}")
+        if first_chunk_frames is not None and not (isinstance(first_chunk_frames, int) and first_chunk_frames >= 1):
+            raise ValueError("first_chunk_frames must be an integer >= 1")
+        self.streamer.open(request_id, ref_code, first_chunk_frames)
+        self._pushed[request_id] = 0
+
+    def push(self, request_id: str, codes: np.ndarray | torch.Tensor) -> bool:
+        """Appends frames [n, 16]; False for a stream that is not open (aborted, failed, ended)."""
+        if request_id not in self._pushed or request_id in self._ended:
+            return False
+        codes = torch.as_tensor(codes, dtype=torch.long)
+        if codes.ndim != 2 or codes.shape[1] != 16:
+            raise ValueError(f"codes must be [n, 16], got {list(codes.shape)}")
+        for frame in codes:
+            self.streamer.push(request_id, frame)
+        self._pushed[request_id] += codes.shape[0]
+        return True
+
+    def end(self, request_id: str) -> bool:
+        """No more frames: the next step decodes the tail and finishes the stream."""
+        if request_id not in self._pushed:
+            return False
+        self._ended.add(request_id)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        self._ended.discard(request_id)
+        self.streamer.close(request_id)
+        return self._pushed.pop(request_id, None) is not None
+
+    def step(self) -> list[CodecOutput]:
+        """Decodes every due chunk of every stream (several per stream after a burst, in schedule order),
+        then the tails of ended streams."""
+        streams = self.streamer.streams
+        outputs: list[CodecOutput] = []
+        while True:
+            before = {rid: s.emitted_frames for rid, s in streams.items()}
+            audio, failed = self.streamer.flush(set())
+            if not audio and not failed:
+                break
+            for rid, pcm in audio.items():
+                n = streams[rid].emitted_frames - before[rid]
+                self.frames_decoded += n
+                outputs.append(CodecOutput(rid, pcm, n))
+            outputs += self._failed(failed)
+        ended = self._ended & streams.keys()
+        if ended:
+            before = {rid: streams[rid].emitted_frames for rid in ended}
+            audio, failed = self.streamer.flush(ended)  # decodes the tails and closes these streams
+            outputs += self._failed(failed)
+            for rid in sorted(ended - failed.keys()):
+                n = self._pushed.pop(rid) - before[rid]
+                self._ended.discard(rid)
+                self.frames_decoded += n
+                outputs.append(CodecOutput(rid, audio.get(rid, _EMPTY), n, finished=True))
+        return outputs
+
+    def _failed(self, failed: dict[str, str]) -> list[CodecOutput]:
+        for rid in failed:
+            self.abort(rid)
+            self.failures["codec error"] += 1
+        return [CodecOutput(rid, _EMPTY, 0, finished=True, error=why) for rid, why in failed.items()]
+
+
+# --- the asyncio side ---------------------------------------------------------------------------------
+
+
+class CodecError(Exception):
+    """A codec stream ended without its audio: it failed (`aborted` False) or was aborted."""
+
+    def __init__(self, reason: str, aborted: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.aborted = aborted
+
+
+@dataclass
+class CodecChunk:
+    audio: np.ndarray  # float32 PCM of `frames` frames
+    frames: int
+    last: bool  # the stream's final chunk (its tail, possibly empty)
+
+
+@dataclass
+class CodecStats:
+    streams: int = 0
+    frames_decoded: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class LocalCodecClient:
+    """A `CodecEngine` on a dedicated thread of this process. Call its methods from one event loop."""
+
+    def __init__(self, decoder: CodecDecoder, first_chunk_frames: int = 1, chunk_frames: int = 25,
+                 name: str = "codec", chunk_ramp: bool = False) -> None:
+        self.engine = CodecEngine(decoder, first_chunk_frames, chunk_frames, chunk_ramp)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # codec thread only
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._closed = False  # the thread has exited: the inbox takes nothing more
+        self._inbox_lock = threading.Lock()
+        self._deadline: float | None = None
+        self._stats = CodecStats()
+
+    async def start(self) -> None:
+        self._thread.start()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Lets open streams end for up to `grace_s`, then fails the rest and ends the thread."""
+        self._stopping = True
+        if self._thread.ident is None:
+            return
+        self._submit(("stop", grace_s))
+        await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, grace_s + 30.0)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def stats(self) -> CodecStats:
+        return self._stats
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._submit(("abort", request_id, reason))
+
+    async def decode(self, request_id: str, frames: AsyncIterator[np.ndarray], ref_code: torch.Tensor | None = None,
+                     first_chunk_frames: int | None = None) -> AsyncIterator[CodecChunk]:
+        """Streams `frames` (arrays [n, 16]) into a new codec stream and yields its PCM chunks; the last has
+        `last` set. Raises CodecError when the stream fails or is aborted; when `frames` raises, the stream
+        is dropped and that exception is raised here. Closing this iterator early aborts the stream."""
+        loop = asyncio.get_running_loop()
+        sink = _Sink(loop, asyncio.Queue())
+        if self._stopping or not self._submit(("open", request_id, ref_code, first_chunk_frames, sink)):
+            raise CodecError("the codec worker is not running")
+        feeder = asyncio.create_task(self._feed(request_id, frames, sink))
+        done = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, Exception):
+                    done = True
+                    raise item
+                if item.error is not None:
+                    done = True
+                    raise CodecError(item.error, item.aborted)
+                done = item.finished
+                yield CodecChunk(item.audio, item.frames, item.finished)
+                if done:
+                    return
+        finally:
+            feeder.cancel()
+            if not done:
+                self._submit(("abort", request_id, None))
+
+    async def _feed(self, request_id: str, frames: AsyncIterator[np.ndarray], sink: _Sink) -> None:
+        try:
+            async for codes in frames:
+                self._submit(("push", request_id, codes))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the source failed: nothing more comes; drop the stream, tell the consumer
+            self._submit(("abort", request_id, None))
+            sink.queue.put_nowait(e)
+            return
+        self._submit(("end", request_id))
+
+    def _submit(self, cmd: tuple) -> bool:
+        with self._inbox_lock:
+            if self._closed:
+                return False
+            self._inbox.put(cmd)
+            return True
+
+    # --- codec thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with self._device_stream():
+                while True:
+                    self._drain()
+                    if self._deadline is not None and (not self._sinks or time.monotonic() > self._deadline):
+                        return
+                    for out in self.engine.step():
+                        self._deliver(out)
+                    self._refresh_stats()
+        except Exception:  # the loop itself failing ends this worker: fail every stream loudly
+            log.exception("codec worker loop crashed")
+            self._fail_all("codec worker crashed")
+        finally:
+            with self._inbox_lock:
+                self._closed = True
+            self._fail_all("codec worker stopped")
+            self._refuse_queued()
+            self._refresh_stats()
+            self._stopped.set()
+
+    def _device_stream(self):
+        """On CUDA, a side stream of its own, so codec kernels overlap a talker sharing the device."""
+        device = self.engine.device
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))  # the weights were written on the default stream
+        return torch.cuda.stream(side)
+
+    def _drain(self) -> None:
+        """Waits briefly for a command, then takes every queued one (they batch into the next step)."""
+        try:
+            cmd = self._inbox.get(timeout=0.05)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "open":
+            _, rid, ref_code, first, sink = cmd
+            if self._deadline is not None:
+                _put(sink, CodecOutput(rid, _EMPTY, 0, True, "the codec worker is shutting down"))
+                return
+            try:
+                self.engine.open(rid, ref_code, first)
+            except Exception as e:  # fails this stream only
+                log.exception("opening codec stream %s failed", rid)
+                self.engine.failures["codec error"] += 1
+                _put(sink, CodecOutput(rid, _EMPTY, 0, True, f"codec stream start failed: {type(e).__name__}: {e}"))
+                return
+            self._sinks[rid] = sink
+        elif kind == "push":
+            _, rid, codes = cmd
+            try:
+                self.engine.push(rid, codes)
+            except ValueError as e:
+                self.engine.abort(rid)
+                self.engine.failures["codec error"] += 1
+                self._deliver(CodecOutput(rid, _EMPTY, 0, True, f"bad codes: {e}"))
+        elif kind == "end":
+            self.engine.end(cmd[1])
+        elif kind == "abort":
+            _, rid, reason = cmd  # reason None: the consumer itself is gone, nobody to tell
+            if self.engine.abort(rid) and reason is not None:
+                self._deliver(CodecOutput(rid, _EMPTY, 0, True, reason, aborted=True))
+            else:
+                self._sinks.pop(rid, None)
+        elif kind == "stop":
+            self._stopping = True
+            if self._deadline is None:
+                self._deadline = time.monotonic() + cmd[1]
+
+    def _deliver(self, out: CodecOutput) -> None:
+        sink = (self._sinks.pop if out.finished else self._sinks.get)(out.request_id, None)
+        if sink is not None:
+            _put(sink, out)
+
+    def _fail_all(self, reason: str) -> None:
+        for rid in list(self._sinks):
+            self.engine.abort(rid)
+            self._deliver(CodecOutput(rid, _EMPTY, 0, True, reason))
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "open":
+                _put(cmd[4], CodecOutput(cmd[1], _EMPTY, 0, True, "the codec worker is not running"))
+
+    def _refresh_stats(self) -> None:
+        e = self.engine
+        self._stats = CodecStats(e.num_streams, e.frames_decoded, dict(e.failures))
+
+
+def _put(sink: _Sink, item: object) -> None:
+    try:
+        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+    except RuntimeError:  # that event loop is closed: nobody is left to tell
+        pass

@@ -1,0 +1,57 @@
+"""Deploy files (`deploy/*.yaml`): a topology with its devices, memory budgets and limits, in one place.
+
+A deploy file holds `legato serve` options by their long names (dashes or underscores), plus
+`worker_memory`: one `gpu_memory_utilization` share per worker (prefill engines first, then decode). Options
+given on the command line win over the file.
+
+    topology: 1p1d
+    devices: [cuda:0, cuda:0]
+    worker_memory: [0.25, 0.6]
+    max_num_seqs: 64
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+DEPLOY_ONLY_KEYS = {"worker_memory"}
+
+
+class DeployError(ValueError):
+    """A deploy file that cannot be read or names an unknown option."""
+
+
+def load_deploy(path: str | Path, known: dict[str, Any]) -> dict[str, Any]:
+    """The options of a deploy file, checked against `known` (option name -> default value)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise DeployError(f"cannot read deploy file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise DeployError(f"{path}: a deploy file is a mapping of serve options")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known and name not in DEPLOY_ONLY_KEYS:
+            raise DeployError(f"{path}: unknown option {key!r}")
+        if name == "devices" and isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        if name == "worker_memory":
+            if not isinstance(value, list) or not all(isinstance(v, (int, float)) and 0 < v <= 1 for v in value):
+                raise DeployError(f"{path}: worker_memory must be a list of fractions in (0, 1]")
+            value = [float(v) for v in value]
+        out[name] = value
+    return out
+
+
+def apply_deploy(args: Any, options: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Sets every option of the file that the command line left at its default."""
+    for name, value in options.items():
+        if name in DEPLOY_ONLY_KEYS:
+            setattr(args, name, value)
+        elif getattr(args, name, None) == defaults.get(name):
+            setattr(args, name, value)

@@ -1,0 +1,281 @@
+"""An `EngineClient` that runs one `Engine` on a dedicated thread of this process (`single` topology).
+
+The engine thread owns the model and the engine: it drains a command inbox, steps, and hands each
+request's chunks to that request's asyncio queue through `call_soon_threadsafe`. Nothing else touches the
+engine, so no locks guard it. The one lock guards the inbox's end of life: once the thread exits (stopped or
+crashed) nothing more is queued and whatever was queued is refused with 503, so no caller waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from legato.engine.config import EngineConfig
+from legato.engine.engine import Engine, EngineRequest, RequestOutput
+from legato.engine.scheduler import QueueFullError, RequestTooLargeError
+from legato.kv_transfer.handoff import Handoff, LayoutMismatch
+from legato.models.qwen3_tts.audio import AudioError
+from legato.models.qwen3_tts.inputs import VoiceCache, VoiceFeatures, build_spec
+from legato.models.qwen3_tts.loader import LoadedModel
+from legato.models.qwen3_tts.prompt import PromptError
+from legato.models.qwen3_tts.sampling import SamplingParamsError
+from legato.pipeline.client import (
+    EngineClient,
+    EngineStats,
+    ModelInfo,
+    RequestRejected,
+    StreamChunk,
+    SynthesisRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+def rejection(exc: Exception) -> RequestRejected:
+    """Maps an engine-side refusal to an HTTP-style rejection."""
+    if isinstance(exc, RequestRejected):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return RequestRejected(429, f"server busy: {exc}", retry_after=1.0)
+    if isinstance(exc, LayoutMismatch):  # two workers of one deployment disagree: a deployment error
+        return RequestRejected(500, f"KV layout mismatch between workers: {exc}")
+    if isinstance(exc, (PromptError, AudioError, SamplingParamsError, RequestTooLargeError, ValueError)):
+        return RequestRejected(400, str(exc))
+    return RequestRejected(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class LocalEngineClient(EngineClient):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, name: str = "legato") -> None:
+        self.loaded = loaded
+        self.engine = Engine(loaded, config)
+        self.voices = VoiceCache(config.voice_cache_size)  # engine thread only
+        self.info = ModelInfo.from_configs(name, loaded.config, loaded.speech_config)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._aborted: Counter[str] = Counter()
+        self._stats = EngineStats(num_kv_blocks=config.num_kv_blocks or 0)
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._closed = False  # the engine thread has exited: the inbox takes nothing more
+        self._inbox_lock = threading.Lock()
+        self._deadline: float | None = None  # engine thread: when shutdown aborts what is still running
+
+    # --- server side ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._thread.start()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        self._stopping = True
+        if self._thread.ident is None:  # never started: nothing runs, nothing to wait for
+            return
+        self._submit(("stop", grace_s))
+        await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, grace_s + 30.0)
+
+    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        async for chunk in self._stream("add", req, req.request_id):
+            yield chunk
+
+    async def generate_from_handoff(self, handoff: Handoff) -> AsyncIterator[StreamChunk]:
+        """Decodes a request prefilled by another engine (prefill-decode disaggregation, same process)."""
+        async for chunk in self._stream("handoff", handoff, handoff.request_id):
+            yield chunk
+
+    async def _stream(self, kind: str, payload: object, request_id: str) -> AsyncIterator[StreamChunk]:
+        if self._stopping:
+            raise RequestRejected(503, "server is shutting down")
+        loop = asyncio.get_running_loop()
+        admitted = loop.create_future()
+        stream = _Stream(loop, asyncio.Queue())
+        if not self._submit((kind, payload, admitted, stream)):
+            raise RequestRejected(503, "the engine is not running")
+        finished = False
+        try:
+            await admitted  # raises RequestRejected
+            while True:
+                chunk = await stream.queue.get()
+                finished = chunk.finished
+                yield chunk
+                if finished:
+                    return
+        finally:
+            # A refused request is not in the engine; aborting its id could end another request using it.
+            refused = admitted.done() and not admitted.cancelled() and admitted.exception() is not None
+            if not finished and not refused:
+                self._submit(("abort", request_id, "client disconnected"))
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._submit(("abort", request_id, reason))
+
+    async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
+        fut = asyncio.get_running_loop().create_future()
+        if not self._submit(("voice", samples, sample_rate, fut)):
+            raise RequestRejected(503, "the engine is not running")
+        return await fut
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def _submit(self, cmd: tuple) -> bool:
+        """Queues a command for the engine thread; False once that thread has exited."""
+        with self._inbox_lock:
+            if self._closed:
+                return False
+            self._inbox.put(cmd)
+            return True
+
+    # --- engine thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished()
+                self._drain(block=idle and self._deadline is None)
+                deadline = self._deadline  # set by a "stop" command, from the grace that came with it
+                if deadline is not None and (not self.engine.has_unfinished() or time.monotonic() > deadline):
+                    for rid in list(self._streams):
+                        self.engine.abort(rid, "server shutting down")
+                    self._deliver(self.engine.step())
+                    self._refresh_stats()
+                    return
+                self._deliver(self.engine.step())
+                self._refresh_stats()
+        except Exception:  # the loop itself failing is fatal for this worker: fail every stream loudly
+            log.exception("engine loop crashed")
+            for rid, s in list(self._streams.items()):
+                chunk = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error",
+                                    error="engine loop crashed")
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, chunk)
+                self._streams.pop(rid, None)
+        finally:
+            with self._inbox_lock:
+                self._closed = True
+            self._refuse_queued()
+            self._stopped.set()
+
+    def _refuse_queued(self) -> None:
+        """Settles the commands left in the inbox once the loop has exited (their callers are waiting)."""
+        gone = RequestRejected(503, "the engine is not running")
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _settle(cmd[2], error=gone)
+            elif cmd[0] == "voice":
+                _settle(cmd[3], error=gone)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind in ("add", "handoff"):
+            _, payload, admitted, stream = cmd
+            self._add(payload, admitted, stream)
+        elif kind == "abort":
+            _, rid, reason = cmd
+            if self.engine.abort(rid, reason):
+                self._aborted[reason] += 1
+        elif kind == "voice":
+            _, samples, rate, fut = cmd
+            try:
+                result = self.voices(self.loaded, samples, rate)
+            except Exception as e:
+                _settle(fut, error=rejection(e))
+            else:
+                _settle(fut, result=result)
+        elif kind == "stop":
+            self._stopping = True
+            if self._deadline is None:
+                self._deadline = time.monotonic() + cmd[1]
+
+    def _add(self, req: SynthesisRequest | Handoff, admitted: asyncio.Future, stream: _Stream) -> None:
+        if self._stopping:
+            _settle(admitted, error=RequestRejected(503, "server is shutting down"))
+            return
+        try:
+            if isinstance(req, Handoff):
+                seed = self.engine.add_handoff(req)
+            else:
+                spec = build_spec(self.loaded, req.input, self.voices)
+                seed = self.engine.add_request(EngineRequest(
+                    request_id=req.request_id, spec=spec, sampling=req.sampling, max_frames=req.max_frames,
+                    ignore_eos=req.ignore_eos, first_chunk_frames=req.first_chunk_frames,
+                    handoff_only=req.handoff_only,
+                ))
+        except Exception as e:
+            _settle(admitted, error=rejection(e))
+            return
+        self._streams[req.request_id] = stream
+        _settle(admitted, result=seed)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            stream = self._streams.get(o.request_id)
+            if stream is None:
+                continue
+            chunk = StreamChunk(
+                audio=o.audio if o.audio is not None else np.zeros(0, np.float32),
+                num_frames=o.num_frames, num_prompt_tokens=o.num_prompt_tokens, finished=o.finished,
+                finish_reason=o.finish_reason, error=o.error, seed=o.seed, codes=o.codes.numpy(),
+                handoff=o.handoff,
+            )
+            if o.finished:
+                del self._streams[o.request_id]
+            if chunk.audio.size or chunk.codes.size or o.finished:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+
+    def _refresh_stats(self) -> None:
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        self._stats = EngineStats(
+            waiting=sched.num_waiting, running=sched.num_running, kv_usage=bm.usage,
+            num_kv_blocks=self.engine.config.num_kv_blocks or 0, free_kv_blocks=bm.num_free_blocks,
+            aborted=dict(self._aborted),
+        )
+
+
+def _settle(fut: asyncio.Future, result=None, error: Exception | None = None) -> None:
+    """Completes an event-loop future from the engine thread (ignored if the waiter is gone)."""
+
+    def apply() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    try:
+        fut.get_loop().call_soon_threadsafe(apply)
+    except RuntimeError:  # that event loop is closed: nobody is left to tell
+        pass

@@ -1,0 +1,407 @@
+"""An `EngineClient` whose engine runs in its own worker process (`legato.pipeline.worker`).
+
+The server side binds two ZMQ sockets on IPC paths derived from (instance id, worker index), so many
+servers and workers share a host without fixed ports: a PUSH socket for commands (any thread may send,
+under a lock) and a PULL socket for everything the worker says, read by one I/O thread. That thread hands
+each request's chunks to the request's asyncio queue with `call_soon_threadsafe` (as `LocalEngineClient`
+does), so the client works from any event loop, and it watches the worker: a process that exits or stops
+heart-beating is dead, and each of its in-flight requests ends with an error chunk saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+import legato
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.config import load_model_config, load_speech_tokenizer_config
+from legato.models.qwen3_tts.inputs import VoiceFeatures
+from legato.models.qwen3_tts.loader import resolve_model_dir
+from legato.pipeline import messages as m
+from legato.pipeline.client import (
+    EngineClient,
+    EngineStats,
+    ModelInfo,
+    RequestRejected,
+    StreamChunk,
+    SynthesisRequest,
+)
+from legato.pipeline.kv_links import KVLinkSpec, socket_path
+from legato.pipeline.worker import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+def new_instance_id() -> str:
+    """A short id unique on this host: it names the IPC paths of one server's workers."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def ipc_base(instance_id: str, worker_index: int) -> str:
+    """Path prefix of one worker's IPC sockets (short: a Unix socket path holds at most ~107 bytes)."""
+    return f"/tmp/legato-{instance_id}-{worker_index}"
+
+
+def model_info(model_path: str | Path, name: str) -> ModelInfo:
+    """What the server needs to know about a model, from its config files alone (no weights loaded)."""
+    path = resolve_model_dir(model_path)
+    cfg, speech = load_model_config(path), load_speech_tokenizer_config(path)
+    return ModelInfo.from_configs(name, cfg, speech)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class ProcessEngineClient(EngineClient):
+    def __init__(
+        self,
+        model_path: str | Path,
+        engine_config: EngineConfig,
+        device: str | None = None,
+        name: str = "legato",
+        instance_id: str | None = None,
+        worker_index: int = 0,
+        *,
+        torch_threads: int | None = None,
+        start_timeout_s: float = 300.0,
+        heartbeat_s: float = 0.5,
+        heartbeat_timeout_s: float = 15.0,
+        kv: KVLinkSpec | None = None,
+        role: str = "engine",
+    ) -> None:
+        self.model_path = str(resolve_model_dir(model_path))
+        self.role = role  # "engine", or "codec": the split topology's codec worker (see codec_process.py)
+        self.config = dataclasses.replace(engine_config, device=device or engine_config.device)
+        self.info = model_info(self.model_path, name)
+        self.instance_id = instance_id or new_instance_id()
+        self.worker_index = worker_index
+        self.label = f"{self.instance_id}-{worker_index}"
+        base = ipc_base(self.instance_id, worker_index)
+        self.ipc_paths = (f"{base}-cmd", f"{base}-out")
+        self.torch_threads = torch_threads
+        self.start_timeout_s = start_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.generation_defaults: dict = {}
+        self.kv = kv
+        self.links: dict[int, m.LinkStatus] = {}  # process MpNd: the worker's KV links, by peer index
+        self.proc: subprocess.Popen | None = None
+        self.dead_reason: str | None = None  # set once the worker is found dead
+        self._stats = EngineStats(num_kv_blocks=self.config.num_kv_blocks or 0)
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[str, asyncio.Future] = {}
+        self._lock = threading.Lock()  # guards the command socket and the two tables above
+        self._ready = threading.Event()
+        self._closing = threading.Event()
+        self._stopping = False
+        self._last_beat = 0.0
+        self._log_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._ctx: zmq.Context | None = None
+        self._cmd: zmq.Socket | None = None
+        self._out: zmq.Socket | None = None
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    # --- life cycle -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawns the worker and waits (bounded) for its Ready; a worker that fails to start is an error
+        carrying the tail of its log."""
+        self._ctx = zmq.Context()
+        self._cmd = self._ctx.socket(zmq.PUSH)
+        self._out = self._ctx.socket(zmq.PULL)
+        for sock in (self._cmd, self._out):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._cmd.bind(f"ipc://{self.ipc_paths[0]}")
+        self._out.bind(f"ipc://{self.ipc_paths[1]}")
+        spec = WorkerSpec(
+            model_path=self.model_path, engine_config=dataclasses.asdict(self.config), name=self.info.name,
+            label=self.label, cmd_endpoint=f"ipc://{self.ipc_paths[0]}", out_endpoint=f"ipc://{self.ipc_paths[1]}",
+            parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s, torch_threads=self.torch_threads,
+            kv=None if self.kv is None else self.kv.to_dict(), role=self.role,
+        )
+        env = dict(os.environ)
+        root = str(Path(legato.__file__).resolve().parents[1])  # the worker imports the same legato
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if self.torch_threads:
+            env["OMP_NUM_THREADS"] = str(self.torch_threads)
+        # A session of its own: a Ctrl-C at the terminal reaches the server only, which then shuts the worker
+        # down in order (the worker still exits by itself if the server dies).
+        self.proc = subprocess.Popen([sys.executable, "-m", "legato.pipeline.worker", spec.to_json()], env=env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._threads = [threading.Thread(target=self._read_log, name=f"worker-log-{self.label}", daemon=True),
+                         threading.Thread(target=self._io_loop, name=f"worker-io-{self.label}", daemon=True)]
+        for t in self._threads:
+            t.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._ready.is_set():
+            if self.dead_reason is not None or time.monotonic() > deadline:
+                why = self.dead_reason or f"no Ready within {self.start_timeout_s:.0f} s"
+                await self._shutdown_process(0.0)
+                tail = "\n".join(self._log_tail)
+                raise RuntimeError(f"engine worker {self.label} failed to start ({why}); its log ends:\n{tail}")
+            await asyncio.sleep(0.02)
+        log.info("engine worker %s ready (pid %d)", self.label, self.proc.pid)
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Shutdown to the worker, wait for it to exit (grace + a margin), then terminate/kill; closes the
+        sockets and removes their files."""
+        self._stopping = True
+        if self.proc is None or self._closing.is_set():  # never started, or already stopped
+            return
+        await self._shutdown_process(grace_s)
+
+    async def _shutdown_process(self, grace_s: float) -> None:
+        proc = self.proc
+        steps = [(grace_s + 30.0, proc.terminate), (5.0, proc.kill), (5.0, None)]
+        if proc.poll() is None and not (self._ready.is_set() and self._send(m.Shutdown(grace_s))):
+            steps = steps[1:]  # it cannot hear a Shutdown (still loading, or gone): terminate at once
+            proc.terminate()
+        loop = asyncio.get_running_loop()
+        for wait_s, action in steps:
+            try:
+                await loop.run_in_executor(None, proc.wait, wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                if action is not None:
+                    log.warning("engine worker %s did not exit in %.0f s: %s", self.label, wait_s, action.__name__)
+                    action()
+        self._closing.set()
+        for t in self._threads:
+            await loop.run_in_executor(None, t.join, 10.0)
+        self._fail_all("worker stopped")
+        with self._lock:
+            for sock in (self._cmd, self._out):
+                sock.close()
+            self._ctx.term()
+        for path in self.ipc_paths:
+            Path(path).unlink(missing_ok=True)
+        if self.kv is not None and self.kv.role == "decode":  # a killed decode worker leaves its listener behind
+            Path(socket_path(self.kv.instance_id, self.kv.index)).unlink(missing_ok=True)
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        stream = self._open(req.request_id, m.Submit(req))
+        async for chunk in self._read(req.request_id, stream):
+            yield chunk
+
+    def await_handoff(self, request_id: str, peer: int, deadline_s: float) -> AsyncIterator[StreamChunk]:
+        """Process MpNd, decode worker: arm its KV link from prefill worker `peer` now (raises RequestRejected
+        if it cannot) and return the request's chunks, which flow once the handoff lands. Closing the
+        iterator early aborts the request (and cancels the transfer if it is still in flight)."""
+        return self.stream(request_id, m.AwaitHandoff(request_id, peer, deadline_s))
+
+    def stream(self, request_id: str, opening: m.Message) -> AsyncIterator[StreamChunk]:
+        """Sends `opening` now (raises RequestRejected if the worker cannot take it) and returns the chunks the
+        worker then sends for `request_id`; closing the iterator early aborts it in the worker."""
+        return self._read(request_id, self._open(request_id, opening))
+
+    def post(self, msg: m.Message) -> bool:
+        """Queues one more message to the worker (e.g. a stream's next input); False when it cannot."""
+        return self._send(msg)
+
+    def _open(self, rid: str, msg: m.Message) -> _Stream:
+        if not self.is_alive():
+            raise RequestRejected(503, self._unavailable())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if rid in self._streams:
+                raise RequestRejected(400, f"request id {rid!r} is already in flight")
+            self._streams[rid] = stream
+        if not self._send(msg):
+            self._streams.pop(rid, None)
+            raise RequestRejected(503, self._unavailable())
+        return stream
+
+    async def _read(self, rid: str, stream: _Stream) -> AsyncIterator[StreamChunk]:
+        done = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, RequestRejected):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # closed early (client gone): the worker frees the request's blocks
+                with self._lock:
+                    self._streams.pop(rid, None)
+                self._send(m.Abort(rid, "client disconnected"))
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._send(m.Abort(request_id, reason))
+
+    async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
+        if not self.is_alive():
+            raise RequestRejected(503, self._unavailable())
+        call_id = f"voice-{uuid.uuid4().hex}"
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._calls[call_id] = fut
+        if not self._send(m.ExtractVoice(call_id, np.asarray(samples, np.float32), int(sample_rate))):
+            self._calls.pop(call_id, None)
+            raise RequestRejected(503, self._unavailable())
+        try:
+            return await fut
+        finally:
+            self._calls.pop(call_id, None)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def is_alive(self) -> bool:
+        return (self._ready.is_set() and self.dead_reason is None and not self._stopping
+                and self.proc is not None and self.proc.poll() is None
+                and time.monotonic() - self._last_beat < self.heartbeat_timeout_s)
+
+    def _unavailable(self) -> str:
+        if self.dead_reason:
+            return f"engine worker {self.label} is not serving: {self.dead_reason}"
+        return "server is shutting down" if self._stopping else f"engine worker {self.label} is not running"
+
+    def _send(self, msg: m.Message) -> bool:
+        """Queues a message to the worker; False when it cannot (no worker connected, or closed)."""
+        frames = m.encode(msg)
+        with self._lock:
+            if self._closing.is_set() or self._cmd is None:
+                return False
+            try:
+                self._cmd.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # zmq.Again: no worker connected (it died); or the socket is closed
+                return False
+        return True
+
+    # --- I/O thread -----------------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._out, zmq.POLLIN)
+        while True:
+            if poller.poll(50):
+                while True:
+                    try:
+                        frames = self._out.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._dispatch(m.decode(frames))
+                    except m.MessageError as e:
+                        log.error("engine worker %s sent a malformed message: %s", self.label, e)
+            if self._closing.is_set():
+                return
+            self._watch()
+
+    def _watch(self) -> None:
+        """Declares the worker dead when its process exits or its heartbeats stop (then kills it)."""
+        if self.dead_reason is not None or self._stopping:
+            return
+        code = self.proc.poll()
+        if code is not None:
+            self._died(f"worker died (exit code {code})")
+        elif self._ready.is_set() and time.monotonic() - self._last_beat > self.heartbeat_timeout_s:
+            self._died(f"worker died (no heartbeat for {self.heartbeat_timeout_s:.0f} s)")
+            self.proc.kill()
+
+    def _died(self, reason: str) -> None:
+        log.error("engine worker %s: %s", self.label, reason)
+        self.dead_reason = reason
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, {}
+        for s in streams.values():
+            chunk = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error", error=reason,
+                                retryable=True)
+            _call(s.loop, s.queue.put_nowait, chunk)
+        for fut in calls.values():
+            _settle(fut, error=RequestRejected(503, reason))
+
+    def _dispatch(self, msg: m.Message) -> None:
+        if isinstance(msg, m.Heartbeat):
+            self._last_beat = time.monotonic()
+        elif isinstance(msg, m.Stats):
+            self._stats = msg.stats
+        elif isinstance(msg, m.LinkStatus):
+            self.links[msg.peer] = msg
+        elif isinstance(msg, m.Chunk):
+            with self._lock:
+                stream = (self._streams.pop if msg.chunk.finished else self._streams.get)(msg.request_id, None)
+            if stream is not None:
+                _call(stream.loop, stream.queue.put_nowait, msg.chunk)
+        elif isinstance(msg, m.Rejected):
+            with self._lock:
+                stream = self._streams.pop(msg.request_id, None)
+                fut = self._calls.pop(msg.request_id, None)
+            error = RequestRejected(msg.status, msg.message, msg.retry_after)
+            if stream is not None:
+                _call(stream.loop, stream.queue.put_nowait, error)
+            if fut is not None:
+                _settle(fut, error=error)
+        elif isinstance(msg, m.VoiceResult):
+            with self._lock:
+                fut = self._calls.pop(msg.request_id, None)
+            if fut is not None:
+                _settle(fut, result=VoiceFeatures(torch.from_numpy(msg.speaker_embedding),
+                                                  torch.from_numpy(msg.ref_code)))
+        elif isinstance(msg, m.Ready):
+            self.info = dataclasses.replace(msg.info, name=self.info.name)
+            self.generation_defaults = msg.generation_defaults
+            self._last_beat = time.monotonic()
+            self._ready.set()
+        else:
+            log.error("engine worker %s sent a %s: not a worker -> server message", self.label, type(msg).__name__)
+
+    def _read_log(self) -> None:
+        """Keeps the worker's last log lines (for start-up errors) and passes them on to our stderr."""
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self._log_tail.append(line)
+            print(line, file=sys.stderr, flush=True)
+        self.proc.stdout.close()
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that event loop is closed: nobody is left to tell
+        pass
+
+
+def _settle(fut: asyncio.Future, result=None, error: Exception | None = None) -> None:
+    def apply() -> None:
+        if not fut.done():
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+    _call(fut.get_loop(), apply)

@@ -1,0 +1,97 @@
+"""`replicas:N`: N independent engines behind one least-loaded router.
+
+Each replica is a complete `EngineClient`; the router places a request on the replica with the fewest
+requests in flight (ties to the lowest index), keeps it there for its whole life, and forwards aborts to it.
+It is the control every other topology is compared against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+
+from legato.models.qwen3_tts.inputs import VoiceFeatures
+from legato.pipeline.client import EngineClient, EngineStats, RequestRejected, StreamChunk, SynthesisRequest
+
+
+class ReplicaRouter(EngineClient):
+    def __init__(self, replicas: Sequence[EngineClient]) -> None:
+        if not replicas:
+            raise ValueError("a router needs at least one replica")
+        self.replicas = list(replicas)
+        self.info = self.replicas[0].info
+        self.in_flight = [0] * len(self.replicas)
+        self._placement: dict[str, int] = {}
+        self._voice_turn = 0
+
+    async def start(self) -> None:
+        await asyncio.gather(*(r.start() for r in self.replicas))
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await asyncio.gather(*(r.stop(grace_s) for r in self.replicas))
+
+    def pick(self) -> int:
+        """The live replica with the fewest requests in flight; a dead replica gets none."""
+        alive = [i for i, r in enumerate(self.replicas) if r.is_alive()]
+        if not alive:
+            raise RequestRejected(503, "no engine replica is serving")
+        return min(alive, key=lambda i: (self.in_flight[i], i))
+
+    def claim(self, idx: int, request_id: str) -> None:
+        """Counts `request_id` as in flight on replica `idx` (and routes its aborts there) until `release`."""
+        self.in_flight[idx] += 1
+        self._placement[request_id] = idx
+
+    def release(self, idx: int, request_id: str) -> None:
+        self.in_flight[idx] -= 1
+        self._placement.pop(request_id, None)
+
+    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        idx = self.pick()
+        self.claim(idx, req.request_id)
+        try:
+            async for chunk in self.replicas[idx].generate(req):
+                yield chunk
+        finally:
+            self.release(idx, req.request_id)
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        idx = self._placement.get(request_id)
+        if idx is not None:
+            await self.replicas[idx].abort(request_id, reason)
+
+    async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
+        # Every replica holds the same model: any live one can encode a voice; rotate to spread the work.
+        alive = [r for r in self.replicas if r.is_alive()]
+        if not alive:
+            raise RequestRejected(503, "no engine replica is serving")
+        self._voice_turn += 1
+        return await alive[self._voice_turn % len(alive)].extract_voice(samples, sample_rate)
+
+    def is_alive(self) -> bool:
+        # Replicas are independent: the router serves while any of them can.
+        return any(r.is_alive() for r in self.replicas)
+
+    def stats(self) -> EngineStats:
+        return sum_stats([r.stats() for r in self.replicas])
+
+
+def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
+    """One view of several engines: counts add up, KV usage is over all their blocks."""
+    aborted: dict[str, int] = {}
+    for p in parts:
+        for k, v in p.aborted.items():
+            aborted[k] = aborted.get(k, 0) + v
+    blocks = sum(p.num_kv_blocks for p in parts)
+    free = sum(p.free_kv_blocks for p in parts)
+    return EngineStats(
+        waiting=sum(p.waiting for p in parts),
+        running=sum(p.running for p in parts),
+        kv_usage=(1.0 - free / blocks) if blocks else 0.0,
+        num_kv_blocks=blocks,
+        free_kv_blocks=free,
+        aborted=aborted,
+        recomputed=sum(p.recomputed for p in parts),
+    )

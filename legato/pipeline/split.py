@@ -1,0 +1,216 @@
+"""`split`: a talker worker streams code frames to a codec worker, which streams the audio.
+
+The talker is any `EngineClient` whose engine runs with `emit_audio=False` (a thread, or a worker process):
+it builds prompts, runs the talker and code predictor, and streams each step's codes with no audio. The
+codec worker decodes every request's codes on the chunk schedule of `single`, batched across requests: a
+thread of this process (`LocalCodecClient`), or with process workers a process of its own
+(`ProcessCodecClient`, the codes crossing as `[n, 16]` int64 frames). `SplitClient` joins the two per
+request: the talker's codes flow into a codec stream, and each chunk it yields carries the new audio and the
+codes that came with it, so a seeded request's codes and audio equal what `single` gives.
+
+In-context voice clones given as reference audio have their reference codes extracted first (by the talker
+worker, which holds the codec encoder), so the codec worker can prime its state with them, as `single` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.codec_decoder import CodecDecoder
+from legato.models.qwen3_tts.inputs import VoiceFeatures
+from legato.models.qwen3_tts.loader import LoadedModel
+from legato.pipeline.client import EngineClient, EngineStats, RequestRejected, StreamChunk, SynthesisRequest
+from legato.pipeline.codec_worker import CodecError, LocalCodecClient, load_codec_decoder
+
+if TYPE_CHECKING:
+    from legato.pipeline.codec_process import ProcessCodecClient
+
+_EMPTY = np.zeros(0, np.float32)
+
+
+class _TalkerEnded(Exception):
+    """The talker's request ended without its codes being complete (abort, error): no tail to decode."""
+
+    def __init__(self, chunk: StreamChunk) -> None:
+        super().__init__(chunk.error or chunk.finish_reason)
+        self.chunk = chunk
+
+
+@dataclass
+class _Progress:
+    """One request's talker side as seen so far: codes not yet passed on, and the latest chunk's counters."""
+
+    codes: list[np.ndarray] = field(default_factory=list)
+    last: StreamChunk | None = None
+
+    def chunk(self, audio: np.ndarray, finished: bool = False, reason: str | None = None,
+              error: str | None = None) -> StreamChunk:
+        codes = np.concatenate(self.codes) if self.codes else np.zeros((0, 16), np.int64)
+        self.codes = []
+        last = self.last or StreamChunk(_EMPTY, 0)
+        if finished and reason is None:
+            reason = last.finish_reason
+        return StreamChunk(audio=audio, num_frames=last.num_frames, num_prompt_tokens=last.num_prompt_tokens,
+                           finished=finished, finish_reason=reason, error=error, seed=last.seed, codes=codes)
+
+
+class SplitClient(EngineClient):
+    """A talker `EngineClient` (its engine built with `emit_audio=False`) and a codec worker, as one engine.
+    Aborts reach both; voices, stats (the talker's KV, plus codec failures) and model info are the talker's."""
+
+    def __init__(self, talker: EngineClient, codec: LocalCodecClient | ProcessCodecClient) -> None:
+        self.talker = talker
+        self.codec = codec
+
+    @property
+    def info(self):  # a worker process learns its model info at start-up
+        return self.talker.info
+
+    async def start(self) -> None:
+        await asyncio.gather(self.talker.start(), self.codec.start())
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        # The talker first: the requests it finishes in its grace end their codec streams, then the codec
+        # worker drains them.
+        await self.talker.stop(grace_s)
+        await self.codec.stop(grace_s)
+
+    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        if req.handoff_only:  # a prefill role has no audio: the talker answers it alone
+            async with contextlib.aclosing(self.talker.generate(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        if not self.codec.is_alive():
+            raise RequestRejected(503, "the codec worker is not running")
+        req = await self._with_reference_codes(req)
+        inp = req.input
+        ref_code = None if inp.x_vector_only else inp.ref_code
+        progress = _Progress()
+
+        async def frames() -> AsyncIterator[np.ndarray]:
+            async with contextlib.aclosing(self.talker.generate(req)) as chunks:
+                async for chunk in chunks:
+                    progress.last = chunk
+                    if chunk.codes is not None and chunk.codes.size:
+                        progress.codes.append(chunk.codes)
+                        yield chunk.codes
+                    if chunk.finished and chunk.finish_reason not in ("stop", "length"):
+                        raise _TalkerEnded(chunk)
+
+        try:
+            decoding = self.codec.decode(req.request_id, frames(), ref_code, req.first_chunk_frames)
+            async with contextlib.aclosing(decoding) as pieces:
+                async for piece in pieces:
+                    yield progress.chunk(piece.audio, finished=piece.last)
+        except _TalkerEnded as e:
+            yield progress.chunk(_EMPTY, finished=True, reason=e.chunk.finish_reason, error=e.chunk.error)
+        except CodecError as e:
+            if progress.last is None and not self.codec.is_alive():  # refused before anything ran
+                raise RequestRejected(503, e.reason) from None
+            await self.talker.abort(req.request_id, e.reason if e.aborted else "codec failed")
+            yield progress.chunk(_EMPTY, finished=True, reason="abort" if e.aborted else "error", error=e.reason)
+
+    async def _with_reference_codes(self, req: SynthesisRequest) -> SynthesisRequest:
+        """An in-context clone given as reference audio, as the equivalent saved voice (x-vector + codes):
+        the codec worker needs the codes; the talker then builds the very same prompt from them."""
+        inp = req.input
+        if inp.ref_audio is None or inp.x_vector_only or inp.speaker_embedding is not None:
+            return req  # nothing to extract (or a conflict the talker reports)
+        voice = await self.talker.extract_voice(inp.ref_audio, inp.ref_sample_rate)
+        inp = dataclasses.replace(inp, ref_audio=None, speaker_embedding=voice.speaker_embedding,
+                                  ref_code=voice.ref_code)
+        return dataclasses.replace(req, input=inp)
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        await self.talker.abort(request_id, reason)
+        await self.codec.abort(request_id, reason)
+
+    async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
+        return await self.talker.extract_voice(samples, sample_rate)
+
+    def stats(self) -> EngineStats:
+        stats = self.talker.stats()
+        failures = self.codec.stats().failures
+        if not failures:
+            return stats
+        aborted = dict(stats.aborted)
+        for k, v in failures.items():
+            aborted[k] = aborted.get(k, 0) + v
+        return dataclasses.replace(stats, aborted=aborted)
+
+    def is_alive(self) -> bool:
+        return self.talker.is_alive() and self.codec.is_alive()
+
+
+def build_split_client(
+    load: Callable[[str], LoadedModel] | None,
+    config: EngineConfig,
+    devices: list[str] | None = None,
+    name: str = "legato",
+    workers: str = "thread",
+    model_path: str | None = None,
+    instance_id: str | None = None,
+    process_options: dict | None = None,
+    memory_shares: list[float] | None = None,
+    load_codec: Callable[[str], CodecDecoder] | None = None,
+) -> SplitClient:
+    """The `split` topology: `devices` is [talker device, codec device], or one device for both.
+
+    Where each part runs:
+    - the talker engine, with `emit_audio=False` (it never runs the codec decoder), on `devices[0]`: with
+      `workers="thread"` on a thread of this process (`load(device)` loads its model here); with
+      `workers="process"` in its own worker process (`ProcessEngineClient`) that loads `model_path` itself.
+    - the codec worker, on `devices[-1]`: with `workers="thread"` a thread of this process (the server's),
+      which shares the talker's decoder weights on one device and otherwise loads only the codec decoder
+      (`load_codec(device)`, by default the `speech_tokenizer` decoder weights of the model directory in
+      `config.codec_dtype`); with `workers="process"` a process of its own (`ProcessCodecClient`) that
+      loads only the codec decoder itself.
+
+    `memory_shares` ([talker] or [talker, codec]) sets the talker's `gpu_memory_utilization`; the codec
+    worker has no KV cache and sizes nothing up front (its activations fit in the reserve the talker's
+    budget leaves), so its entry is only checked. Without it the talker takes `config`'s share whole:
+    sharing one device, the codec's activations replace the ones `single` would have had."""
+    from legato.pipeline.local import LocalEngineClient
+
+    devices = devices or [config.device]
+    if len(devices) not in (1, 2):
+        raise ValueError(f"split runs a talker and a codec worker; give 1 device or 2, got {devices}")
+    if memory_shares is not None and (len(memory_shares) not in (1, 2)
+                                      or not all(0.0 < s <= 1.0 for s in memory_shares)):
+        raise ValueError(f"split takes 1 or 2 memory shares in (0, 1], got {memory_shares}")
+    if workers not in ("thread", "process"):
+        raise ValueError(f"workers must be 'thread' or 'process', got {workers!r}")
+    if workers == "process" and model_path is None:
+        raise ValueError("workers='process' needs model_path (the talker worker loads the model itself)")
+    talker_device, codec_device = devices[0], devices[-1]
+    cfg = dataclasses.replace(config, device=talker_device, emit_audio=False)
+    if memory_shares is not None:
+        cfg.gpu_memory_utilization = memory_shares[0]
+    if workers == "process":
+        from legato.pipeline.codec_process import ProcessCodecClient
+        from legato.pipeline.process_client import ProcessEngineClient, new_instance_id
+
+        instance_id = instance_id or new_instance_id()
+        talker = ProcessEngineClient(model_path, cfg, talker_device, name, instance_id, 0, **(process_options or {}))
+        codec = ProcessCodecClient(model_path, dataclasses.replace(config, device=codec_device), codec_device,
+                                   name, instance_id, 1, **(process_options or {}))
+        return SplitClient(talker, codec)
+    loaded = load(talker_device)
+    local_talker = LocalEngineClient(loaded, cfg, name=name)
+    decoder = loaded.speech_tokenizer.decoder if len(devices) == 1 else None
+    if decoder is None:
+        decoder = (load_codec(codec_device) if load_codec is not None else
+                   load_codec_decoder(loaded.path, codec_device, getattr(torch, config.codec_dtype)))
+    local_codec = LocalCodecClient(decoder, config.first_chunk_frames, config.chunk_frames, name=f"{name}-codec",
+                                   chunk_ramp=config.chunk_ramp)
+    return SplitClient(local_talker, local_codec)

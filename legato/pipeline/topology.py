@@ -1,0 +1,159 @@
+"""Topology names and how they become an `EngineClient`.
+
+Supported: `single` (one engine), `split` (a talker engine streaming codes to a codec worker),
+`replicas:N` (N engines behind the least-loaded router) and `MpNd` (M prefill engines handing requests to N
+decode engines), each engine on its own thread or (workers="process") in its own worker process, on its
+device. Process MpNd moves each handoff over a KV link between the two workers (`kv_backend`: shm or
+mooncake). Code-predictor replicas are an engine setting (`EngineConfig.mtp_replicas`), so they combine
+with every topology; MpNd applies them to its decode engines only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.loader import LoadedModel
+from legato.pipeline.client import EngineClient
+from legato.pipeline.local import LocalEngineClient
+from legato.pipeline.pd import LinkedPrefillDecodeRouter, PrefillDecodeRouter, check_pd_options
+from legato.pipeline.router import ReplicaRouter
+
+
+class TopologyError(ValueError):
+    """An unknown or unsupported topology, or devices that do not fit it."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    kind: str  # single | split | replicas | pd
+    replicas: int = 1  # replicas: N; pd: the number of prefill engines (M)
+    decode: int = 0  # pd: the number of decode engines (N)
+
+    @property
+    def num_workers(self) -> int:
+        return 2 if self.kind == "split" else self.replicas + self.decode
+
+    def __str__(self) -> str:
+        if self.kind == "pd":
+            return f"{self.replicas}p{self.decode}d"
+        return self.kind if self.kind in ("single", "split") else f"replicas:{self.replicas}"
+
+
+def parse_topology(text: str) -> Topology:
+    text = text.strip().lower()
+    if text in ("single", "split"):
+        return Topology(text)
+    m = re.fullmatch(r"replicas:(\d+)", text)
+    if m:
+        n = int(m.group(1))
+        if not 1 <= n <= 64:
+            raise TopologyError(f"replicas:N needs 1 <= N <= 64, got {n}")
+        return Topology("replicas", n)
+    m = re.fullmatch(r"(\d+)p(\d+)d", text)
+    if m:
+        prefill, decode = int(m.group(1)), int(m.group(2))
+        if not (1 <= prefill <= 32 and 1 <= decode <= 32):
+            raise TopologyError(f"MpNd needs 1 <= M, N <= 32, got {text!r}")
+        return Topology("pd", prefill, decode)
+    if text.startswith("mtp"):
+        raise TopologyError(f"{text!r}: code-predictor replicas are a modifier, not a topology: use "
+                            "--mtp-replicas K with any topology")
+    raise TopologyError(f"unknown topology {text!r}; available: single, split, replicas:N, MpNd")
+
+
+def build_client(
+    topology: Topology,
+    load: Callable[[str], LoadedModel] | None,
+    config: EngineConfig,
+    devices: list[str] | None = None,
+    name: str = "legato",
+    workers: str = "thread",
+    model_path: str | None = None,
+    instance_id: str | None = None,
+    process_options: dict | None = None,
+    memory_shares: list[float] | None = None,
+    kv_backend: str = "shm",
+    kv_options: dict | None = None,
+    pairing: str = "least_loaded",
+    on_kv_failure: str = "fail",
+) -> EngineClient:
+    """One engine per worker; `load(device)` loads a model copy onto a device. Workers take `devices` in
+    order (several workers may share one device, each with its own KV budget from `config`).
+
+    `workers="thread"` runs each engine on a thread of this process (`load` is called here);
+    `workers="process"` runs each in its own process (`legato.pipeline.worker`) that loads `model_path`
+    itself; IPC names derive from `instance_id` (a fresh one when None); `process_options` are passed on
+    to `ProcessEngineClient` (e.g. torch_threads, start_timeout_s). `memory_shares` gives each worker its
+    own `gpu_memory_utilization` (prefill engines first); without it, workers sharing a device split it.
+    `kv_backend` and `kv_options` (KVLinkSpec fields, e.g. transfer_timeout_s) configure process MpNd's
+    KV links. `config.mtp_replicas` applies to every engine except MpNd's prefill engines. MpNd picks each
+    request's decode engine by `pairing` (least_loaded | round_robin); `on_kv_failure` (fail | recompute)
+    says what process MpNd does with a request whose handoff did not cross (thread MpNd moves handoffs by
+    reference: they cannot fail in transit)."""
+    if workers not in ("thread", "process"):
+        raise TopologyError(f"workers must be 'thread' or 'process', got {workers!r}")
+    try:  # before any model is loaded
+        check_pd_options(pairing, on_kv_failure)
+    except ValueError as e:
+        raise TopologyError(str(e)) from None
+    if topology.kind == "split":
+        from legato.pipeline.split import build_split_client
+
+        try:
+            return build_split_client(load, config, devices, name=name, workers=workers, model_path=model_path,
+                                      instance_id=instance_id, process_options=process_options,
+                                      memory_shares=memory_shares)
+        except ValueError as e:
+            raise TopologyError(str(e)) from None
+    if workers == "process" and model_path is None:
+        raise TopologyError("workers='process' needs model_path (each worker loads the model itself)")
+    if workers == "process":
+        from legato.pipeline.process_client import ProcessEngineClient, new_instance_id
+
+        instance_id = instance_id or new_instance_id()
+    if memory_shares is not None and len(memory_shares) != topology.num_workers:
+        raise TopologyError(f"{topology} runs {topology.num_workers} workers; worker_memory names "
+                            f"{len(memory_shares)}")
+    devices = devices or [config.device]
+    if len(devices) not in (1, topology.num_workers):
+        raise TopologyError(f"{topology} runs {topology.num_workers} workers; give 1 device or "
+                            f"{topology.num_workers}, got {devices}")
+    if topology.kind == "pd" and workers == "process":
+        from legato.kv_transfer import backend_names
+        from legato.pipeline.kv_links import KVLinkSpec
+
+        if kv_backend not in backend_names() or kv_backend == "inproc":
+            raise TopologyError(f"process MpNd needs a cross-process KV backend (shm, mooncake), got {kv_backend!r}")
+    clients = []
+    for i in range(topology.num_workers):
+        device = devices[i % len(devices)]
+        cfg = dataclasses.replace(config, device=device)
+        if topology.kind == "pd" and i < topology.replicas:
+            cfg.mtp_replicas = 1  # the prefill engines never run the code predictor's decode loop
+        if memory_shares is not None:
+            cfg.gpu_memory_utilization = memory_shares[i]
+        elif len(devices) == 1 and topology.num_workers > 1:
+            # Workers sharing one device split its memory budget.
+            cfg.gpu_memory_utilization = config.gpu_memory_utilization / topology.num_workers
+        if workers == "process":
+            kv = None
+            if topology.kind == "pd":
+                prefill = i < topology.replicas
+                kv = KVLinkSpec(role="prefill" if prefill else "decode",
+                                index=i if prefill else i - topology.replicas,
+                                peers=topology.decode if prefill else topology.replicas,
+                                instance_id=instance_id, backend=kv_backend, **(kv_options or {}))
+            clients.append(ProcessEngineClient(model_path, cfg, device, name, instance_id, i,
+                                               **(process_options or {}), kv=kv))
+        else:
+            clients.append(LocalEngineClient(load(device), cfg, name=name))
+    if topology.kind == "pd":
+        prefill, decode = clients[: topology.replicas], clients[topology.replicas :]
+        if workers == "process":
+            return LinkedPrefillDecodeRouter(prefill, decode, pairing=pairing, on_kv_failure=on_kv_failure)
+        return PrefillDecodeRouter(prefill, decode, pairing=pairing)
+    return clients[0] if topology.kind == "single" else ReplicaRouter(clients)

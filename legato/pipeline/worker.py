@@ -1,0 +1,308 @@
+"""One engine worker process: `python -m legato.pipeline.worker '<WorkerSpec JSON>'`.
+
+The worker loads its model on its device, runs a `LocalEngineClient` (the engine on a thread of this
+process) and serves it over two ZMQ sockets the server bound: commands arrive on a PULL socket, and
+chunks, rejections, voice results, stats and heartbeats leave on a PUSH socket (see `messages.py`). It
+sends Ready once the engine runs, and exits on Shutdown or when the process that started it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from legato.kv_transfer import EventKind
+from legato.pipeline import messages as m
+from legato.pipeline.client import RequestRejected, StreamChunk
+from legato.pipeline.kv_links import KVLinks, KVLinkSpec
+
+log = logging.getLogger("legato.worker")
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs, passed as JSON on its command line."""
+
+    model_path: str
+    engine_config: dict  # EngineConfig fields
+    name: str
+    label: str  # e.g. "abc123-0": instance id and worker index, for logs
+    cmd_endpoint: str  # server -> worker (worker connects a PULL socket)
+    out_endpoint: str  # worker -> server (worker connects a PUSH socket)
+    parent_pid: int
+    heartbeat_s: float = 0.5
+    torch_threads: int | None = None
+    kv: dict | None = None  # process MpNd: this worker's KVLinkSpec fields
+    role: str = "engine"  # or "codec": the codec worker of `split` (codec_process.py)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        return cls(**json.loads(text))
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, client, out: zmq.asyncio.Socket) -> None:
+        self.spec, self.client, self.out = spec, client, out
+        self.links: KVLinks | None = None
+        self.cancelled: set[str] = set()  # aborted while their handoff was held or in transfer
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.stop = asyncio.Event()
+        self.grace_s = 0.0
+        self.draining = False  # after Shutdown: nothing new is taken, aborts still are
+
+    async def send(self, msg: m.Message) -> None:
+        await self.out.send_multipart(m.encode(msg))
+
+    async def serve(self, cmd: zmq.asyncio.Socket) -> None:
+        beats = asyncio.create_task(self.heartbeat())
+        receiving = asyncio.create_task(self.receive(cmd))
+        await self.stop.wait()
+        await drain(self.tasks, self.grace_s, receiving, self.client.stop)  # running requests, handoffs
+        if self.links is not None:
+            await self.links.close()  # fails transfers still in flight: their tasks send error chunks
+        if self.tasks:
+            await asyncio.wait(list(self.tasks.values()), timeout=5.0)
+        await self.send(m.Stats(self.client.stats()))
+        beats.cancel()
+
+    async def receive(self, cmd: zmq.asyncio.Socket) -> None:
+        async for msg in incoming(cmd):
+            if self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
+                await self.send(m.Rejected(msg.request_id, 503, "the worker is shutting down"))
+            elif isinstance(msg, m.Submit):
+                req = msg.request
+                if req.handoff_to is not None:
+                    job = self.prefill_and_send(req) if self.links is not None else self.no_links(req.request_id)
+                else:
+                    job = self.stream(req.request_id, self.client.generate(req))
+                self.tasks[req.request_id] = asyncio.create_task(job)
+            elif isinstance(msg, m.AwaitHandoff):
+                job = self.receive_and_decode(msg) if self.links is not None else self.no_links(msg.request_id)
+                self.tasks[msg.request_id] = asyncio.create_task(job)
+            elif isinstance(msg, m.Abort):
+                rid = msg.request_id
+                if self.links is not None and rid in self.tasks:
+                    self.cancelled.add(rid)
+                    peer = self.links.pending(rid)
+                    if peer is not None:
+                        self.links.cancel(peer, rid, msg.reason)
+                await self.client.abort(rid, msg.reason)
+            elif isinstance(msg, m.ExtractVoice):
+                asyncio.create_task(self.voice(msg))
+            elif isinstance(msg, m.Shutdown):
+                log.info("shutdown requested (grace %.1f s)", msg.grace_s)
+                self.grace_s, self.draining = msg.grace_s, True
+                self.stop.set()
+            else:
+                log.error("dropping a %s: not a server -> worker message", type(msg).__name__)
+
+    async def stream(self, rid: str, chunks) -> None:
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    await self.send(m.Chunk(rid, chunk))
+        except RequestRejected as e:
+            await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
+        except Exception as e:  # a failure here fails this request, with a reason, not the worker
+            log.exception("streaming %s failed", rid)
+            await self.send(m.Chunk(rid, _end("error", f"worker error: {e}")))
+        finally:
+            self.tasks.pop(rid, None)
+            self.cancelled.discard(rid)
+        await self.send(m.Stats(self.client.stats()))  # blocks came back: say so without waiting for a beat
+
+    async def prefill_and_send(self, req) -> None:
+        """Prefill worker: run the prefill, then move the handoff over the KV link to decode worker
+        `req.handoff_to`; the server hears "handoff" once the peer has it, or why it failed."""
+        rid, peer = req.request_id, req.handoff_to
+        final: StreamChunk | None = None
+        try:
+            async with contextlib.aclosing(self.client.generate(dataclasses.replace(req, handoff_only=True))) as cs:
+                async for chunk in cs:
+                    final = chunk if chunk.finished else final
+            if final is None or final.finish_reason != "handoff" or final.handoff is None:
+                await self.send(m.Chunk(rid, final or _end("error", "prefill ended without a handoff")))
+                return
+            if self.links.spec.send_delay_s > 0 and rid.startswith(self.links.spec.delay_prefix):
+                await asyncio.sleep(self.links.spec.send_delay_s)
+            if rid in self.cancelled:
+                await self.send(m.Chunk(rid, _end("abort", "aborted before its handoff was sent")))
+                return
+            ev = await self.links.send(peer, final.handoff)
+            if ev.kind is EventKind.SENT:
+                await self.send(m.Chunk(rid, dataclasses.replace(final, handoff=None)))
+            else:
+                await self.send(m.Chunk(rid, self._transfer_failed(rid, f"to decode worker {peer}", ev)))
+        except RequestRejected as e:
+            await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
+        except Exception as e:
+            log.exception("prefill of %s failed", rid)
+            await self.send(m.Chunk(rid, _end("error", f"worker error: {e}")))
+        finally:
+            self.tasks.pop(rid, None)
+            self.cancelled.discard(rid)
+        await self.send(m.Stats(self.client.stats()))
+
+    async def receive_and_decode(self, msg: m.AwaitHandoff) -> None:
+        """Decode worker: wait (bounded) for the handoff from prefill worker `msg.peer`, then decode it."""
+        rid = msg.request_id
+        try:
+            ev = await self.links.receive(msg.peer, rid, msg.deadline_s)
+        except ValueError as e:  # the same id armed twice: refuse this one
+            ev, refused = None, m.Rejected(rid, 400, str(e))
+        if ev is not None and ev.kind is EventKind.RECEIVED and rid not in self.cancelled:
+            await self.stream(rid, self.client.generate_from_handoff(ev.handoff))  # cleans up after itself
+            return
+        if ev is None:
+            out = refused
+        elif ev.kind is EventKind.RECEIVED:  # aborted while the handoff was landing
+            out = m.Chunk(rid, _end("abort", "aborted"))
+        else:
+            out = m.Chunk(rid, self._transfer_failed(rid, f"from prefill worker {msg.peer}", ev))
+        self.tasks.pop(rid, None)
+        self.cancelled.discard(rid)
+        await self.send(out)
+
+    async def no_links(self, rid: str) -> None:
+        self.tasks.pop(rid, None)
+        await self.send(m.Rejected(rid, 500, "this worker has no KV links: it is not part of an MpNd deployment"))
+
+    def _transfer_failed(self, rid: str, where: str, ev) -> StreamChunk:
+        """The last chunk of a request whose handoff did not cross: "abort" if we were told to drop it."""
+        how = "abort" if rid in self.cancelled else "error"
+        end = _end(how, f"KV transfer {where} failed: {ev.reason.value if ev.reason else ''} {ev.detail}".strip())
+        return dataclasses.replace(end, retryable=how == "error")
+
+    def link_changed(self, peer: int, state, error: str | None, counters: dict) -> None:
+        asyncio.get_running_loop().create_task(self.send(m.LinkStatus(peer, state.value, error, counters)))
+
+    async def voice(self, msg: m.ExtractVoice) -> None:
+        try:
+            v = await self.client.extract_voice(msg.samples, msg.sample_rate)
+        except RequestRejected as e:
+            await self.send(m.Rejected(msg.request_id, e.status, e.message, e.retry_after))
+        else:
+            await self.send(m.VoiceResult(msg.request_id, v.speaker_embedding.numpy(), v.ref_code.numpy()))
+
+    async def heartbeat(self) -> None:
+        await heartbeats(self.spec, self.send, self.client.stats, self.stop,
+                         self.links.report_all if self.links is not None else None)
+
+
+async def run(spec: WorkerSpec) -> int:
+    import torch
+
+    from legato.engine.config import EngineConfig
+    from legato.models.qwen3_tts.loader import load_model
+    from legato.pipeline.local import LocalEngineClient
+
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    ctx = zmq.asyncio.Context()
+    out = ctx.socket(zmq.PUSH)
+    cmd = ctx.socket(zmq.PULL)
+    out.setsockopt(zmq.LINGER, 2000)  # let the last chunks reach the server after Shutdown
+    cmd.setsockopt(zmq.LINGER, 0)
+    out.connect(spec.out_endpoint)
+    cmd.connect(spec.cmd_endpoint)
+    try:
+        config = EngineConfig(**spec.engine_config)
+        if spec.role == "codec":
+            from legato.pipeline.codec_process import serve_codec
+
+            await serve_codec(spec, config, out, cmd)
+            return 0
+        loaded = load_model(spec.model_path, device=config.device, dtype=getattr(torch, config.dtype),
+                            codec_dtype=getattr(torch, config.codec_dtype))
+        client = LocalEngineClient(loaded, config, name=spec.name)
+        await client.start()
+        worker = _Worker(spec, client, out)
+        if spec.kv is not None:
+            worker.links = KVLinks(KVLinkSpec(**spec.kv), client.engine.kv_layout, worker.link_changed)
+            worker.links.start()
+        await worker.send(m.Ready(client.info, os.getpid(), dict(loaded.generation_defaults)))
+        log.info("ready: %s on %s", spec.model_path, config.device)
+        await worker.serve(cmd)
+        return 0
+    finally:
+        cmd.close()
+        out.close()
+        ctx.term()
+
+
+async def incoming(cmd: zmq.asyncio.Socket) -> AsyncIterator[m.Message]:
+    """The messages arriving on `cmd`; a malformed one is logged and dropped."""
+    while True:
+        frames = await cmd.recv_multipart()
+        try:
+            msg = m.decode(frames)
+        except m.MessageError as e:
+            log.error("dropping a malformed message: %s", e)
+            continue
+        yield msg
+
+
+async def drain(tasks: dict[str, asyncio.Task], grace_s: float, receiving: asyncio.Task, stop_engine) -> None:
+    """A worker's shutdown, in order: what it holds (`tasks`) ends on its own within the grace while aborts are
+    still heard; then `receiving` stops and `stop_engine(what is left of the grace)` aborts the rest, whose
+    last chunks still go out."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    if tasks and grace_s > 0:
+        await asyncio.wait(list(tasks.values()), timeout=grace_s)
+    receiving.cancel()
+    await stop_engine(max(0.0, deadline - loop.time()))
+
+
+async def heartbeats(spec: WorkerSpec, send, stats, stop: asyncio.Event, each_beat=None) -> None:
+    """Every `spec.heartbeat_s`: a Heartbeat and the worker's Stats (`stats()`), until the process that
+    started this worker is gone, which sets `stop`."""
+    seq = 0
+    while True:
+        if os.getppid() != spec.parent_pid:  # orphaned: nobody reads our output any more
+            log.error("parent process %d is gone; exiting", spec.parent_pid)
+            stop.set()
+            return
+        seq += 1
+        await send(m.Heartbeat(seq))
+        await send(m.Stats(stats()))
+        if each_beat is not None:
+            each_beat()
+        await asyncio.sleep(spec.heartbeat_s)
+
+
+def _end(reason: str, error: str) -> StreamChunk:
+    return StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason=reason, error=error)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m legato.pipeline.worker '<WorkerSpec JSON>'", file=sys.stderr)
+        return 2
+    spec = WorkerSpec.from_json(argv[0])
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s worker[{spec.label}] %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(run(spec))
+    except Exception:
+        log.exception("worker failed")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The FastAPI application, built by `build_app` from its dependencies (no module-level state).
+
+Routes: `POST /v1/audio/speech` (speech.py), the voice routes (voices_api.py, when a voice store is given),
+`GET /v1/models`, `GET /health`, `GET /metrics`. Two pure-ASGI middlewares run first: request ids (taken
+from a valid `X-Request-Id` or generated, echoed on every response, set for the logs) and a request-body
+size cap. The lifespan starts the engine client and, on shutdown, stops it with a grace period (uvicorn
+has already let in-flight requests finish for up to the same grace before that).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from legato.pipeline.client import EngineClient
+from legato.server.errors import error_body, install_error_handlers
+from legato.server.logs import current_request_id
+from legato.server.metrics import ServerMetrics
+from legato.server.schemas import ModelCard, ModelList
+from legato.server.settings import ServerSettings
+from legato.server.speech import SPEECH_PATH, SpeechService, build_speech_router
+from legato.server.streaming import SpeechResponder
+from legato.server.voices import VoiceStore
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: `$` would let a final "\n" in
+
+
+def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None) -> FastAPI:
+    """The server for one engine client. The app owns the client's lifetime (start/stop in its lifespan)."""
+    metrics = ServerMetrics(client)
+    service = SpeechService(client, settings, voice_store)
+    responder = SpeechResponder(client, settings, metrics)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        log.info("serving %s (%s) at %d Hz", service.model_name, service.task_type, client.info.sample_rate)
+        try:
+            yield
+        finally:
+            log.info("shutting down: in-flight requests get %.1f s", settings.shutdown_grace_s)
+            await client.stop(settings.shutdown_grace_s)
+            log.info("engine stopped")
+
+    app = FastAPI(title="legato", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible text-to-speech for Qwen3-TTS models.")
+    install_error_handlers(app)
+    app.include_router(build_speech_router(service, responder))
+    if voice_store is not None:
+        from legato.server.voices_api import build_voices_router
+
+        app.include_router(build_voices_router(voice_store, service.media_policy))
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        info = client.info
+        saved = info.model_type == "base" and voice_store is not None
+        voices = [v.name for v in voice_store.list()] if saved else info.speakers
+        return ModelList(data=[ModelCard(
+            id=service.model_name, created=created, task_type=service.task_type, sample_rate=info.sample_rate,
+            languages=info.languages, voices=voices,
+        )])
+
+    @app.get("/health", responses={503: {"description": "The engine has stopped or died."}})
+    async def health() -> JSONResponse:
+        """200 while the engine runs; 503 once it has died or is stopping. `engine` carries its live stats
+        (queue depth, running requests, KV blocks) for operators and tests."""
+        alive = engine_alive(client)
+        s = client.stats()
+        body = {"status": "ok" if alive else "unavailable", "model": service.model_name, "engine": {
+            "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage, "num_kv_blocks": s.num_kv_blocks,
+            "free_kv_blocks": s.free_kv_blocks, "aborted": s.aborted,
+        }}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    _document_errors_as_400(app)
+    app.add_middleware(SpeechStatusCounter, metrics=metrics)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestIdMiddleware)  # added last = outermost: even a 413 carries the request id
+    app.state.metrics = metrics
+    app.state.client = client
+    return app
+
+
+def _document_errors_as_400(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every route with a body; this server answers validation errors with 400
+    (errors.py), so the 422 entries are dropped from the schema clients and fuzzers read."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema.get("paths", {}).values():
+                for op in operations.values():
+                    op.get("responses", {}).pop("422", None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def engine_alive(client: EngineClient) -> bool:
+    return bool(client.is_alive())
+
+
+class RequestIdMiddleware:
+    """Takes `X-Request-Id` when it is 1-128 characters of [A-Za-z0-9._:-], generates a uuid4 hex
+    otherwise, and echoes it on the response. A malformed client id is refused with 400 (not silently
+    replaced); that refusal carries a fresh id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"x-request-id")
+        valid = given is None or REQUEST_ID_PATTERN.fullmatch(given) is not None
+        rid = given if given is not None and valid else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        state["started"] = time.perf_counter()
+        token = current_request_id.set(rid)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            if valid:
+                await self.app(scope, receive, send_with_id)
+            else:
+                body = error_body(400, "X-Request-Id must be 1-128 characters of letters, digits, '.', '_', ':', "
+                                  "'-'", "invalid_request_id", "X-Request-Id")
+                await JSONResponse(body, status_code=400)(scope, receive, send_with_id)
+        finally:
+            current_request_id.reset(token)
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over `max_bytes` with 413, by Content-Length up front or while reading."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        message = f"request body exceeds the limit of {self.max_bytes} bytes"
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await JSONResponse(error_body(413, message, "request_too_large"), status_code=413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, message)  # FastAPI re-raises it from body parsing
+            return msg
+
+        await self.app(scope, counted, send)
+
+
+class SpeechStatusCounter:
+    """Counts every speech request once, by its final status: the status of a refusal, or the outcome the
+    request's `Generation` recorded (which differs from the 200 already sent when a stream fails or the
+    client leaves)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != SPEECH_PATH:
+            await self.app(scope, receive, send)
+            return
+        sent = 500
+
+        async def watch(message: Message) -> None:
+            nonlocal sent
+            if message["type"] == "http.response.start":
+                sent = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            gen = scope.get("state", {}).get("generation")
+            outcome = gen.outcome if gen is not None and gen.outcome is not None else sent
+            self.metrics.requests.labels(str(outcome)).inc()
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _version() -> str:
+    from legato import __version__
+
+    return __version__

@@ -1,0 +1,181 @@
+"""`legato serve`: load a model, start the engine thread, serve the HTTP API with uvicorn.
+
+    legato serve                                   # the embedded tiny default (random weights: noise)
+    legato serve --model Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice --port 8000
+
+SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting connections and lets in-flight requests run
+for up to --shutdown-grace seconds, then the engine aborts whatever is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+log = logging.getLogger("legato.serve")
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible speech API over HTTP")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help="model directory or hub id (default: the embedded tiny model, random weights)")
+    m.add_argument("--served-model-name", default=None, help="name in /v1/models and requests' `model`")
+    m.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="talker dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    h = p.add_argument_group("http")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--log-format", default="text", choices=["text", "json"])
+    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    t = p.add_argument_group("topology")
+    t.add_argument("--topology", default="single",
+                   help="single | split (talker worker + codec worker) | replicas:N (N engines behind a router) | "
+                        "MpNd (M prefill, N decode engines)")
+    t.add_argument("--deploy", default=None, help="a deploy/*.yaml file of options (the command line wins)")
+    t.add_argument("--devices", default=None,
+                   help="comma-separated devices for the workers, in order (default: --device for all)")
+    t.add_argument("--workers", default="thread", choices=["thread", "process"],
+                   help="run each engine on a thread of the server process or in its own worker process")
+    t.add_argument("--kv-transfer", default="shm", choices=["shm", "mooncake"],
+                   help="how process MpNd moves each handoff between its prefill and decode workers")
+    t.add_argument("--pd-pairing", default="least_loaded", choices=["least_loaded", "round_robin"],
+                   help="MpNd: how each request's decode engine is picked (least loaded, ties round robin; or round "
+                        "robin)")
+    t.add_argument("--kv-failure-policy", default="fail", choices=["fail", "recompute"],
+                   help="process MpNd: a request whose handoff did not cross (prefill worker died, transfer "
+                        "deadline) fails with the reason, or is run again whole on a live decode engine")
+    t.add_argument("--mtp-replicas", type=int, default=1,
+                   help="code-predictor replicas in each decode engine (own CUDA stream and graph pool each; "
+                        "requests pinned by crc32(request id) %% K)")
+    e = p.add_argument_group("engine (per worker)")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoding at once")
+    e.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    e.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue bound; beyond it: 429")
+    e.add_argument("--max-model-len", type=int, default=32768)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--batch-invariant", action="store_true",
+                   help="a seeded request's codes never depend on the load or topology, on GPUs too (decode steps "
+                        "run in fixed chunks of --invariant-rows rows; costs latency at low load)")
+    e.add_argument("--invariant-rows", type=int, default=32)
+    e.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first audio chunk")
+    e.add_argument("--chunk-frames", type=int, default=25, help="frames in each later audio chunk")
+    e.add_argument("--voice-cache-size", type=int, default=256,
+                   help="reference clips whose voice features are kept (a clip sent again is not re-encoded); 0: off")
+    e.add_argument("--chunk-ramp", action="store_true",
+                   help="after the first chunk, make each chunk as long as the audio already sent, up to "
+                        "--chunk-frames, so real-time playback never runs dry (default: straight to --chunk-frames)")
+    r = p.add_argument_group("requests")
+    r.add_argument("--max-input-chars", type=int, default=4096)
+    r.add_argument("--default-max-new-tokens", type=int, default=2048)
+    r.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    r.add_argument("--max-ref-audio-bytes", type=int, default=10 * 1024 * 1024)
+    r.add_argument("--max-ref-audio-seconds", type=float, default=60.0)
+    r.add_argument("--allowed-local-media-path", default=None,
+                   help="directory whose files requests may name as file:// ref_audio (default: none)")
+    r.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) ref_audio URLs")
+    r.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before a request is aborted (0: never)")
+    r.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests get on shutdown")
+    r.add_argument("--voices-dir", default=None,
+                   help="saved voices of a Base model (default: $LEGATO_CACHE/voices/<served name>)")
+    p.set_defaults(func=serve, serve_defaults={a.dest: a.default for a in p._actions})
+
+
+def serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from legato.engine.config import EngineConfig
+    from legato.models.qwen3_tts.config import ConfigError
+    from legato.models.qwen3_tts.default import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
+    from legato.models.qwen3_tts.loader import load_generation_defaults, load_model, resolve_model_dir
+    from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
+    from legato.pipeline.topology import TopologyError, build_client, parse_topology
+    from legato.server.app import build_app
+    from legato.server.logs import configure_logging
+    from legato.server.settings import ServerSettings
+    from legato.server.voices import VoiceStore
+
+    args.worker_memory = None
+    if args.deploy:
+        try:
+            apply_deploy(args, load_deploy(args.deploy, args.serve_defaults), args.serve_defaults)
+        except DeployError as e:
+            print(f"legato serve: error: {e}", file=sys.stderr)
+            return 2
+    configure_logging(args.log_format, args.log_level)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    try:
+        if args.model is None:
+            model_path = default_model_dir()
+            log.warning("no --model: serving the embedded default %s, which has RANDOM weights (its audio is "
+                        "noise); pass --model for real speech", DEFAULT_MODEL_NAME)
+            name = args.served_model_name or DEFAULT_MODEL_NAME
+        else:
+            model_path = args.model
+            name = args.served_model_name or _name_of(args.model)
+        engine_config = EngineConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting, max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+            first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
+            mtp_replicas=args.mtp_replicas, chunk_ramp=args.chunk_ramp, voice_cache_size=args.voice_cache_size,
+            batch_invariant=args.batch_invariant,
+            invariant_rows=args.invariant_rows,
+        )
+        voices_dir = args.voices_dir or str(cache_dir() / "voices" / _safe(name))
+        settings = ServerSettings(
+            model_name=name, max_input_chars=args.max_input_chars,
+            default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
+            max_ref_audio_bytes=args.max_ref_audio_bytes, max_ref_audio_seconds=args.max_ref_audio_seconds,
+            allowed_local_media_path=args.allowed_local_media_path, allow_remote_media=args.allow_remote_media,
+            request_timeout_s=args.request_timeout if args.request_timeout > 0 else None,
+            shutdown_grace_s=args.shutdown_grace, voices_dir=voices_dir,
+        )
+        topology = parse_topology(args.topology)
+        devices = args.devices.split(",") if args.devices else None
+        generation_defaults: dict = {}
+
+        def load(dev: str):
+            loaded = load_model(model_path, device=dev, dtype=getattr(torch, dtype))
+            generation_defaults.update(loaded.generation_defaults)
+            return loaded
+
+        client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
+                              model_path=model_path, memory_shares=args.worker_memory, kv_backend=args.kv_transfer,
+                              pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy)
+        if args.workers == "process":  # the workers load the model; its generation defaults come from disk
+            generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
+    except (ConfigError, TopologyError, ValueError) as e:
+        print(f"legato serve: error: {e}", file=sys.stderr)
+        return 2
+    settings.generation_defaults = generation_defaults
+    store = VoiceStore(voices_dir, client)  # holds voices only for Base models; lists and refuses otherwise
+    app = build_app(client, settings, store)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
+                            timeout_graceful_shutdown=settings.shutdown_grace_s)
+    log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host, args.port, name,
+             client.info.model_type, dtype, devices or device, topology)
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown; nothing left to report
+        return 130
+    return 0
+
+
+def _name_of(model: str) -> str:
+    """A local directory is named by its last component, a hub id by itself."""
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)

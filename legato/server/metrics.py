@@ -1,0 +1,79 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in one process never share one).
+
+Latency histograms are observed by the speech route as requests progress; the engine's gauges (queue
+depth, running requests, KV usage) are read from `EngineClient.stats()` at scrape time, so they are never
+stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from legato.pipeline.client import EngineClient
+
+# Seconds; TTFP spans a few ms (tiny model on a GPU) to seconds (long prompts under load).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+
+
+class ServerMetrics:
+    """What /metrics exposes. `mode` labels are file | audio | sse (how the response was delivered).
+
+    `legato_requests_total{status}` counts finished speech requests by the HTTP status they ended with;
+    a stream that failed after its 200 header counts as the status it would have had (500 error,
+    504 timeout, 503 shutdown), and a client that left mid-request as 499."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.ttfp = Histogram(
+            "legato_time_to_first_audio_seconds", "Request arrival to the first audio byte ready to send.",
+            ["mode"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(
+            "legato_e2e_latency_seconds", "Request arrival to the last audio byte.", ["mode"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.rtf = Histogram(
+            "legato_real_time_factor", "End-to-end latency divided by the audio duration produced.", ["mode"],
+            buckets=_RTF_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "legato_requests", "Speech requests by final status (refusals included).", ["status"],
+            registry=self.registry)
+        self.aborts = Counter(
+            "legato_request_aborts", "Speech requests the server aborted, by reason.", ["reason"],
+            registry=self.registry)
+        self.audio_seconds = Counter(
+            "legato_audio_seconds", "Seconds of audio produced.", registry=self.registry)
+        self.registry.register(_EngineCollector(client))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineCollector(Collector):
+    """Engine gauges read at scrape time."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    def describe(self) -> list:
+        return []  # dynamic: read at collect time
+
+    def collect(self) -> Iterator:
+        s = self.client.stats()
+        yield GaugeMetricFamily("legato_num_requests_waiting", "Requests in the engine's waiting queue.",
+                                value=s.waiting)
+        yield GaugeMetricFamily("legato_num_requests_running", "Requests holding an engine slot.",
+                                value=s.running)
+        yield GaugeMetricFamily("legato_kv_cache_usage_ratio", "Fraction of KV blocks in use.", value=s.kv_usage)
+        yield GaugeMetricFamily("legato_kv_cache_free_blocks", "Free KV blocks.", value=s.free_kv_blocks)
+        engine_aborts = CounterMetricFamily("legato_engine_aborts", "Requests the engine aborted, by reason.",
+                                            labels=["reason"])
+        for reason, count in sorted(s.aborted.items()):
+            engine_aborts.add_metric([reason], count)
+        yield engine_aborts
+        yield CounterMetricFamily("legato_kv_handoffs_recomputed", "Process MpNd: requests whose KV handoff "
+                                  "failed and that were run again on a decode engine (--kv-failure-policy).",
+                                  value=s.recomputed)

@@ -1,0 +1,119 @@
+"""The request body of `POST /v1/audio/speech`: OpenAI's fields plus the Qwen3-TTS extensions.
+
+Pydantic checks types and static ranges (and rejects unknown fields, as OpenAI does); the checks that
+depend on the served model or on the operator's limits (voice names, task type, input length,
+`max_new_tokens` cap) are made by the speech service, with the same error shape. Every validation failure
+is a 400 (see `errors.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ResponseFormat = Literal["wav", "pcm", "flac"]
+TaskType = Literal["Base", "CustomVoice", "VoiceDesign"]
+
+# A request naming one of these is refused by pydantic with a message listing the supported formats.
+SUPPORTED_FORMATS: tuple[str, ...] = ("wav", "pcm", "flac")
+
+# Static bounds. They keep every value the engine receives inside what its batched tensors can hold
+# (int64 seeds and top-k, finite temperatures) so no single request can fail the step it is batched in.
+_MAX_TOP_K = 1 << 16
+_MAX_FRAMES = 1 << 20
+
+
+class VoiceRef(BaseModel):
+    """OpenAI's custom-voice object form of `voice`: `{"id": "name"}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=256)
+
+
+class SpeechRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    # --- OpenAI fields ------------------------------------------------------------------------------
+    model: str | None = Field(None, max_length=512, description="Served model name (see /v1/models).")
+    input: str = Field(min_length=1, description="Text to speak.")
+    voice: str | VoiceRef | None = Field(
+        None, description="CustomVoice: a preset speaker (case-insensitive). Base: a saved voice name "
+        "(omit it when giving ref_audio or speaker_embedding). VoiceDesign: omit.")
+    response_format: ResponseFormat = Field("wav", description="wav, pcm (s16le mono) or flac.")
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="Only 1.0 is supported.")
+    stream: bool = Field(False, description="Stream raw audio as it is generated (stream_format=audio).")
+    stream_format: Literal["audio", "sse"] = Field(
+        "audio", description="audio: the file (stream=false) or raw bytes (stream=true); sse: "
+        "speech.audio.delta events (base64 PCM s16le) then speech.audio.done with usage.")
+    instructions: str | None = Field(None, description="VoiceDesign voice description; CustomVoice style.")
+
+    # --- Qwen3-TTS extensions -----------------------------------------------------------------------
+    task_type: TaskType | None = Field(None, description="Must match the served model when given.")
+    language: str | None = Field(None, max_length=64, description="'auto' (default) or a model language.")
+    ref_audio: str | None = Field(None, description="Base: reference clip as a data URL, base64, file:// "
+                                  "(under the allowed local media path) or http(s) (when allowed).")
+    ref_text: str | None = Field(None, description="Base: transcript of ref_audio (in-context cloning).")
+    x_vector_only_mode: bool = Field(False, description="Base: clone from the speaker embedding alone.")
+    speaker_embedding: list[float] | None = Field(
+        None, max_length=65536, description="Base: an x-vector of the model's hidden size.")
+    non_streaming_mode: bool | None = Field(None, description="Prompt layout: whole text in the prompt.")
+    max_new_tokens: int | None = Field(None, ge=2, description="Cap on codec tokens (frames + 1).")
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    do_sample: bool | None = None
+    temperature: float | None = Field(None, ge=0.01, le=100.0)
+    top_k: int | None = Field(None, ge=0, le=_MAX_TOP_K)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
+    subtalker_do_sample: bool | None = None
+    subtalker_temperature: float | None = Field(None, ge=0.01, le=100.0)
+    subtalker_top_k: int | None = Field(None, ge=0, le=_MAX_TOP_K)
+    subtalker_top_p: float | None = Field(None, gt=0.0, le=1.0)
+    first_chunk_frames: int | None = Field(None, ge=1, le=4096, description="Frames in the first audio chunk.")
+    ignore_eos: bool = Field(False, description="Benchmarks: never stop at EOS.")
+    num_frames: int | None = Field(None, ge=1, le=_MAX_FRAMES, description="Benchmarks: exact frame count "
+                                   "with ignore_eos (otherwise a cap).")
+
+    @field_validator("input")
+    @classmethod
+    def _input_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("input is blank")
+        return value
+
+    @field_validator("model", "input", "voice", "instructions", "language", "ref_audio", "ref_text")
+    @classmethod
+    def _valid_text(cls, value: object) -> object:
+        # JSON may carry lone surrogates ("\ud800"), which no tokenizer or log line can encode
+        text = value.id if isinstance(value, VoiceRef) else value
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError("must be valid Unicode text (no lone surrogates)") from e
+        return value
+
+    @property
+    def voice_name(self) -> str | None:
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+    @property
+    def streaming(self) -> bool:
+        """SSE always streams; raw audio streams when `stream` is set."""
+        return self.stream_format == "sse" or self.stream
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "legato"
+    task_type: str
+    sample_rate: int
+    languages: list[str]
+    voices: list[str]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,76 @@
+"""Server settings: one dataclass, validated where it is built (the CLI builds it from flags)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from legato.models.qwen3_tts.loader import GENERATION_DEFAULTS
+
+MiB = 1024 * 1024
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """Limits and switches of the HTTP server. The engine's own limits (batch size, waiting queue, chunk
+    schedule) live in `EngineConfig`; these are the per-request limits the server enforces before a request
+    reaches the engine."""
+
+    model_name: str | None = None
+    """Name served in /v1/models and accepted in a request's `model`; None takes the engine client's name."""
+    max_input_chars: int = 4096
+    """Longest `input` (and `instructions`, `ref_text`) in characters, as OpenAI caps `input`."""
+    default_max_new_tokens: int = 2048
+    """`max_new_tokens` of a request that gives none (capped by `max_new_tokens_limit`)."""
+    max_new_tokens_limit: int = 4096
+    """Largest `max_new_tokens` (and `num_frames` + 1) a request may ask for."""
+    max_ref_audio_bytes: int = 10 * MiB
+    max_ref_audio_seconds: float = 60.0
+    allowed_local_media_path: str | None = None
+    """`file://` reference audio is read only under this directory; None refuses every `file://`."""
+    allow_remote_media: bool = False
+    """Fetch http(s) reference audio URLs (off by default: a server fetching URLs is an SSRF risk)."""
+    media_fetch_timeout_s: float = 10.0
+    request_timeout_s: float | None = 600.0
+    """A request still running after this long is aborted and reported (504 / error event / cut stream)."""
+    shutdown_grace_s: float = 10.0
+    """On shutdown, in-flight requests get this long to finish before they are aborted."""
+    voices_dir: str | None = None
+    """Where saved voices live (None: no voice store)."""
+    generation_defaults: dict[str, Any] = field(default_factory=lambda: dict(GENERATION_DEFAULTS))
+    """The model's sampling defaults (`LoadedModel.generation_defaults`); request fields override them."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_input_chars", "default_max_new_tokens", "max_new_tokens_limit", "max_ref_audio_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ServerSettings.{name} must be a positive int, got {value!r}")
+        if self.max_new_tokens_limit < 2:
+            raise ValueError("ServerSettings.max_new_tokens_limit must be >= 2 (one frame)")
+        for name in ("max_ref_audio_seconds", "media_fetch_timeout_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            if not _positive(value) and not (name == "shutdown_grace_s" and value == 0):
+                raise ValueError(f"ServerSettings.{name} must be a positive number, got {value!r}")
+        if self.request_timeout_s is not None and not _positive(self.request_timeout_s):
+            raise ValueError("ServerSettings.request_timeout_s must be positive or None, "
+                             f"got {self.request_timeout_s!r}")
+        if self.allowed_local_media_path is not None and not Path(self.allowed_local_media_path).is_dir():
+            raise ValueError(f"allowed local media path {self.allowed_local_media_path!r} is not a directory")
+        missing = [k for k in GENERATION_DEFAULTS if k not in self.generation_defaults]
+        if missing:
+            raise ValueError(f"ServerSettings.generation_defaults lacks {missing}")
+
+    @property
+    def max_request_bytes(self) -> int:
+        """Largest request body: base64 reference audio (4/3 of its bytes) plus room for the other fields."""
+        return self.max_ref_audio_bytes * 4 // 3 + 1 * MiB
+
+    @property
+    def max_new_tokens_default(self) -> int:
+        return min(self.default_max_new_tokens, self.max_new_tokens_limit)
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

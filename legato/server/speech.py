@@ -1,0 +1,230 @@
+"""`POST /v1/audio/speech`: the route, and the service that turns a validated `SpeechRequest` into a
+`SynthesisRequest` for the engine (voice resolution, per-model rules, the operator's limits, sampling).
+
+Delivery (whole file, raw stream, SSE) is `streaming.SpeechResponder`'s job; the route only joins the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
+from legato.pipeline.client import EngineClient, SynthesisRequest
+from legato.server.encoding import STREAMABLE
+from legato.server.errors import ApiError, ErrorResponse
+from legato.server.media import MediaError, MediaPolicy, resolve_ref_audio
+from legato.server.schemas import SpeechRequest
+from legato.server.settings import ServerSettings
+from legato.server.streaming import SpeechResponder
+from legato.server.voices import VoiceStore, parse_speaker_embedding
+
+SPEECH_PATH = "/v1/audio/speech"
+TASK_TYPES = {"base": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
+_BASE_ONLY = ("ref_audio", "ref_text", "speaker_embedding", "x_vector_only_mode")
+
+
+@dataclass
+class PreparedSpeech:
+    synthesis: SynthesisRequest
+    response_format: str
+    mode: str  # file | audio | sse
+
+
+class SpeechService:
+    """Checks a request against the served model and the limits, and builds its `SynthesisRequest`.
+    Every refusal is an `ApiError` naming the field and, where there is a choice, what is available."""
+
+    def __init__(self, client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None) -> None:
+        self.client = client
+        self.settings = settings
+        self.voice_store = voice_store
+        self.media_policy = MediaPolicy(
+            allowed_local_media_path=settings.allowed_local_media_path, allow_remote=settings.allow_remote_media,
+            max_bytes=settings.max_ref_audio_bytes, max_seconds=settings.max_ref_audio_seconds,
+            timeout_s=settings.media_fetch_timeout_s,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name or self.client.info.name
+
+    @property
+    def task_type(self) -> str:
+        return TASK_TYPES.get(self.client.info.model_type, self.client.info.model_type)
+
+    async def prepare(self, body: SpeechRequest, request_id: str) -> PreparedSpeech:
+        self._check_request(body)
+        sampling, max_frames = self._sampling(body)
+        inp = await self._speech_input(body)
+        mode = "sse" if body.stream_format == "sse" else "audio" if body.stream else "file"
+        synthesis = SynthesisRequest(
+            request_id=request_id, input=inp, sampling=sampling, max_frames=max_frames,
+            ignore_eos=body.ignore_eos, first_chunk_frames=body.first_chunk_frames,
+        )
+        return PreparedSpeech(synthesis, body.response_format, mode)
+
+    # --- checks that need the model or the limits ------------------------------------------------------
+
+    def _check_request(self, body: SpeechRequest) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"model {body.model!r} is not served here; available: [{self.model_name!r}]",
+                           "model_not_found", "model")
+        if body.speed != 1.0:
+            raise ApiError(400, f"speed {body.speed:g} is not supported: only 1.0", "unsupported_speed", "speed")
+        if body.task_type is not None and body.task_type != self.task_type:
+            raise ApiError(400, f"task_type {body.task_type} does not match the served model, which is a "
+                                f"{self.task_type} model", "task_type_mismatch", "task_type")
+        if body.streaming and body.response_format not in STREAMABLE:
+            raise ApiError(400, f"response_format {body.response_format} cannot be streamed; streamable: "
+                                f"{', '.join(STREAMABLE)}", "unsupported_format", "response_format")
+        limit = self.settings.max_input_chars
+        for name in ("input", "instructions", "ref_text"):
+            value = getattr(body, name)
+            if value is not None and len(value) > limit:
+                raise ApiError(400, f"{name} is {len(value)} characters; the limit is {limit}",
+                               f"{name}_too_long", name)
+        cap = self.settings.max_new_tokens_limit
+        if body.max_new_tokens is not None and body.max_new_tokens > cap:
+            raise ApiError(400, f"max_new_tokens {body.max_new_tokens} exceeds the limit of {cap}",
+                           "max_new_tokens_too_large", "max_new_tokens")
+        if body.num_frames is not None and body.num_frames + 1 > cap:
+            raise ApiError(400, f"num_frames {body.num_frames} exceeds the limit of {cap - 1}",
+                           "num_frames_too_large", "num_frames")
+
+    def _sampling(self, body: SpeechRequest) -> tuple[SamplingParams, int | None]:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        max_new_tokens = pick(body.max_new_tokens, self.settings.max_new_tokens_default)
+        max_frames = None
+        if body.num_frames is not None:
+            max_frames = body.num_frames
+            max_new_tokens = body.num_frames + 1
+        try:
+            params = SamplingParams.from_generation_defaults(
+                self.settings.generation_defaults,
+                do_sample=body.do_sample, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                repetition_penalty=body.repetition_penalty, max_new_tokens=max_new_tokens,
+                subtalker_do_sample=body.subtalker_do_sample, subtalker_temperature=body.subtalker_temperature,
+                subtalker_top_k=body.subtalker_top_k, subtalker_top_p=body.subtalker_top_p, seed=body.seed,
+            )
+        except SamplingParamsError as e:
+            raise ApiError(400, str(e), "invalid_sampling") from e
+        return params, max_frames
+
+    # --- the voice, per model type --------------------------------------------------------------------
+
+    async def _speech_input(self, body: SpeechRequest) -> SpeechInput:
+        info = self.client.info
+        common = dict(text=body.input, language=self._language(body.language),
+                      non_streaming_mode=body.non_streaming_mode)
+        if info.model_type != "base":
+            for name in _BASE_ONLY:
+                if getattr(body, name) not in (None, False):
+                    raise ApiError(400, f"{name} is for Base (voice clone) models; this server runs a "
+                                        f"{self.task_type} model", "unsupported_field", name)
+        if info.model_type == "custom_voice":
+            return SpeechInput(speaker=self._preset_speaker(body.voice_name), instructions=body.instructions,
+                               **common)
+        if info.model_type == "voice_design":
+            if body.voice_name is not None:
+                raise ApiError(400, "a VoiceDesign model has no voices: describe the voice in instructions",
+                               "unsupported_field", "voice")
+            if not body.instructions or not body.instructions.strip():
+                raise ApiError(400, "a VoiceDesign model needs instructions describing the voice",
+                               "missing_instructions", "instructions")
+            return SpeechInput(instructions=body.instructions, **common)
+        if body.instructions:
+            raise ApiError(400, "a Base (voice clone) model takes no instructions", "unsupported_field",
+                           "instructions")
+        return SpeechInput(**common, **await self._clone_fields(body))
+
+    def _language(self, language: str | None) -> str:
+        if language is None:
+            return "auto"
+        known = {x.lower(): x for x in self.client.info.languages}
+        if language.lower() not in known:
+            raise ApiError(400, f"unsupported language {language!r}; supported: {sorted(known.values())}",
+                           "unsupported_language", "language")
+        return known[language.lower()]
+
+    def _preset_speaker(self, voice: str | None) -> str:
+        speakers = self.client.info.speakers
+        by_lower = {s.lower(): s for s in speakers}
+        if voice is None:
+            raise ApiError(400, f"voice is required: a preset speaker, one of {speakers}", "missing_voice", "voice")
+        if voice.lower() not in by_lower:
+            raise ApiError(400, f"unknown voice {voice!r}; available: {speakers}", "unknown_voice", "voice")
+        return by_lower[voice.lower()]
+
+    async def _clone_fields(self, body: SpeechRequest) -> dict[str, Any]:
+        """SpeechInput fields of a Base request: exactly one of a saved voice, ref_audio or an embedding."""
+        sources = [n for n in ("voice", "ref_audio", "speaker_embedding")
+                   if (body.voice_name if n == "voice" else getattr(body, n)) is not None]
+        if not sources:
+            raise ApiError(400, "a Base model clones a voice: give voice (a saved voice; available: "
+                                f"{self._saved_voices()}), ref_audio (+ ref_text) or speaker_embedding",
+                           "missing_voice", "voice")
+        if len(sources) > 1:
+            raise ApiError(400, f"give only one voice source, got {' and '.join(sources)}", "conflicting_voice",
+                           sources[1])
+        if body.voice_name is not None:
+            return self._saved_voice(body)
+        if body.speaker_embedding is not None:
+            if body.ref_text is not None:
+                raise ApiError(400, "ref_text needs ref_audio: a speaker_embedding clones from the x-vector "
+                                    "alone", "unsupported_field", "ref_text")
+            return {"speaker_embedding": self._embedding(body.speaker_embedding), "x_vector_only": True}
+        if not body.x_vector_only_mode and not (body.ref_text and body.ref_text.strip()):
+            raise ApiError(400, "in-context cloning needs ref_text (the transcript of ref_audio); or set "
+                                "x_vector_only_mode", "missing_ref_text", "ref_text")
+        try:
+            samples, rate = await resolve_ref_audio(body.ref_audio, self.media_policy)
+        except MediaError as e:
+            raise ApiError(e.status, e.message, "invalid_ref_audio", "ref_audio") from e
+        return {"ref_audio": samples, "ref_sample_rate": rate, "ref_text": body.ref_text,
+                "x_vector_only": body.x_vector_only_mode}
+
+    def _saved_voices(self) -> list[str]:
+        return [v.name for v in self.voice_store.list()] if self.voice_store is not None else []
+
+    def _saved_voice(self, body: SpeechRequest) -> dict[str, Any]:
+        voice = self.voice_store.get(body.voice_name) if self.voice_store is not None else None
+        if voice is None:
+            raise ApiError(400, f"unknown voice {body.voice_name!r}; saved voices: {self._saved_voices()}",
+                           "unknown_voice", "voice")
+        if body.ref_text is not None:
+            raise ApiError(400, "a saved voice carries its own ref_text", "unsupported_field", "ref_text")
+        fields = voice.speech_fields()
+        if body.x_vector_only_mode:
+            fields.update(ref_code=None, ref_text=None, x_vector_only=True)
+        return fields
+
+    def _embedding(self, values: list[float]) -> torch.Tensor:
+        try:
+            return parse_speaker_embedding(values, self.client.info.hidden_size)
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_speaker_embedding", "speaker_embedding") from e
+
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 403, 404, 413, 429, 500, 503, 504)}
+_AUDIO = {"content": {t: {"schema": {"type": "string", "format": "binary"}}
+                      for t in ("audio/wav", "audio/pcm", "audio/flac", "text/event-stream")},
+          "description": "The audio (file or stream) or an SSE event stream."}
+
+
+def build_speech_router(service: SpeechService, responder: SpeechResponder) -> APIRouter:
+    router = APIRouter()
+
+    @router.post(SPEECH_PATH, responses={200: _AUDIO, **_ERRORS}, response_class=Response)
+    async def create_speech(body: SpeechRequest, request: Request) -> Response:
+        prepared = await service.prepare(body, request.state.request_id)
+        return await responder.respond(prepared.synthesis, prepared.response_format, prepared.mode, request)
+
+    return router

@@ -1,0 +1,362 @@
+"""Delivering one synthesis: the whole file, a raw audio stream, or SSE events.
+
+Every mode first waits for the request's first chunk, so a refusal (429 queue full, 400 bad prompt, 503
+shutting down) or a failure before any audio is still an ordinary HTTP error with a JSON body; the
+response headers (request id, seed) are sent only once the request is really running.
+
+After that, each mode ends in exactly one recorded outcome (metrics + one log line):
+- the engine finished (stop/length): usage in headers (file), the `speech.audio.done` event (SSE), or
+  the log (raw stream, whose headers are long gone);
+- the engine failed the request, or shutdown aborted it: 500/503 (file), a `speech.audio.error` event
+  (SSE), or a cut raw stream: the connection closes without the final chunk, so the client sees a
+  truncated body rather than a short but valid-looking file;
+- the request outlived `request_timeout_s`: it is aborted, then reported as above with 504;
+- the client went away: the engine request is aborted at once (its blocks freed), counted as 499.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk, SynthesisRequest
+from legato.server.encoding import encode_chunk, encode_file, media_type, stream_preamble
+from legato.server.errors import ApiError
+from legato.server.metrics import ServerMetrics
+from legato.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_FAILED = {"error": 500, "abort": 503}
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+class StreamCut(Exception):
+    """Raised by a raw stream's body to end the response without its final chunk."""
+
+
+class Generation:
+    """One engine request as the HTTP layer sees it: pulls chunks under the request's deadline, keeps the
+    usage, and records exactly one outcome."""
+
+    def __init__(self, client: EngineClient, req: SynthesisRequest, mode: str, started: float,
+                 timeout_s: float | None, metrics: ServerMetrics) -> None:
+        self.req = req
+        self.mode = mode
+        self.started = started
+        self.deadline = None if timeout_s is None else started + timeout_s
+        self.metrics = metrics
+        self.sample_rate = client.info.sample_rate
+        self._chunks = client.generate(req)
+        self.prompt_tokens = 0
+        self.frames = 0
+        self.samples = 0
+        self.seed = req.sampling.seed
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.ttfp: float | None = None
+        self.outcome: int | None = None
+
+    async def next(self) -> StreamChunk:
+        """The next chunk. Raises RequestRejected (first call), TimeoutError (after aborting the request)."""
+        pending = anext(self._chunks)
+        try:
+            if self.deadline is None:
+                chunk = await pending
+            else:
+                # On timeout wait_for cancels the pull inside the engine iterator, which aborts the request.
+                chunk = await asyncio.wait_for(pending, max(self.deadline - time.perf_counter(), 0.0))
+        except StopAsyncIteration:  # a client breaking the contract: say so rather than hang or crash
+            chunk = StreamChunk(np.zeros(0, np.float32), self.frames, finished=True, finish_reason="error",
+                                error="the engine stream ended without a final chunk", seed=self.seed or 0)
+        self.prompt_tokens = chunk.num_prompt_tokens or self.prompt_tokens
+        self.frames = chunk.num_frames
+        self.samples += len(chunk.audio)
+        self.seed = chunk.seed
+        if chunk.finished:
+            self.finish_reason, self.error = chunk.finish_reason, chunk.error
+        return chunk
+
+    @property
+    def succeeded(self) -> bool:
+        return self.finish_reason in ("stop", "length")
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.samples / self.sample_rate
+
+    def usage(self) -> dict:
+        return {"input_tokens": self.prompt_tokens, "output_tokens": self.frames,
+                "total_tokens": self.prompt_tokens + self.frames}
+
+    def first_audio(self) -> None:
+        if self.ttfp is None:
+            self.ttfp = time.perf_counter() - self.started
+            self.metrics.ttfp.labels(self.mode).observe(self.ttfp)
+
+    def finish(self, status: int, abort_reason: str | None = None, error: str | None = None) -> None:
+        """Records the outcome once: metrics and one log line carrying the usage."""
+        if self.outcome is not None:
+            return
+        self.outcome = status
+        e2e = time.perf_counter() - self.started
+        if abort_reason:
+            self.metrics.aborts.labels(abort_reason).inc()
+        if status == 200:
+            self.metrics.e2e.labels(self.mode).observe(e2e)
+            if self.samples:
+                self.metrics.rtf.labels(self.mode).observe(e2e / self.audio_seconds)
+            self.metrics.audio_seconds.inc(self.audio_seconds)
+        level = logging.INFO if status < 500 or status == 503 else logging.WARNING
+        log.log(level, "speech %s", "done" if status == 200 else f"ended with {status}", extra={
+            "request_id": self.req.request_id, "status": status, "mode": self.mode,
+            "finish_reason": self.finish_reason, "abort_reason": abort_reason, "error": error or self.error,
+            "prompt_tokens": self.prompt_tokens, "frames": self.frames, "audio_s": round(self.audio_seconds, 3),
+            "ttfp_s": None if self.ttfp is None else round(self.ttfp, 4), "e2e_s": round(e2e, 4), "seed": self.seed,
+        })
+
+    def finish_failed(self) -> int:
+        """Records a request the engine failed (500) or aborted while shutting down (503)."""
+        status = _FAILED.get(self.finish_reason or "error", 500)
+        self.finish(status, abort_reason="shutdown" if status == 503 else None)
+        return status
+
+    async def close(self) -> None:
+        """Ends the engine request if it is still running (closing the iterator aborts it)."""
+        with anyio.CancelScope(shield=True):
+            await self._chunks.aclose()
+
+    async def abandon(self) -> None:
+        """Ends the request as the client leaving (499) unless an outcome was recorded, and closes it."""
+        self.finish(499, abort_reason="client_disconnect")
+        await self.close()
+
+
+class SpeechResponder:
+    def __init__(self, client: EngineClient, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.client = client
+        self.settings = settings
+        self.metrics = metrics
+
+    async def respond(self, req: SynthesisRequest, fmt: str, mode: str, request: Request) -> Response:
+        started = getattr(request.state, "started", time.perf_counter())
+        gen = Generation(self.client, req, mode, started, self.settings.request_timeout_s, self.metrics)
+        request.state.generation = gen  # its outcome is the request's final status (see app.SpeechStatusCounter)
+        try:
+            if mode == "file":
+                return await until_disconnected(request, self._file(gen, fmt))
+            first = await until_disconnected(request, self._first(gen))
+        except ClientGone:
+            await gen.abandon()
+            return Response(status_code=499)
+        except BaseException:
+            await gen.close()
+            raise
+        headers = {"X-Request-Id": req.request_id, "X-Seed": str(gen.seed),
+                   "X-Sample-Rate": str(gen.sample_rate), "Cache-Control": "no-cache"}
+        if mode == "sse":
+            return AudioStreamResponse(self._sse(gen, first), "text/event-stream", headers, gen.abandon)
+        return AudioStreamResponse(self._raw(gen, first, fmt), media_type(fmt), headers, gen.abandon)
+
+    async def _first(self, gen: Generation) -> StreamChunk:
+        """The first chunk with audio (or the last chunk), or the request's error as an ApiError when it
+        failed before any audio. Chunks carrying only codec codes are skipped: they hold nothing to send."""
+        try:
+            chunk = await gen.next()
+            while not chunk.finished and not chunk.audio.size:
+                chunk = await gen.next()
+        except RequestRejected as e:
+            gen.finish(e.status, error=e.message)
+            headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after is not None else None
+            raise ApiError(e.status, e.message, _rejection_code(e.status), headers=headers) from e
+        except asyncio.TimeoutError as e:
+            gen.finish(504, abort_reason="timeout")
+            raise ApiError(504, f"request timed out after {self.settings.request_timeout_s:g} s", "timeout") from e
+        if chunk.finished and not gen.succeeded and not chunk.audio.size:
+            self._raise_failure(gen)
+        return chunk
+
+    def _raise_failure(self, gen: Generation) -> None:
+        status = gen.finish_failed()
+        message = gen.error or ("aborted: the server is shutting down" if status == 503 else "generation failed")
+        raise ApiError(status, message, "shutting_down" if status == 503 else "generation_failed")
+
+    async def _file(self, gen: Generation, fmt: str) -> Response:
+        chunk = await self._first(gen)
+        parts = [chunk.audio]
+        try:
+            while not chunk.finished:
+                chunk = await gen.next()
+                parts.append(chunk.audio)
+        except asyncio.TimeoutError as e:
+            gen.finish(504, abort_reason="timeout")
+            raise ApiError(504, f"request timed out after {self.settings.request_timeout_s:g} s", "timeout") from e
+        if not gen.succeeded:
+            self._raise_failure(gen)
+        gen.first_audio()
+        audio = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        body = await asyncio.to_thread(encode_file, audio, gen.sample_rate, fmt)
+        gen.finish(200)
+        usage = gen.usage()
+        return Response(body, media_type=media_type(fmt), headers={
+            "X-Request-Id": gen.req.request_id, "X-Seed": str(gen.seed), "X-Sample-Rate": str(gen.sample_rate),
+            "X-Usage-Input-Tokens": str(usage["input_tokens"]), "X-Usage-Output-Tokens": str(usage["output_tokens"]),
+            "X-Usage-Total-Tokens": str(usage["total_tokens"]), "X-Audio-Seconds": f"{gen.audio_seconds:.6f}",
+            "X-Finish-Reason": gen.finish_reason or "",
+        })
+
+    async def _raw(self, gen: Generation, first: StreamChunk, fmt: str) -> AsyncIterator[bytes]:
+        try:
+            chunk = first
+            gen.first_audio()
+            yield stream_preamble(gen.sample_rate, fmt) + encode_chunk(first.audio)
+            while not chunk.finished:
+                chunk = await gen.next()
+                if chunk.audio.size:
+                    yield encode_chunk(chunk.audio)
+            if gen.succeeded:
+                gen.finish(200)
+                return
+            gen.finish_failed()
+            raise StreamCut(gen.error or gen.finish_reason)
+        except asyncio.TimeoutError as e:
+            gen.finish(504, abort_reason="timeout")
+            raise StreamCut("timeout") from e
+        except StreamCut:
+            raise
+        except Exception as e:
+            log.exception("audio stream failed")
+            gen.finish(500, error=f"{type(e).__name__}: {e}")
+            raise StreamCut(f"internal error: {type(e).__name__}") from e
+        finally:
+            await gen.abandon()  # no-op unless the client left
+
+    async def _sse(self, gen: Generation, first: StreamChunk) -> AsyncIterator[bytes]:
+        try:
+            chunk = first
+            gen.first_audio()
+            if first.audio.size:
+                yield _delta(first.audio)
+            while not chunk.finished:
+                chunk = await gen.next()
+                if chunk.audio.size:
+                    yield _delta(chunk.audio)
+            if gen.succeeded:
+                gen.finish(200)
+                yield _event({"type": "speech.audio.done", "usage": gen.usage(), "request_id": gen.req.request_id,
+                              "seed": gen.seed, "audio_seconds": round(gen.audio_seconds, 6),
+                              "sample_rate": gen.sample_rate, "finish_reason": gen.finish_reason})
+                return
+            status = gen.finish_failed()
+            message = gen.error or "generation failed"
+        except asyncio.TimeoutError:
+            status = 504
+            gen.finish(status, abort_reason="timeout")
+            message = f"request timed out after {self.settings.request_timeout_s:g} s"
+        except Exception as e:
+            log.exception("event stream failed")
+            status, message = 500, f"internal error: {type(e).__name__}"
+            gen.finish(status, error=f"{type(e).__name__}: {e}")
+        finally:
+            await gen.abandon()  # no-op unless the client left
+        yield _event({"type": "speech.audio.error", "request_id": gen.req.request_id, "usage": gen.usage(),
+                      "error": {"message": message, "type": "timeout_error" if status == 504 else "server_error",
+                                "code": status, "partial_audio": gen.samples > 0}})
+
+
+def _rejection_code(status: int) -> str:
+    codes = {429: "queue_full", 503: "shutting_down", 413: "request_too_large"}
+    return codes.get(status, "internal_error" if status >= 500 else "invalid_request")
+
+
+def _event(data: dict) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+def _delta(audio: np.ndarray) -> bytes:
+    return _event({"type": "speech.audio.delta", "response_format": "pcm",
+                   "audio": base64.b64encode(encode_chunk(audio)).decode("ascii")})
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work` while watching the connection; a disconnect cancels it and raises ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        gone = not task.done()
+        if gone:  # the client left, or we were cancelled ourselves
+            # Wait for the work to unwind: until it has, the engine stream it pulls from cannot be closed.
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+    if gone:
+        raise ClientGone
+    return task.result()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class AudioStreamResponse(Response):
+    """A streamed body that (a) watches for the client leaving and cancels the body at once, whatever
+    the ASGI spec version (Starlette's StreamingResponse only notices on the next write with spec 2.4),
+    (b) lets the body end the response without its final chunk by raising `StreamCut`, and (c) always
+    awaits `on_close` at the end: a body that never started (the client left first) skips its own
+    `finally`, so the request it streams must be ended from here."""
+
+    def __init__(self, body: AsyncIterator[bytes], media_type: str, headers: dict[str, str],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        self.body_iterator = body
+        self.on_close = on_close
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await _wait_disconnect(receive)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await self._stream(send)
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _stream(self, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except StreamCut as e:
+            log.warning("cutting the audio stream: %s", e)  # the server closes the connection mid-body
+        except OSError:
+            pass  # the client is gone (a write failed); the body's finally aborts the request
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self.on_close()

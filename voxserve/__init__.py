@@ -1,3 +1,0 @@
-"""voxserve: a serving engine for Qwen3-TTS codec text-to-speech models."""
-
-__version__ = "0.1.0"

@@ -1,1 +1,0 @@
-"""Checks of what voxserve produces: topology equivalence probes (and, with real weights, quality metrics)."""
