@@ -102,7 +102,7 @@ def bench_codec(lm, dtype: torch.dtype, batches: list[int], chunk: int, steps: i
     rows = []
     for b in batches:
         state = dec.new_stream_state(b)
-        codes = torch.randint(0, 2048, (b, 16, chunk), device=next(dec.parameters()).device)
+        codes = torch.randint(0, 2048, (b, chunk, 16), device=next(dec.parameters()).device)
         with torch.inference_mode():
             for _ in range(2):
                 _, state = dec.stream_step(codes, state)

@@ -60,9 +60,9 @@ def test_decode_matches_official(pair, batch, frames):
         assert g.shape == w.shape == (frames * 1920,)
         assert w.std() > 0.01  # a real signal, not a constant or silence
         assert (g - w).abs().max().item() < TOL
-    # Within one 300-frame window `decode` is the plain whole-sequence forward.
+    # Within one 300-frame window `decode` is the plain whole-sequence forward; both take [B, T, 16].
     with torch.no_grad():
-        wav = ours(codes.transpose(1, 2))
+        wav = ours(codes)
     assert wav.shape == (batch, 1, frames * 1920)
     assert torch.equal(wav[:, 0], torch.stack(got))
 
@@ -90,7 +90,7 @@ def test_decode_beyond_one_window_follows_official_chunking(pair):
     assert (got - want).abs().max().item() < TOL
     # ... which differs from one whole-sequence window (the attention window and convs see further back).
     with torch.no_grad():
-        whole = ours(codes.transpose(1, 2))[0, 0]
+        whole = ours(codes)[0, 0]
     assert (whole[300 * 1920 :] - got[300 * 1920 :]).abs().max().item() > 1e-3
 
 
@@ -106,9 +106,9 @@ def test_full_size_decoder_matches_official():
     official = Qwen3TTSTokenizerV2Decoder._from_config(official_cfg).eval()
     ours = randomize_codec_weights_(CodecDecoder(cfg).eval(), seed=2)
     official.load_state_dict(ours.state_dict(), strict=True)
-    codes = torch.randint(0, 2048, (1, 16, 2), generator=torch.Generator().manual_seed(3))
+    codes = torch.randint(0, 2048, (1, 2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        want = official(codes)
+        want = official(codes.transpose(1, 2))  # the official module's forward takes [B, 16, T]
         got = ours(codes)
     assert got.shape == want.shape == (1, 1, 2 * 1920)
     assert want.std() > 0.01

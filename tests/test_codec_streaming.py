@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import random
 
+import numpy as np
 import pytest
 import torch
 from codec_helpers import randomize_codec_weights_
@@ -24,7 +25,7 @@ def decoder() -> CodecDecoder:
 
 
 def _codes(batch: int, frames: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 2048, (batch, 16, frames), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, 2048, (batch, frames, 16), generator=torch.Generator().manual_seed(seed))
 
 
 def _whole(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
@@ -36,11 +37,11 @@ def _stream(decoder: CodecDecoder, codes: torch.Tensor, schedule: list[int]) -> 
     state = decoder.new_stream_state(codes.shape[0])
     pieces, start = [], 0
     for n in schedule:
-        wav, state = decoder.stream_step(codes[..., start : start + n], state)
+        wav, state = decoder.stream_step(codes[:, start : start + n], state)
         assert wav.shape == (codes.shape[0], 1, n * SPF)
         pieces.append(wav)
         start += n
-    assert start == codes.shape[-1]
+    assert start == codes.shape[1]
     assert state.position.tolist() == [start] * codes.shape[0]
     return torch.cat(pieces, dim=-1)
 
@@ -101,7 +102,7 @@ def test_batch_with_unequal_chunks_and_histories(decoder):
             first = done[i] == 0
             n = 0 if step < joins[i] else (1 if first else rng.choice([0, 3, 4, 11, 25]))
             n = min(n, totals[i] - done[i])
-            chunks.append(codes[i][:, done[i] : done[i] + n].T)
+            chunks.append(codes[i][done[i] : done[i] + n])
         wavs, states = decode_chunks(decoder, chunks, states)
         for i in range(3):
             assert wavs[i].shape == (chunks[i].shape[0] * SPF,)
@@ -120,7 +121,7 @@ def test_padding_never_reaches_the_state(decoder):
     _, state = decoder.stream_step(history, decoder.new_stream_state(2))
     chunk = _codes(2, 6, seed=12)
     other = chunk.clone()
-    other[1, :, 2:] = _codes(1, 4, seed=13)[0]
+    other[1, 2:] = _codes(1, 4, seed=13)[0]
     lengths = torch.tensor([6, 2])
     wav_a, state_a = decoder.stream_step(chunk, state, lengths)
     wav_b, state_b = decoder.stream_step(other, state, lengths)
@@ -129,7 +130,7 @@ def test_padding_never_reaches_the_state(decoder):
     for key, buf in state_a.buffers.items():
         assert torch.equal(buf, state_b.buffers[key]), key
     # And the short request's state equals decoding just its 2 valid frames.
-    _, alone = decoder.stream_step(chunk[1:, :, :2], state.select([1]))
+    _, alone = decoder.stream_step(chunk[1:, :2], state.select([1]))
     for key, buf in alone.buffers.items():
         assert (buf[0] - state_a.buffers[key][1]).abs().max().item() < TOL, key
 
@@ -139,20 +140,20 @@ def test_requests_are_independent_and_state_resets(decoder):
     codes_b = _codes(1, 30, seed=22)
     want_a = _whole(decoder, codes_a)
     # B has a history of 17 frames, A none; then both decode together.
-    _, state_b = decoder.stream_step(codes_b[..., :17], decoder.new_stream_state())
+    _, state_b = decoder.stream_step(codes_b[:, :17], decoder.new_stream_state())
     joint = CodecStreamState.cat([decoder.new_stream_state(), state_b])
     before = {k: v.clone() for k, v in joint.buffers.items()}
-    wav, state = decoder.stream_step(torch.cat([codes_a[..., :13], codes_b[..., 17:]]), joint)
+    wav, state = decoder.stream_step(torch.cat([codes_a[:, :13], codes_b[:, 17:]]), joint)
     assert all(torch.equal(v, before[k]) for k, v in joint.buffers.items())  # the input state is not modified
     assert state.position.tolist() == [13, 30]
     assert (wav[0] - want_a[0, :, : 13 * SPF]).abs().max().item() < TOL
     assert (wav[1] - _whole(decoder, codes_b)[0, :, 17 * SPF :]).abs().max().item() < TOL
     # A continues alone (select), B's slot is recycled with a fresh state for a new utterance.
     state_a = state.select([0])
-    rest, _ = decoder.stream_step(codes_a[..., 13:], state_a)
+    rest, _ = decoder.stream_step(codes_a[:, 13:], state_a)
     assert (rest[0] - want_a[0, :, 13 * SPF :]).abs().max().item() < TOL
-    fresh = _stream(decoder, codes_b[..., :5], [1, 4])
-    assert (fresh - _whole(decoder, codes_b[..., :5])).abs().max().item() < TOL
+    fresh = _stream(decoder, codes_b[:, :5], [1, 4])
+    assert (fresh - _whole(decoder, codes_b[:, :5])).abs().max().item() < TOL
 
 
 def test_state_layout(decoder):
@@ -199,3 +200,62 @@ def test_the_engine_chunk_schedule_ramps_to_the_steady_size():
     assert sizes(3, 25, True)[:6] == [3, 3, 6, 12, 24, 25]
     assert sizes(1, 25, False)[:3] == [1, 25, 25]
     assert sizes(30, 25, True)[:3] == [30, 25, 25]  # a first chunk above the steady size is kept
+
+
+def _stream_through_streamer(decoder, schedule, codes: torch.Tensor, ref: torch.Tensor | None, bursts: list[int]):
+    """Pushes `codes` [T, 16] into a CodecStreamer in bursts (flushing after each), then finishes it."""
+    from legato.engine.codec_streamer import CodecStreamer
+
+    streamer = CodecStreamer(decoder, schedule)
+    streamer.open("r", ref)
+    pieces, done = [], 0
+    for n in bursts:
+        for frame in codes[done : done + n]:
+            streamer.push("r", frame)
+        done += n
+        audio, failed = streamer.flush(set())
+        assert not failed
+        if "r" in audio:
+            pieces.append(audio["r"])
+    assert done == codes.shape[0]
+    audio, failed = streamer.flush({"r"})
+    assert not failed and "r" not in streamer.streams
+    pieces.append(audio.get("r", np.zeros(0, np.float32)))
+    return np.concatenate(pieces)
+
+
+@pytest.mark.parametrize(("window", "context", "ref_frames"), [(20, 5, 0), (20, 5, 7), (16, 0, 3), (30, 29, 11)])
+def test_streamer_follows_the_windowed_decode(decoder, window, context, ref_frames):
+    """Streamed in chunks (1, then ramped, with bursts of frames arriving at once), a long utterance equals
+    `CodecDecoder.decode` with the same windows, reference frames of an in-context clone counted in."""
+    from legato.engine.codec_streamer import StreamSchedule
+
+    rng = random.Random(window + context + ref_frames)
+    total = 3 * window + 7
+    codes = _codes(1, ref_frames + total, seed=40 + ref_frames)[0]
+    ref, gen = (codes[:ref_frames], codes[ref_frames:]) if ref_frames else (None, codes)
+    want = decoder.decode(codes[None], chunk_size=window, left_context=context)[0][ref_frames * SPF :].numpy()
+    bursts, left = [], total
+    while left:
+        bursts.append(min(left, rng.choice([1, 1, 2, 5, 9])))
+        left -= bursts[-1]
+    schedule = StreamSchedule(first_chunk_frames=1, chunk_frames=6, chunk_ramp=True, window_frames=window,
+                              window_context=context)
+    got = _stream_through_streamer(decoder, schedule, gen, ref, bursts)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < TOL
+    # Full-context streaming is the whole-utterance forward instead, which differs past the first window.
+    full = StreamSchedule(first_chunk_frames=1, chunk_frames=6, window_frames=None)
+    whole = _whole(decoder, codes[None])[0, 0, ref_frames * SPF :].numpy()
+    assert np.abs(_stream_through_streamer(decoder, full, gen, ref, bursts) - whole).max() < TOL
+    assert np.abs(whole - want).max() > 1e-3
+
+
+def test_stream_schedule_refuses_bad_windows():
+    from legato.engine.codec_streamer import StreamSchedule
+
+    for window, context in ((10, 10), (10, -1)):
+        with pytest.raises(ValueError, match="window"):
+            StreamSchedule(window_frames=window, window_context=context)
+    with pytest.raises(ValueError, match="chunk sizes"):
+        StreamSchedule(first_chunk_frames=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 
 import numpy as np
@@ -11,7 +13,7 @@ from engine_helpers import engine_config, run_all, tiny_model
 
 from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
-from legato.models.qwen3_tts.prompt import build_prompt
+from legato.models.qwen3_tts.prompt import build_prompt, target_text_tokens
 from legato.models.qwen3_tts.reference_loop import generate_codes
 from legato.models.qwen3_tts.sampling import SamplingParams
 
@@ -148,6 +150,57 @@ def test_streamed_audio_equals_one_shot_decode(root):
         assert pcm.shape == wav.shape
         assert np.abs(pcm - wav).max() < 1e-5
         assert len(got.audio[f"s{i}"][0]) == 1920  # first chunk: one frame
+
+
+def test_a_long_stream_equals_the_windowed_decode(root):
+    """350 frames (past the reference's 300-frame decode window), and an in-context clone whose reference
+    frames move the window boundary: the streamed audio equals `TTS.decode`, the reference implementation's
+    windowed decode, within 1e-4."""
+    from legato.api import TTS
+
+    lm = tiny_model(root, "base")
+    g = torch.Generator().manual_seed(5)
+    emb, ref = torch.randn(64, generator=g), torch.randint(0, 2048, (40, 16), generator=g)
+    inputs = [SpeechInput(TEXTS[0], speaker_embedding=emb, x_vector_only=True),
+              SpeechInput(TEXTS[1], speaker_embedding=emb, ref_code=ref, ref_text="A reference transcript.")]
+    specs = [build_spec(lm, i) for i in inputs]
+    engine = Engine(lm, engine_config(max_model_len=2048, chunk_ramp=True))
+    got = run_all(engine, [EngineRequest(f"l{i}", s, sampled(3 + i, 400), max_frames=350, ignore_eos=True)
+                           for i, s in enumerate(specs)])
+    tts = TTS(lm)
+    for i, spec in enumerate(specs):
+        codes = got.frames(f"l{i}")
+        assert codes.shape == (350, 16)
+        want = tts.decode(codes, spec.ref_code)
+        pcm = got.pcm(f"l{i}")
+        assert pcm.shape == want.shape == (350 * 1920,)
+        assert np.abs(pcm - want).max() < 1e-4
+
+
+def test_the_frame_cap_ends_a_request_that_would_run_on(root, caplog):
+    """Random weights never sample EOS: a request without an exact length stops at the text-derived cap
+    (frames_per_text_token x its text tokens + the margin) with reason `length`, and the log says why; an
+    exact length (ignore_eos + max_frames) is the caller's and is not capped; no cap, no stop."""
+    lm = tiny_model(root, "custom_voice")
+    spec = build_spec(lm, SpeechInput(TEXTS[3], speaker="ryan"))
+    cap = math.ceil(2.0 * target_text_tokens(spec)) + 3
+    engine = Engine(lm, engine_config(frames_per_text_token=2.0, frame_cap_margin=3))
+    assert engine.frame_cap(spec) == cap
+    with caplog.at_level(logging.WARNING, logger="legato.engine.engine"):
+        got = run_all(engine, [
+            EngineRequest("runs-on", spec, sampled(1, 500)),
+            EngineRequest("ignores-eos", spec, sampled(2, 500), ignore_eos=True),
+            EngineRequest("exact", spec, sampled(3, 500), max_frames=cap + 7, ignore_eos=True),
+            EngineRequest("short", spec, sampled(4, cap - 2)),
+        ])
+    assert got.finished == {"runs-on": "length", "ignores-eos": "length", "exact": "length", "short": "length"}
+    frames = {rid: got.frames(rid).shape[0] for rid in got.finished}
+    assert frames == {"runs-on": cap, "ignores-eos": cap, "exact": cap + 7, "short": cap - 3}
+    hits = [r.getMessage() for r in caplog.records if "frame cap" in r.getMessage()]
+    assert len(hits) == 2 and all(f"{cap} frames" in h for h in hits)  # the capped two, not the others
+    uncapped = Engine(lm, engine_config(frames_per_text_token=None))
+    assert uncapped.frame_cap(spec) is None
+    assert run_all(uncapped, [EngineRequest("free", spec, sampled(1, 40))]).frames("free").shape[0] == 39
 
 
 def test_64_requests_none_lost_or_duplicated(root):

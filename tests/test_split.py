@@ -12,7 +12,7 @@ import pytest
 import torch
 from client_helpers import run_client
 
-from legato.engine.codec_streamer import next_chunk_frames
+from legato.engine.codec_streamer import StreamSchedule, next_chunk_frames
 from legato.engine.config import EngineConfig
 from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
@@ -146,7 +146,7 @@ def test_codec_engine_cuts_bursts_on_the_single_schedule(loaded):
     codes = torch.randint(0, 2048, (10, 16), generator=torch.Generator().manual_seed(3))
     runs = []
     for burst in (1, 10, 4):
-        eng = CodecEngine(loaded.speech_tokenizer.decoder, first_chunk_frames=1, chunk_frames=4)
+        eng = CodecEngine(loaded.speech_tokenizer.decoder, StreamSchedule(first_chunk_frames=1, chunk_frames=4))
         eng.open("a", ref_code=REF)
         outs = []
         for i in range(0, 10, burst):
@@ -180,7 +180,7 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint):
     real = decoder.stream_step
 
     def flaky(codes, state, lengths=None):
-        if codes.shape[-1] == 2:  # only the request with first_chunk_frames=2 decodes 2-frame chunks
+        if codes.shape[1] == 2:  # only the request with first_chunk_frames=2 decodes 2-frame chunks ([B, n, 16])
             raise RuntimeError("injected codec fault")
         return real(codes, state, lengths)
 

@@ -57,6 +57,11 @@ class EngineConfig:
     """Frames in the first streamed codec chunk (time to first audio)."""
     chunk_frames: int = 25
     """Frames in each later streamed codec chunk (the largest, once the ramp reaches it)."""
+    codec_window_frames: int | None = 300
+    """Streamed audio follows the reference's windowed decode: windows of this many frames (reference frames
+    of an in-context clone included), each decoded with `codec_window_context` frames of left context. None:
+    full-context streaming (the whole-utterance forward), which differs from the reference past 300 frames."""
+    codec_window_context: int = 25
     voice_cache_size: int = 256
     """Reference clips whose voice features (speaker embedding, reference codes) are kept, so a clip sent
     again is not encoded again; 0 turns the cache off."""
@@ -66,6 +71,14 @@ class EngineConfig:
     Off by default until measured on a GPU: it adds small codec calls to the engine step."""
     max_text_tokens: int = 2048
     """Most text tokens one request may trail into its decode steps (sizes a per-slot device buffer)."""
+    frames_per_text_token: float | None = 8.0
+    """The frame cap: a request that is not given an exact length (`ignore_eos` with `max_frames`) stops at
+    `frames_per_text_token * (target text tokens) + frame_cap_margin` frames at most, finishing `length`.
+    Speech runs at about 3-4 frames (80 ms each) per text token, so 8 is twice a slow speaker; the cap is
+    what stops a checkpoint that never samples EOS (a known failure of this model family, and every
+    random-weight model) from running to `max_new_tokens`. None: no cap."""
+    frame_cap_margin: int = 50
+    """Frames added to the text-derived cap, so that very short inputs ("Hi.") keep room for a pause."""
     device: str = "cuda"
     dtype: str = "bfloat16"
     codec_dtype: str = "float32"
@@ -106,6 +119,12 @@ class EngineConfig:
         if self.batch_invariant and self.max_num_batched_tokens <= self.max_num_seqs:
             raise ValueError("EngineConfig.batch_invariant needs max_num_batched_tokens > max_num_seqs: prefill "
                              "chunks are cut at max_num_batched_tokens - max_num_seqs tokens")
+        if self.codec_window_frames is not None and not (
+                _is_positive_int(self.codec_window_frames) and isinstance(self.codec_window_context, int)
+                and 0 <= self.codec_window_context < self.codec_window_frames):
+            raise ValueError("EngineConfig.codec_window_frames must be None or a positive int above "
+                             f"codec_window_context >= 0, got {self.codec_window_frames!r} and "
+                             f"{self.codec_window_context!r}")
         if not isinstance(self.voice_cache_size, int) or isinstance(self.voice_cache_size, bool) \
                 or self.voice_cache_size < 0:
             raise ValueError(f"EngineConfig.voice_cache_size must be an int >= 0, got {self.voice_cache_size!r}")
@@ -113,5 +132,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.chunk_ramp must be a bool, got {self.chunk_ramp!r}")
         if not isinstance(self.emit_audio, bool):
             raise ValueError(f"EngineConfig.emit_audio must be a bool, got {self.emit_audio!r}")
+        per_token = self.frames_per_text_token
+        if per_token is not None and not (isinstance(per_token, (int, float)) and not isinstance(per_token, bool)
+                                          and 0 < per_token < float("inf")):
+            raise ValueError("EngineConfig.frames_per_text_token must be a positive number or None, "
+                             f"got {self.frames_per_text_token!r}")
+        if not isinstance(self.frame_cap_margin, int) or isinstance(self.frame_cap_margin, bool) \
+                or self.frame_cap_margin < 0:
+            raise ValueError(f"EngineConfig.frame_cap_margin must be an int >= 0, got {self.frame_cap_margin!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"EngineConfig.device must be a non-empty string, got {self.device!r}")

@@ -9,13 +9,14 @@ fails the requests of that step with a reason, and the engine keeps serving.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from legato.engine.block_manager import BlockManager
-from legato.engine.codec_streamer import CodecStreamer
+from legato.engine.codec_streamer import CodecStreamer, StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.engine.disagg import make_handoff, model_hash, receive_handoff
 from legato.engine.kv_cache import PagedKVCache
@@ -27,7 +28,7 @@ from legato.engine.scheduler import Scheduler, StepResult
 from legato.kv_transfer.handoff import Handoff, KVLayout
 from legato.models.qwen3_tts.decoder_layer import pack_projections, packed_bytes
 from legato.models.qwen3_tts.loader import LoadedModel
-from legato.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt, build_prompt
+from legato.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt, build_prompt, target_text_tokens
 from legato.models.qwen3_tts.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class _Live:
     ref_code: torch.Tensor | None = None
     incoming: Handoff | None = None  # a decode worker's request: the prefill it continues from
     outgoing: Handoff | None = None  # a prefill worker's request: what it hands on
+    frame_cap: int | None = None  # set when the text-derived frame cap is what bounds this request
     new_codes: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -93,8 +95,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(talker, config, num_blocks, tts_pad)
         # A talker-only engine (`split`) has no codec streamer: its codes go to a codec worker.
-        self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, config.first_chunk_frames, config.chunk_frames,
-                                    config.chunk_ramp)
+        self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, StreamSchedule.of(config))
                       if config.emit_audio else None)
         self.live: dict[str, _Live] = {}
         self._done: list[RequestOutput] = []
@@ -115,6 +116,13 @@ class Engine:
         if max_frames < 1:
             raise ValueError("the request allows no frames (max_new_tokens must be >= 2)")
         prompt = build_prompt(er.spec, self.loaded.talker, self.loaded.config)
+        frame_cap = None
+        if not (er.ignore_eos and er.max_frames is not None):  # an exact length is the caller's to choose
+            frame_cap = self.frame_cap(er.spec)
+            if frame_cap is not None and frame_cap < max_frames:
+                max_frames = frame_cap
+            else:
+                frame_cap = None
         if prompt.trailing_text.shape[0] > self.config.max_text_tokens:
             raise ValueError(
                 f"input text of {prompt.trailing_text.shape[0]} tokens exceeds max_text_tokens="
@@ -125,8 +133,15 @@ class Engine:
             er.stream_audio = False  # the decode worker (or the codec worker) makes this request's audio
         req = Request(request_id=er.request_id, prompt_len=prompt.length, max_frames=max_frames)
         self.scheduler.add(req)
-        self.live[er.request_id] = _Live(req, prompt, er, seed, ref_code=er.spec.ref_code)
+        self.live[er.request_id] = _Live(req, prompt, er, seed, ref_code=er.spec.ref_code, frame_cap=frame_cap)
         return seed
+
+    def frame_cap(self, spec: PromptSpec) -> int | None:
+        """Most frames a request for this text may run (`EngineConfig.frames_per_text_token`), or None."""
+        per_token = self.config.frames_per_text_token
+        if per_token is None:
+            return None
+        return max(1, math.ceil(per_token * target_text_tokens(spec)) + self.config.frame_cap_margin)
 
     def add_handoff(self, h: Handoff, stream_audio: bool = True) -> int:
         """Admits a request prefilled by another engine; it decodes from the handoff's KV and side state.
@@ -205,6 +220,10 @@ class Engine:
                 reason, error = "error", codec_errors[rid]
             if live.outgoing is not None and reason == "stop":
                 reason = "handoff"
+            if reason == "length" and live.frame_cap is not None:
+                log.warning("request %s hit the frame cap: %d frames for its text (frames_per_text_token=%g, "
+                            "frame_cap_margin=%d); finished with reason 'length'", rid, live.frame_cap,
+                            self.config.frames_per_text_token, self.config.frame_cap_margin)
             outputs.append(RequestOutput(
                 request_id=rid, codes=codes, audio=audio.get(rid), finished=req is not None, finish_reason=reason,
                 error=error, num_prompt_tokens=live.req.prompt_len, num_frames=live.req.num_frames, seed=live.seed,

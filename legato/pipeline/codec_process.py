@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import zmq.asyncio
 
+from legato.engine.codec_streamer import StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.pipeline import messages as m
 from legato.pipeline.client import EngineStats, RequestRejected, StreamChunk
@@ -212,8 +213,7 @@ async def serve_codec(spec: WorkerSpec, config: EngineConfig, out: zmq.asyncio.S
                       cmd: zmq.asyncio.Socket) -> None:
     """The codec worker's life: load the decoder, say Ready, serve until Shutdown (or the server is gone)."""
     decoder = load_codec_decoder(spec.model_path, config.device, getattr(torch, config.codec_dtype))
-    codec = LocalCodecClient(decoder, config.first_chunk_frames, config.chunk_frames, name=f"{spec.name}-codec",
-                             chunk_ramp=config.chunk_ramp)
+    codec = LocalCodecClient(decoder, StreamSchedule.of(config), name=f"{spec.name}-codec")
     await codec.start()
     worker = _CodecWorker(spec, codec, out)
     await worker.send(m.Ready(model_info(spec.model_path, spec.name), os.getpid(), {}))

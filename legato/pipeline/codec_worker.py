@@ -3,8 +3,9 @@
 
 `CodecEngine` is plain and synchronous, like `Engine`: `open` a stream per request, `push` frames as the
 talker makes them, then `end` it (its tail is decoded) or `abort` it; `step()` decodes every stream's due
-chunks, batched through the engine's own `CodecStreamer`. The chunk schedule is the one `single` streams:
-`first_chunk_frames`, then `chunk_frames` (or the ramp up to it), the tail when the stream ends. Frames that arrive
+chunks, batched through the engine's own `CodecStreamer`. The chunk schedule (`StreamSchedule`) is the one
+`single` streams: `first_chunk_frames`, then `chunk_frames` (or the ramp up to it), the tail when the stream
+ends, in the same decode windows. Frames that arrive
 in a burst are still cut at those boundaries, so the audio equals `single`'s (up to float rounding of other
 batch make-ups).
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from legato.engine.codec_streamer import CodecStreamer
+from legato.engine.codec_streamer import CodecStreamer, StreamSchedule
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.config import load_speech_tokenizer_config
 from legato.models.qwen3_tts.loader import load_into, read_safetensors
@@ -65,9 +66,8 @@ class CodecOutput:
 class CodecEngine:
     """Streams of code frames -> PCM chunks. Not thread-safe: one thread owns it."""
 
-    def __init__(self, decoder: CodecDecoder, first_chunk_frames: int = 1, chunk_frames: int = 25,
-                 chunk_ramp: bool = False) -> None:
-        self.streamer = CodecStreamer(decoder, first_chunk_frames, chunk_frames, chunk_ramp)
+    def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None) -> None:
+        self.streamer = CodecStreamer(decoder, schedule)
         self._pushed: dict[str, int] = {}  # frames received per open stream
         self._ended: set[str] = set()
         self.frames_decoded = 0
@@ -185,9 +185,8 @@ class _Sink:
 class LocalCodecClient:
     """A `CodecEngine` on a dedicated thread of this process. Call its methods from one event loop."""
 
-    def __init__(self, decoder: CodecDecoder, first_chunk_frames: int = 1, chunk_frames: int = 25,
-                 name: str = "codec", chunk_ramp: bool = False) -> None:
-        self.engine = CodecEngine(decoder, first_chunk_frames, chunk_frames, chunk_ramp)
+    def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None, name: str = "codec") -> None:
+        self.engine = CodecEngine(decoder, schedule)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # codec thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from legato.engine.codec_streamer import StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.inputs import VoiceFeatures
@@ -211,6 +212,5 @@ def build_split_client(
     if decoder is None:
         decoder = (load_codec(codec_device) if load_codec is not None else
                    load_codec_decoder(loaded.path, codec_device, getattr(torch, config.codec_dtype)))
-    local_codec = LocalCodecClient(decoder, config.first_chunk_frames, config.chunk_frames, name=f"{name}-codec",
-                                   chunk_ramp=config.chunk_ramp)
+    local_codec = LocalCodecClient(decoder, StreamSchedule.of(config), name=f"{name}-codec")
     return SplitClient(local_talker, local_codec)

@@ -1,8 +1,8 @@
 """Codec decoder of the Qwen3-TTS 12 Hz speech tokenizer: 16 codebooks per frame -> 1920 samples at 24 kHz.
 
-Codes [B, 16, T] -> RVQ dequantise (codebook 0 and codebooks 1..15 as two groups, summed) -> causal
-conv -> sliding-window transformer -> 2 upsampling stages (transposed conv + ConvNeXt) -> SnakeBeta
-vocoder (4 upsampling blocks) -> clamp to [-1, 1].
+Codes [B, T, 16] (every public method takes frames in this layout, the talker's) -> RVQ dequantise
+(codebook 0 and codebooks 1..15 as two groups, summed) -> causal conv -> sliding-window transformer -> 2
+upsampling stages (transposed conv + ConvNeXt) -> SnakeBeta vocoder (4 upsampling blocks) -> clamp to [-1, 1].
 
 The state_dict keys are the official `decoder.*` keys of `Qwen3TTSTokenizerV2Model` with the `decoder.`
 prefix removed, so a model that holds this module as `decoder` loads the released checkpoint strictly.
@@ -109,9 +109,9 @@ class CodecDecoder(nn.Module):
                     self._buffer_shapes[f"{name}.{suffix}"] = shape
 
     def _run(self, codes: torch.Tensor, stream: StreamContext | None) -> torch.Tensor:
-        if codes.ndim != 3 or codes.shape[1] != self.num_quantizers:
-            raise ValueError(f"codes must be [B, {self.num_quantizers}, T], got {tuple(codes.shape)}")
-        h = self.pre_conv(self.quantizer(codes), stream)
+        if codes.ndim != 3 or codes.shape[2] != self.num_quantizers:
+            raise ValueError(f"codes must be [B, T, {self.num_quantizers}], got {tuple(codes.shape)}")
+        h = self.pre_conv(self.quantizer(codes.transpose(1, 2)), stream)
         h = self.pre_transformer(h.transpose(1, 2), stream).transpose(1, 2)
         for stage in self.upsample:
             h = stage(h, stream)
@@ -120,7 +120,7 @@ class CodecDecoder(nn.Module):
         return h.clamp(-1.0, 1.0)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, num_quantizers, T] (int64, each in [0, codebook_size)) -> wav [B, 1, T * samples_per_frame].
+        """codes [B, T, num_quantizers] (int64, each in [0, codebook_size)) -> wav [B, 1, T * samples_per_frame].
 
         One window over the whole sequence, i.e. the reference decoder's `forward` (not its 300-frame
         chunking; see `decode`).
@@ -137,14 +137,14 @@ class CodecDecoder(nn.Module):
         whose output is dropped (so beyond `chunk_size` frames this is not the whole-utterance forward).
         """
         lengths = (codes[..., 0] > -1).sum(1) * self.samples_per_frame
-        codes = codes.clamp(min=0).transpose(1, 2)
-        total = codes.shape[-1]
+        codes = codes.clamp(min=0)
+        total = codes.shape[1]
         pieces = []
         start = 0
         while start < total:
             end = min(start + chunk_size, total)
             context = min(left_context, start)
-            wav = self(codes[..., start - context : end])
+            wav = self(codes[:, start - context : end])
             pieces.append(wav[..., context * self.samples_per_frame :])
             start = end
         wav = torch.cat(pieces, dim=-1)[:, 0]
@@ -169,7 +169,7 @@ class CodecDecoder(nn.Module):
     def stream_step(
         self, codes: torch.Tensor, state: CodecStreamState, lengths: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, CodecStreamState]:
-        """Decodes the next chunk of B requests: codes [B, num_quantizers, N] -> (wav [B, 1, N * spf], new state).
+        """Decodes the next chunk of B requests: codes [B, N, num_quantizers] -> (wav [B, 1, N * spf], new state).
 
         `lengths` [B] (optional) gives each request's valid frames when shorter chunks were right-padded
         (with valid codes) to N; samples past `lengths[i] * spf` are then meaningless and the state
@@ -178,10 +178,10 @@ class CodecDecoder(nn.Module):
         """
         if state.batch_size != codes.shape[0]:
             raise ValueError(f"state holds {state.batch_size} requests, codes {codes.shape[0]}")
-        if codes.shape[-1] == 0:
+        if codes.shape[1] == 0:
             return codes.new_zeros((codes.shape[0], 1, 0), dtype=self.pre_conv.conv.weight.dtype), state
         if lengths is not None:
             lengths = lengths.to(device=codes.device, dtype=torch.long)
-        stream = StreamContext(state, codes.shape[-1], lengths)
+        stream = StreamContext(state, codes.shape[1], lengths)
         wav = self._run(codes, stream)
         return wav, stream.finish()

@@ -185,7 +185,7 @@ def decode_chunks(
         codes[i, : c.shape[0]] = c
     uniform = all(n == frames for n in lengths)
     length_t = None if uniform else torch.tensor(lengths, device=codes.device)
-    wav, state = decoder.stream_step(codes.transpose(1, 2), CodecStreamState.cat(states), length_t)
+    wav, state = decoder.stream_step(codes, CodecStreamState.cat(states), length_t)
     spf = decoder.samples_per_frame
     wavs = [wav[i, 0, : n * spf] for i, n in enumerate(lengths)]
     return wavs, state.split()

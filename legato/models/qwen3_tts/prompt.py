@@ -32,6 +32,15 @@ def target_text_ids(tokenizer: TextTokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"))
 
 
+def target_text_ids_of(tokenizer: TextTokenizer, ids: Sequence[int]) -> list[int]:
+    """`target_text_ids` for text given as token ids: the same template, tokenised on its own, around them."""
+    head = list(tokenizer.encode("<|im_start|>assistant\n"))
+    tail = list(tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n"))
+    if len(head) != ROLE_LEN or len(tail) != TARGET_TAIL:
+        raise PromptError("the text tokenizer does not split the chat template as the model expects")
+    return head + list(ids) + tail
+
+
 def ref_text_ids(tokenizer: TextTokenizer, ref_text: str) -> list[int]:
     """Token ids of the transcript of the reference audio (voice-clone ICL mode)."""
     return list(tokenizer.encode(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n"))
@@ -89,6 +98,11 @@ class TalkerPrompt:
 
     def text_for_step(self, step: int) -> torch.Tensor:
         return self.trailing_text[step] if step < self.trailing_text.shape[0] else self.tts_pad
+
+
+def target_text_tokens(spec: PromptSpec) -> int:
+    """Tokens of the text to speak (the templated `text_ids` without their template)."""
+    return max(0, len(spec.text_ids) - ROLE_LEN - TARGET_TAIL)
 
 
 def supported_languages(cfg: Qwen3TTSConfig) -> list[str]:
