@@ -13,6 +13,7 @@ against (greedy results are identical; sampled ones draw from a different random
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class SpeechResult:
     codes: torch.Tensor  # [frames, 16] int64
     audio: np.ndarray  # float32 mono PCM
     sample_rate: int
+    finish_reason: str | None = None  # stop (the model ended it) | length (max_new_tokens or the frame cap)
 
     @property
     def duration(self) -> float:
@@ -50,13 +52,18 @@ class TTS:
     def load(
         cls,
         model: str | Path | None = None,
-        device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> TTS:
-        """A model directory or hub id; None loads the embedded tiny default (random weights)."""
+        """A model directory or hub id; None loads the embedded tiny default (random weights).
+        `device` None: CUDA when there is one, else the CPU; `dtype` None: bfloat16 on CUDA, float32 elsewhere."""
         if model is None:
             model = default_model_dir()
             log.warning("using the embedded default model (random weights: the audio is noise)")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype is None:
+            dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         return cls(load_model(model, device=device, dtype=dtype))
 
     def default_sampling(self) -> SamplingParams:
@@ -64,18 +71,31 @@ class TTS:
 
     def generate(
         self,
-        inputs: str | SpeechInput | list[str | SpeechInput],
+        inputs: str | SpeechInput | list[str | SpeechInput] | None = None,
         sampling: SamplingParams | list[SamplingParams] | None = None,
         engine_config: EngineConfig | None = None,
+        *,
+        text_ids: Sequence[int] | None = None,
+        greedy: bool = False,
         **kwargs,
     ) -> SpeechResult | list[SpeechResult]:
         """Synthesises one utterance (returns a result) or a list (returns a list, run batched).
-        `kwargs` are `SpeechInput` fields applied to plain-text inputs."""
+
+        `text_ids` instead of `inputs`: the text as token ids of the model's tokenizer (no chat template),
+        e.g. the ids another implementation was given. `greedy`: argmax decoding for the talker and the
+        code predictor, on top of `sampling`. `kwargs` are `SpeechInput` fields applied to plain-text
+        inputs. Every request is capped in frames by its text (`EngineConfig.frames_per_text_token`)."""
+        if (inputs is None) == (text_ids is None):
+            raise ValueError("give either inputs or text_ids")
+        if text_ids is not None:
+            inputs = SpeechInput(text_ids=list(text_ids), **kwargs)
         single = not isinstance(inputs, list)
         items = [self._input(x, kwargs) for x in ([inputs] if single else inputs)]
         params = sampling if isinstance(sampling, list) else [sampling or self.default_sampling()] * len(items)
         if len(params) != len(items):
             raise ValueError(f"{len(items)} inputs but {len(params)} sampling settings")
+        if greedy:
+            params = [replace(p, do_sample=False, subtalker_do_sample=False) for p in params]
         specs = [build_spec(self.loaded, x) for x in items]
         engine = Engine(self.loaded, engine_config or self._engine_config(len(items)))
         ids = [f"utt-{i}" for i in range(len(items))]
@@ -84,11 +104,14 @@ class TTS:
         codes: dict[str, list[torch.Tensor]] = {rid: [] for rid in ids}
         audio: dict[str, list[np.ndarray]] = {rid: [] for rid in ids}
         errors: dict[str, str] = {}
+        reasons: dict[str, str | None] = {}
         while engine.has_unfinished():
             for out in engine.step():
                 codes[out.request_id].append(out.codes)
                 if out.audio is not None:
                     audio[out.request_id].append(out.audio)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
                 if out.finish_reason == "error":
                     errors[out.request_id] = out.error or "failed"
         if errors:
@@ -98,6 +121,7 @@ class TTS:
                 codes=torch.cat(codes[rid]) if codes[rid] else torch.zeros(0, 16, dtype=torch.long),
                 audio=np.concatenate(audio[rid]) if audio[rid] else np.zeros(0, dtype=np.float32),
                 sample_rate=self.loaded.sample_rate,
+                finish_reason=reasons.get(rid),
             )
             for rid in ids
         ]
@@ -116,6 +140,8 @@ class TTS:
         return SpeechResult(codes=codes.cpu(), audio=audio, sample_rate=self.loaded.sample_rate)
 
     def _input(self, x: str | SpeechInput, kwargs: dict) -> SpeechInput:
+        if not isinstance(x, (str, SpeechInput)):
+            raise TypeError(f"an input is a str or a SpeechInput, got {type(x).__name__}")
         inp = x if isinstance(x, SpeechInput) else SpeechInput(text=x, **kwargs)
         if self.loaded.config.tts_model_type == "custom_voice" and inp.speaker is None and self._is_default():
             log.info("no speaker given: the embedded default model uses %r", DEFAULT_SPEAKER)

@@ -18,7 +18,7 @@ def _synth(args: argparse.Namespace) -> int:
     from legato.models.qwen3_tts.sampling import SamplingParamsError
 
     try:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         tts = TTS.load(args.model, device=args.device, dtype=dtype)
         ref_audio, ref_sr = (None, 24000)
         if args.ref_audio:
@@ -36,40 +36,47 @@ def _synth(args: argparse.Namespace) -> int:
         sampling = tts.default_sampling()
         sampling.max_new_tokens = args.max_new_tokens
         sampling.seed = args.seed
-        if args.greedy:
-            sampling.do_sample = sampling.subtalker_do_sample = False
         sampling.validate()
-        result = tts.generate(inp, sampling=sampling)
+        result = tts.generate(inp, sampling=sampling, greedy=args.greedy)
     except (ConfigError, PromptError, AudioError, SamplingParamsError) as e:
         print(f"legato synth: error: {e}", file=sys.stderr)
         return 2
     with open(args.out, "wb") as f:
         f.write(encode_wav(result.audio, result.sample_rate))
     logging.getLogger("legato").info(
-        "wrote %s: %d frames, %.2f s of audio at %d Hz", args.out, result.codes.shape[0], result.duration,
-        result.sample_rate,
+        "wrote %s: %d frames, %.2f s of audio at %d Hz (finish reason: %s)", args.out, result.codes.shape[0],
+        result.duration, result.sample_rate, result.finish_reason,
     )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="legato", description="Qwen3-TTS serving engine")
+    from legato import __version__
+    from legato.cli_help import DefaultsFormatter
+
+    parser = argparse.ArgumentParser(prog="legato", description="Qwen3-TTS serving engine",
+                                     formatter_class=DefaultsFormatter)
+    parser.add_argument("--version", action="version", version=f"legato {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("synth", help="synthesise one utterance to a WAV file (offline)")
-    p.add_argument("--text", required=True)
+    p = sub.add_parser("synth", help="synthesise one utterance to a WAV file (offline)",
+                       description="Synthesise one utterance to a WAV file, offline.",
+                       formatter_class=DefaultsFormatter)
+    p.add_argument("--text", required=True, help="what to say")
     p.add_argument("--out", required=True, help="output WAV path")
     p.add_argument("--model", default=None, help="model directory or hub id (default: embedded tiny random model)")
-    p.add_argument("--voice", default=None, help="CustomVoice speaker name")
-    p.add_argument("--language", default="auto")
+    p.add_argument("--voice", default=None, help="CustomVoice speaker name (default: the embedded model's ryan)")
+    p.add_argument("--language", default="auto", help="'auto' or a language of the model")
     p.add_argument("--instructions", default=None, help="VoiceDesign description / CustomVoice style (1.7B)")
     p.add_argument("--ref-audio", default=None, help="reference clip for Base voice cloning")
     p.add_argument("--ref-text", default=None, help="transcript of --ref-audio (in-context cloning)")
     p.add_argument("--x-vector-only", action="store_true", help="clone from the speaker embedding alone")
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--greedy", action="store_true")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-new-tokens", type=int, default=2048,
+                   help="most codec tokens (frames + 1); the text-derived frame cap usually ends a request first")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="talker dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     p.set_defaults(func=_synth)
     from legato.bench.cli import add_parser as add_bench_parser
     from legato.eval.probe import add_probe_parser

@@ -1,11 +1,15 @@
-"""The offline API: batched engine generation equals the reference loop (greedy); seeded runs repeat."""
+"""The offline API: batched engine generation equals the reference loop (greedy); seeded runs repeat; token
+ids drive it as text does; greedy is one flag; the finish reason comes back; it picks its device; and the
+embedded default model stops by itself."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from legato.api import TTS
+from legato.models.qwen3_tts.prompt import PromptError
 from legato.models.qwen3_tts.sampling import SamplingParams
 
 
@@ -35,3 +39,58 @@ def test_seeded_generate_repeats(tiny_checkpoint):
     b = tts.generate(["Other words first.", "Seeded words."], sampling=[other, params],
                      speaker_embedding=emb, x_vector_only=True)[1]
     assert torch.equal(a.codes, b.codes)
+
+
+def test_token_ids_drive_the_model_as_the_text_does(tiny_checkpoint):
+    """`generate(text_ids=...)`: the text's token ids (no chat template) give the codes the text gives."""
+    tts = TTS.load(tiny_checkpoint)
+    emb = torch.randn(64, generator=torch.Generator().manual_seed(2))
+    text = "Token ids, as another implementation sends them."
+    ids = tts.loaded.text_tokenizer.encode(text)
+    kw = dict(speaker_embedding=emb, x_vector_only=True, language="english")
+    by_text = tts.generate(text, sampling=SamplingParams(seed=5, max_new_tokens=10), **kw)
+    by_ids = tts.generate(text_ids=ids, sampling=SamplingParams(seed=5, max_new_tokens=10), **kw)
+    assert torch.equal(by_text.codes, by_ids.codes) and by_ids.codes.shape[0] > 0
+    with pytest.raises(ValueError, match="either inputs or text_ids"):
+        tts.generate("Both.", text_ids=ids, **kw)
+    with pytest.raises(PromptError, match="token ids"):
+        tts.generate(text_ids=[1.5, 2], **kw)
+
+
+def test_greedy_is_one_flag_and_the_finish_reason_is_returned(tiny_checkpoint):
+    tts = TTS.load(tiny_checkpoint)
+    emb = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    kw = dict(speaker_embedding=emb, x_vector_only=True)
+    a = tts.generate("Greedy.", sampling=SamplingParams(seed=1, max_new_tokens=7), greedy=True, **kw)
+    b = tts.generate("Greedy.", sampling=SamplingParams(seed=2, max_new_tokens=7), greedy=True, **kw)
+    ref = tts.generate_reference("Greedy.", sampling=SamplingParams(do_sample=False, subtalker_do_sample=False,
+                                                                    max_new_tokens=7), **kw)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.codes, ref.codes)  # argmax: no seed matters
+    assert a.finish_reason == "length" and a.codes.shape[0] == 6
+
+
+def test_load_picks_the_cpu_and_fp32_without_cuda(tiny_checkpoint):
+    tts = TTS.load(tiny_checkpoint)
+    weight = tts.loaded.talker.codec_head.weight
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert weight.device.type == want
+    assert weight.dtype == (torch.bfloat16 if want == "cuda" else torch.float32)
+
+
+def test_the_embedded_default_stops_by_itself_after_a_length_that_follows_the_text(tmp_path, monkeypatch):
+    """The README's example text on the embedded default (random weights): the model itself ends the
+    request (finish reason `stop`) after about 4 frames per text token, well inside the frame cap, and a
+    longer text takes longer. Frame counts, not seconds: this holds on any machine."""
+    monkeypatch.setenv("LEGATO_CACHE", str(tmp_path))
+    tts = TTS.load()
+    lengths = []
+    for text in ("Hello there.", "Hello there, and welcome to a longer sentence than the first one."):
+        tokens = len(tts.loaded.text_tokenizer.encode(text))
+        out = tts.generate(text, sampling=SamplingParams(seed=0))
+        assert out.finish_reason == "stop", (text, out.codes.shape)
+        frames = out.codes.shape[0]
+        assert 3 * tokens <= frames <= 6 * tokens + 10, (text, tokens, frames)
+        assert frames < 8 * tokens + 50  # the frame cap never had to end it
+        lengths.append(frames)
+    assert lengths[1] > 2 * lengths[0]
+    assert lengths[0] <= 50  # "Hello there." (7 tokens of the tiny tokenizer): under 4 s of audio

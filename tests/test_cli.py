@@ -1,11 +1,22 @@
-"""`legato synth` writes a valid 24 kHz WAV on the embedded default model."""
+"""The `legato` command line: `synth` on the embedded default, `--version`, help that names every flag's
+default, the model as a positional argument, and devices this machine lacks refused before anything loads."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import soundfile as sf
+import torch
+
+from legato.cli import build_parser, main
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 
 def test_synth_writes_a_wav_on_the_embedded_default(tmp_path):
@@ -35,3 +46,86 @@ def test_synth_rejects_bad_input_with_a_message(tmp_path):
     assert proc.returncode == 2
     assert "unknown speaker" in proc.stderr
     assert not (tmp_path / "x.wav").exists()
+
+
+def test_synth_of_the_readme_example_on_the_default_ends_by_itself(tmp_path):
+    """`legato synth --text "Hello there." --out out.wav`, verbatim: the embedded default stops on its own
+    (finish reason `stop`) after a few seconds of audio, far below max_new_tokens and the frame cap."""
+    out = tmp_path / "out.wav"
+    proc = subprocess.run(
+        [sys.executable, "-m", "legato.cli", "synth", "--text", "Hello there.", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "LEGATO_CACHE": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"wrote .*: (\d+) frames, .* \(finish reason: (\w+)\)", proc.stderr)
+    assert m, proc.stderr
+    frames, reason = int(m.group(1)), m.group(2)
+    assert reason == "stop" and 10 <= frames <= 50
+    audio, sr = sf.read(out)
+    assert sr == 24000 and len(audio) == frames * 1920
+
+
+def test_version(capsys):
+    from legato import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"legato {__version__}"
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "legato"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_flag_has_help_that_shows_its_default():
+    parsers = dict(_parsers(build_parser()))
+    assert {"legato serve", "legato synth", "legato probe", "legato bench serve", "legato bench sweep"} <= set(parsers)
+    for name, parser in parsers.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help"
+            if action.option_strings and not action.required:
+                shown = formatter._expand_help(action)  # the line `--help` prints for this flag
+                assert "default" in shown.lower(), f"{name} {action.option_strings[-1]}: default not shown"
+        parser.format_help()  # and the whole page renders
+
+
+def test_serve_takes_the_model_as_a_positional_argument(capsys):
+    args = build_parser().parse_args(["serve", "/models/Qwen3-TTS-12Hz-0.6B-Base", "--port", "9"])
+    assert args.model_arg == "/models/Qwen3-TTS-12Hz-0.6B-Base" and args.model is None
+    assert main(["serve", "/a", "--model", "/b"]) == 2
+    assert "the model is given twice" in capsys.readouterr().err
+
+
+def test_devices_this_machine_lacks_are_refused_in_one_line(monkeypatch):
+    from legato.server.cli import check_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_devices(["cpu"])
+    with pytest.raises(ValueError, match="device 'cuda:0' is a CUDA device, and this machine has no CUDA device"):
+        check_devices(["cpu", "cuda:0"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_devices(["cuda", "cuda:0"])
+    with pytest.raises(ValueError, match="device 'cuda:3' does not exist: this machine has 1 CUDA device"):
+        check_devices(["cuda:3"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_cuda_deploy_file_fails_on_a_cpu_machine_before_anything_starts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "legato.cli", "serve", "--deploy", str(DEPLOY / "1p1d.yaml"), "--port", "9"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "LEGATO_CACHE": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["legato serve: error: device 'cuda:0' is a CUDA device, and this machine has no CUDA device "
+                      "(use --device cpu, or a deploy file without CUDA devices)"]
+    assert "listening" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "cache").exists()  # nothing was loaded or written

@@ -283,7 +283,8 @@ def _enc_submit(m: Submit):
         "sampling": {k: getattr(r.sampling, k) for k in _SAMPLING_FIELDS},
     }
     arrays = {"ref_audio": _np(inp.ref_audio, "float32"), "speaker_embedding": _np(inp.speaker_embedding, "float32"),
-              "ref_code": _np(inp.ref_code, "int64")}
+              "ref_code": _np(inp.ref_code, "int64"),
+              "text_ids": None if inp.text_ids is None else np.asarray(list(inp.text_ids), dtype="int64")}
     return "submit", body, arrays
 
 
@@ -299,10 +300,12 @@ def _dec_submit(b: _Body) -> Submit:
                      or k in required}
     emb = b.array("speaker_embedding", "float32", 1, optional=True)
     code = b.array("ref_code", "int64", 2, optional=True, width=16)
+    text_ids = b.array("text_ids", "int64", 1, optional=True)
     inp = SpeechInput(
         **sub["input"], ref_audio=b.array("ref_audio", "float32", 1, optional=True),
         speaker_embedding=None if emb is None else torch.from_numpy(emb),
         ref_code=None if code is None else torch.from_numpy(code),
+        text_ids=None if text_ids is None else text_ids.tolist(),
     )
     return Submit(SynthesisRequest(
         request_id=b.get("request_id", str), input=inp, sampling=SamplingParams(**sub["sampling"]),

@@ -1,7 +1,9 @@
 """The embedded default model: a tiny random-weight CustomVoice checkpoint written on first use.
 
 It lets `legato synth` and `legato serve` start on a machine with nothing downloaded, through the same
-loading code a real checkpoint takes. Its audio is noise (random weights).
+loading code a real checkpoint takes. Its audio is noise (random weights), but its length follows the text
+as a real model's does (about 4 frames, 0.3 s, per text token): its EOS is wired to fire once the text is
+spoken for (`testing.shape_eos_for_length_`), so a first request finishes by itself in seconds.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from .tiny import tiny_config, tiny_speech_tokenizer_config
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "legato-tiny-random-customvoice-v1"
+# v2: the length-following EOS (v1, which never stopped, may still sit in old caches; it is not read).
+DEFAULT_MODEL_NAME = "legato-tiny-random-customvoice-v2"
+FRAMES_PER_TOKEN = 4.0
 DEFAULT_SPEAKER = "ryan"
 
 
@@ -35,7 +39,8 @@ def default_model_dir() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        write_checkpoint(tmp, tiny_config("custom_voice"), tiny_speech_tokenizer_config(), seed=0)
+        write_checkpoint(tmp, tiny_config("custom_voice"), tiny_speech_tokenizer_config(), seed=0,
+                         frames_per_token=FRAMES_PER_TOKEN)
         try:
             os.rename(tmp, target)
         except OSError:

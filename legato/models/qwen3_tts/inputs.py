@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,14 +17,16 @@ import torch
 
 from .audio import AudioError, resample
 from .loader import LoadedModel
-from .prompt import PromptError, PromptSpec, instruct_text_ids, ref_text_ids, target_text_ids
+from .prompt import PromptError, PromptSpec, instruct_text_ids, ref_text_ids, target_text_ids, target_text_ids_of
 
 
 @dataclass
 class SpeechInput:
     """One utterance to synthesise.
 
-    text: what to say. language: "auto" or a language name of the model.
+    text: what to say; or `text_ids`, its token ids under the model's text tokenizer (without the chat
+        template, which is added as for text), to drive the model with exactly the ids another
+        implementation used. language: "auto" or a language name of the model.
     speaker: CustomVoice preset speaker. instructions: VoiceDesign voice description, or a CustomVoice
         style instruction (1.7B only).
     Base (voice clone): either `ref_audio` (mono float samples at `ref_sample_rate`) with `ref_text`
@@ -33,7 +36,7 @@ class SpeechInput:
         True for CustomVoice and VoiceDesign).
     """
 
-    text: str
+    text: str = ""
     language: str = "auto"
     speaker: str | None = None
     instructions: str | None = None
@@ -44,6 +47,7 @@ class SpeechInput:
     speaker_embedding: torch.Tensor | None = None
     ref_code: torch.Tensor | None = None
     non_streaming_mode: bool | None = None
+    text_ids: Sequence[int] | None = None
 
 
 @dataclass
@@ -100,9 +104,15 @@ class VoiceCache:
 def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> PromptSpec:
     """Tokenises and, for reference audio, encodes the voice (with `extract`: `extract_voice` or a
     `VoiceCache`); raises PromptError/AudioError for bad input."""
-    if not isinstance(inp.text, str) or not inp.text.strip():
-        raise PromptError("input text is empty")
     tok = loaded.text_tokenizer
+    if inp.text_ids is not None:
+        if inp.text:
+            raise PromptError("give either text or text_ids, not both")
+        text_ids = target_text_ids_of(tok, _token_ids(inp.text_ids))
+    elif not isinstance(inp.text, str) or not inp.text.strip():
+        raise PromptError("input text is empty")
+    else:
+        text_ids = target_text_ids(tok, inp.text)
     model_type = loaded.config.tts_model_type
     non_streaming = inp.non_streaming_mode
     if non_streaming is None:
@@ -123,7 +133,7 @@ def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> 
         raise PromptError("in-context voice cloning needs ref_text (the transcript of ref_audio); "
                           "or set x_vector_only")
     return PromptSpec(
-        text_ids=target_text_ids(tok, inp.text),
+        text_ids=text_ids,
         language=inp.language or "auto",
         speaker=inp.speaker,
         instruct_ids=instruct_text_ids(tok, inp.instructions),
@@ -133,3 +143,12 @@ def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> 
         x_vector_only=x_vector_only,
         non_streaming_mode=non_streaming,
     )
+
+
+def _token_ids(ids: Sequence[int] | torch.Tensor | np.ndarray) -> list[int]:
+    values = ids.tolist() if isinstance(ids, (torch.Tensor, np.ndarray)) else list(ids)
+    if not values:
+        raise PromptError("text_ids is empty")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise PromptError("text_ids must be a flat sequence of integer token ids")
+    return values

@@ -97,11 +97,13 @@ def write_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     eos_logit_scale: float | None = None,
+    frames_per_token: float | None = None,
 ) -> Path:
     """Writes a random-weight checkpoint directory and returns its path.
 
     `eos_logit_scale` multiplies the codec-head row of the codec EOS so that random weights stop on their
-    own (random N(0, 0.02) weights almost never sample EOS)."""
+    own (random N(0, 0.02) weights almost never sample EOS). `frames_per_token` instead wires the talker so
+    that it stops after about that many frames per text token (`shape_eos_for_length_`)."""
     out = Path(out_dir)
     (out / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
     config = config or tiny_config()
@@ -114,6 +116,8 @@ def write_checkpoint(
         eos = config.talker_config.codec_eos_token_id
         with torch.no_grad():
             tts.talker.codec_head.weight[eos].mul_(eos_logit_scale)
+    if frames_per_token is not None:
+        shape_eos_for_length_(tts, config, frames_per_token)
     codec = SpeechTokenizer(speech_config)
     randomize_(codec, seed + 1)
 
@@ -125,6 +129,75 @@ def write_checkpoint(
     _save(codec, out / "speech_tokenizer" / "model.safetensors", torch.float32)
     write_text_tokenizer(out)
     return out
+
+
+# Talker hidden dimensions that `shape_eos_for_length_` reserves: a text marker, the layer-0 average of
+# that marker, and a constant that every codec-track embedding carries.
+_MARK, _RATIO, _CONST = 0, 1, 2
+# Entry sizes comparable to the N(0, 0.02) weights around them, so the reserved dimensions do not dominate
+# the RMS norms that every other feature of the random model passes through.
+_MARK_VALUE = _CONST_VALUE = 0.05
+_RATIO_GAIN = 0.05  # the average marker read is ~1 (a normalised 0.05 among entries of ~0.05): scale it down
+
+
+@torch.no_grad()
+def shape_eos_for_length_(tts: Qwen3TTSModel, config: Qwen3TTSConfig, frames_per_token: float = 4.0,
+                          sharpness: float = 400.0) -> None:
+    """Wires a random talker so that it samples codec EOS after about `frames_per_token` frames per text
+    token, as a trained model does, instead of never (random weights) or at a fixed rate.
+
+    The talker can count: one attention head of layer 0 with zero queries attends uniformly over every
+    position so far, and reads a marker that only text-track embeddings of real text carry. Its output, the
+    share of text among all positions, falls as frames are generated; it is kept in a dimension no other
+    weight writes to, and the codec head's EOS row compares it with a constant (carried by every codec-track
+    embedding) through the final RMS norm, which scales both alike. EOS wins once the share falls below a
+    threshold set from the marker's mean normalised size, so the length grows with the text. Everything else
+    stays random (the model still makes noise). Written for the embedded default's non-streaming prompt
+    layout (the whole text in the prompt); other layouts stop too, at other rates."""
+    tc = config.talker_config
+    if tc.hidden_size < 8 or tc.num_attention_heads < 1:
+        raise ValueError("shape_eos_for_length_ needs a talker of width >= 8")
+    talker = tts.talker
+    reserved = [_MARK, _RATIO, _CONST]
+    text_emb = talker.model.text_embedding.weight
+    text_emb[:, 0] = 1.0  # text-hidden feature 0 flags real text; the tts control tokens do not carry it
+    text_emb[[config.tts_pad_token_id, config.tts_bos_token_id, config.tts_eos_token_id], 0] = 0.0
+    fc1, fc2 = talker.text_projection.linear_fc1, talker.text_projection.linear_fc2
+    fc1.weight[0].zero_()
+    fc1.weight[0, 0], fc1.bias[0] = 4.0, 0.0
+    fc1.weight[1:, 0] = 0.0  # the flag reaches no other text feature
+    fc2.weight[reserved] = 0.0
+    fc2.bias[reserved] = 0.0
+    fc2.weight[:, 0] = 0.0
+    fc2.weight[_MARK, 0] = _MARK_VALUE / torch.nn.functional.silu(torch.tensor(4.0)).item()
+    for table in [talker.model.codec_embedding, *talker.code_predictor.model.codec_embedding]:
+        table.weight[:, reserved] = 0.0
+    talker.model.codec_embedding.weight[:, _CONST] = _CONST_VALUE
+    hd = tc.head_dim
+    for i, layer in enumerate(talker.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.o_proj.weight[reserved] = 0.0
+        mlp.down_proj.weight[reserved] = 0.0
+        layer.input_layernorm.weight[reserved] = 1.0
+        if i == 0:  # head 0: uniform attention over the marker, written to the ratio dimension
+            attn.q_proj.weight[:hd] = 0.0
+            attn.v_proj.weight[0] = 0.0
+            attn.v_proj.weight[0, _MARK] = 1.0
+            attn.o_proj.weight[:, 0] = 0.0
+            attn.o_proj.weight[_RATIO, 0] = _RATIO_GAIN
+    talker.model.norm.weight[reserved] = 1.0
+    # The share of text the uniform head reads at the point to stop: a prompt of T text tokens (plus the
+    # role tokens) stops near frames_per_token * T frames when the share falls to mean_mark / (k + 1).
+    pad = talker.model.codec_embedding.weight[tc.codec_pad_id]
+    body = talker.embed_text(torch.arange(min(tc.text_vocab_size, 4096))) + pad
+    mean_mark = (body[:, _MARK] / body.pow(2).mean(-1).sqrt()).mean().item()
+    threshold = mean_mark / (frames_per_token + 1.0)
+    head = talker.codec_head.weight
+    head[:, reserved] = 0.0  # no other logit reads the counting dimensions
+    eos = head[tc.codec_eos_token_id]
+    eos.zero_()
+    eos[_CONST] = sharpness * threshold / _CONST_VALUE
+    eos[_RATIO] = -sharpness / _RATIO_GAIN
 
 
 def _save(module: torch.nn.Module, path: Path, dtype: torch.dtype) -> None:
