@@ -38,6 +38,7 @@ from starlette.testclient import TestClient
 
 from legato.pipeline.client import StreamChunk
 from legato.server.app import build_app
+from legato.server.encoding import MEDIA_TYPES
 from legato.server.voices import VoiceStore
 
 DATA = Path(__file__).parent / "data"
@@ -67,6 +68,9 @@ def base(tmp_path_factory):
 
 
 def speak(c: TestClient, **body) -> httpx.Response:
+    """One request; the whole file (stream=false, with the usage headers) unless the body says otherwise."""
+    if "stream" not in body and body.get("stream_format") != "sse":
+        body["stream"] = False
     return c.post("/v1/audio/speech", json={"input": "Hello there.", "voice": "ryan", **body})
 
 
@@ -101,10 +105,10 @@ def assert_error(r: httpx.Response, status: int, *needles: str, param: str | Non
 
 def test_each_file_format_holds_the_reported_frames(cv):
     decoded = {}
-    for fmt in ("wav", "pcm", "flac"):
+    for fmt in ("wav", "pcm", "flac", "mp3", "opus"):
         r = speak(cv, response_format=fmt, seed=5, max_new_tokens=10)
         assert r.status_code == 200, r.text
-        assert r.headers["content-type"] == f"audio/{fmt}"
+        assert r.headers["content-type"] == MEDIA_TYPES[fmt]
         frames = int(r.headers["x-usage-output-tokens"])
         assert 1 <= frames <= 9
         assert int(r.headers["x-usage-input-tokens"]) > 0
@@ -113,14 +117,31 @@ def test_each_file_format_holds_the_reported_frames(cv):
         assert len(samples) == frames * SAMPLES_PER_FRAME
         assert float(r.headers["x-audio-seconds"]) == pytest.approx(len(samples) / 24000)
         decoded[fmt] = samples
-    # one seed, one utterance: every container carries the same samples
+    # one seed, one utterance: every lossless container carries the same samples, the lossy ones the same sound
     assert np.array_equal(decoded["wav"], decoded["pcm"]) and np.array_equal(decoded["flac"], decoded["pcm"])
+    for lossy in ("mp3", "opus"):
+        assert np.corrcoef(decoded[lossy].astype(float), decoded["pcm"].astype(float))[0, 1] > 0.5, lossy
+
+
+def test_formats_stream_by_default_where_the_container_allows(cv):
+    """No `stream` flag: mp3 (the default format), opus, wav (an open-length header) and pcm stream; flac
+    comes whole; `stream: false` asks for the whole file; `stream: true` with flac, or sse with
+    `stream: false`, are refused."""
+    for fmt, streamed in (("mp3", True), ("opus", True), ("wav", True), ("pcm", True), ("flac", False)):
+        r = cv.post("/v1/audio/speech", json={"input": "Hello there.", "voice": "ryan", "response_format": fmt,
+                                              "max_new_tokens": 6, "seed": 1})
+        assert r.status_code == 200, (fmt, r.text)
+        assert ("x-usage-output-tokens" not in r.headers) == streamed, fmt
+    r = cv.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "max_new_tokens": 6})
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"
+    assert_error(speak(cv, stream_format="sse", stream=False), 400, "always streams", param="stream")
 
 
 def test_raw_stream_sends_an_open_ended_wav_header_then_the_same_pcm(cv):
     whole = speak(cv, response_format="pcm", seed=9, max_new_tokens=12)
     with cv.stream("POST", "/v1/audio/speech", json={"input": "Hello there.", "voice": "ryan", "seed": 9,
-                                                     "max_new_tokens": 12, "stream": True}) as r:
+                                                     "max_new_tokens": 12, "stream": True,
+                                                     "response_format": "wav"}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"] == "audio/wav" and r.headers["x-seed"] == "9"
         parts = list(r.iter_bytes())
@@ -154,12 +175,18 @@ def test_fixed_length_requests_for_benchmarks(cv):
 
 
 @pytest.mark.parametrize("body, status, needles, param", [
-    ({"voice": "alloy"}, 400, ["unknown voice 'alloy'", "ryan", "serena"], "voice"),
+    ({"voice": "bogus"}, 400, ["unknown voice 'bogus'", "ryan", "serena", "alias", "'alloy'"], "voice"),
     ({"voice": None}, 400, ["voice is required", "ryan"], "voice"),
-    ({"voice": {"id": "Serena"}, "response_format": "mp3"}, 400, ["'wav', 'pcm' or 'flac'"], "response_format"),
-    ({"speed": 1.5}, 400, ["speed 1.5 is not supported"], "speed"),
-    ({"speed": 9}, 400, ["less than or equal to 4"], "speed"),
-    ({"response_format": "flac", "stream": True}, 400, ["cannot be streamed", "wav, pcm"], "response_format"),
+    ({"voice": {"id": "Serena"}, "response_format": "aac"}, 400, ["aac is not supported", "mp3"],
+     "response_format"),
+    ({"voice": "ryan", "response_format": "ogg"}, 400, ["'mp3', 'opus', 'aac', 'flac', 'wav' or 'pcm'"],
+     "response_format"),
+    ({"speed": 1.5}, 400, ["speed 1.5 is not supported", "only supported speed is 1.0"], "speed"),
+    ({"speed": 9}, 400, ["speed 9 is not supported"], "speed"),
+    ({"speed": 0.25}, 400, ["speed 0.25 is not supported"], "speed"),
+    ({"instructions": "Whisper."}, 400, ["0.6B CustomVoice model takes no instructions"], "instructions"),
+    ({"response_format": "flac", "stream": True}, 400, ["cannot be streamed", "mp3, opus, wav, pcm"],
+     "response_format"),
     ({"response_format": "flac", "stream_format": "sse"}, 400, ["cannot be streamed"], "response_format"),
     ({"task_type": "Base"}, 400, ["does not match", "CustomVoice"], "task_type"),
     ({"model": "tts-1"}, 404, ["'tts-1' is not served", "tiny"], "model"),
@@ -246,13 +273,18 @@ def test_models_health_and_metrics(cv):
                  "legato_e2e_latency_seconds_count", "legato_num_requests_waiting",
                  "legato_num_requests_running", "legato_kv_cache_usage_ratio",
                  'legato_requests_total{status="200"}', 'legato_requests_total{status="400"}',
-                 "legato_kv_handoffs_recomputed_total 0.0"):
+                 "legato_kv_handoffs_recomputed_total 0.0",
+                 # vLLM's names, for routers that balance model servers on them
+                 'vllm:num_requests_waiting{model_name="tiny"} 0.0', 'vllm:num_requests_running{model_name="tiny"}',
+                 'vllm:kv_cache_usage_perc{model_name="tiny"}', 'vllm:gpu_cache_usage_perc{model_name="tiny"}',
+                 'vllm:time_to_first_token_seconds_bucket{le="0.005",model_name="tiny"}',
+                 'vllm:e2e_request_latency_seconds_count{model_name="tiny"}'):
         assert name in text, name
 
 
 def test_logs_carry_the_request_id_and_usage(cv, caplog):
     with caplog.at_level(logging.INFO, logger="legato.server"):
-        r = cv.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "max_new_tokens": 5},
+        r = cv.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "max_new_tokens": 5, "stream": False},
                     headers={"X-Request-Id": "log-check-1"})
     assert r.status_code == 200
     done = [rec for rec in caplog.records if getattr(rec, "request_id", None) == "log-check-1"]
@@ -280,7 +312,7 @@ def test_json_log_lines_hold_request_id_and_extras():
 def test_base_model_voice_sources(base):
     hidden = 64
     r = base.post("/v1/audio/speech", json={"input": "Hi.", "speaker_embedding": [0.1] * hidden,
-                                            "max_new_tokens": 4, "response_format": "pcm"})
+                                            "max_new_tokens": 4, "response_format": "pcm", "stream": False})
     assert r.status_code == 200, r.text
     assert len(r.content) == int(r.headers["x-usage-output-tokens"]) * SAMPLES_PER_FRAME * 2
     assert_error(base.post("/v1/audio/speech", json={"input": "Hi.", "speaker_embedding": [0.1] * 3}), 400,

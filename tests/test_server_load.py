@@ -36,7 +36,8 @@ async def _raw(http: httpx.AsyncClient, i: int) -> dict:
 
 
 async def _sse(http: httpx.AsyncClient, i: int) -> dict:
-    body = {"input": f"Client {i} listens.", "voice": "serena", "stream_format": "sse", "max_new_tokens": 8 + i % 11}
+    body = {"input": f"Client {i} listens.", "voice": "serena", "stream_format": "sse", "response_format": "pcm",
+            "max_new_tokens": 8 + i % 11}
     async with http.stream("POST", "/v1/audio/speech", json=body) as r:
         assert r.status_code == 200
         events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
@@ -137,3 +138,45 @@ def test_a_full_engine_queue_answers_429_with_retry_after(tmp_path_factory):
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
         else:
             assert len(r.content) == 30 * SAMPLES_PER_FRAME * 2
+
+
+def _gauge(metrics: str, name: str) -> float:
+    line = next(x for x in metrics.splitlines() if x.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_router_gauges_follow_the_load(live):
+    """The vLLM-named gauges routers read move with the load: idle 0, then as many running as the engine
+    holds (8) with the rest waiting while 12 long streams are open, then back to 0."""
+
+    async def main():
+        async with httpx.AsyncClient(base_url=live.url, timeout=120) as http:
+            idle = (await http.get("/metrics")).text
+            body = {"input": "Load.", "voice": "ryan", "response_format": "pcm", "ignore_eos": True, "num_frames": 400}
+            streams = [asyncio.ensure_future(_raw_body(http, body)) for _ in range(12)]
+            peak = {"running": 0.0, "waiting": 0.0, "kv": 0.0}
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while loop.time() < deadline and not (peak["running"] == 8 and peak["waiting"] >= 1):
+                text = (await http.get("/metrics")).text
+                peak["running"] = max(peak["running"], _gauge(text, "vllm:num_requests_running"))
+                peak["waiting"] = max(peak["waiting"], _gauge(text, "vllm:num_requests_waiting"))
+                peak["kv"] = max(peak["kv"], _gauge(text, "vllm:kv_cache_usage_perc"))
+                await asyncio.sleep(0.02)
+            for s in streams:
+                s.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            await _settled(http)
+            return idle, peak, (await http.get("/metrics")).text
+
+    idle, peak, after = asyncio.run(main())
+    for text in (idle, after):
+        assert _gauge(text, "vllm:num_requests_running") == 0 and _gauge(text, "vllm:num_requests_waiting") == 0
+        assert _gauge(text, "vllm:kv_cache_usage_perc") == 0
+    assert peak["running"] == 8 and peak["waiting"] >= 1, peak
+    assert 0 < peak["kv"] <= 1
+
+
+async def _raw_body(http: httpx.AsyncClient, body: dict) -> int:
+    async with http.stream("POST", "/v1/audio/speech", json=body) as r:
+        return sum([len(part) async for part in r.aiter_bytes()])

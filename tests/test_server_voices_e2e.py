@@ -65,7 +65,8 @@ def server(loaded, settings: ServerSettings) -> TestClient:
 
 
 def speak(http: TestClient, **fields):
-    body = {"input": "Hello there.", "max_new_tokens": 6, "seed": 7, "language": "english", **fields}
+    body = {"input": "Hello there.", "max_new_tokens": 6, "seed": 7, "language": "english", "response_format": "wav",
+            "stream": False, **fields}
     return http.post(SPEECH, json=body)
 
 

@@ -38,8 +38,8 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: `$` wo
 
 def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None) -> FastAPI:
     """The server for one engine client. The app owns the client's lifetime (start/stop in its lifespan)."""
-    metrics = ServerMetrics(client)
     service = SpeechService(client, settings, voice_store)
+    metrics = ServerMetrics(client, service.model_name)
     responder = SpeechResponder(client, settings, metrics)
     created = int(time.time())
 

@@ -1,7 +1,7 @@
 """`legato serve`: load a model, start the engine thread, serve the HTTP API with uvicorn.
 
     legato serve                                   # the embedded tiny default (random weights: noise)
-    legato serve --model Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice --port 8000
+    legato serve Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice --port 8000
 
 SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting connections and lets in-flight requests run
 for up to --shutdown-grace seconds, then the engine aborts whatever is left.
@@ -14,23 +14,31 @@ import logging
 import re
 import sys
 
+from legato.cli_help import DefaultsFormatter
+from legato.server.aliases import OPENAI_VOICE_ALIASES
+
 log = logging.getLogger("legato.serve")
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible speech API over HTTP")
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible speech API over HTTP",
+                       description="Serve the OpenAI-compatible speech API (/v1/audio/speech) over HTTP.",
+                       formatter_class=DefaultsFormatter)
     m = p.add_argument_group("model")
+    m.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                   help="model directory or hub id, as --model (default: the embedded tiny model, random weights)")
     m.add_argument("--model", default=None,
                    help="model directory or hub id (default: the embedded tiny model, random weights)")
-    m.add_argument("--served-model-name", default=None, help="name in /v1/models and requests' `model`")
+    m.add_argument("--served-model-name", default=None,
+                   help="name in /v1/models and requests' `model` (default: the model directory's name or hub id)")
     m.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     m.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="talker dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     h = p.add_argument_group("http")
-    h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=int, default=8000)
-    h.add_argument("--log-format", default="text", choices=["text", "json"])
-    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    h.add_argument("--port", type=int, default=8000, help="port to listen on")
+    h.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
+    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     t = p.add_argument_group("topology")
     t.add_argument("--topology", default="single",
                    help="single | split (talker worker + codec worker) | replicas:N (N engines behind a router) | "
@@ -53,28 +61,38 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "requests pinned by crc32(request id) %% K)")
     e = p.add_argument_group("engine (per worker)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoding at once")
-    e.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    e.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                   help="token budget of one engine step (decodes count 1, prefill chunks their length)")
     e.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue bound; beyond it: 429")
-    e.add_argument("--max-model-len", type=int, default=32768)
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--max-model-len", type=int, default=32768, help="most positions of one request (prompt + frames)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the device each engine may use (weights, activations, KV cache)")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     e.add_argument("--batch-invariant", action="store_true",
                    help="a seeded request's codes never depend on the load or topology, on GPUs too (decode steps "
                         "run in fixed chunks of --invariant-rows rows; costs latency at low load)")
-    e.add_argument("--invariant-rows", type=int, default=32)
+    e.add_argument("--invariant-rows", type=int, default=32, help="decode chunk of --batch-invariant")
     e.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first audio chunk")
     e.add_argument("--chunk-frames", type=int, default=25, help="frames in each later audio chunk")
     e.add_argument("--voice-cache-size", type=int, default=256,
                    help="reference clips whose voice features are kept (a clip sent again is not re-encoded); 0: off")
     e.add_argument("--chunk-ramp", action="store_true",
                    help="after the first chunk, make each chunk as long as the audio already sent, up to "
-                        "--chunk-frames, so real-time playback never runs dry (default: straight to --chunk-frames)")
+                        "--chunk-frames, so real-time playback never runs dry (off: straight to --chunk-frames)")
+    e.add_argument("--frames-per-text-token", type=float, default=8.0,
+                   help="frame cap: a request stops (finish reason `length`) after this many frames per text "
+                        "token plus --frame-cap-margin, unless it asks for an exact length; 0: no cap")
+    e.add_argument("--frame-cap-margin", type=int, default=50, help="frames added to the frame cap")
+    e.add_argument("--codec-full-context", action="store_true",
+                   help="stream audio with the codec's full left context instead of the reference's 300-frame "
+                        "windows (differs from the reference past 300 frames)")
     r = p.add_argument_group("requests")
-    r.add_argument("--max-input-chars", type=int, default=4096)
-    r.add_argument("--default-max-new-tokens", type=int, default=2048)
-    r.add_argument("--max-new-tokens-limit", type=int, default=4096)
-    r.add_argument("--max-ref-audio-bytes", type=int, default=10 * 1024 * 1024)
-    r.add_argument("--max-ref-audio-seconds", type=float, default=60.0)
+    r.add_argument("--max-input-chars", type=int, default=4096, help="longest input, instructions and ref_text")
+    r.add_argument("--default-max-new-tokens", type=int, default=2048,
+                   help="max_new_tokens of a request that gives none")
+    r.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens a request may ask")
+    r.add_argument("--max-ref-audio-bytes", type=int, default=10 * 1024 * 1024, help="largest reference clip")
+    r.add_argument("--max-ref-audio-seconds", type=float, default=60.0, help="longest reference clip")
     r.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose files requests may name as file:// ref_audio (default: none)")
     r.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) ref_audio URLs")
@@ -83,7 +101,40 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests get on shutdown")
     r.add_argument("--voices-dir", default=None,
                    help="saved voices of a Base model (default: $LEGATO_CACHE/voices/<served name>)")
+    r.add_argument("--voice-alias", action="append", default=[], metavar="NAME=VOICE",
+                   help="let requests say NAME for VOICE (repeatable; NAME= drops an alias); on top of the default "
+                        f"OpenAI names: {', '.join(f'{k}={v}' for k, v in OPENAI_VOICE_ALIASES.items())}")
     p.set_defaults(func=serve, serve_defaults={a.dest: a.default for a in p._actions})
+
+
+def voice_aliases(items: list[str]) -> dict[str, str]:
+    """The default OpenAI aliases with `NAME=VOICE` items applied (`NAME=` removes one)."""
+    aliases = dict(OPENAI_VOICE_ALIASES)
+    for item in items:
+        name, sep, voice = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--voice-alias {item!r}: expected NAME=VOICE")
+        if voice.strip():
+            aliases[name.strip().lower()] = voice.strip().lower()
+        else:
+            aliases.pop(name.strip().lower(), None)
+    return aliases
+
+
+def check_devices(devices: list[str]) -> None:
+    """Refuses devices this machine does not have, before anything loads (one line, naming the device)."""
+    import torch
+
+    for dev in devices:
+        if not dev.startswith("cuda"):
+            continue
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {dev!r} is a CUDA device, and this machine has no CUDA device "
+                             "(use --device cpu, or a deploy file without CUDA devices)")
+        index = dev.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise ValueError(f"device {dev!r} does not exist: this machine has {torch.cuda.device_count()} CUDA "
+                             "device(s)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -109,9 +160,16 @@ def serve(args: argparse.Namespace) -> int:
             print(f"legato serve: error: {e}", file=sys.stderr)
             return 2
     configure_logging(args.log_format, args.log_level)
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            print(f"legato serve: error: the model is given twice ({args.model_arg!r} and --model {args.model!r})",
+                  file=sys.stderr)
+            return 2
+        args.model = args.model_arg
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     try:
+        check_devices([device, *(args.devices.split(",") if args.devices else [])])
         if args.model is None:
             model_path = default_model_dir()
             log.warning("no --model: serving the embedded default %s, which has RANDOM weights (its audio is "
@@ -126,8 +184,10 @@ def serve(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
             mtp_replicas=args.mtp_replicas, chunk_ramp=args.chunk_ramp, voice_cache_size=args.voice_cache_size,
-            batch_invariant=args.batch_invariant,
-            invariant_rows=args.invariant_rows,
+            batch_invariant=args.batch_invariant, invariant_rows=args.invariant_rows,
+            frames_per_text_token=args.frames_per_text_token if args.frames_per_text_token > 0 else None,
+            frame_cap_margin=args.frame_cap_margin,
+            **({"codec_window_frames": None} if args.codec_full_context else {}),
         )
         voices_dir = args.voices_dir or str(cache_dir() / "voices" / _safe(name))
         settings = ServerSettings(
@@ -136,7 +196,7 @@ def serve(args: argparse.Namespace) -> int:
             max_ref_audio_bytes=args.max_ref_audio_bytes, max_ref_audio_seconds=args.max_ref_audio_seconds,
             allowed_local_media_path=args.allowed_local_media_path, allow_remote_media=args.allow_remote_media,
             request_timeout_s=args.request_timeout if args.request_timeout > 0 else None,
-            shutdown_grace_s=args.shutdown_grace, voices_dir=voices_dir,
+            shutdown_grace_s=args.shutdown_grace, voices_dir=voices_dir, voice_aliases=voice_aliases(args.voice_alias),
         )
         topology = parse_topology(args.topology)
         devices = args.devices.split(",") if args.devices else None

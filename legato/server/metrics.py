@@ -3,6 +3,12 @@
 Latency histograms are observed by the speech route as requests progress; the engine's gauges (queue
 depth, running requests, KV usage) are read from `EngineClient.stats()` at scrape time, so they are never
 stale and cost nothing between scrapes.
+
+Routers that balance model servers (llm-d's endpoint picker, the Gateway API inference extension, others)
+score them on vLLM's metric names, so the same figures are also exported under those names and meanings,
+with vLLM's `model_name` label: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+`vllm:kv_cache_usage_perc` (a fraction in [0, 1], as vLLM's; also as the older `vllm:gpu_cache_usage_perc`),
+`vllm:time_to_first_token_seconds` (our time to first audio) and `vllm:e2e_request_latency_seconds`.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ class ServerMetrics:
     a stream that failed after its 200 header counts as the status it would have had (500 error,
     504 timeout, 503 shutdown), and a client that left mid-request as 499."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
         self.ttfp = Histogram(
             "legato_time_to_first_audio_seconds", "Request arrival to the first audio byte ready to send.",
             ["mode"], buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -46,7 +53,22 @@ class ServerMetrics:
             registry=self.registry)
         self.audio_seconds = Counter(
             "legato_audio_seconds", "Seconds of audio produced.", registry=self.registry)
-        self.registry.register(_EngineCollector(client))
+        # vLLM's names, for routers (one observation each, beside ours: see the module doc).
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first audio (vLLM's name: routers read it).",
+            ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end latency of successful requests (vLLM's name).",
+            ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.registry.register(_EngineCollector(client, model_name))
+
+    def observe_ttfp(self, mode: str, seconds: float) -> None:
+        self.ttfp.labels(mode).observe(seconds)
+        self.vllm_ttft.observe(seconds)
+
+    def observe_e2e(self, mode: str, seconds: float) -> None:
+        self.e2e.labels(mode).observe(seconds)
+        self.vllm_e2e.observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -55,8 +77,9 @@ class ServerMetrics:
 class _EngineCollector(Collector):
     """Engine gauges read at scrape time."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, model_name: str) -> None:
         self.client = client
+        self.model_name = model_name
 
     def describe(self) -> list:
         return []  # dynamic: read at collect time
@@ -77,3 +100,12 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("legato_kv_handoffs_recomputed", "Process MpNd: requests whose KV handoff "
                                   "failed and that were run again on a decode engine (--kv-failure-policy).",
                                   value=s.recomputed)
+        for name, doc, value in (
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled (vLLM's name).", s.waiting),
+            ("vllm:num_requests_running", "Requests running on the engine (vLLM's name).", s.running),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100 % (vLLM's name).", s.kv_usage),
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = 100 % (vLLM's older name).", s.kv_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge

@@ -12,11 +12,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-ResponseFormat = Literal["wav", "pcm", "flac"]
-TaskType = Literal["Base", "CustomVoice", "VoiceDesign"]
+from legato.server.encoding import STREAMABLE
 
-# A request naming one of these is refused by pydantic with a message listing the supported formats.
-SUPPORTED_FORMATS: tuple[str, ...] = ("wav", "pcm", "flac")
+# OpenAI's formats; aac is accepted here and refused by the speech service with the reason (encoding.py).
+ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+TaskType = Literal["Base", "CustomVoice", "VoiceDesign"]
 
 # Static bounds. They keep every value the engine receives inside what its batched tensors can hold
 # (int64 seeds and top-k, finite temperatures) so no single request can fail the step it is batched in.
@@ -40,13 +40,19 @@ class SpeechRequest(BaseModel):
     voice: str | VoiceRef | None = Field(
         None, description="CustomVoice: a preset speaker (case-insensitive). Base: a saved voice name "
         "(omit it when giving ref_audio or speaker_embedding). VoiceDesign: omit.")
-    response_format: ResponseFormat = Field("wav", description="wav, pcm (s16le mono) or flac.")
-    speed: float = Field(1.0, ge=0.25, le=4.0, description="Only 1.0 is supported.")
-    stream: bool = Field(False, description="Stream raw audio as it is generated (stream_format=audio).")
+    response_format: ResponseFormat = Field(
+        "mp3", description="mp3 (OpenAI's default), opus (Ogg), flac, wav, pcm (s16le mono); aac is refused.")
+    speed: float = Field(1.0, description="Only 1.0 is supported (anything else is refused).")
+    stream: bool | None = Field(
+        None, description="Our extension. Unset: stream when the format allows it (mp3, opus, wav with an open "
+        "length, pcm) and send flac whole; true: stream (a flac request is refused); false: the whole file, "
+        "with usage headers.")
     stream_format: Literal["audio", "sse"] = Field(
-        "audio", description="audio: the file (stream=false) or raw bytes (stream=true); sse: "
-        "speech.audio.delta events (base64 PCM s16le) then speech.audio.done with usage.")
-    instructions: str | None = Field(None, description="VoiceDesign voice description; CustomVoice style.")
+        "audio", description="audio: the audio bytes (streamed as they are made, see `stream`); sse: "
+        "speech.audio.delta events (base64 audio in response_format, PCM s16le for wav) then "
+        "speech.audio.done with usage.")
+    instructions: str | None = Field(
+        None, description="Voice description (VoiceDesign) or speaking style (1.7B CustomVoice).")
 
     # --- Qwen3-TTS extensions -----------------------------------------------------------------------
     task_type: TaskType | None = Field(None, description="Must match the served model when given.")
@@ -98,9 +104,13 @@ class SpeechRequest(BaseModel):
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
     @property
-    def streaming(self) -> bool:
-        """SSE always streams; raw audio streams when `stream` is set."""
-        return self.stream_format == "sse" or self.stream
+    def mode(self) -> str:
+        """How the response is delivered: sse events, a raw audio stream, or one file (see `stream`)."""
+        if self.stream_format == "sse":
+            return "sse"
+        if self.stream is None:
+            return "audio" if self.response_format in STREAMABLE else "file"
+        return "audio" if self.stream else "file"
 
 
 class ModelCard(BaseModel):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from legato.models.qwen3_tts.loader import GENERATION_DEFAULTS
+from legato.server.aliases import OPENAI_VOICE_ALIASES
 
 MiB = 1024 * 1024
 
@@ -39,6 +40,9 @@ class ServerSettings:
     """On shutdown, in-flight requests get this long to finish before they are aborted."""
     voices_dir: str | None = None
     """Where saved voices live (None: no voice store)."""
+    voice_aliases: dict[str, str] = field(default_factory=lambda: dict(OPENAI_VOICE_ALIASES))
+    """Voice names a request may use for another voice (OpenAI's `alloy`, `nova`, ... by default); a real
+    voice of that name wins over an alias."""
     generation_defaults: dict[str, Any] = field(default_factory=lambda: dict(GENERATION_DEFAULTS))
     """The model's sampling defaults (`LoadedModel.generation_defaults`); request fields override them."""
 

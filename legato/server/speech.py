@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.pipeline.client import EngineClient, SynthesisRequest
-from legato.server.encoding import STREAMABLE
+from legato.server.encoding import MEDIA_TYPES, STREAMABLE, format_problem
 from legato.server.errors import ApiError, ErrorResponse
 from legato.server.media import MediaError, MediaPolicy, resolve_ref_audio
 from legato.server.schemas import SpeechRequest
@@ -44,6 +44,7 @@ class SpeechService:
         self.client = client
         self.settings = settings
         self.voice_store = voice_store
+        self.voice_aliases = {k.lower(): v.lower() for k, v in settings.voice_aliases.items()}
         self.media_policy = MediaPolicy(
             allowed_local_media_path=settings.allowed_local_media_path, allow_remote=settings.allow_remote_media,
             max_bytes=settings.max_ref_audio_bytes, max_seconds=settings.max_ref_audio_seconds,
@@ -62,7 +63,7 @@ class SpeechService:
         self._check_request(body)
         sampling, max_frames = self._sampling(body)
         inp = await self._speech_input(body)
-        mode = "sse" if body.stream_format == "sse" else "audio" if body.stream else "file"
+        mode = body.mode
         synthesis = SynthesisRequest(
             request_id=request_id, input=inp, sampling=sampling, max_frames=max_frames,
             ignore_eos=body.ignore_eos, first_chunk_frames=body.first_chunk_frames,
@@ -76,11 +77,18 @@ class SpeechService:
             raise ApiError(404, f"model {body.model!r} is not served here; available: [{self.model_name!r}]",
                            "model_not_found", "model")
         if body.speed != 1.0:
-            raise ApiError(400, f"speed {body.speed:g} is not supported: only 1.0", "unsupported_speed", "speed")
+            raise ApiError(400, f"speed {body.speed:g} is not supported: the only supported speed is 1.0 (no "
+                                "time-stretch yet)", "unsupported_speed", "speed")
+        problem = format_problem(body.response_format, self.client.info.sample_rate)
+        if problem is not None:
+            raise ApiError(400, f"response_format {problem}", "unsupported_format", "response_format")
         if body.task_type is not None and body.task_type != self.task_type:
             raise ApiError(400, f"task_type {body.task_type} does not match the served model, which is a "
                                 f"{self.task_type} model", "task_type_mismatch", "task_type")
-        if body.streaming and body.response_format not in STREAMABLE:
+        if body.stream_format == "sse" and body.stream is False:
+            raise ApiError(400, "stream_format sse always streams; drop stream=false", "conflicting_stream", "stream")
+        streamed = body.stream is True or body.stream_format == "sse"
+        if streamed and body.response_format not in STREAMABLE:
             raise ApiError(400, f"response_format {body.response_format} cannot be streamed; streamable: "
                                 f"{', '.join(STREAMABLE)}", "unsupported_format", "response_format")
         limit = self.settings.max_input_chars
@@ -130,6 +138,9 @@ class SpeechService:
                     raise ApiError(400, f"{name} is for Base (voice clone) models; this server runs a "
                                         f"{self.task_type} model", "unsupported_field", name)
         if info.model_type == "custom_voice":
+            if body.instructions and info.model_size == "0b6":
+                raise ApiError(400, "the 0.6B CustomVoice model takes no instructions (the 1.7B CustomVoice and "
+                                    "the VoiceDesign models do)", "unsupported_field", "instructions")
             return SpeechInput(speaker=self._preset_speaker(body.voice_name), instructions=body.instructions,
                                **common)
         if info.model_type == "voice_design":
@@ -159,9 +170,14 @@ class SpeechService:
         by_lower = {s.lower(): s for s in speakers}
         if voice is None:
             raise ApiError(400, f"voice is required: a preset speaker, one of {speakers}", "missing_voice", "voice")
-        if voice.lower() not in by_lower:
-            raise ApiError(400, f"unknown voice {voice!r}; available: {speakers}", "unknown_voice", "voice")
-        return by_lower[voice.lower()]
+        name = voice.lower()
+        if name not in by_lower:
+            name = self.voice_aliases.get(name, name)
+        if name not in by_lower:
+            aliases = sorted(a for a, target in self.voice_aliases.items() if target in by_lower)
+            raise ApiError(400, f"unknown voice {voice!r}; available: {speakers}"
+                                + (f", or an alias: {aliases}" if aliases else ""), "unknown_voice", "voice")
+        return by_lower[name]
 
     async def _clone_fields(self, body: SpeechRequest) -> dict[str, Any]:
         """SpeechInput fields of a Base request: exactly one of a saved voice, ref_audio or an embedding."""
@@ -196,6 +212,9 @@ class SpeechService:
 
     def _saved_voice(self, body: SpeechRequest) -> dict[str, Any]:
         voice = self.voice_store.get(body.voice_name) if self.voice_store is not None else None
+        alias = self.voice_aliases.get(body.voice_name.lower())
+        if voice is None and alias is not None and self.voice_store is not None:
+            voice = self.voice_store.get(alias)
         if voice is None:
             raise ApiError(400, f"unknown voice {body.voice_name!r}; saved voices: {self._saved_voices()}",
                            "unknown_voice", "voice")
@@ -215,7 +234,7 @@ class SpeechService:
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 403, 404, 413, 429, 500, 503, 504)}
 _AUDIO = {"content": {t: {"schema": {"type": "string", "format": "binary"}}
-                      for t in ("audio/wav", "audio/pcm", "audio/flac", "text/event-stream")},
+                      for t in (*MEDIA_TYPES.values(), "text/event-stream")},
           "description": "The audio (file or stream) or an SSE event stream."}
 
 

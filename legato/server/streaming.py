@@ -31,7 +31,7 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk, SynthesisRequest
-from legato.server.encoding import encode_chunk, encode_file, media_type, stream_preamble
+from legato.server.encoding import StreamEncoder, encode_file, media_type
 from legato.server.errors import ApiError
 from legato.server.metrics import ServerMetrics
 from legato.server.settings import ServerSettings
@@ -107,7 +107,7 @@ class Generation:
     def first_audio(self) -> None:
         if self.ttfp is None:
             self.ttfp = time.perf_counter() - self.started
-            self.metrics.ttfp.labels(self.mode).observe(self.ttfp)
+            self.metrics.observe_ttfp(self.mode, self.ttfp)
 
     def finish(self, status: int, abort_reason: str | None = None, error: str | None = None) -> None:
         """Records the outcome once: metrics and one log line carrying the usage."""
@@ -118,7 +118,7 @@ class Generation:
         if abort_reason:
             self.metrics.aborts.labels(abort_reason).inc()
         if status == 200:
-            self.metrics.e2e.labels(self.mode).observe(e2e)
+            self.metrics.observe_e2e(self.mode, e2e)
             if self.samples:
                 self.metrics.rtf.labels(self.mode).observe(e2e / self.audio_seconds)
             self.metrics.audio_seconds.inc(self.audio_seconds)
@@ -170,7 +170,7 @@ class SpeechResponder:
         headers = {"X-Request-Id": req.request_id, "X-Seed": str(gen.seed),
                    "X-Sample-Rate": str(gen.sample_rate), "Cache-Control": "no-cache"}
         if mode == "sse":
-            return AudioStreamResponse(self._sse(gen, first), "text/event-stream", headers, gen.abandon)
+            return AudioStreamResponse(self._sse(gen, first, fmt), "text/event-stream", headers, gen.abandon)
         return AudioStreamResponse(self._raw(gen, first, fmt), media_type(fmt), headers, gen.abandon)
 
     async def _first(self, gen: Generation) -> StreamChunk:
@@ -221,16 +221,20 @@ class SpeechResponder:
         })
 
     async def _raw(self, gen: Generation, first: StreamChunk, fmt: str) -> AsyncIterator[bytes]:
+        encoder = _Encoder(fmt, gen.sample_rate)
         try:
             chunk = first
             gen.first_audio()
-            yield stream_preamble(gen.sample_rate, fmt) + encode_chunk(first.audio)
+            yield await encoder.start() + await encoder.encode(first.audio)
             while not chunk.finished:
                 chunk = await gen.next()
                 if chunk.audio.size:
-                    yield encode_chunk(chunk.audio)
+                    yield await encoder.encode(chunk.audio)
             if gen.succeeded:
+                tail = await encoder.finish()
                 gen.finish(200)
+                if tail:
+                    yield tail
                 return
             gen.finish_failed()
             raise StreamCut(gen.error or gen.finish_reason)
@@ -244,19 +248,29 @@ class SpeechResponder:
             gen.finish(500, error=f"{type(e).__name__}: {e}")
             raise StreamCut(f"internal error: {type(e).__name__}") from e
         finally:
+            encoder.close()
             await gen.abandon()  # no-op unless the client left
 
-    async def _sse(self, gen: Generation, first: StreamChunk) -> AsyncIterator[bytes]:
+    async def _sse(self, gen: Generation, first: StreamChunk, fmt: str) -> AsyncIterator[bytes]:
+        # Deltas carry the requested format, which must stream; a WAV header has no place in events: PCM.
+        fmt = "pcm" if fmt == "wav" else fmt
+        encoder = _Encoder(fmt, gen.sample_rate)
         try:
             chunk = first
             gen.first_audio()
+            pending = await encoder.start()
             if first.audio.size:
-                yield _delta(first.audio)
+                yield _delta(pending + await encoder.encode(first.audio), fmt)
+                pending = b""
             while not chunk.finished:
                 chunk = await gen.next()
                 if chunk.audio.size:
-                    yield _delta(chunk.audio)
+                    yield _delta(pending + await encoder.encode(chunk.audio), fmt)
+                    pending = b""
             if gen.succeeded:
+                tail = pending + await encoder.finish()
+                if tail:
+                    yield _delta(tail, fmt)
                 gen.finish(200)
                 yield _event({"type": "speech.audio.done", "usage": gen.usage(), "request_id": gen.req.request_id,
                               "seed": gen.seed, "audio_seconds": round(gen.audio_seconds, 6),
@@ -273,6 +287,7 @@ class SpeechResponder:
             status, message = 500, f"internal error: {type(e).__name__}"
             gen.finish(status, error=f"{type(e).__name__}: {e}")
         finally:
+            encoder.close()
             await gen.abandon()  # no-op unless the client left
         yield _event({"type": "speech.audio.error", "request_id": gen.req.request_id, "usage": gen.usage(),
                       "error": {"message": message, "type": "timeout_error" if status == 504 else "server_error",
@@ -288,9 +303,33 @@ def _event(data: dict) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
 
 
-def _delta(audio: np.ndarray) -> bytes:
-    return _event({"type": "speech.audio.delta", "response_format": "pcm",
-                   "audio": base64.b64encode(encode_chunk(audio)).decode("ascii")})
+def _delta(data: bytes, fmt: str) -> bytes:
+    return _event({"type": "speech.audio.delta", "response_format": fmt,
+                   "audio": base64.b64encode(data).decode("ascii")})
+
+
+class _Encoder:
+    """A `StreamEncoder` whose compressing formats run on a worker thread (LAME and Opus release the GIL),
+    so encoding many streams never stalls the event loop; PCM and WAV are cheap enough to stay on it."""
+
+    def __init__(self, fmt: str, sample_rate: int) -> None:
+        self._enc = StreamEncoder(fmt, sample_rate)
+        self._threaded = fmt not in ("pcm", "wav")
+
+    async def _call(self, fn, *args) -> bytes:
+        return await asyncio.to_thread(fn, *args) if self._threaded else fn(*args)
+
+    async def start(self) -> bytes:
+        return await self._call(self._enc.start)
+
+    async def encode(self, audio: np.ndarray) -> bytes:
+        return await self._call(self._enc.encode, audio)
+
+    async def finish(self) -> bytes:
+        return await self._call(self._enc.finish)
+
+    def close(self) -> None:
+        self._enc.close()
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
