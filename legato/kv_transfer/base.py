@@ -101,6 +101,11 @@ class KVConnector(ABC):
     def link_error(self) -> str | None:
         """Why the link FAILED, or None."""
 
+    @property
+    def closed_by_peer(self) -> bool:
+        """The link went down because the peer closed it in order (its shutdown), not by a failure."""
+        return False
+
     @abstractmethod
     def handshake(self, peer_layout: KVLayout) -> None:
         """Accept the peer's layout (READY) or raise LayoutMismatch naming every differing field (FAILED).

@@ -98,6 +98,7 @@ class LinkConnector(KVConnector):
         self._state = LinkState.NOT_READY
         self._error: str | None = None
         self._error_reason = FailReason.PEER_NOT_READY
+        self._peer_bye = False
         self._mismatch: LayoutMismatch | None = None
         self._out: dict[str, _Outgoing] = {}
         self._in: dict[str, _Incoming] = {}
@@ -119,6 +120,10 @@ class LinkConnector(KVConnector):
     @property
     def link_error(self) -> str | None:
         return self._error
+
+    @property
+    def closed_by_peer(self) -> bool:
+        return self._peer_bye
 
     def handshake(self, peer_layout: KVLayout) -> None:
         try:
@@ -259,6 +264,7 @@ class LinkConnector(KVConnector):
         elif op == "withdraw":
             self._on_withdraw(msg["rid"], str(msg.get("reason", "")))
         elif op == "bye":
+            self._peer_bye = self._state is not LinkState.FAILED
             self._link_down(FailReason.PEER_DIED, "peer closed the link")
         else:
             raise ValueError(f"unknown op {op!r}")

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import queue
 import socket
 import threading
@@ -40,6 +39,8 @@ from legato.kv_transfer import (
     TransferEvent,
     get_backend,
 )
+from legato.pipeline import ipc
+from legato.pipeline.ipc import socket_address
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class KVLinkSpec:
 
 
 def socket_path(instance_id: str, decode_index: int) -> str:
-    return f"/tmp/legato-{instance_id}-kv{decode_index}"
+    """The address of decode worker `decode_index`'s KV-link listener (abstract on Linux: see ipc.py)."""
+    return socket_address(instance_id, f"kv{decode_index}")
 
 
 class KVLinks:
@@ -97,8 +99,7 @@ class KVLinks:
     def start(self) -> None:
         if self.spec.role == "decode":
             path = socket_path(self.spec.instance_id, self.spec.index)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            ipc.remove(path)
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener.bind(path)
             self._listener.listen(max(8, self.spec.peers))
@@ -120,8 +121,7 @@ class KVLinks:
             self._dispatch(peer, conn.close())
         if self._listener is not None:
             self._listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(socket_path(self.spec.instance_id, self.spec.index))
+            ipc.remove(socket_path(self.spec.instance_id, self.spec.index))
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_result(TransferEvent("", EventKind.FAILED, FailReason.CLOSED, "worker closing"))
@@ -243,7 +243,10 @@ class KVLinks:
         for peer, (state, error) in self.states().items():
             if self._reported.get(peer) is not state:
                 self._reported[peer] = state
-                if state is LinkState.FAILED:
+                conn = self.connectors.get(peer)
+                if state is LinkState.FAILED and conn is not None and conn.closed_by_peer:
+                    log.info("KV link %s <-> worker %d closed by the peer (its shutdown)", self.name, peer)
+                elif state is LinkState.FAILED:
                     log.error("KV link %s <-> worker %d failed: %s", self.name, peer, error)
                 elif state is LinkState.READY:
                     log.info("KV link %s <-> worker %d ready (%s)", self.name, peer, self.spec.backend)

@@ -33,6 +33,7 @@ from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.config import load_model_config, load_speech_tokenizer_config
 from legato.models.qwen3_tts.inputs import VoiceFeatures
 from legato.models.qwen3_tts.loader import resolve_model_dir
+from legato.pipeline import ipc
 from legato.pipeline import messages as m
 from legato.pipeline.client import (
     EngineClient,
@@ -42,6 +43,7 @@ from legato.pipeline.client import (
     StreamChunk,
     SynthesisRequest,
 )
+from legato.pipeline.ipc import zmq_endpoint
 from legato.pipeline.kv_links import KVLinkSpec, socket_path
 from legato.pipeline.worker import WorkerSpec
 
@@ -49,13 +51,8 @@ log = logging.getLogger(__name__)
 
 
 def new_instance_id() -> str:
-    """A short id unique on this host: it names the IPC paths of one server's workers."""
+    """A short id unique on this host: it names the IPC addresses of one server's workers (see ipc.py)."""
     return f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def ipc_base(instance_id: str, worker_index: int) -> str:
-    """Path prefix of one worker's IPC sockets (short: a Unix socket path holds at most ~107 bytes)."""
-    return f"/tmp/legato-{instance_id}-{worker_index}"
 
 
 def model_info(model_path: str | Path, name: str) -> ModelInfo:
@@ -95,8 +92,8 @@ class ProcessEngineClient(EngineClient):
         self.instance_id = instance_id or new_instance_id()
         self.worker_index = worker_index
         self.label = f"{self.instance_id}-{worker_index}"
-        base = ipc_base(self.instance_id, worker_index)
-        self.ipc_paths = (f"{base}-cmd", f"{base}-out")
+        self.endpoints = (zmq_endpoint(self.instance_id, f"{worker_index}-cmd"),
+                          zmq_endpoint(self.instance_id, f"{worker_index}-out"))
         self.torch_threads = torch_threads
         self.start_timeout_s = start_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -106,7 +103,9 @@ class ProcessEngineClient(EngineClient):
         self.links: dict[int, m.LinkStatus] = {}  # process MpNd: the worker's KV links, by peer index
         self.proc: subprocess.Popen | None = None
         self.dead_reason: str | None = None  # set once the worker is found dead
-        self._stats = EngineStats(num_kv_blocks=self.config.num_kv_blocks or 0)
+        # Until the first heartbeat: an idle engine, every block free (a router must not read it as full).
+        blocks = self.config.num_kv_blocks or 0
+        self._stats = EngineStats(num_kv_blocks=blocks, free_kv_blocks=blocks)
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[str, asyncio.Future] = {}
         self._lock = threading.Lock()  # guards the command socket and the two tables above
@@ -134,11 +133,11 @@ class ProcessEngineClient(EngineClient):
         self._out = self._ctx.socket(zmq.PULL)
         for sock in (self._cmd, self._out):
             sock.setsockopt(zmq.LINGER, 0)
-        self._cmd.bind(f"ipc://{self.ipc_paths[0]}")
-        self._out.bind(f"ipc://{self.ipc_paths[1]}")
+        self._cmd.bind(self.endpoints[0])
+        self._out.bind(self.endpoints[1])
         spec = WorkerSpec(
             model_path=self.model_path, engine_config=dataclasses.asdict(self.config), name=self.info.name,
-            label=self.label, cmd_endpoint=f"ipc://{self.ipc_paths[0]}", out_endpoint=f"ipc://{self.ipc_paths[1]}",
+            label=self.label, cmd_endpoint=self.endpoints[0], out_endpoint=self.endpoints[1],
             parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s, torch_threads=self.torch_threads,
             kv=None if self.kv is None else self.kv.to_dict(), role=self.role,
         )
@@ -149,7 +148,10 @@ class ProcessEngineClient(EngineClient):
             env["OMP_NUM_THREADS"] = str(self.torch_threads)
         # A session of its own: a Ctrl-C at the terminal reaches the server only, which then shuts the worker
         # down in order (the worker still exits by itself if the server dies).
-        self.proc = subprocess.Popen([sys.executable, "-m", "legato.pipeline.worker", spec.to_json()], env=env,
+        # -P (Python >= 3.11): the working directory is not put on sys.path, so nothing there shadows legato.
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+        self.proc = subprocess.Popen([sys.executable, *safe_path, "-m", "legato.pipeline.worker", spec.to_json()],
+                                     env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self._threads = [threading.Thread(target=self._read_log, name=f"worker-log-{self.label}", daemon=True),
@@ -197,10 +199,10 @@ class ProcessEngineClient(EngineClient):
             for sock in (self._cmd, self._out):
                 sock.close()
             self._ctx.term()
-        for path in self.ipc_paths:
-            Path(path).unlink(missing_ok=True)
+        for endpoint in self.endpoints:
+            ipc.remove(endpoint)
         if self.kv is not None and self.kv.role == "decode":  # a killed decode worker leaves its listener behind
-            Path(socket_path(self.kv.instance_id, self.kv.index)).unlink(missing_ok=True)
+            ipc.remove(socket_path(self.kv.instance_id, self.kv.index))
 
     # --- requests -------------------------------------------------------------------------------------
 
