@@ -145,3 +145,23 @@ def test_cli_serve_writes_json_and_check_wav_then_compare(tmp_path, capsys):
     assert "max_concurrency differs" in capsys.readouterr().err
     assert main(["bench", "compare", str(tmp_path / "res" / "a-server-c2.json"), c_json, "--allow-unfair"]) == 0
     assert "UNFAIR: max_concurrency differs" in capsys.readouterr().out
+
+
+def test_bench_serve_from_a_fresh_clone_needs_no_dataset_and_follows_the_model(tmp_path, tmp_path_factory):
+    """No --dataset-path, no --mode, against a CustomVoice server: the packaged prompts, sent with a preset
+    voice the server has (not clone requests, which a CustomVoice model answers with 400)."""
+    from server_helpers import LiveServer, local_client, server_settings, tiny_loaded
+
+    from legato.server.app import build_app
+
+    loaded = tiny_loaded(tmp_path_factory.getbasetemp(), "custom_voice")
+    app = build_app(local_client(loaded, name="cv"), server_settings(loaded, max_new_tokens_limit=64), None)
+    with LiveServer(app) as srv:
+        rc = main(["bench", "serve", "--base-url", srv.url, "--num-prompts", "3", "--fixed-length",
+                   "--frames-per-char", "0.05", "--min-frames", "2", "--max-frames", "3", "--num-warmups", "0",
+                   "--no-progress", "--result-dir", str(tmp_path / "res"), "--label", "fresh"])
+    assert rc == 0
+    result = json.loads((tmp_path / "res" / "fresh-server-cinf.json").read_text())
+    assert result["aggregates"]["completed"] == 3 and result["aggregates"]["failed"] == 0
+    assert result["config"]["request"]["mode"] == "voice" and result["config"]["request"]["voice"] == "ryan"
+    assert result["config"]["dataset"]["path"].endswith("legato/bench/data/en/meta.lst")

@@ -119,3 +119,35 @@ def test_fixed_length_frames_from_text_length(tmp_path):
         assert r.text_chars == len(p.text)
     with pytest.raises(DatasetError):
         FixedLength(0.5, min_frames=10, max_frames=4)
+
+
+def test_the_default_set_ships_with_the_package():
+    """48 prompts and the 8 reference clips they clone, in the package (a fresh clone needs no data folder)."""
+    from legato.bench.datasets import DEFAULT_DATASET
+
+    ds = load_prompts(DEFAULT_DATASET)
+    assert len(ds.rows) == 48 and ds.locale == "en"
+    clips = {r.prompt_wav for r in ds.rows}
+    assert len(clips) == 8 and all(c.is_file() and c.stat().st_size > 100_000 for c in clips)
+    assert all(r.text and r.prompt_text for r in ds.rows)
+    assert len(build_requests(ds, RequestSpec("clone"))) == 48
+
+
+def test_the_bench_mode_follows_the_model(tmp_path, monkeypatch):
+    """`bench sweep` with no --mode: the embedded default (CustomVoice) gets preset-voice requests, a Base
+    model clone requests; `bench serve` asks the running server (`/v1/models`)."""
+    import argparse
+
+    from legato.bench.cli import _mode_of_model
+    from legato.models.qwen3_tts.testing import write_checkpoint
+    from legato.models.qwen3_tts.tiny import tiny_config
+
+    monkeypatch.setenv("LEGATO_CACHE", str(tmp_path / "cache"))
+    assert _mode_of_model(argparse.Namespace(server_args="--max-num-seqs 4")) == ("voice", "ryan")
+    base = write_checkpoint(tmp_path / "base", tiny_config("base"))
+    assert _mode_of_model(argparse.Namespace(server_args=f"--model {base}")) == ("clone", None)
+    assert _mode_of_model(argparse.Namespace(server_args=str(base))) == ("clone", None)  # positional model
+    design = write_checkpoint(tmp_path / "design", tiny_config("voice_design"))
+    assert _mode_of_model(argparse.Namespace(server_args=str(design))) == ("design", None)
+    with pytest.raises(ValueError, match="cannot read the server's model"):
+        _mode_of_model(argparse.Namespace(base_url="http://127.0.0.1:9"))

@@ -9,6 +9,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from legato.cli_help import DefaultsFormatter
+
 
 def _rate(value: str) -> float:
     rate = float(value)
@@ -34,34 +36,39 @@ def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prompts")
-    g.add_argument("--dataset-path", required=True,
-                   help="a meta.lst file, or a folder holding <locale>/meta.lst (Seed-TTS-eval layout) or meta.lst")
-    g.add_argument("--locale", default="en")
-    g.add_argument("--meta-name", default="meta.lst")
-    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--dataset-path", default=None,
+                   help="a meta.lst file, or a folder holding <locale>/meta.lst (Seed-TTS-eval layout) or meta.lst "
+                        "(default: the 48 prompts and 8 voices shipped with legato, legato/bench/data)")
+    g.add_argument("--locale", default="en", help="locale folder of the dataset")
+    g.add_argument("--meta-name", default="meta.lst", help="list file name inside the locale folder")
+    g.add_argument("--num-prompts", type=int, default=None, help="prompts to sample (default: 100, or all of "
+                   "the default set's 48)")
     g.add_argument("--seed", type=int, default=0, help="sampling (shuffle) seed; also seeds the arrival process")
-    g.add_argument("--mode", choices=["clone", "xvec", "voice"], default=None,
-                   help="voice clone (ref audio + text), x-vector only, or a preset voice (default: voice when "
-                        "--voice is given, else clone)")
-    g.add_argument("--voice", default=None, help="preset voice name")
+    g.add_argument("--mode", choices=["clone", "xvec", "voice", "design"], default=None,
+                   help="voice clone (ref audio + text), x-vector only, a preset voice, or a VoiceDesign description "
+                        "(default: what the server's model takes: voice for CustomVoice, clone for Base, design "
+                        "for VoiceDesign; voice when --voice is given)")
+    g.add_argument("--voice", default=None,
+                   help="preset voice name, or the description of design mode (default: the model's first preset)")
     g.add_argument("--language", default=None, help="language sent with each request (default: from the locale)")
     g.add_argument("--fixed-length", action="store_true",
                    help="ask the server to ignore EOS and produce a length derived from the text (random weights)")
-    g.add_argument("--frames-per-char", type=float, default=0.8)
-    g.add_argument("--min-frames", type=int, default=4)
-    g.add_argument("--max-frames", type=int, default=250)
-    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--frames-per-char", type=float, default=0.8, help="fixed length: frames per text character")
+    g.add_argument("--min-frames", type=int, default=4, help="fixed length: fewest frames")
+    g.add_argument("--max-frames", type=int, default=250, help="fixed length: most frames")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="max_new_tokens sent with each request "
+                   "(default: the server's)")
     g.add_argument("--request-seed", type=int, default=None, help="request i sends seed REQUEST_SEED + i")
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     c = p.add_argument_group("load")
     c.add_argument("--model", default=None, help="`model` field sent with each request")
-    c.add_argument("--endpoint", default="/v1/audio/speech")
+    c.add_argument("--endpoint", default="/v1/audio/speech", help="the speech route")
     c.add_argument("--request-rate", type=_rate, default=float("inf"),
                    help="Poisson arrivals per second; inf: all at once")
-    c.add_argument("--num-warmups", type=int, default=2)
+    c.add_argument("--num-warmups", type=int, default=2, help="requests sent (and not counted) before the run")
     c.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
     c.add_argument("--sample-rate", type=int, default=24000, help="sample rate of the PCM stream")
-    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
     m = p.add_argument_group("metrics and output")
     m.add_argument("--slo", action="append", default=[], metavar="KEY=VALUE",
                    help="per request: ttfp_ms, e2el_ms, rtf, underrun_s; run percentiles: ttfp_p50_ms, "
@@ -71,48 +78,54 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `bench` and its subcommands on the top-level `legato` parser."""
-    bench = sub.add_parser("bench", help="benchmark a streaming speech server")
+    bench = sub.add_parser("bench", help="benchmark a streaming speech server", formatter_class=DefaultsFormatter)
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
-    p = bsub.add_parser("serve", help="benchmark one running server")
+    p = bsub.add_parser("serve", help="benchmark one running server", formatter_class=DefaultsFormatter)
     _add_workload_args(p)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--result-dir", default="bench-results")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: unbounded)")
+    p.add_argument("--result-dir", default="bench-results", help="where the run's JSON and check WAV go")
     p.add_argument("--topology", default="server", help="recorded in the result (and the file names)")
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs the server uses: enables per-GPU figures")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the server's limit, recorded for comparisons")
     p.set_defaults(func=_run(_serve))
 
-    p = bsub.add_parser("sweep", help="start `legato serve` per topology and concurrency, run, summarise")
+    p = bsub.add_parser("sweep", help="start `legato serve` per topology and concurrency, run, summarise",
+                        formatter_class=DefaultsFormatter)
     _add_workload_args(p)
     p.add_argument("--topologies", default="single", help="comma list, e.g. single,replicas:2")
     p.add_argument("--concurrency", type=_ints, default=[1, 4], help="comma list of max concurrencies")
-    p.add_argument("--out-dir", default="bench-sweep")
+    p.add_argument("--out-dir", default="bench-sweep", help="where SUMMARY.md, summary.json, plots and runs go")
     p.add_argument("--server-args", default="", help="arguments for every server, e.g. '--max-num-seqs 4'")
-    p.add_argument("--topology-args", action="append", metavar="T=ARGS", help="extra arguments of one topology")
-    p.add_argument("--gpus", action="append", metavar="T=N", help="GPU count of a topology kind the bench can't infer")
+    p.add_argument("--topology-args", action="append", metavar="T=ARGS",
+                   help="extra arguments of one topology (default: none)")
+    p.add_argument("--gpus", action="append", metavar="T=N",
+                   help="GPU count of a topology kind the bench can't infer (default: none)")
     p.add_argument("--devices", default=None, help="comma list of GPU ids; a topology with N GPUs gets the first N")
-    p.add_argument("--server-cmd", default=None, help="server command (default: this python -m legato.cli serve)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=None, help="default: a free port")
-    p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--stop-grace", type=float, default=15.0)
+    p.add_argument("--server-cmd", default=None,
+                   help="server command (default: the installed `legato serve` beside this Python)")
+    p.add_argument("--host", default="127.0.0.1", help="address the servers listen on")
+    p.add_argument("--port", type=int, default=None, help="port of the servers (default: a free port)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server may take to be ready")
+    p.add_argument("--stop-grace", type=float, default=15.0, help="seconds a server gets to stop before SIGKILL")
     p.add_argument("--allow-unfair", action="store_true",
                    help="run/compare topologies with different GPU counts or limits (flagged in the summary)")
     p.set_defaults(func=_run(_sweep))
 
     p = bsub.add_parser("summarize", help="SUMMARY.md, summary.json and plots from run JSONs (a sweep cut "
-                                          "short, or cells of several sweeps)")
+                                          "short, or cells of several sweeps)", formatter_class=DefaultsFormatter)
     p.add_argument("runs", nargs="+", help="result JSONs written by `bench serve` or `bench sweep`")
-    p.add_argument("--out-dir", required=True)
-    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="recorded under environment (e.g. commit)")
+    p.add_argument("--out-dir", required=True, help="where SUMMARY.md, summary.json and the plots go")
+    p.add_argument("--env", action="append", metavar="KEY=VALUE",
+                   help="recorded under environment, e.g. commit (default: none)")
     p.set_defaults(func=_run(_summarize))
 
-    p = bsub.add_parser("compare", help="two result JSONs side by side, with B/A for every aggregate")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--allow-unfair", action="store_true")
+    p = bsub.add_parser("compare", help="two result JSONs side by side, with B/A for every aggregate",
+                        formatter_class=DefaultsFormatter)
+    p.add_argument("a", help="run A's JSON")
+    p.add_argument("b", help="run B's JSON")
+    p.add_argument("--allow-unfair", action="store_true", help="show runs whose limits differ, flagged")
     p.set_defaults(func=_run(_compare))
 
 
@@ -142,16 +155,22 @@ def _prepare(args: argparse.Namespace):
     import legato
 
     from .client import ClientConfig
-    from .datasets import FixedLength, RequestSpec, build_requests, load_prompts
+    from .datasets import DEFAULT_DATASET, FixedLength, RequestSpec, build_requests, load_prompts
     from .metrics import parse_slos
 
     fixed = FixedLength(args.frames_per_char, args.min_frames, args.max_frames) if args.fixed_length else None
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
-    mode = args.mode or ("voice" if args.voice else "clone")
-    spec = RequestSpec(mode, args.voice, args.language, fixed, args.max_new_tokens, args.request_seed, extra)
-    ds = load_prompts(args.dataset_path, args.locale, args.num_prompts, args.seed, args.meta_name)
+    mode, voice = args.mode, args.voice
+    if mode is None:
+        mode, voice = ("voice", voice) if voice else _mode_of_model(args)
+    elif mode == "voice" and voice is None:
+        voice = _mode_of_model(args)[1]
+    spec = RequestSpec(mode, voice, args.language, fixed, args.max_new_tokens, args.request_seed, extra)
+    dataset = args.dataset_path or DEFAULT_DATASET
+    num_prompts = args.num_prompts if args.num_prompts is not None else (100 if args.dataset_path else None)
+    ds = load_prompts(dataset, args.locale, num_prompts, args.seed, args.meta_name)
     for w in ds.warnings:
         print(f"legato bench: warning: {w}", file=sys.stderr)
     requests = build_requests(ds, spec)
@@ -177,6 +196,50 @@ def _prepare(args: argparse.Namespace):
     return requests, ccfg, slo, config
 
 
+_MODE_OF_TYPE = {"base": "clone", "custom_voice": "voice", "voice_design": "design"}
+_TYPE_OF_TASK = {"Base": "base", "CustomVoice": "custom_voice", "VoiceDesign": "voice_design"}
+
+
+def _served_model(server_args: str) -> str | None:
+    """The model `legato serve SERVER_ARGS` loads (None: the embedded default)."""
+    from legato.cli import build_parser
+
+    try:
+        served = build_parser().parse_args(["serve", *shlex.split(server_args)])
+    except SystemExit as e:
+        raise ValueError(f"--server-args {server_args!r} are not `legato serve` arguments") from e
+    return served.model or served.model_arg
+
+
+def _mode_of_model(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(mode, preset voice) that fit the model the bench runs against: a running server's `/v1/models` for
+    `bench serve`; for `bench sweep` the config files of the model its servers will load."""
+    if hasattr(args, "base_url"):
+        import httpx
+
+        try:
+            card = httpx.get(f"{args.base_url}/v1/models", timeout=10.0).raise_for_status().json()["data"][0]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"cannot read the server's model from {args.base_url}/v1/models ({e}); give --mode") \
+                from e
+        model_type, voices = _TYPE_OF_TASK.get(card.get("task_type"), "base"), card.get("voices") or []
+    else:
+        from legato.models.qwen3_tts.default import default_model_dir
+        from legato.pipeline.process_client import model_info
+
+        info = model_info(_served_model(args.server_args) or default_model_dir(), "bench")
+        model_type, voices = info.model_type, info.speakers
+    mode = _MODE_OF_TYPE.get(model_type, "clone")
+    voice = None
+    if mode == "voice":
+        if not voices:
+            raise ValueError("the server's CustomVoice model lists no voices; give --voice")
+        voice = "ryan" if "ryan" in [v.lower() for v in voices] else voices[0]
+    print(f"legato bench: the model is a {model_type} model: mode {mode}" + (f", voice {voice}" if voice else ""),
+          file=sys.stderr)
+    return mode, voice
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .client import run
     from .report import build_result, run_stem, run_table, save_run
@@ -193,7 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from .environment import environment
+    from .environment import environment, gpus
     from .sweep import SweepConfig, SweepError, parse_flag, run_sweep
 
     requests, ccfg, slo, config = _prepare(args)
@@ -211,11 +274,13 @@ def _sweep(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout,
         stop_grace_s=args.stop_grace,
         allow_unfair=args.allow_unfair,
+        cpu_only=not gpus() and args.devices is None,
     )
     if args.server_cmd:
         scfg.server_cmd = shlex.split(args.server_cmd)
     fixed = config["request"]["fixed_length"]
-    meta = {"model": args.model or "(server default)", "dataset": config["dataset"]["path"],
+    meta = {"model": args.model or "(server default)", "model_path": _served_model(args.server_args)
+            or "embedded tiny default (random weights)", "dataset": config["dataset"]["path"],
             "mode": config["request"]["mode"], "fixed_length": fixed["rule"] if fixed else None,
             "max_num_seqs": parse_flag(scfg.server_args, "--max-num-seqs"), "max_new_tokens": args.max_new_tokens,
             "request_rate": args.request_rate,

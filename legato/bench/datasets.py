@@ -8,9 +8,11 @@ design variant's voice description, or a ground-truth wav) is ignored. Sampling 
 `meta.lst` in our prompt corpus.
 
 Modes: `clone` (ref audio as a base64 data URL + ref text), `xvec` (ref audio, `x_vector_only_mode`),
-`voice` (a preset speaker). The fixed-length mode is for random-weight models that never emit EOS at a
-natural point: the server is asked to ignore EOS and generate `clamp(round(chars × frames_per_char), min,
-max)` frames of 80 ms, so every topology does the same work for the same prompt.
+`voice` (a preset speaker), `design` (a VoiceDesign model: a fixed voice description as `instructions`).
+`DEFAULT_DATASET`, shipped inside the package, is used when no list is given. The fixed-length mode is for
+random-weight models that never emit EOS at a natural point: the server is asked to ignore EOS and generate
+`clamp(round(chars × frames_per_char), min, max)` frames of 80 ms, so every topology does the same work for
+the same prompt.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ LOCALE_LANGUAGE = {
     "en": "English", "zh": "Chinese", "ja": "Japanese", "ko": "Korean", "de": "German", "fr": "French",
     "ru": "Russian", "pt": "Portuguese", "es": "Spanish", "it": "Italian",
 }
-MODES = ("clone", "xvec", "voice")
+MODES = ("clone", "xvec", "voice", "design")
+DEFAULT_DATASET = Path(__file__).parent / "data"  # 48 CMU ARCTIC prompts, 8 voices: data/README.md
+DESIGN_INSTRUCTIONS = "A clear, calm adult voice reading at an even pace."
 
 
 class DatasetError(ValueError):
@@ -170,6 +174,8 @@ def build_requests(ds: Dataset, spec: RequestSpec) -> list[BenchRequest]:
             body["language"] = language
         if spec.mode == "voice":
             body["voice"] = spec.voice
+        elif spec.mode == "design":
+            body["instructions"] = spec.voice or DESIGN_INSTRUCTIONS
         else:
             if p.prompt_wav not in clips:  # each clip is encoded once, however many rows share it
                 clips[p.prompt_wav] = data_url(p.prompt_wav)

@@ -145,7 +145,7 @@ def summary_markdown(cells: list[dict], meta: dict) -> str:
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     control = {(c["gpus"], c["concurrency"]): c for c in cells if c["topology"] == c.get("control")}
     for c in cells:
-        row = [c["topology"], str(c["gpus"]), str(c["concurrency"])]
+        row = [c["topology"], "cpu" if meta.get("cpu_only") else str(c["gpus"]), str(c["concurrency"])]
         agg = c.get("aggregates")
         if agg is None:
             row += ["0/0", f"failed: {c.get('error', '?')}"] + [""] * len(_COLUMNS)
@@ -178,8 +178,24 @@ def _series(cells: list[dict], key: str) -> dict[str, tuple[list[int], list[floa
     return out
 
 
-def plot_sweep(cells: list[dict], out_dir: Path) -> list[Path]:
-    """Throughput, TTFP (p50 solid, p99 dashed) and goodput per GPU against concurrency, one line per topology."""
+def plot_caption(meta: dict) -> str:
+    """What every plot says about its run: the model, the hardware, the prompts and the commit."""
+    env = meta.get("environment") or {}
+    if meta.get("cpu_only"):
+        hardware = f"CPU only, {env.get('cpus') or '?'} cores"
+    else:
+        hardware = ", ".join(env.get("gpus") or []) or "GPUs not recorded"
+    prompts = Path(str(meta.get("dataset") or "?")).name
+    if meta.get("mode"):
+        prompts += f" ({meta['mode']})"
+    return (f"model {meta.get('model_path') or meta.get('model') or '?'} | {hardware} | prompts {prompts} | "
+            f"commit {env.get('commit') or '?'}")
+
+
+def plot_sweep(cells: list[dict], out_dir: Path, meta: dict | None = None) -> list[Path]:
+    """Throughput, TTFP (p50 solid, p99 dashed) and, when an SLO was given, goodput per GPU against
+    concurrency, one line per topology; every axis starts at zero, and a caption names the run."""
+    meta = meta or {}
     try:
         import matplotlib
 
@@ -195,6 +211,11 @@ def plot_sweep(cells: list[dict], out_dir: Path) -> list[Path]:
          [("goodput.request_goodput_per_gpu", "req/s/GPU", "-")],
          [("goodput.audio_goodput_per_gpu", "audio s/s/GPU", "-")]),
     ]
+    slo = meta.get("slo") or {}
+    if not (slo.get("per_request") or slo.get("run")) or meta.get("cpu_only"):
+        # goodput without an SLO is only throughput again, and per GPU it needs GPUs
+        specs = specs[:2]
+    caption = plot_caption(meta)
     topologies = list(dict.fromkeys(c["topology"] for c in cells))
     colors = {t: f"C{i}" for i, t in enumerate(topologies)}  # one colour per topology in every plot
     concs = sorted({c["concurrency"] for c in cells})
@@ -210,11 +231,13 @@ def plot_sweep(cells: list[dict], out_dir: Path) -> list[Path]:
             ax.set_xscale("log", base=2)
             ax.set_xticks(concs, [str(c) for c in concs])
             ax.minorticks_off()
+            ax.set_ylim(bottom=0)
             ax.grid(True, alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
         fig.suptitle(title)
-        fig.tight_layout()
+        fig.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=7, color="0.3")
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
         paths.append(out_dir / name)
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
@@ -228,4 +251,4 @@ def write_sweep(cells: list[dict], meta: dict, out_dir: Path) -> list[Path]:
     md.write_text(summary_markdown(cells, meta), encoding="utf-8")
     js.write_text(json.dumps(sanitize({"meta": meta, "cells": cells}), indent=1, ensure_ascii=False) + "\n",
                   encoding="utf-8")
-    return [md, js, *plot_sweep(cells, out_dir)]
+    return [md, js, *plot_sweep(cells, out_dir, meta)]

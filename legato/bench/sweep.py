@@ -9,9 +9,11 @@ is free. Then it writes SUMMARY.md, summary.json and the plots.
 Fairness (the lesson of comparing a 7-GPU disaggregated setup against a 1-GPU baseline): runs are compared
 only at the same GPU count and with the same limits — max concurrency, request rate, the server's
 max_num_seqs, max_new_tokens and the fixed-length settings, and the same workload. A topology's GPU count
-comes from its name (`single` = 1, `replicas:N` = N); any other kind must be given explicitly (`--gpus
-T=N`). The plain `replicas` control at each GPU count in the sweep (`single` at 1 GPU) is added when
-missing. Comparisons that break a rule are refused unless `allow_unfair`, and then flagged in the summary.
+comes from its name (`single` = 1, `replicas:N` = N); any other kind must be given explicitly (`--gpus T=N`).
+On a machine without GPUs every topology runs on the same one host, so all are compared as equal hardware (and
+no per-GPU figures are made). The plain `replicas` control at each GPU count in the sweep (`single` at 1 GPU)
+is added when missing. Comparisons that break a rule are refused unless `allow_unfair`, and then flagged in
+the summary.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -114,6 +117,12 @@ def fairness_problems(configs: dict[str, dict]) -> tuple[list[str], list[str]]:
     return problems, warnings
 
 
+def last_line(text: str) -> str:
+    """The last non-blank line: a failed server's log ends with the error that stopped it."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -205,13 +214,24 @@ class ServerProcess:
             pass
 
 
+def installed_server_cmd() -> list[str]:
+    """`legato serve` as installed beside this Python (or on PATH). Unlike `python -m legato.cli`, an entry
+    point does not put the working directory first on sys.path, so a folder there named `legato` cannot
+    shadow the installed package; `-P` does the same for the fallback (Python >= 3.11)."""
+    script = Path(sys.executable).parent / "legato"
+    found = str(script) if script.is_file() else shutil.which("legato")
+    if found:
+        return [found, "serve"]
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "legato.cli", "serve"]
+
+
 @dataclass
 class SweepConfig:
     topologies: list[str]
     concurrencies: list[int]
     out_dir: Path
     label: str = "sweep"
-    server_cmd: list[str] = field(default_factory=lambda: [sys.executable, "-m", "legato.cli", "serve"])
+    server_cmd: list[str] = field(default_factory=installed_server_cmd)
     server_args: list[str] = field(default_factory=list)  # shared by every topology
     topology_args: dict[str, list[str]] = field(default_factory=dict)  # extra args of one topology
     gpus: dict[str, int] = field(default_factory=dict)  # explicit GPU counts
@@ -221,6 +241,13 @@ class SweepConfig:
     startup_timeout_s: float = 300.0
     stop_grace_s: float = 15.0
     allow_unfair: bool = False
+    cpu_only: bool = False  # no GPUs here: every topology runs on this one host (equal hardware)
+
+    def gpu_counts(self, topologies: list[str]) -> dict[str, int]:
+        """Explicit GPU counts, plus 1 for every topology on a CPU-only machine (one host for all)."""
+        if not self.cpu_only:
+            return self.gpus
+        return {**{t: 1 for t in topologies}, **self.gpus}
 
 
 def _cell_config(base: dict, cfg: SweepConfig, topology: str, gpus: int, conc: int) -> dict:
@@ -234,17 +261,22 @@ def _cell_config(base: dict, cfg: SweepConfig, topology: str, gpus: int, conc: i
 
 def plan(cfg: SweepConfig, base_config: dict) -> tuple[list[str], list[str]]:
     """(topologies to run, fairness notes); raises SweepError on an unfair plan unless allow_unfair."""
-    topologies = with_controls(cfg.topologies, cfg.gpus)
+    counts = cfg.gpu_counts(cfg.topologies)
+    topologies = with_controls(cfg.topologies, counts)
+    counts = cfg.gpu_counts(topologies)
     if cfg.devices is not None:
         for t in topologies:
-            if gpu_count(t, cfg.gpus) > len(cfg.devices):
-                raise SweepError(f"{t} needs {gpu_count(t, cfg.gpus)} GPUs; --devices lists {len(cfg.devices)}")
+            if gpu_count(t, counts) > len(cfg.devices):
+                raise SweepError(f"{t} needs {gpu_count(t, counts)} GPUs; --devices lists {len(cfg.devices)}")
     conc = cfg.concurrencies[0]
-    configs = {t: _cell_config(base_config, cfg, t, gpu_count(t, cfg.gpus), conc) for t in topologies}
+    configs = {t: _cell_config(base_config, cfg, t, gpu_count(t, counts), conc) for t in topologies}
     problems, warnings = fairness_problems(configs)
     if problems and not cfg.allow_unfair:
         raise SweepError("refusing an unfair comparison (use --allow-unfair to run it anyway): " + "; ".join(problems))
     notes = [f"UNFAIR comparison (--allow-unfair): {p}" for p in problems] + warnings
+    if cfg.cpu_only:
+        notes.append("CPU only: every topology ran on this one host and is compared as equal hardware "
+                     "(no per-GPU figures)")
     return topologies, notes
 
 
@@ -252,11 +284,12 @@ def run_sweep(cfg: SweepConfig, requests: list[BenchRequest], client_cfg: bench_
               base_config: dict, slo: SloSpec, meta: dict) -> tuple[list[dict], list[Path]]:
     """Run every (topology, concurrency) cell and write the summary; returns (cells, paths written)."""
     topologies, notes = plan(cfg, base_config)
+    counts = cfg.gpu_counts(topologies)
     port = cfg.port or free_port(cfg.host)
     runs_dir = cfg.out_dir / "runs"
     cells = []
     for topo in topologies:
-        gpus = gpu_count(topo, cfg.gpus)
+        gpus = gpu_count(topo, counts)
         for conc in cfg.concurrencies:
             config = _cell_config(base_config, cfg, topo, gpus, conc)
             stem = run_stem(cfg.label, topo, conc)
@@ -274,11 +307,11 @@ def run_sweep(cfg: SweepConfig, requests: list[BenchRequest], client_cfg: bench_
                 ccfg = replace(client_cfg, base_url=f"http://{cfg.host}:{port}", max_concurrency=conc)
                 config["client"]["base_url"] = ccfg.base_url
                 out = bench_client.run(ccfg, requests)
-                result = build_result(config, out, slo, gpus)
+                result = build_result(config, out, slo, None if cfg.cpu_only else gpus)
                 paths = save_run(result, out, runs_dir, stem, ccfg.sample_rate)
                 cell["aggregates"], cell["result"] = result["aggregates"], str(paths["json"].relative_to(cfg.out_dir))
             except SweepError as e:
-                cell["error"] = str(e).splitlines()[0]
+                cell["error"] = last_line(str(e))
                 log.error("cell %s failed: %s", stem, e)
             finally:
                 cell["server_exit_code"] = server.stop(cfg.stop_grace_s)
@@ -286,5 +319,5 @@ def run_sweep(cfg: SweepConfig, requests: list[BenchRequest], client_cfg: bench_
             cells.append(cell)
     meta = {**meta, "topologies": topologies, "concurrencies": cfg.concurrencies, "fairness_notes": notes,
             "server_cmd": cfg.server_cmd, "server_args": cfg.server_args, "topology_args": cfg.topology_args,
-            "control": sorted({c["control"] for c in cells})}
+            "control": sorted({c["control"] for c in cells}), "cpu_only": cfg.cpu_only}
     return cells, write_sweep(cells, meta, cfg.out_dir)

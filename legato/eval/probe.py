@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from legato.cli_help import DefaultsFormatter
+
 if TYPE_CHECKING:  # heavy imports stay out of `legato --help`
     from legato.models.qwen3_tts.loader import LoadedModel
     from legato.pipeline.client import EngineClient, SynthesisRequest
@@ -145,20 +147,23 @@ def probe(topology: str, model: str | None, device: str, n: int, concurrencies: 
 
 
 def add_probe_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("probe", help="compare a topology's codes and TTFP with `single` for seeded requests")
-    p.add_argument("--topology", required=True)
+    p = sub.add_parser("probe", help="compare a topology's codes and TTFP with `single` for seeded requests",
+                       description="Run the same seeded requests through a topology and through `single`, and "
+                                   "compare their codes and TTFP.", formatter_class=DefaultsFormatter)
+    p.add_argument("--topology", required=True, help="the topology to check (as `legato serve --topology`)")
     p.add_argument("--model", default=None, help="model directory or hub id (default: the embedded tiny model)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--requests", type=int, default=8, help="seeded requests per concurrency")
     p.add_argument("--concurrency", default="4", help="comma list, e.g. 1,8,32 (each topology starts once)")
-    p.add_argument("--frames", type=int, default=16)
-    p.add_argument("--greedy", action="store_true")
-    p.add_argument("--workers", choices=["thread", "process"], default="thread")
+    p.add_argument("--frames", type=int, default=16, help="frames per request (EOS ignored)")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding instead of seeded sampling")
+    p.add_argument("--workers", choices=["thread", "process"], default="thread",
+                   help="engines on threads of this process or in worker processes")
     p.add_argument("--kv-transfer", default="shm", help="KV backend of process MpNd: shm | mooncake")
     p.add_argument("--mtp-replicas", type=int, default=1, help="code-predictor replicas of the topology's engines")
     p.add_argument("--memory", type=float, default=0.2, help="gpu_memory_utilization of each side")
     p.add_argument("--batch-invariant", action="store_true", help="both sides in batch-invariant mode")
-    p.add_argument("--invariant-rows", type=int, default=32)
+    p.add_argument("--invariant-rows", type=int, default=32, help="decode chunk of --batch-invariant")
     p.add_argument("--out", default=None, help="also write the report (JSON) here")
     p.set_defaults(func=_main)
 
