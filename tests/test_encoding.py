@@ -105,3 +105,20 @@ def test_formats_the_server_cannot_make_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="cannot be streamed"):
         StreamEncoder("flac", RATE)
     assert set(STREAMABLE) <= set(MEDIA_TYPES) and "aac" not in MEDIA_TYPES
+
+
+def test_closing_a_stream_while_a_worker_thread_encodes_is_safe():
+    """A client that leaves mid-stream: the server closes the encoder while a worker thread may still be
+    encoding for it; the calls take turns, and an encode after the close sends nothing."""
+    import threading
+
+    for fmt in ("mp3", "opus"):
+        enc = StreamEncoder(fmt, RATE)
+        enc.start()
+        audio = _audio(25)
+        worker = threading.Thread(target=lambda e=enc, a=audio: [e.encode(a) for _ in range(20)])
+        worker.start()
+        enc.close()
+        worker.join(30)
+        assert not worker.is_alive()
+        assert enc.encode(audio) == b"" and enc.finish() == b""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 
 import numpy as np
 
@@ -84,8 +85,10 @@ def _quantised(samples: np.ndarray) -> np.ndarray:
 
 
 class StreamEncoder:
-    """Bytes of one streamed response: `start()` once, `encode(samples)` per chunk, `finish()` at the end.
-    Not thread-safe; one response owns it."""
+    """Bytes of one streamed response: `start()` once, `encode(samples)` per chunk, `finish()` at the end, or
+    `close()` for a stream that ended early. Calls may come from different threads (the server encodes on
+    worker threads): a lock makes them one at a time, so `close()` never frees the writer under an `encode`
+    still running for a client that left."""
 
     def __init__(self, fmt: str, sample_rate: int) -> None:
         if fmt not in STREAMABLE:
@@ -94,8 +97,32 @@ class StreamEncoder:
         self.sample_rate = sample_rate
         self._sink: _AppendOnlySink | None = None
         self._writer = None
+        self._head: bytearray | None = None  # MP3: the first bytes, until LAME's header frame is dropped
+        self._lock = threading.Lock()
 
     def start(self) -> bytes:
+        with self._lock:
+            return self._start()
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        with self._lock:
+            return self._encode(samples)
+
+    def finish(self) -> bytes:
+        with self._lock:
+            return self._finish()
+
+    def close(self) -> None:
+        """Drops the writer of a stream that ended early (no bytes are produced)."""
+        with self._lock:
+            if self._writer is not None:
+                try:
+                    self._writer.close()
+                except Exception:  # the stream is gone; a failing close must not mask why
+                    log.debug("closing an abandoned %s encoder failed", self.fmt, exc_info=True)
+                self._writer = None
+
+    def _start(self) -> bytes:
         if self.fmt == "wav":
             return wav_header(self.sample_rate, None)
         if self.fmt == "pcm":
@@ -110,18 +137,20 @@ class StreamEncoder:
             _flush_every_ogg_packet(self._writer)
         else:
             _constant_bitrate(self._writer)
-            self._head: bytearray | None = bytearray()  # until the MP3 header frame is dropped
+            self._head = bytearray()
         return self._taken()
 
-    def encode(self, samples: np.ndarray) -> bytes:
-        if self._writer is None:
+    def _encode(self, samples: np.ndarray) -> bytes:
+        if self.fmt in ("pcm", "wav"):
             return to_pcm16(samples)
+        if self._writer is None:  # closed: the stream has ended
+            return b""
         if samples.size:
             self._writer.write(_quantised(samples))
         return self._taken()
 
-    def finish(self) -> bytes:
-        if self._writer is None:
+    def _finish(self) -> bytes:
+        if self._writer is None:  # pcm, wav, or closed
             return b""
         self._writer.close()  # flushes the encoder's tail (and rewrites a header that was already sent)
         self._writer = None
@@ -142,15 +171,6 @@ class StreamEncoder:
             return b""
         head, self._head = bytes(self._head), None
         return head[size:] if not any(head[4:size]) else head
-
-    def close(self) -> None:
-        """Drops the writer of a stream that ended early (no bytes are produced)."""
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            except Exception:  # the stream is gone; a failing close must not mask why
-                log.debug("closing an abandoned %s encoder failed", self.fmt, exc_info=True)
-            self._writer = None
 
 
 class _AppendOnlySink(io.RawIOBase):
