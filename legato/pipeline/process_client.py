@@ -334,6 +334,9 @@ class ProcessEngineClient(EngineClient):
     def _died(self, reason: str) -> None:
         log.error("engine worker %s: %s", self.label, reason)
         self.dead_reason = reason
+        # Its last heartbeat is stale: everything it ran has failed, and it holds nothing any more.
+        blocks = self._stats.num_kv_blocks
+        self._stats = dataclasses.replace(self._stats, waiting=0, running=0, kv_usage=0.0, free_kv_blocks=blocks)
         self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
