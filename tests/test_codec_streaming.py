@@ -259,3 +259,46 @@ def test_stream_schedule_refuses_bad_windows():
             StreamSchedule(window_frames=window, window_context=context)
     with pytest.raises(ValueError, match="chunk sizes"):
         StreamSchedule(first_chunk_frames=0)
+
+
+def test_the_state_bank_serves_streams_that_come_and_go(decoder):
+    """Streams open, prime (several clones sharing a reference length, batched), decode in batches of
+    equal chunks, finish and hand their rows to new streams, and the bank grows past its capacity; each
+    stream's audio equals its own whole decode within 1e-5."""
+    from legato.engine.codec_streamer import CodecStreamer, StreamSchedule
+
+    rng = random.Random(7)
+    streamer = CodecStreamer(decoder, StreamSchedule(first_chunk_frames=1, chunk_frames=5, chunk_ramp=True,
+                                                     window_frames=None), capacity=2)
+    shared_ref = _codes(1, 6, seed=50)[0]
+    plans = {}
+    for i in range(7):
+        ref = shared_ref if i % 3 == 0 else (_codes(1, 4, seed=60 + i)[0] if i % 3 == 1 else None)
+        plans[f"s{i}"] = (ref, _codes(1, rng.randint(3, 23), seed=70 + i)[0], i // 2)  # joins at step i // 2
+    got = {rid: [] for rid in plans}
+    done, step, fed = set(), 0, {rid: 0 for rid in plans}
+    while len(done) < len(plans):
+        for rid, (ref, _codes_of, join) in plans.items():
+            if join == step:
+                streamer.open(rid, ref)
+        for rid, (_ref, codes, join) in plans.items():
+            if join <= step and rid not in done:
+                for _ in range(rng.choice([0, 1, 1, 2, 3])):
+                    if fed[rid] < codes.shape[0]:
+                        streamer.push(rid, codes[fed[rid]])
+                        fed[rid] += 1
+        ending = {rid for rid, (_r, codes, join) in plans.items()
+                  if join <= step and rid not in done and fed[rid] == codes.shape[0] and rng.random() < 0.5}
+        audio, failed = streamer.flush(ending)
+        assert not failed
+        for rid, pcm in audio.items():
+            got[rid].append(pcm)
+        done |= ending
+        step += 1
+        assert step < 200
+    assert streamer.capacity >= 4 and not streamer.streams and len(streamer._free_rows) == streamer.capacity
+    for rid, (ref, codes, _join) in plans.items():
+        full = codes if ref is None else torch.cat([ref, codes])
+        want = _whole(decoder, full[None])[0, 0, (0 if ref is None else ref.shape[0]) * SPF :].numpy()
+        pcm = np.concatenate(got[rid])
+        assert pcm.shape == want.shape and np.abs(pcm - want).max() < TOL, rid

@@ -1,24 +1,34 @@
-"""Streams codec frames into PCM chunks, batching every request whose chunk is due in the same call.
+"""Streams codec frames into PCM chunks, batching every stream whose chunk is due in the same call.
 
-Each request keeps a stateful decoder state, so the chunks concatenate to the decode of the whole
-utterance. The chunk schedule is `first_chunk_frames` (time to first audio), then chunks that double the
-audio already sent (with `chunk_ramp`) up to `chunk_frames`; the tail goes out when the request finishes. The
-ramp is what keeps a real-time player fed: after E frames (E x 80 ms of audio) the next chunk is E frames,
-which the engine makes in far less than E x 80 ms, whereas a jump from 1 frame straight to 25 leaves the
-player 80 ms of audio to cover 25 frames of generation. In-context clones first run their reference codes
-through the state (output dropped), which equals the reference's decode-with-prefix-then-cut without re-decoding it.
+Each stream owns a row of one preallocated state bank (conv tails, transposed-conv overhangs, the
+attention window's keys and values, its frame position), so the chunks concatenate to the decode of the
+whole utterance. A call gathers the rows of the streams it decodes, runs the decoder, and scatters the new
+state back: no per-call concatenation or splitting of per-stream states. On CUDA the decoder runs on a
+stream of its own, so a flush overlaps the talker step the engine has in flight, and the common chunk sizes
+run as CUDA graphs per batch bucket.
+
+The chunk schedule is `first_chunk_frames` (time to first audio), then chunks that double the audio already
+sent (with `chunk_ramp`) up to `chunk_frames`; the tail goes out when the request finishes. The ramp is
+what keeps a real-time player fed: after E frames (E x 80 ms of audio) the next chunk is E frames, which
+the engine makes in far less than E x 80 ms, whereas a jump from 1 frame straight to 25 leaves the player
+80 ms of audio to cover 25 frames of generation. In-context clones first run their reference codes through
+their row (output dropped), batched with every clone opened since the last flush whose reference has the
+same length; that equals the reference's decode-with-prefix-then-cut without re-decoding it.
 
 Long utterances follow the reference's windowed decode (`CodecDecoder.decode`): windows of `window_frames`
 frames (300), each decoded from a fresh state that starts `window_context` frames (25) before the window,
 whose output is dropped. Streaming keeps that exactly with a second state per stream: it starts, fresh, at
 the last `window_context` frames of the current window (fed the same codes, output dropped) and takes over
 at the window's end. Positions count the reference frames of an in-context clone, as the reference decodes
-reference and generated codes as one sequence. `window_frames=None` streams with full context instead (the
-whole-utterance `forward`), which differs from the reference past 300 frames.
+reference and generated codes as one sequence. Chunks that touch a window's edge run stream by stream;
+`window_frames=None` streams with full context instead (the whole-utterance `forward`), which differs from
+the reference past 300 frames.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +40,8 @@ from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.codec_streaming import CodecStreamState
 
 log = logging.getLogger(__name__)
+
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # stream counts captured as CUDA graphs (per chunk size)
 
 
 @dataclass(frozen=True)
@@ -55,14 +67,24 @@ class StreamSchedule:
         return cls(config.first_chunk_frames, config.chunk_frames, config.chunk_ramp, config.codec_window_frames,
                    config.codec_window_context)
 
+    def chunk_sizes(self) -> list[int]:
+        """Every chunk size the schedule makes before a stream's tail (the sizes worth a CUDA graph)."""
+        sizes, emitted, n = set(), 0, 0
+        while emitted == 0 or n != self.chunk_frames:  # the ramp grows until it reaches the steady size
+            n = next_chunk_frames(emitted, self.first_chunk_frames, self.chunk_frames, self.chunk_ramp)
+            sizes.add(n)
+            emitted += n
+        return sorted(sizes)
+
 
 @dataclass
 class _Stream:
-    state: CodecStreamState
+    row: int  # this stream's row of the state bank
     first_chunk_frames: int
     pending: list[torch.Tensor] = field(default_factory=list)  # [16] frames not decoded yet
     emitted_frames: int = 0
     position: int = 0  # frames run through the decoder, reference frames included
+    prime: torch.Tensor | None = None  # reference codes [T, 16] still to run through the row
     next_window: CodecStreamState | None = None  # primed on the next window's left context
 
 
@@ -75,27 +97,47 @@ def next_chunk_frames(emitted: int, first: int, steady: int, ramp: bool = False)
 
 
 class CodecStreamer:
-    def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None) -> None:
+    def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None, capacity: int = 64,
+                 graphs: bool = False) -> None:
         self.decoder = decoder
         self.schedule = schedule or StreamSchedule()
         self.streams: dict[str, _Stream] = {}
         weight = next(decoder.parameters())
         self.device = weight.device
+        self.capacity = capacity
+        # One row per stream, plus a scratch row that the padded rows of a graph replay read and write.
+        self.bank = decoder.new_stream_state(capacity + 1)
+        self._free_rows = list(range(capacity))
+        self._fresh: list[int] = []  # rows to zero before their first use
+        self.cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.graphs: dict[tuple[int, int], _ChunkGraph] = {}
+        if graphs and self.cuda_stream is not None:
+            self._capture_graphs()
 
-    @torch.inference_mode()
+    @property
+    def scratch_row(self) -> int:
+        return self.capacity
+
     def open(
         self, request_id: str, ref_code: torch.Tensor | None = None, first_chunk_frames: int | None = None
     ) -> None:
-        stream = _Stream(self.decoder.new_stream_state(1), first_chunk_frames or self.schedule.first_chunk_frames)
-        if ref_code is not None and ref_code.shape[0] > 0:
-            self._decode_windowed(stream, ref_code.to(self.device))
-        self.streams[request_id] = stream
+        """Starts a stream on a fresh row; an in-context clone's reference codes run at the next flush."""
+        if not self._free_rows:
+            self._grow()
+        row = heapq.heappop(self._free_rows)
+        self._fresh.append(row)
+        prime = ref_code.to(torch.long) if ref_code is not None and ref_code.shape[0] > 0 else None
+        self.streams[request_id] = _Stream(row, first_chunk_frames or self.schedule.first_chunk_frames, prime=prime)
 
     def push(self, request_id: str, frame: torch.Tensor) -> None:
         self.streams[request_id].pending.append(frame)
 
     def close(self, request_id: str) -> None:
-        self.streams.pop(request_id, None)
+        s = self.streams.pop(request_id, None)
+        if s is not None:
+            if s.row in self._fresh:
+                self._fresh.remove(s.row)
+            heapq.heappush(self._free_rows, s.row)
 
     @torch.inference_mode()
     def flush(self, finished: set[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -103,46 +145,101 @@ class CodecStreamer:
 
         Returns (new PCM by request, failures by request). A decode that raises fails only the streams
         batched into it: they are closed and reported with the reason, the others still get their audio."""
-        sched = self.schedule
-        groups: dict[int, list[str]] = defaultdict(list)  # chunk frames -> streams, batched per size
-        windowed: list[tuple[str, int]] = []  # chunks that reach a window's left context: one call each
-        for rid, s in self.streams.items():
-            need = next_chunk_frames(s.emitted_frames, s.first_chunk_frames, sched.chunk_frames, sched.chunk_ramp)
-            n = len(s.pending)
-            if not (rid in finished and n) and n < need:
-                continue
-            n = n if rid in finished else need
-            if self._in_one_window(s, n):
-                groups[n].append(rid)
-            else:
-                windowed.append((rid, n))
         out: dict[str, np.ndarray] = {}
         failed: dict[str, str] = {}
-        for n, rids in groups.items():
-            streams = [self.streams[r] for r in rids]
-            try:
-                codes = torch.stack([torch.stack(s.pending[:n]) for s in streams]).to(self.device)  # [B, n, 16]
-                wav, state = self.decoder.stream_step(codes, CodecStreamState.cat([s.state for s in streams]))
-                wav = wav[:, 0].float().cpu().numpy()
-            except Exception as e:
-                self._fail(rids, e, failed)
-                continue
-            for s, rid, st, w in zip(streams, rids, state.split(), wav, strict=True):
-                s.state = st
-                s.position += n
-                self._emitted(s, n)
-                out[rid] = w
-        for rid, n in windowed:
-            s = self.streams[rid]
-            try:
-                out[rid] = self._decode_windowed(s, torch.stack(s.pending[:n]).to(self.device)).float().cpu().numpy()
-            except Exception as e:
-                self._fail([rid], e, failed)
-                continue
-            self._emitted(s, n)
+        with self._on_stream():
+            self._reset_fresh_rows()
+            self._prime(failed)
+            sched = self.schedule
+            groups: dict[int, list[str]] = defaultdict(list)  # chunk frames -> streams, batched per size
+            windowed: list[tuple[str, int]] = []  # chunks that reach a window's left context: one call each
+            for rid, s in self.streams.items():
+                if rid in failed:
+                    continue
+                need = next_chunk_frames(s.emitted_frames, s.first_chunk_frames, sched.chunk_frames, sched.chunk_ramp)
+                n = len(s.pending)
+                if not (rid in finished and n) and n < need:
+                    continue
+                n = n if rid in finished else need
+                (groups[n].append(rid) if self._in_one_window(s, n) else windowed.append((rid, n)))
+            results: list[tuple[list[str], int, torch.Tensor]] = []
+            for n, rids in groups.items():
+                streams = [self.streams[r] for r in rids]
+                try:
+                    codes = torch.stack([torch.stack(s.pending[:n]) for s in streams]).to(self.device)  # [B, n, 16]
+                    results.append((rids, n, self._decode_rows([s.row for s in streams], codes)))
+                except Exception as e:
+                    self._fail(rids, e, failed)
+                    continue
+                for s in streams:
+                    s.position += n
+            for rid, n in windowed:
+                s = self.streams[rid]
+                try:
+                    wav = self._decode_windowed(s, torch.stack(s.pending[:n]).to(self.device))
+                except Exception as e:
+                    self._fail([rid], e, failed)
+                    continue
+                results.append(([rid], n, wav[None, None]))
+            for rids, n, wav in results:  # one wait for the codec stream, after everything is queued
+                pcm = wav[:, 0].float().cpu().numpy()
+                for rid, w in zip(rids, pcm, strict=True):
+                    s = self.streams[rid]
+                    del s.pending[:n]
+                    s.emitted_frames += n
+                    out[rid] = w
         for rid in finished:
             self.close(rid)
         return out, failed
+
+    # --- decoding rows of the bank ----------------------------------------------------------------------
+
+    def _decode_rows(self, rows: list[int], codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, n, 16] through the bank rows `rows` (each advanced by n frames) -> wav [B, 1, n * spf]."""
+        b, n = codes.shape[0], codes.shape[1]
+        graph = self._graph_for(b, n)
+        if graph is not None:
+            return graph.replay(rows, codes, self.scratch_row)[:b]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        wav, new = self.decoder.stream_step(codes, self.bank.select(index))
+        self._store(index, new)
+        return wav
+
+    def _store(self, index: torch.Tensor, state: CodecStreamState) -> None:
+        self.bank.position.index_copy_(0, index, state.position)
+        for key, buf in self.bank.buffers.items():
+            buf.index_copy_(0, index, state.buffers[key])
+
+    def _reset_fresh_rows(self) -> None:
+        if not self._fresh:
+            return
+        index = torch.tensor(self._fresh, dtype=torch.long, device=self.device)
+        self.bank.position.index_fill_(0, index, 0)
+        for buf in self.bank.buffers.values():
+            buf.index_fill_(0, index, 0)
+        self._fresh = []
+
+    def _prime(self, failed: dict[str, str]) -> None:
+        """Runs the reference codes of streams opened since the last flush, batched by reference length."""
+        by_length: dict[int, list[str]] = defaultdict(list)
+        for rid, s in self.streams.items():
+            if s.prime is not None:
+                by_length[s.prime.shape[0]].append(rid)
+        for n, rids in by_length.items():
+            streams = [self.streams[r] for r in rids]
+            try:
+                if self._in_one_window(streams[0], n):
+                    self._decode_rows([s.row for s in streams], torch.stack([s.prime for s in streams]).to(self.device))
+                    for s in streams:
+                        s.position += n
+                else:  # a reference longer than the first window: stream by stream, window by window
+                    for s in streams:
+                        self._decode_windowed(s, s.prime.to(self.device))
+            except Exception as e:
+                self._fail(rids, e, failed)
+                continue
+            for s in streams:
+                s.prime = None
 
     def _in_one_window(self, s: _Stream, n: int) -> bool:
         """True when `n` more frames touch neither the next window's left context nor its start."""
@@ -156,10 +253,13 @@ class CodecStreamer:
 
     def _decode_windowed(self, s: _Stream, codes: torch.Tensor) -> torch.Tensor:
         """Runs frames [n, 16] through one stream's state(s), window by window; returns its PCM [n * spf]."""
+        index = torch.tensor([s.row], dtype=torch.long, device=self.device)
+        state = self.bank.select(index)
         window, context = self.schedule.window_frames, self.schedule.window_context
         if window is None:
-            wav, s.state = self.decoder.stream_step(codes[None], s.state)
+            wav, state = self.decoder.stream_step(codes[None], state)
             s.position += codes.shape[0]
+            self._store(index, state)
             return wav[0, 0]
         pieces, i, n = [], 0, codes.shape[0]
         while i < n:
@@ -172,21 +272,89 @@ class CodecStreamer:
                 if s.next_window is None:
                     s.next_window = self.decoder.new_stream_state(1)
                 _, s.next_window = self.decoder.stream_step(codes[None, i : i + m], s.next_window)
-            wav, s.state = self.decoder.stream_step(codes[None, i : i + m], s.state)
+            wav, state = self.decoder.stream_step(codes[None, i : i + m], state)
             pieces.append(wav[0, 0])
             s.position += m
             i += m
             if s.position == boundary:
-                s.state, s.next_window = s.next_window or self.decoder.new_stream_state(1), None
+                state, s.next_window = s.next_window or self.decoder.new_stream_state(1), None
+        self._store(index, state)
         return torch.cat(pieces)
 
-    @staticmethod
-    def _emitted(s: _Stream, n: int) -> None:
-        del s.pending[:n]
-        s.emitted_frames += n
+    # --- bookkeeping ------------------------------------------------------------------------------------
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        if self.cuda_stream is None:
+            return contextlib.nullcontext()
+        # Codes and state come from the host and from this stream's own earlier work: no wait on the
+        # talker's stream, so the codec runs beside the step the engine has in flight.
+        return torch.cuda.stream(self.cuda_stream)
+
+    def _grow(self) -> None:
+        """Doubles the bank when more streams are open than it has rows (graphs keep the old scratch row)."""
+        old, rows = self.bank, self.capacity
+        self.capacity *= 2
+        self.bank = self.decoder.new_stream_state(self.capacity + 1)
+        index = torch.arange(rows + 1, device=self.device)
+        self._store(index, old.select(index))
+        self._free_rows = list(range(rows + 1, self.capacity))
+        heapq.heappush(self._free_rows, rows)  # the old scratch row is an ordinary row now
+        self.graphs.clear()  # they point at the old bank
+        log.info("codec state bank grown to %d streams (CUDA graphs of the codec dropped)", self.capacity)
 
     def _fail(self, rids: list[str], e: Exception, failed: dict[str, str]) -> None:
         log.exception("codec decode failed for %d streams", len(rids))
         for rid in rids:
             failed[rid] = f"codec decode failed: {type(e).__name__}: {e}"
             self.close(rid)
+
+    # --- CUDA graphs ------------------------------------------------------------------------------------
+
+    def _graph_for(self, b: int, n: int) -> _ChunkGraph | None:
+        if not self.graphs:
+            return None
+        bucket = next((x for x in GRAPH_BATCHES if x >= b), None)
+        return self.graphs.get((bucket, n)) if bucket is not None else None
+
+    def _capture_graphs(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        sizes = self.schedule.chunk_sizes()
+        with torch.cuda.stream(self.cuda_stream), torch.inference_mode():
+            for b in sorted((x for x in GRAPH_BATCHES if x <= self.capacity), reverse=True):
+                for n in sorted(sizes, reverse=True):
+                    self.graphs[(b, n)] = _ChunkGraph(self, b, n, pool)
+            self._reset_rows(range(self.capacity + 1))  # the captures ran on real rows: start them clean
+        log.info("captured codec CUDA graphs for %d stream counts x chunk sizes %s", len(GRAPH_BATCHES), sizes)
+
+    def _reset_rows(self, rows) -> None:
+        self._fresh = list(rows)
+        self._reset_fresh_rows()
+
+
+class _ChunkGraph:
+    """One codec step of `b` streams x `n` frames captured with its gather and scatter of bank rows."""
+
+    def __init__(self, streamer: CodecStreamer, b: int, n: int, pool) -> None:
+        dev = streamer.device
+        self.rows = torch.full((b,), streamer.scratch_row, dtype=torch.long, device=dev)
+        self.codes = torch.zeros(b, n, 16, dtype=torch.long, device=dev)
+
+        def step() -> torch.Tensor:
+            wav, new = streamer.decoder.stream_step(self.codes, streamer.bank.select(self.rows))
+            streamer._store(self.rows, new)
+            return wav
+
+        for _ in range(2):  # warm-up (kernel selection, Triton compilation) outside the capture
+            step()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=streamer.cuda_stream):
+            self.wav = step()
+
+    def replay(self, rows: list[int], codes: torch.Tensor, scratch: int) -> torch.Tensor:
+        b = len(rows)
+        padded = rows + [scratch] * (self.rows.shape[0] - b)
+        self.rows.copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        self.codes[:b].copy_(codes)
+        self.codes[b:].zero_()
+        self.graph.replay()
+        return self.wav

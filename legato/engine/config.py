@@ -57,6 +57,10 @@ class EngineConfig:
     """Frames in the first streamed codec chunk (time to first audio)."""
     chunk_frames: int = 25
     """Frames in each later streamed codec chunk (the largest, once the ramp reaches it)."""
+    async_scheduling: bool = True
+    """Launch step t before reading step t - 1's results, so the host's work (scheduling, inputs, codec
+    calls, outputs) overlaps the device's. Stop decisions then come one step late: the frame decoded past a
+    request's end is dropped, never emitted. Off: every step is read back before the next is launched."""
     codec_window_frames: int | None = 300
     """Streamed audio follows the reference's windowed decode: windows of this many frames (reference frames
     of an in-context clone included), each decoded with `codec_window_context` frames of left context. None:
@@ -130,6 +134,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.voice_cache_size must be an int >= 0, got {self.voice_cache_size!r}")
         if not isinstance(self.chunk_ramp, bool):
             raise ValueError(f"EngineConfig.chunk_ramp must be a bool, got {self.chunk_ramp!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}")
         if not isinstance(self.emit_audio, bool):
             raise ValueError(f"EngineConfig.emit_audio must be a bool, got {self.emit_audio!r}")
         per_token = self.frames_per_text_token

@@ -1,5 +1,6 @@
-"""One worker's engine: `add_request`, `abort`, and `step()` = schedule -> run -> update, yielding
-per-request streaming outputs (new frames of 16 codes and new PCM).
+"""One worker's engine: `add_request`, `abort`, and `step()` = launch step t (schedule, queue the device
+work) -> collect step t - 1 (codes, stop decisions, audio), yielding per-request streaming outputs (new
+frames of 16 codes and new PCM).
 
 The engine knows nothing of HTTP or other workers. Bad requests raise at `add_request` (PromptError,
 QueueFullError, RequestTooLargeError, ValueError) before anything is allocated; a failure inside a step
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +27,7 @@ from legato.engine.mtp_replicas import replica_group
 from legato.engine.request import Request
 from legato.engine.sampler import draw_seed
 from legato.engine.scheduler import Scheduler, StepResult
+from legato.engine.step_copies import PendingCopy, StepCopies, StepTimes
 from legato.kv_transfer.handoff import Handoff, KVLayout
 from legato.models.qwen3_tts.decoder_layer import pack_projections, packed_bytes
 from legato.models.qwen3_tts.loader import LoadedModel
@@ -76,6 +79,20 @@ class _Live:
     outgoing: Handoff | None = None  # a prefill worker's request: what it hands on
     frame_cap: int | None = None  # set when the text-derived frame cap is what bounds this request
     new_codes: list[torch.Tensor] = field(default_factory=list)
+    frames: int = 0  # frames collected (a frame in flight past the request's end is never counted)
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device and not yet collected: which request each result row belongs to (a
+    "frame" row: 16 codes + the next codebook 0; a "first" row: the first codebook 0 of a prompt that
+    ended), what ends with it (the scheduler already finished them: max_frames, or a handoff made), and
+    the outputs of requests that failed or were aborted before it ran."""
+
+    rows: list[tuple[str, str]] = field(default_factory=list)
+    ending: dict[str, Request] = field(default_factory=dict)
+    errors: list[RequestOutput] = field(default_factory=list)
+    copy: PendingCopy | None = None
 
 
 class Engine:
@@ -95,12 +112,17 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(talker, config, num_blocks, tts_pad)
         # A talker-only engine (`split`) has no codec streamer: its codes go to a codec worker.
-        self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, StreamSchedule.of(config))
+        graphs = talker.codec_head.weight.is_cuda and not config.enforce_eager
+        self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, StreamSchedule.of(config), config.max_num_seqs,
+                                    graphs=graphs)
                       if config.emit_audio else None)
         self.live: dict[str, _Live] = {}
         self._done: list[RequestOutput] = []
         self.eos_id = loaded.config.talker_config.codec_eos_token_id
         self.kv_layout = KVLayout.of_cache(self.runner.kv.k, model_hash(loaded))
+        self.copies = StepCopies(2 * config.max_num_seqs, 17, self.runner.device)
+        self.times = StepTimes()
+        self._in_flight: _Launched | None = None
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -161,61 +183,115 @@ class Engine:
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Frees the request's blocks and slot at once; its final output says `abort`. Unknown ids: False."""
-        req = self.scheduler.abort(request_id, reason)
+        self.scheduler.abort(request_id, reason)  # may have ended it already, with its last step in flight
         live = self.live.pop(request_id, None)
         if self.codec is not None:
             self.codec.close(request_id)
-        if req is None or live is None:
+        if live is None:
             return False
         self._done.append(self._final(live, "abort", reason))
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.live) or bool(self._done)
+        return bool(self.live) or bool(self._done) or self._in_flight is not None
 
     # --- the loop -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step: launch step t on the device, then collect step t - 1, whose results the host
+        reads while the device runs step t (`async_scheduling`; without it, a step is collected at once).
+
+        Stop decisions come with the results, one step late: a request whose frame t - 1 ended it (codec
+        EOS) has frame t in flight, which is dropped, never emitted. Its blocks and slot are freed when the
+        stop is seen; work queued later on the same stream reuses them only after frame t is done."""
+        started = time.perf_counter()
+        launched = self._launch()
+        if not self.config.async_scheduling:
+            outputs = launched.errors + self._collect(launched)
+        else:
+            previous = self._in_flight
+            self._in_flight = launched if launched.copy is not None else None
+            outputs = launched.errors + self._collect(previous)
+        self.times.steps += 1
+        self.times.host_s += time.perf_counter() - started
+        return outputs
+
+    def _launch(self) -> _Launched:
+        """Schedules and queues the next step's device work; the scheduler counts its tokens and frames
+        at once (their values arrive when the step is collected)."""
         out = self.scheduler.schedule()
-        outputs, self._done = self._done, []
+        launched = _Launched(errors=self._done)
+        self._done = []
         # Per-request start-up (slot reset, codec priming) fails only its own request, before the model runs.
         for req in out.new_requests:
             try:
                 self._start(req)
             except Exception as e:
                 log.exception("starting request %s failed", req.request_id)
-                outputs += self._fail([req], f"request start failed: {type(e).__name__}: {e}")
+                launched.errors += self._fail([req], f"request start failed: {type(e).__name__}: {e}")
         prefills = [c for c in out.prefills if c.request.request_id in self.live]
         decodes = out.decodes
         if not prefills and not decodes:
             self.scheduler.update([])  # reports the step; results of requests failed above are not expected
-            return outputs
+            return launched
+        begun = self.copies.begin()
         try:
-            results = self._run_prefills(prefills) + self._run_decodes(decodes)
+            rows, results = self._run_prefills(prefills, launched)
+            rows.append(self._run_decodes(decodes, launched))
         except Exception as e:  # a step failure fails its requests, never the engine
             log.exception("engine step failed")
-            outputs += self._fail([c.request for c in prefills] + decodes,
-                                  f"engine step failed: {type(e).__name__}: {e}")
+            launched.errors += self._fail([c.request for c in prefills] + decodes,
+                                          f"engine step failed: {type(e).__name__}: {e}")
             self.scheduler.update([])
-            return outputs
-        finished = {r.request_id: r for r in self.scheduler.update(results)}
-        audio, codec_errors = self.codec.flush(set(finished)) if self.codec is not None else ({}, {})
-        for rid in codec_errors.keys() - finished.keys():
-            req = self.scheduler.fail(rid, codec_errors[rid])
-            if req is not None:
-                finished[rid] = req
-        for rid in {r.request_id for r in results} | set(codec_errors):
+            launched.rows.clear()
+            return launched
+        results += [StepResult(r.request_id, 1, 1) for r in decodes]
+        for req in self.scheduler.update(results):  # max_frames reached, or a handoff made
+            launched.ending[req.request_id] = req
+        launched.copy = self.copies.submit(torch.cat(rows) if len(rows) > 1 else rows[0], begun)
+        return launched
+
+    def _collect(self, launched: _Launched | None) -> list[RequestOutput]:
+        """Reads a launched step's results: new frames, stop decisions, audio, and the final outputs."""
+        if launched is None or launched.copy is None:
+            return []
+        host = launched.copy.wait()
+        self.copies.account(launched.copy, self.times)
+        frames = host[:, :16].clone()  # out of the pinned buffer, which a later step reuses
+        eos = (host[:, 16] == self.eos_id).tolist()
+        ending = {rid: (req, req.finish_reason) for rid, req in launched.ending.items()}
+        touched: list[str] = []
+        for i, (rid, kind) in enumerate(launched.rows):
+            live = self.live.get(rid)
+            if live is None:
+                continue  # ended (aborted, failed, stopped) after this step was launched: its row is dropped
+            touched.append(rid)
+            if kind == "frame":
+                live.new_codes.append(frames[i])
+                live.frames += 1
+                if live.engine_req.stream_audio:
+                    self.codec.push(rid, frames[i])
+            if eos[i] and live.outgoing is None:  # this was the request's last frame (or it has none)
+                req = self.scheduler.stop(rid)  # None: the scheduler had ended it at launch (max_frames)
+                ending[rid] = (req or live.req, "stop")
+        audio, codec_errors = self.codec.flush(set(ending)) if self.codec is not None else ({}, {})
+        for rid in codec_errors.keys() - ending.keys():
+            self.scheduler.fail(rid, codec_errors[rid])
+            ending[rid] = (self.live[rid].req, "error")
+        outputs = []
+        for rid in dict.fromkeys([*touched, *codec_errors]):
             live = self.live.get(rid)
             if live is None:
                 continue
             codes = torch.stack(live.new_codes) if live.new_codes else torch.zeros(0, 16, dtype=torch.long)
             live.new_codes = []
-            req = finished.get(rid)
-            if req is not None:
-                self.live.pop(rid, None)
+            req, reason = ending.get(rid, (None, None))
             if req is None and codes.shape[0] == 0 and rid not in audio:
                 continue
-            reason, error = (req.finish_reason, req.error) if req is not None else (None, None)
+            error = None
+            if req is not None:
+                self.live.pop(rid, None)
+                error = req.error
             if rid in codec_errors:  # it may have finished normally, but its audio is incomplete
                 reason, error = "error", codec_errors[rid]
             if live.outgoing is not None and reason == "stop":
@@ -226,7 +302,7 @@ class Engine:
                             self.config.frames_per_text_token, self.config.frame_cap_margin)
             outputs.append(RequestOutput(
                 request_id=rid, codes=codes, audio=audio.get(rid), finished=req is not None, finish_reason=reason,
-                error=error, num_prompt_tokens=live.req.prompt_len, num_frames=live.req.num_frames, seed=live.seed,
+                error=error, num_prompt_tokens=live.req.prompt_len, num_frames=live.frames, seed=live.seed,
                 handoff=live.outgoing,
             ))
         return outputs
@@ -256,48 +332,48 @@ class Engine:
                 outputs.append(self._final(live, "error", reason))
         return outputs
 
-    def _run_prefills(self, chunks) -> list[StepResult]:
+    def _run_prefills(self, chunks, launched: _Launched) -> tuple[list[torch.Tensor], list[StepResult]]:
+        """Queues every prefill chunk; a chunk that ends its prompt adds a result row (its first codebook-0
+        token in column 16, where EOS means the request ends with no frame)."""
         if not chunks:
-            return []
+            return [], []
         work = []
         for c in chunks:
             live = self.live[c.request.request_id]
             embeds = live.prompt.embeds[c.start : c.start + c.num_tokens]
             work.append(PrefillWork(c.request.slot, embeds, c.start, list(c.request.block_table), c.is_last))
-        first = self.runner.prefill(work)
-        results = []
-        for c in chunks:
+        slots, first = self.runner.prefill(work)
+        ends = [c for c in chunks if c.is_last]
+        handoffs = [c for c in ends if self.live[c.request.request_id].engine_req.handoff_only]
+        # A prefill worker hands the request on right here, so it needs the first token now (one sync, on
+        # prefill workers only).
+        first_host = dict(zip(slots, first.tolist(), strict=True)) if handoffs else {}
+        for c in handoffs:
             live = self.live[c.request.request_id]
-            stopped = c.is_last and first[c.request.slot] == self.eos_id
-            if c.is_last and live.engine_req.handoff_only and not stopped:
+            token = first_host[c.request.slot]
+            if token != self.eos_id:
                 live.outgoing = make_handoff(self.runner, c.request, live.prompt, live.engine_req, live.seed,
-                                             first[c.request.slot], live.ref_code, self.kv_layout)
-                stopped = True  # done here: its blocks are freed, the handoff holds a copy
-            results.append(StepResult(c.request.request_id, c.num_tokens, 0, stopped=stopped))
-        return results
+                                             token, live.ref_code, self.kv_layout)
+        # A handed-on request is done here (its blocks are freed, the handoff holds a copy); so is one whose
+        # first token is EOS.
+        results = [StepResult(c.request.request_id, c.num_tokens, 0, stopped=c in handoffs) for c in chunks]
+        rows = torch.zeros(len(ends), 17, dtype=torch.long, device=first.device)
+        rows[:, 16] = first
+        launched.rows += [(c.request.request_id, "first") for c in ends]
+        return [rows], results
 
-    def _run_decodes(self, reqs: list[Request]) -> list[StepResult]:
-        if not reqs:
-            return []
+    def _run_decodes(self, reqs: list[Request], launched: _Launched) -> torch.Tensor:
         k = self.config.mtp_replicas
         work = [DecodeWork(r.slot, r.num_computed_tokens, list(r.block_table), replica_group(r.request_id, k))
                 for r in reqs]
-        codes, nxt = self.runner.decode(work)
-        nxt_ids = nxt.tolist()
-        results = []
-        for i, r in enumerate(reqs):
-            live = self.live[r.request_id]
-            live.new_codes.append(codes[i])
-            if live.engine_req.stream_audio:
-                self.codec.push(r.request_id, codes[i])
-            results.append(StepResult(r.request_id, 1, 1, stopped=nxt_ids[i] == self.eos_id))
-        return results
+        launched.rows += [(r.request_id, "frame") for r in reqs]
+        return self.runner.decode(work)
 
     def _final(self, live: _Live, reason: str, error: str | None) -> RequestOutput:
         return RequestOutput(
             request_id=live.req.request_id, codes=torch.zeros(0, 16, dtype=torch.long), audio=None, finished=True,
             finish_reason=reason, error=error, num_prompt_tokens=live.req.prompt_len,
-            num_frames=live.req.num_frames, seed=live.seed,
+            num_frames=live.frames, seed=live.seed,
         )
 
     # --- memory ---------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 It implements the model's `KVCache` contract, so the talker code is the same for the reference loop
 (contiguous cache) and the engine (paged cache). The runner sets the metadata before each forward:
-`decode(...)` for a batch of one new token per request, `prefill(...)` for one request's prompt chunk.
+`DecodeMeta` for a batch of one new token per request, `PackedPrefill` for the prompt chunks of a step
+in one packed forward.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from legato.layers.paged_attention import decode_attention, prefill_attention, write_kv
+from legato.layers.packed_prefill import PackedPrefill, packed_prefill_attention
+from legato.layers.paged_attention import decode_attention, write_kv
 from legato.models.qwen3_tts.decoder_layer import KVCache
 
 
@@ -20,13 +22,6 @@ class DecodeMeta:
     slot_mapping: torch.Tensor  # [B] flat cache slot of each row's new token
     block_tables: torch.Tensor  # [B, max_blocks] int32
     context_lens: torch.Tensor  # [B] int32, including the new token
-
-
-@dataclass
-class PrefillMeta:
-    slot_mapping: torch.Tensor  # [L]
-    block_table: torch.Tensor  # [n_blocks]
-    start: int  # position of the chunk's first token
 
 
 class PagedKVCache(KVCache):
@@ -45,7 +40,7 @@ class PagedKVCache(KVCache):
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.scale = head_dim**-0.5
-        self.meta: DecodeMeta | PrefillMeta | None = None
+        self.meta: DecodeMeta | PackedPrefill | None = None
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -59,8 +54,8 @@ class PagedKVCache(KVCache):
             write_kv(kc, vc, k[:, 0], v[:, 0], meta.slot_mapping)
             out = decode_attention(q[:, 0], kc, vc, meta.block_tables, meta.context_lens, self.scale)
             return out.unsqueeze(1)
-        if isinstance(meta, PrefillMeta):
-            # q [1, L, H, D]
+        if isinstance(meta, PackedPrefill):
+            # q [1, T, H, D]: the step's chunks back to back
             write_kv(kc, vc, k[0], v[0], meta.slot_mapping)
-            return prefill_attention(q[0], kc, vc, meta.block_table, meta.start, self.scale).unsqueeze(0)
+            return packed_prefill_attention(q[0], kc, vc, meta, self.scale).unsqueeze(0)
         raise RuntimeError("PagedKVCache used without attention metadata")

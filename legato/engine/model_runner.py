@@ -1,7 +1,7 @@
 """Runs the talker and code predictor for one scheduled step.
 
-Prefill chunks run eagerly, one request's chunk at a time (prompt lengths differ; this is not the per-frame
-hot path). Decode runs every running request together: one batched code-predictor frame loop (15 steps),
+Prefill runs every prompt chunk of the step in one packed, variable-length forward (eagerly). Decode runs
+every running request together: one batched code-predictor frame loop (15 steps),
 then one batched talker step, then codebook-0 sampling. On CUDA that whole decode step is one CUDA graph
 per batch-size bucket (captured largest first into one memory pool, padded rows pointing at a scratch slot
 and a scratch KV block); on the CPU it runs eagerly through the same function.
@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from legato.engine.config import EngineConfig
-from legato.engine.kv_cache import DecodeMeta, PagedKVCache, PrefillMeta
+from legato.engine.kv_cache import DecodeMeta, PagedKVCache
 from legato.engine.mtp_replicas import Replica, group_buckets
 from legato.engine.sampler import Sampler
 from legato.engine.slot_state import SlotState
+from legato.layers.packed_prefill import PackedPrefill
 from legato.models.qwen3_tts.decoder_layer import pack_projections
 from legato.models.qwen3_tts.talker import Talker
 
@@ -87,22 +88,28 @@ class ModelRunner:
     # --- prefill --------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, work: list[PrefillWork]) -> dict[int, int]:
+    def prefill(self, work: list[PrefillWork]) -> tuple[list[int], torch.Tensor]:
         """Writes each chunk's KV; for chunks that end a prompt, samples codebook 0 of frame 0.
-        Returns {slot: first codebook-0 token} for those."""
+        Returns (the slots of those chunks, their first codebook-0 tokens [n] on the device).
+
+        Every chunk of the step runs in one packed forward (`PackedPrefill`), except in batch-invariant mode,
+        where each chunk runs alone: a GPU matmul's result for a row can depend on how many rows it has."""
         last_hidden, last_slots = [], []
-        for w in work:
-            n = w.embeds.shape[0]
-            positions = torch.arange(w.start, w.start + n, device=self.device)
-            table = torch.tensor(w.block_table, dtype=torch.long, device=self.device)
-            self.kv.meta = PrefillMeta(self._slot_mapping(table, positions), table, w.start)
-            hidden = self.talker(w.embeds.to(self.dtype).unsqueeze(0), positions.unsqueeze(0), self.kv)
-            if w.is_last:
-                last_hidden.append(hidden[0, -1])
-                last_slots.append(w.slot)
+        groups = [[w] for w in work] if self.config.batch_invariant else [work]
+        for chunks in groups:
+            meta = PackedPrefill.build([w.embeds.shape[0] for w in chunks], [w.start for w in chunks],
+                                       [w.block_table for w in chunks], self.block_size,
+                                       self.replicas[0].scratch_block, self.device)
+            self.kv.meta = meta
+            embeds = torch.cat([w.embeds for w in chunks]).to(self.dtype)
+            hidden = self.talker(embeds.unsqueeze(0), meta.positions.unsqueeze(0), self.kv)[0]
+            for i, w in enumerate(chunks):
+                if w.is_last:
+                    last_hidden.append(hidden[meta.host_cu[i + 1] - 1])
+                    last_slots.append(w.slot)
         self.kv.meta = None
         if not last_slots:
-            return {}
+            return [], torch.zeros(0, dtype=torch.long, device=self.device)
         # Batch invariance: each prompt's first token alone, so its logits never depend on how many
         # prompts ended in the same step.
         groups = [[i] for i in range(len(last_slots))] if self.config.batch_invariant else [range(len(last_slots))]
@@ -114,18 +121,18 @@ class ModelRunner:
             tokens.append(self.sampler.sample_codebook0(self.talker.logits(hidden), st, self.slots.seen, slots))
             self.slots.past_hidden[slots] = hidden
             self.slots.last_c0[slots] = tokens[-1]
-        return dict(zip(last_slots, torch.cat(tokens).tolist(), strict=True))
+        return last_slots, torch.cat(tokens)
 
     # --- decode ---------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, work: list[DecodeWork]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One frame for every request in `work`: returns (codes [B, 16], next codebook 0 [B]) on the CPU.
+    def decode(self, work: list[DecodeWork]) -> torch.Tensor:
+        """One frame for every request in `work`: [B, 17] on the device, in the order of `work` (16 codes,
+        then the next frame's codebook 0). Nothing waits for the GPU here.
 
-        Each replica group runs its rows on its own stream; the main stream joins them all before the one
-        device-to-host copy of the step."""
+        Each replica group runs its rows on its own stream; the main stream joins them all."""
         if not work:
-            return torch.zeros(0, 16, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+            return torch.zeros(0, 17, dtype=torch.long, device=self.device)
         slots, positions, tables, groups = self._host_rows(work)
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         parts, order = [], []
@@ -144,10 +151,11 @@ class ModelRunner:
             for rep in self.replicas:
                 if rep.stream is not None:
                     main.wait_stream(rep.stream)
-        host = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order:  # back from group order to the order of `work`
-            host = host[torch.from_numpy(np.argsort(np.concatenate(order), kind="stable"))]
-        return host[:, :-1], host[:, -1]
+            back = np.argsort(np.concatenate(order), kind="stable")
+            rows = rows.index_select(0, torch.from_numpy(back).to(self.device, non_blocking=True))
+        return rows
 
     @property
     def replica_rows(self) -> list[int]:
@@ -217,9 +225,6 @@ class ModelRunner:
         s.last_c0[slots] = nxt
         s.frames[slots] = frame + 1
         return codes, nxt
-
-    def _slot_mapping(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     # --- CUDA graphs ----------------------------------------------------------------------------------
 

@@ -273,6 +273,15 @@ class Scheduler:
         """Finish a live request as FINISHED_ABORTED, freeing its blocks and slot now. Unknown ids are counted."""
         return self._end(request_id, RequestStatus.FINISHED_ABORTED, reason)
 
+    def stop(self, request_id: str) -> Request | None:
+        """Finish a running request as FINISHED_STOPPED: its stop token arrived after the step that produced
+        it was counted (the engine reads results one step late). Returns None if it is not running."""
+        req = self._running.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return req
+
     def fail(self, request_id: str, reason: str) -> Request | None:
         """Finish a live request as FINISHED_ERROR (e.g. its codec stream failed). Unknown ids are counted."""
         return self._end(request_id, RequestStatus.FINISHED_ERROR, reason)

@@ -71,6 +71,12 @@ class EngineStats:
     free_kv_blocks: int = 0
     aborted: dict[str, int] = field(default_factory=dict)  # reason -> count
     recomputed: int = 0  # process MpNd: requests whose handoff failed and that were run again on a decode engine
+    # Engine step timers, totals since start (EngineStats of several engines add up): steps, the host's time in
+    # them, the device's time on their work, and the device's idle gaps between them (engine/step_copies.py).
+    steps: int = 0
+    step_host_s: float = 0.0
+    step_gpu_s: float = 0.0
+    step_gap_s: float = 0.0
 
 
 @dataclass

@@ -256,11 +256,12 @@ class LocalEngineClient(EngineClient):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
 
     def _refresh_stats(self) -> None:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
+        sched, bm, times = self.engine.scheduler, self.engine.block_manager, self.engine.times
         self._stats = EngineStats(
             waiting=sched.num_waiting, running=sched.num_running, kv_usage=bm.usage,
             num_kv_blocks=self.engine.config.num_kv_blocks or 0, free_kv_blocks=bm.num_free_blocks,
-            aborted=dict(self._aborted),
+            aborted=dict(self._aborted), steps=times.steps, step_host_s=times.host_s, step_gpu_s=times.gpu_s,
+            step_gap_s=times.gap_s,
         )
 
 

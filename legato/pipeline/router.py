@@ -94,4 +94,8 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         free_kv_blocks=free,
         aborted=aborted,
         recomputed=sum(p.recomputed for p in parts),
+        steps=sum(p.steps for p in parts),
+        step_host_s=sum(p.step_host_s for p in parts),
+        step_gpu_s=sum(p.step_gpu_s for p in parts),
+        step_gap_s=sum(p.step_gap_s for p in parts),
     )

@@ -101,6 +101,19 @@ class _EngineCollector(Collector):
                                   "failed and that were run again on a decode engine (--kv-failure-policy).",
                                   value=s.recomputed)
         for name, doc, value in (
+            ("legato_engine_steps", "Engine steps run.", s.steps),
+            ("legato_engine_step_host_seconds", "Host time spent in engine steps.", s.step_host_s),
+            ("legato_engine_step_gpu_seconds", "Device time of the engine steps' work on the compute stream.",
+             s.step_gpu_s),
+            ("legato_engine_step_gap_seconds", "Device idle time between engine steps (host work not hidden).",
+             s.step_gap_s),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        busy = s.step_gpu_s + s.step_gap_s
+        yield GaugeMetricFamily("legato_gpu_busy_ratio", "Device time over device time plus the gaps between "
+                                "steps, since start (0 before the first GPU step).",
+                                value=s.step_gpu_s / busy if busy > 0 else 0.0)
+        for name, doc, value in (
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled (vLLM's name).", s.waiting),
             ("vllm:num_requests_running", "Requests running on the engine (vLLM's name).", s.running),
             ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100 % (vLLM's name).", s.kv_usage),
