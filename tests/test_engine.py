@@ -334,3 +334,15 @@ def test_a_failing_codec_decode_fails_its_streams_not_the_engine(root, monkeypat
     monkeypatch.undo()
     after = run_all(engine, [EngineRequest("again", spec, greedy(6))])
     assert after.finished["again"] == "length" and after.pcm("again").shape[0] == 5 * 1920
+
+
+@pytest.mark.parametrize("model_type", ["base", "custom_voice", "voice_design"])
+def test_warm_up_runs_a_throwaway_request_and_leaves_nothing_behind(root, model_type):
+    """The start-up run that compiles and captures on a GPU: one request through prefill, every chunk size
+    of the codec schedule and (Base) in-context priming; afterwards the engine is empty and serves as new."""
+    lm = tiny_model(root, model_type)
+    engine = Engine(lm, engine_config(chunk_ramp=True, chunk_frames=6))
+    assert engine.warm_up() > 0
+    assert not engine.live and not engine.codec.streams and not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+    assert engine.times.steps > 6

@@ -157,3 +157,57 @@ def test_batch_invariant_codes_do_not_depend_on_the_batch():
     for r in batch:
         assert torch.equal(together.frames(r.request_id), alone[r.request_id]), r.request_id
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_async_loop_equals_sync_loop_on_the_0_6b_config():
+    """The 0.6B config in bf16 (random weights): with fixed lengths both loops run the same batches, so the
+    asynchronous loop (results read one step late) gives the synchronous loop's codes bit for bit, with
+    requests joining mid-run; and the packed prefill of many prompts gives each prompt's codes alone."""
+    from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset
+    from legato.models.qwen3_tts.testing import random_model
+
+    lm = random_model(preset("0.6B", "base"), SpeechTokenizerConfig(), device="cuda", dtype=torch.bfloat16)
+    hidden = lm.config.talker_config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    specs = [build_spec(lm, SpeechInput(t, language="english", speaker_embedding=torch.randn(hidden, generator=g),
+                                        x_vector_only=True))
+             for t in ("Hello there, how are you?", "Short.", "A somewhat longer sentence to speak, with commas.")]
+
+    def reqs(tag):
+        return [EngineRequest(f"{tag}{i}", specs[i % 3], SamplingParams(seed=i, max_new_tokens=30), max_frames=12 + i,
+                              ignore_eos=True, stream_audio=False) for i in range(9)]
+
+    def run(**kw):
+        r = reqs("a")
+        engine = Engine(lm, engine_config(device="cuda", dtype="bfloat16", num_kv_blocks=512, **kw))
+        return run_all(engine, r[:6], join_at={3: r[6:]})
+
+    sync, asyn = run(async_scheduling=False), run(async_scheduling=True)
+    for i in range(9):
+        assert torch.equal(sync.frames(f"a{i}"), asyn.frames(f"a{i}")), i
+        assert sync.frames(f"a{i}").shape[0] == 12 + i
+
+
+def test_codec_graphs_give_the_eager_codec_audio(tmp_path):
+    """The codec's CUDA graphs (per stream count and chunk size, gathering and scattering bank rows) give
+    the audio of the eager codec, float32, with the chunk ramp and in-context priming."""
+    cpu = tiny_model(tmp_path, "base")
+    gpu = load_model(cpu.path, device="cuda")
+    g = torch.Generator().manual_seed(2)
+    emb, ref = torch.randn(64, generator=g), torch.randint(0, 2048, (9, 16), generator=g)
+    specs = [build_spec(gpu, SpeechInput("Hello there, how are you?", speaker_embedding=emb, x_vector_only=True)),
+             build_spec(gpu, SpeechInput("Another one.", speaker_embedding=emb, ref_code=ref, ref_text="Ref."))]
+
+    def run(**kw):
+        reqs = [EngineRequest(f"c{i}", specs[i % 2], SamplingParams(seed=i, max_new_tokens=40), max_frames=30,
+                              ignore_eos=True) for i in range(5)]
+        engine = Engine(gpu, engine_config(device="cuda", chunk_ramp=True, chunk_frames=8, **kw))
+        return engine, run_all(engine, reqs)
+
+    engine, graphs = run()
+    assert engine.codec.graphs, "the codec captured no graphs"
+    _, eager = run(enforce_eager=True)
+    for i in range(5):
+        rid = f"c{i}"
+        assert torch.equal(graphs.frames(rid), eager.frames(rid))
+        assert abs(graphs.pcm(rid) - eager.pcm(rid)).max() < 1e-5, rid

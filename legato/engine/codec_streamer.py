@@ -294,9 +294,10 @@ class CodecStreamer:
         """Doubles the bank when more streams are open than it has rows (graphs keep the old scratch row)."""
         old, rows = self.bank, self.capacity
         self.capacity *= 2
-        self.bank = self.decoder.new_stream_state(self.capacity + 1)
-        index = torch.arange(rows + 1, device=self.device)
-        self._store(index, old.select(index))
+        with self._on_stream(), torch.inference_mode():  # where every other use of the bank runs
+            self.bank = self.decoder.new_stream_state(self.capacity + 1)
+            index = torch.arange(rows + 1, device=self.device)
+            self._store(index, old.select(index))
         self._free_rows = list(range(rows + 1, self.capacity))
         heapq.heappush(self._free_rows, rows)  # the old scratch row is an ordinary row now
         self.graphs.clear()  # they point at the old bank
@@ -319,12 +320,19 @@ class CodecStreamer:
     def _capture_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         sizes = self.schedule.chunk_sizes()
-        with torch.cuda.stream(self.cuda_stream), torch.inference_mode():
-            for b in sorted((x for x in GRAPH_BATCHES if x <= self.capacity), reverse=True):
-                for n in sorted(sizes, reverse=True):
-                    self.graphs[(b, n)] = _ChunkGraph(self, b, n, pool)
-            self._reset_rows(range(self.capacity + 1))  # the captures ran on real rows: start them clean
-        log.info("captured codec CUDA graphs for %d stream counts x chunk sizes %s", len(GRAPH_BATCHES), sizes)
+        batches = sorted((x for x in GRAPH_BATCHES if x <= self.capacity), reverse=True)
+        self.cuda_stream.wait_stream(torch.cuda.current_stream())  # the bank was zeroed on the default stream
+        try:
+            with torch.cuda.stream(self.cuda_stream), torch.inference_mode():
+                for b in batches:
+                    for n in sorted(sizes, reverse=True):
+                        self.graphs[(b, n)] = _ChunkGraph(self, b, n, pool)
+                self._reset_rows(range(self.capacity + 1))  # the captures wrote the scratch row: start clean
+        except RuntimeError:  # a performance feature: the codec still streams, eagerly, and the log says so
+            log.exception("capturing the codec's CUDA graphs failed; the codec runs eagerly")
+            self.graphs.clear()
+            return
+        log.info("captured codec CUDA graphs: stream counts %s x chunk sizes %s", batches, sizes)
 
     def _reset_rows(self, rows) -> None:
         self._fresh = list(rows)

@@ -39,8 +39,8 @@ class EngineConfig:
     """Fraction of device memory the worker may use (weights + activations + KV)."""
     enforce_eager: bool = False
     """Skip CUDA-graph capture."""
-    cuda_graph_max_batch: int = 64
-    """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
+    cuda_graph_max_batch: int | None = None
+    """Largest decode batch captured as a CUDA graph (None: max_num_seqs); larger batches run eagerly."""
     mtp_replicas: int = 1
     """Code-predictor replica groups (`mtp:K`): the decode batch is split into K groups by crc32(request id),
     each running on its own stream with its own CUDA graphs, so groups overlap on the device."""
@@ -92,8 +92,11 @@ class EngineConfig:
     and streams each step's codes with empty audio; a codec worker turns them into PCM."""
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_batch is not None and not _is_positive_int(self.cuda_graph_max_batch):
+            raise ValueError(f"EngineConfig.cuda_graph_max_batch must be a positive int or None, "
+                             f"got {self.cuda_graph_max_batch!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_waiting",
-                     "cuda_graph_max_batch", "first_chunk_frames", "chunk_frames", "max_text_tokens",
+                     "first_chunk_frames", "chunk_frames", "max_text_tokens",
                      "invariant_rows"):
             value = getattr(self, name)
             if not _is_positive_int(value):

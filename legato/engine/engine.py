@@ -30,6 +30,7 @@ from legato.engine.scheduler import Scheduler, StepResult
 from legato.engine.step_copies import PendingCopy, StepCopies, StepTimes
 from legato.kv_transfer.handoff import Handoff, KVLayout
 from legato.models.qwen3_tts.decoder_layer import pack_projections, packed_bytes
+from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import LoadedModel
 from legato.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt, build_prompt, target_text_tokens
 from legato.models.qwen3_tts.sampling import SamplingParams
@@ -191,6 +192,28 @@ class Engine:
             return False
         self._done.append(self._final(live, "abort", reason))
         return True
+
+    def warm_up(self) -> float:
+        """Runs one throwaway request through every path that compiles or captures on first use (packed
+        prefill's Triton kernel, the compiled samplers, the codec's chunk sizes and, for Base models, the
+        in-context priming), so the first real request pays for none of it. Returns the seconds it took."""
+        started = time.perf_counter()
+        cfg = self.loaded.config
+        kind = cfg.tts_model_type
+        text = "Warming up the engine before the first request."
+        if kind == "custom_voice":
+            inp = SpeechInput(text, speaker=sorted(cfg.talker_config.spk_id)[0])
+        elif kind == "voice_design":
+            inp = SpeechInput(text, instructions="A calm voice.")
+        else:
+            inp = SpeechInput(text, speaker_embedding=torch.zeros(cfg.talker_config.hidden_size),
+                              ref_code=torch.zeros(8, 16, dtype=torch.long), ref_text="Warm up.")
+        frames = sum(StreamSchedule.of(self.config).chunk_sizes()) + 1
+        self.add_request(EngineRequest("__warm_up__", build_spec(self.loaded, inp), SamplingParams(seed=0),
+                                       max_frames=frames, ignore_eos=True))
+        while self.has_unfinished():
+            self.step()
+        return time.perf_counter() - started
 
     def has_unfinished(self) -> bool:
         return bool(self.live) or bool(self._done) or self._in_flight is not None

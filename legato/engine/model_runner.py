@@ -80,7 +80,7 @@ class ModelRunner:
         ]
         # Decode batches up to this size run as graph replays (chunked per group when a group outgrows its
         # largest bucket); larger ones run eagerly.
-        self.graph_limit = min(config.cuda_graph_max_batch, config.max_num_seqs)
+        self.graph_limit = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
         self.graph_bytes = 0
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()

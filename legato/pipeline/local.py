@@ -24,7 +24,7 @@ from legato.engine.engine import Engine, EngineRequest, RequestOutput
 from legato.engine.scheduler import QueueFullError, RequestTooLargeError
 from legato.kv_transfer.handoff import Handoff, LayoutMismatch
 from legato.models.qwen3_tts.audio import AudioError
-from legato.models.qwen3_tts.inputs import VoiceCache, VoiceFeatures, build_spec
+from legato.models.qwen3_tts.inputs import VoiceCache, VoiceFeatures, build_spec, extract_voice
 from legato.models.qwen3_tts.loader import LoadedModel
 from legato.models.qwen3_tts.prompt import PromptError
 from legato.models.qwen3_tts.sampling import SamplingParamsError
@@ -79,7 +79,23 @@ class LocalEngineClient(EngineClient):
     # --- server side ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.engine.runner.device.type == "cuda":  # where first uses compile and capture: before serving
+            loop = asyncio.get_running_loop()
+            seconds = await loop.run_in_executor(None, self.engine.warm_up)
+            if self.engine.codec is not None or self.loaded.model.speaker_encoder is not None:
+                seconds += await loop.run_in_executor(None, self._warm_up_voices)
+            log.info("engine warmed up in %.1f s (first-use compilation and graph capture done before serving)",
+                     seconds)
         self._thread.start()
+
+    def _warm_up_voices(self) -> float:
+        """The speaker and codec encoders' first run (Base models), outside the voice cache."""
+        if self.loaded.model.speaker_encoder is None:
+            return 0.0
+        started = time.monotonic()
+        noise = np.random.default_rng(0).standard_normal(24000).astype(np.float32) * 0.1
+        extract_voice(self.loaded, noise, 24000)
+        return time.monotonic() - started
 
     async def stop(self, grace_s: float = 10.0) -> None:
         self._stopping = True

@@ -1,0 +1,228 @@
+"""Served speed on one GPU, several code versions side by side in one run.
+
+For each variant (a source tree and its package name) it starts one server, records the time to ready and
+the first request's TTFP, then runs `legato bench serve` (the bench of this tree, for every variant) at each
+concurrency and mode, and reads the server's step timers from /metrics where it has them. A GPU memory
+sampler records the peak. The table at the end gives audio-s/s, req/s, TTFP p50/p99, RTF p50, continuity,
+GPU busy and peak memory per cell; everything lands in OUT/summary.json.
+
+    python3 benchmarks/serving_speed.py --ckpt /tmp/ckpt --data .bench-data/prompts --out $OUT \\
+        --variant new=.:legato --variant old=.before:voxserve --concurrency 1,8,32,64 --modes xvec,clone
+
+Random weights carry no speech: lengths are fixed from the text (`--fixed-length`, EOS ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MemorySampler(threading.Thread):
+    """Peak used GPU memory (MiB) by nvidia-smi, every half second, until stopped."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                self.peak = max(self.peak, max(int(x) for x in out.split()))
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass
+            self.stop.wait(0.5)
+
+
+def metric(text: str, name: str) -> float | None:
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def step_timers(url: str) -> dict:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    keys = ("legato_engine_steps_total", "legato_engine_step_host_seconds_total",
+            "legato_engine_step_gpu_seconds_total", "legato_engine_step_gap_seconds_total")
+    return {k: v for k in keys if (v := metric(text, k)) is not None}
+
+
+def first_request_ttfp(url: str, body: dict) -> float:
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for part in r.iter_bytes():
+            if part:
+                ttfp = time.perf_counter() - t0
+                break
+        for _ in r.iter_bytes():
+            pass
+    return ttfp
+
+
+def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(tree).resolve()),
+                                                                     os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", f"{package}.cli", "serve", "--model", args.ckpt, "--port", str(port),
+           "--max-num-seqs", str(args.max_num_seqs), *args.server_args.split()]
+    log = open(Path(args.out) / f"server-{name}.log", "w")
+    mem = MemorySampler()
+    mem.start()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cells = []
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name}: server exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > args.startup_timeout:
+                raise RuntimeError(f"{name}: server not ready after {args.startup_timeout} s")
+            time.sleep(0.2)
+        ready_s = time.monotonic() - t0
+        probe = {"input": "The first request after a fresh start.", "response_format": "pcm", "stream": True,
+                 "ignore_eos": True, "num_frames": 25, "speaker_embedding": [0.01] * args.hidden,
+                 "x_vector_only_mode": True}
+        first = first_request_ttfp(url, probe)
+        steady = min(first_request_ttfp(url, probe) for _ in range(3))
+        print(f"[{name}] ready in {ready_s:.1f} s; first request TTFP {first * 1000:.0f} ms "
+              f"(steady {steady * 1000:.0f} ms)", flush=True)
+        cells.append({"variant": name, "kind": "startup", "ready_s": ready_s, "first_ttfp_s": first,
+                      "steady_ttfp_s": steady})
+        for mode in args.modes.split(","):
+            for conc in [int(c) for c in args.concurrency.split(",")]:
+                n = min(args.max_prompts, max(args.min_prompts, 2 * conc))
+                stem = f"{name}-{mode}-c{conc}"
+                before = step_timers(url)
+                bench = [sys.executable, "-m", "legato.cli", "bench", "serve", "--base-url", url,
+                         "--dataset-path", args.data, "--num-prompts", str(n), "--mode", mode, "--fixed-length",
+                         "--max-concurrency", str(conc), "--num-warmups", "2", "--no-progress", "--timeout", "300",
+                         "--result-dir", str(Path(args.out) / "runs"), "--label", f"{name}-{mode}",
+                         "--topology", "single", "--max-num-seqs", str(args.max_num_seqs), "--num-gpus", "1"]
+                t1 = time.monotonic()
+                done = subprocess.run(bench, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(Path(".").resolve()), os.environ.get("PYTHONPATH")) if p)},
+                    capture_output=True, text=True, timeout=args.cell_timeout)
+                after = step_timers(url)
+                result_path = Path(args.out) / "runs" / f"{name}-{mode}-single-c{conc}.json"
+                if done.returncode != 0 or not result_path.exists():
+                    print(f"[{stem}] bench failed: {done.stderr[-800:]}", flush=True)
+                    cells.append({"variant": name, "kind": "cell", "mode": mode, "concurrency": conc,
+                                  "error": done.stderr[-2000:]})
+                    continue
+                agg = json.loads(result_path.read_text())["aggregates"]
+                gpu = after.get("legato_engine_step_gpu_seconds_total", 0) - before.get(
+                    "legato_engine_step_gpu_seconds_total", 0)
+                gap = after.get("legato_engine_step_gap_seconds_total", 0) - before.get(
+                    "legato_engine_step_gap_seconds_total", 0)
+                steps = after.get("legato_engine_steps_total", 0) - before.get("legato_engine_steps_total", 0)
+                host = after.get("legato_engine_step_host_seconds_total", 0) - before.get(
+                    "legato_engine_step_host_seconds_total", 0)
+                cell = {"variant": name, "kind": "cell", "mode": mode, "concurrency": conc, "prompts": n,
+                        "wall_s": time.monotonic() - t1, "audio_s_per_s": agg["audio_throughput"],
+                        "req_per_s": agg["request_throughput"], "ttfp_p50_ms": agg["ttfp_ms"]["median"],
+                        "ttfp_p99_ms": agg["ttfp_ms"]["p99"], "rtf_p50": agg["rtf"]["median"],
+                        "continuity": agg["continuity_rate"], "underrun_p99_s": agg["underrun_s"]["p99"],
+                        "completed": agg["completed"], "failed": agg["failed"],
+                        "gpu_busy": gpu / (gpu + gap) if gpu + gap > 0 else None,
+                        "host_ms_per_step": 1000 * host / steps if steps else None,
+                        "gpu_ms_per_step": 1000 * gpu / steps if steps else None,
+                        "gap_ms_per_step": 1000 * gap / steps if steps else None}
+                cells.append(cell)
+                print(json.dumps(cell), flush=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        mem.stop.set()
+        mem.join(5)
+        log.close()
+    for c in cells:
+        c["peak_gpu_mib"] = mem.peak
+    return cells
+
+
+def table(cells: list[dict]) -> str:
+    head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "RTF p50", "contin.",
+            "busy", "host/gpu/gap ms", "peak MiB")
+    lines = [" | ".join(head)]
+    for c in cells:
+        if c["kind"] != "cell" or "error" in c:
+            continue
+
+        def f(v, fmt=".1f"):
+            return "-" if v is None else format(v, fmt)
+
+        timers = (f"{f(c['host_ms_per_step'])}/{f(c['gpu_ms_per_step'])}/{f(c['gap_ms_per_step'])}"
+                  if c["gpu_ms_per_step"] is not None else "-")
+        lines.append(" | ".join([c["variant"], c["mode"], str(c["concurrency"]), f(c["audio_s_per_s"]),
+                                 f(c["req_per_s"], ".2f"), f(c["ttfp_p50_ms"], ".0f"), f(c["ttfp_p99_ms"], ".0f"),
+                                 f(c["rtf_p50"], ".3f"), f(c["continuity"], ".2f"), f(c["gpu_busy"], ".2f"),
+                                 timers, str(c["peak_gpu_mib"])]))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=TREE[:PACKAGE]")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--hidden", type=int, default=1024, help="the model's hidden size (x-vector width)")
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--modes", default="xvec,clone")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--server-args", default="")
+    p.add_argument("--min-prompts", type=int, default=16)
+    p.add_argument("--max-prompts", type=int, default=256)
+    p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--cell-timeout", type=float, default=300)
+    args = p.parse_args()
+    Path(args.out, "runs").mkdir(parents=True, exist_ok=True)
+    cells = []
+    for spec in args.variant:
+        name, _, rest = spec.partition("=")
+        tree, _, package = rest.partition(":")
+        try:
+            cells += run_variant(args, name, tree, package or "legato")
+        except Exception as e:  # one variant failing still leaves the others' figures
+            print(f"[{name}] failed: {e}", flush=True)
+            cells.append({"variant": name, "kind": "error", "error": str(e)})
+        Path(args.out, "summary.json").write_text(json.dumps(cells, indent=1))
+    print(table(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
