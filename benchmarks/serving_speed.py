@@ -71,14 +71,12 @@ def step_timers(url: str) -> dict:
 
 def first_request_ttfp(url: str, body: dict) -> float:
     t0 = time.perf_counter()
+    ttfp = None
     with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=300) as r:
         r.raise_for_status()
         for part in r.iter_bytes():
-            if part:
+            if part and ttfp is None:
                 ttfp = time.perf_counter() - t0
-                break
-        for _ in r.iter_bytes():
-            pass
     return ttfp
 
 
