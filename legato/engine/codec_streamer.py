@@ -27,6 +27,7 @@ the reference past 300 frames.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 import logging
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from legato.layers.host import upload
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.codec_streaming import CodecStreamState
 
@@ -78,6 +80,18 @@ class StreamSchedule:
 
 
 @dataclass
+class _Readback:
+    """Decoded audio on its way to the host (`pcm` is complete once `event` has fired), or, with no rows, the
+    mark that the streams in `closing` have nothing more coming."""
+
+    rids: list[str]
+    n: int
+    pcm: torch.Tensor | None  # [B, n * spf] float32 on the host
+    event: torch.cuda.Event | None
+    closing: set[str]
+
+
+@dataclass
 class _Stream:
     row: int  # this stream's row of the state bank
     first_chunk_frames: int
@@ -109,6 +123,7 @@ class CodecStreamer:
         self.bank = decoder.new_stream_state(capacity + 1)
         self._free_rows = list(range(capacity))
         self._fresh: list[int] = []  # rows to zero before their first use
+        self._readbacks: collections.deque[_Readback] = collections.deque()  # audio on its way to the host
         self.cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.graphs: dict[tuple[int, int], _ChunkGraph] = {}
         if graphs and self.cuda_stream is not None:
@@ -141,11 +156,18 @@ class CodecStreamer:
 
     @torch.inference_mode()
     def flush(self, finished: set[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """Decodes every due chunk; requests in `finished` flush their tail and are closed.
+        """Decodes every due chunk and waits for it; requests in `finished` flush their tail and are closed.
 
         Returns (new PCM by request, failures by request). A decode that raises fails only the streams
         batched into it: they are closed and reported with the reason, the others still get their audio."""
-        out: dict[str, np.ndarray] = {}
+        failed = self.queue(finished)
+        audio, _closed = self.ready(wait=True)
+        return audio, failed
+
+    @torch.inference_mode()
+    def queue(self, finished: set[str]) -> dict[str, str]:
+        """Queues the decode of every due chunk (streams in `finished` flush their tail and are closed);
+        the audio comes back through `ready`. Returns the failures by request, each closed at once."""
         failed: dict[str, str] = {}
         with self._on_stream():
             self._reset_fresh_rows()
@@ -162,35 +184,69 @@ class CodecStreamer:
                     continue
                 n = n if rid in finished else need
                 (groups[n].append(rid) if self._in_one_window(s, n) else windowed.append((rid, n)))
-            results: list[tuple[list[str], int, torch.Tensor]] = []
             for n, rids in groups.items():
                 streams = [self.streams[r] for r in rids]
                 try:
-                    codes = torch.stack([torch.stack(s.pending[:n]) for s in streams]).to(self.device)  # [B, n, 16]
-                    results.append((rids, n, self._decode_rows([s.row for s in streams], codes)))
+                    codes = upload(torch.stack([torch.stack(s.pending[:n]) for s in streams]), self.device)
+                    wav = self._decode_rows([s.row for s in streams], codes)
                 except Exception as e:
                     self._fail(rids, e, failed)
                     continue
-                for s in streams:
-                    s.position += n
+                for st in streams:
+                    st.position += n
+                self._queue_readback(rids, n, wav[:, 0], finished)
             for rid, n in windowed:
-                s = self.streams[rid]
+                st = self.streams[rid]
                 try:
-                    wav = self._decode_windowed(s, torch.stack(s.pending[:n]).to(self.device))
+                    wav = self._decode_windowed(st, upload(torch.stack(st.pending[:n]), self.device))
                 except Exception as e:
                     self._fail([rid], e, failed)
                     continue
-                results.append(([rid], n, wav[None, None]))
-            for rids, n, wav in results:  # one wait for the codec stream, after everything is queued
-                pcm = wav[:, 0].float().cpu().numpy()
-                for rid, w in zip(rids, pcm, strict=True):
-                    s = self.streams[rid]
-                    del s.pending[:n]
-                    s.emitted_frames += n
-                    out[rid] = w
-        for rid in finished:
-            self.close(rid)
-        return out, failed
+                self._queue_readback([rid], n, wav[None], finished)
+            for rid in finished & self.streams.keys():
+                # Closed now (its row is free again; work queued later on this stream runs after its own);
+                # reported closed once everything it has queued has come back.
+                self._readbacks.append(_Readback([], 0, None, None, {rid}))
+                self.close(rid)
+        return failed
+
+    def ready(self, wait: bool = False) -> tuple[dict[str, np.ndarray], set[str]]:
+        """The audio that has come back, in order (waiting for all of it with `wait`), and the streams whose
+        last audio is in it. Never blocks without `wait`."""
+        audio: dict[str, list[np.ndarray]] = defaultdict(list)
+        closed: set[str] = set()
+        while self._readbacks:
+            rb = self._readbacks[0]
+            if rb.event is not None and not wait and not rb.event.query():
+                break
+            if rb.event is not None:
+                rb.event.synchronize()
+            self._readbacks.popleft()
+            if rb.pcm is not None:
+                pcm = rb.pcm.numpy()
+                for rid, w in zip(rb.rids, pcm, strict=True):
+                    audio[rid].append(w)
+            closed |= rb.closing
+        return {rid: np.concatenate(parts) if len(parts) > 1 else parts[0] for rid, parts in audio.items()}, closed
+
+    @property
+    def pending(self) -> bool:
+        """Audio queued that has not come back through `ready`."""
+        return bool(self._readbacks)
+
+    def _queue_readback(self, rids: list[str], n: int, wav: torch.Tensor, finished: set[str]) -> None:
+        """Counts `n` frames of each stream as emitted and queues their PCM [B, n * spf] to the host."""
+        for rid in rids:
+            st = self.streams[rid]
+            del st.pending[:n]
+            st.emitted_frames += n
+        if self.cuda_stream is None:
+            self._readbacks.append(_Readback(rids, n, wav.float(), None, set()))
+            return
+        pcm = wav.float().to("cpu", non_blocking=True)  # into pinned memory, filled when the event fires
+        event = torch.cuda.Event()
+        event.record(self.cuda_stream)
+        self._readbacks.append(_Readback(rids, n, pcm, event, set()))
 
     # --- decoding rows of the bank ----------------------------------------------------------------------
 
@@ -200,7 +256,7 @@ class CodecStreamer:
         graph = self._graph_for(b, n)
         if graph is not None:
             return graph.replay(rows, codes, self.scratch_row)[:b]
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        index = upload(np.array(rows, dtype=np.int64), self.device)
         wav, new = self.decoder.stream_step(codes, self.bank.select(index))
         self._store(index, new)
         return wav
@@ -213,7 +269,7 @@ class CodecStreamer:
     def _reset_fresh_rows(self) -> None:
         if not self._fresh:
             return
-        index = torch.tensor(self._fresh, dtype=torch.long, device=self.device)
+        index = upload(np.array(self._fresh, dtype=np.int64), self.device)
         self.bank.position.index_fill_(0, index, 0)
         for buf in self.bank.buffers.values():
             buf.index_fill_(0, index, 0)
@@ -229,12 +285,13 @@ class CodecStreamer:
             streams = [self.streams[r] for r in rids]
             try:
                 if self._in_one_window(streams[0], n):
-                    self._decode_rows([s.row for s in streams], torch.stack([s.prime for s in streams]).to(self.device))
+                    primes = upload(torch.stack([s.prime for s in streams]), self.device)
+                    self._decode_rows([s.row for s in streams], primes)
                     for s in streams:
                         s.position += n
                 else:  # a reference longer than the first window: stream by stream, window by window
                     for s in streams:
-                        self._decode_windowed(s, s.prime.to(self.device))
+                        self._decode_windowed(s, upload(s.prime, self.device))
             except Exception as e:
                 self._fail(rids, e, failed)
                 continue
@@ -253,7 +310,7 @@ class CodecStreamer:
 
     def _decode_windowed(self, s: _Stream, codes: torch.Tensor) -> torch.Tensor:
         """Runs frames [n, 16] through one stream's state(s), window by window; returns its PCM [n * spf]."""
-        index = torch.tensor([s.row], dtype=torch.long, device=self.device)
+        index = upload(np.array([s.row], dtype=np.int64), self.device)
         state = self.bank.select(index)
         window, context = self.schedule.window_frames, self.schedule.window_context
         if window is None:
@@ -361,7 +418,7 @@ class _ChunkGraph:
     def replay(self, rows: list[int], codes: torch.Tensor, scratch: int) -> torch.Tensor:
         b = len(rows)
         padded = rows + [scratch] * (self.rows.shape[0] - b)
-        self.rows.copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        self.rows.copy_(upload(np.array(padded, dtype=np.int64), self.rows.device), non_blocking=True)
         self.codes[:b].copy_(codes)
         self.codes[b:].zero_()
         self.graph.replay()

@@ -81,6 +81,8 @@ class _Live:
     frame_cap: int | None = None  # set when the text-derived frame cap is what bounds this request
     new_codes: list[torch.Tensor] = field(default_factory=list)
     frames: int = 0  # frames collected (a frame in flight past the request's end is never counted)
+    reason: str | None = None  # how it ended, once it has
+    error: str | None = None
 
 
 @dataclass
@@ -122,6 +124,7 @@ class Engine:
         self.eos_id = loaded.config.talker_config.codec_eos_token_id
         self.kv_layout = KVLayout.of_cache(self.runner.kv.k, model_hash(loaded))
         self.copies = StepCopies(2 * config.max_num_seqs, 17, self.runner.device)
+        self._tails: dict[str, _Live] = {}  # ended, their last audio on its way back from the codec
         self.times = StepTimes()
         self._in_flight: _Launched | None = None
 
@@ -185,7 +188,7 @@ class Engine:
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Frees the request's blocks and slot at once; its final output says `abort`. Unknown ids: False."""
         self.scheduler.abort(request_id, reason)  # may have ended it already, with its last step in flight
-        live = self.live.pop(request_id, None)
+        live = self.live.pop(request_id, None) or self._tails.pop(request_id, None)
         if self.codec is not None:
             self.codec.close(request_id)
         if live is None:
@@ -216,7 +219,7 @@ class Engine:
         return time.perf_counter() - started
 
     def has_unfinished(self) -> bool:
-        return bool(self.live) or bool(self._done) or self._in_flight is not None
+        return bool(self.live or self._done or self._tails) or self._in_flight is not None
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -235,6 +238,9 @@ class Engine:
             previous = self._in_flight
             self._in_flight = launched if launched.copy is not None else None
             outputs = launched.errors + self._collect(previous)
+        # Audio is read back without waiting, except when the engine would only spin: synchronous mode, or
+        # nothing left on the device but the codec's work.
+        outputs += self._audio(wait=not self.config.async_scheduling or self._in_flight is None)
         self.times.steps += 1
         self.times.host_s += time.perf_counter() - started
         return outputs
@@ -297,7 +303,9 @@ class Engine:
             if eos[i] and live.outgoing is None:  # this was the request's last frame (or it has none)
                 req = self.scheduler.stop(rid)  # None: the scheduler had ended it at launch (max_frames)
                 ending[rid] = (req or live.req, "stop")
-        audio, codec_errors = self.codec.flush(set(ending)) if self.codec is not None else ({}, {})
+        streamed = {rid for rid, (req, _) in ending.items() if rid in self.live
+                    and self.live[rid].engine_req.stream_audio}
+        codec_errors = self.codec.queue(streamed) if self.codec is not None else {}
         for rid in codec_errors.keys() - ending.keys():
             self.scheduler.fail(rid, codec_errors[rid])
             ending[rid] = (self.live[rid].req, "error")
@@ -306,29 +314,54 @@ class Engine:
             live = self.live.get(rid)
             if live is None:
                 continue
-            codes = torch.stack(live.new_codes) if live.new_codes else torch.zeros(0, 16, dtype=torch.long)
-            live.new_codes = []
             req, reason = ending.get(rid, (None, None))
-            if req is None and codes.shape[0] == 0 and rid not in audio:
-                continue
-            error = None
-            if req is not None:
-                self.live.pop(rid, None)
-                error = req.error
+            if req is None:
+                if not live.engine_req.stream_audio:  # a talker-only or prefill engine: its codes now
+                    outputs += self._output(live)
+                continue  # the codes ride with the request's next audio
+            self.live.pop(rid, None)
+            live.reason, live.error = reason, req.error
             if rid in codec_errors:  # it may have finished normally, but its audio is incomplete
-                reason, error = "error", codec_errors[rid]
-            if live.outgoing is not None and reason == "stop":
-                reason = "handoff"
-            if reason == "length" and live.frame_cap is not None:
+                live.reason, live.error = "error", codec_errors[rid]
+            if live.outgoing is not None and live.reason == "stop":
+                live.reason = "handoff"
+            if live.reason == "length" and live.frame_cap is not None:
                 log.warning("request %s hit the frame cap: %d frames for its text (frames_per_text_token=%g, "
                             "frame_cap_margin=%d); finished with reason 'length'", rid, live.frame_cap,
                             self.config.frames_per_text_token, self.config.frame_cap_margin)
-            outputs.append(RequestOutput(
-                request_id=rid, codes=codes, audio=audio.get(rid), finished=req is not None, finish_reason=reason,
-                error=error, num_prompt_tokens=live.req.prompt_len, num_frames=live.frames, seed=live.seed,
-                handoff=live.outgoing,
-            ))
+            if rid in streamed and rid not in codec_errors:
+                self._tails[rid] = live  # its final output comes with its last audio
+            else:
+                outputs += self._output(live, finished=True)
         return outputs
+
+    def _audio(self, wait: bool) -> list[RequestOutput]:
+        """Outputs for the audio the codec has brought back (with the codes since each request's last
+        output), and the final outputs of ended requests whose last audio is in it."""
+        if self.codec is None:
+            return []
+        audio, closed = self.codec.ready(wait)
+        outputs = []
+        for rid in dict.fromkeys([*audio, *closed]):
+            live = self.live.get(rid) or self._tails.get(rid)
+            if live is None:
+                continue  # aborted while its audio was on its way
+            done = rid in closed
+            if done:
+                self._tails.pop(rid, None)
+            outputs += self._output(live, audio.get(rid), finished=done)
+        return outputs
+
+    def _output(self, live: _Live, audio: np.ndarray | None = None, finished: bool = False) -> list[RequestOutput]:
+        codes = torch.stack(live.new_codes) if live.new_codes else torch.zeros(0, 16, dtype=torch.long)
+        live.new_codes = []
+        if not finished and codes.shape[0] == 0 and audio is None:
+            return []
+        return [RequestOutput(
+            request_id=live.req.request_id, codes=codes, audio=audio, finished=finished,
+            finish_reason=live.reason if finished else None, error=live.error if finished else None,
+            num_prompt_tokens=live.req.prompt_len, num_frames=live.frames, seed=live.seed, handoff=live.outgoing,
+        )]
 
     def _start(self, req: Request) -> None:
         live = self.live[req.request_id]
@@ -393,11 +426,8 @@ class Engine:
         return self.runner.decode(work)
 
     def _final(self, live: _Live, reason: str, error: str | None) -> RequestOutput:
-        return RequestOutput(
-            request_id=live.req.request_id, codes=torch.zeros(0, 16, dtype=torch.long), audio=None, finished=True,
-            finish_reason=reason, error=error, num_prompt_tokens=live.req.prompt_len,
-            num_frames=live.frames, seed=live.seed,
-        )
+        live.reason, live.error = reason, error
+        return self._output(live, finished=True)[0]
 
     # --- memory ---------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from legato.engine.kv_cache import DecodeMeta, PagedKVCache
 from legato.engine.mtp_replicas import Replica, group_buckets
 from legato.engine.sampler import Sampler
 from legato.engine.slot_state import SlotState
+from legato.layers.host import upload
 from legato.layers.packed_prefill import PackedPrefill
 from legato.models.qwen3_tts.decoder_layer import pack_projections
 from legato.models.qwen3_tts.talker import Talker
@@ -115,7 +116,7 @@ class ModelRunner:
         groups = [[i] for i in range(len(last_slots))] if self.config.batch_invariant else [range(len(last_slots))]
         tokens = []
         for rows in groups:
-            slots = torch.tensor([last_slots[i] for i in rows], dtype=torch.long, device=self.device)
+            slots = upload(np.array([last_slots[i] for i in rows], dtype=np.int64), self.device)
             hidden = torch.stack([last_hidden[i] for i in rows])
             st = self.slots.gather_params(slots, torch.zeros_like(slots))
             tokens.append(self.sampler.sample_codebook0(self.talker.logits(hidden), st, self.slots.seen, slots))
@@ -154,7 +155,7 @@ class ModelRunner:
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order:  # back from group order to the order of `work`
             back = np.argsort(np.concatenate(order), kind="stable")
-            rows = rows.index_select(0, torch.from_numpy(back).to(self.device, non_blocking=True))
+            rows = rows.index_select(0, upload(back, self.device))
         return rows
 
     @property
@@ -193,8 +194,7 @@ class ModelRunner:
         blocks = t[np.arange(padded), pos // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + pos % self.block_size
         context_lens = (pos + 1).astype(np.int32)
-        dev = self.device
-        return tuple(torch.from_numpy(a).to(dev, non_blocking=True) for a in (s, pos, slot_mapping, t, context_lens))
+        return tuple(upload(a, self.device) for a in (s, pos, slot_mapping, t, context_lens))
 
     def _decode_step(
         self,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from legato.layers.host import upload
 from legato.layers.paged_attention import prefill_attention
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
@@ -66,7 +67,7 @@ class PackedPrefill:
         tiles = np.array([(i, t) for i, m in enumerate(lengths) for t in range(-(-m // BLOCK_M))], dtype=np.int32)
 
         def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device, non_blocking=True)
+            return upload(a, device)
 
         return cls(slot_mapping=dev(slot_mapping), positions=dev(positions.astype(np.int64)),
                    cu_seqlens=dev(cu.astype(np.int32)), starts=dev(np.asarray(starts, dtype=np.int32)),

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from legato.layers.host import upload
+
 from .config import Qwen3TTSConfig
 from .talker import Talker
 
@@ -132,10 +134,10 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
     codec = talker.embed_codec
 
     def codec_ids(*ids: int) -> torch.Tensor:
-        return codec(torch.tensor(ids, dtype=torch.long, device=device))
+        return codec(upload(torch.tensor(ids, dtype=torch.long), device))
 
     bos_t, eos_t, pad_t = text(
-        torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id], device=device)
+        upload(torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]), device)
     ).chunk(3, dim=0)
 
     parts = [] if instruct is None else [text(instruct)]
@@ -193,7 +195,7 @@ def _ids(ids: Sequence[int] | torch.Tensor, name: str, vocab: int, device: torch
         raise PromptError(f"{name} must be a 1-D sequence of integer token ids")
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
         raise PromptError(f"{name} holds token ids outside [0, {vocab})")
-    return t.to(device=device, dtype=torch.long)
+    return upload(t.to(torch.long), device)
 
 
 def _language_id(language: str | None, cfg: Qwen3TTSConfig) -> int | None:
@@ -228,17 +230,17 @@ def _speaker_slot(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig, languag
             if dialect not in tc.codec_language_id:
                 raise PromptError(f"speaker {name!r} needs dialect {dialect!r}, which the model lacks")
             language_id = tc.codec_language_id[dialect]
-        spk = torch.tensor(tc.spk_id[name], dtype=torch.long, device=device)
+        spk = upload(torch.tensor(tc.spk_id[name], dtype=torch.long), device)
         return talker.embed_codec(spk), language_id
     emb = spec.speaker_embedding
     if emb is None:
         raise PromptError("a base (voice clone) model needs a speaker embedding")
     if not isinstance(emb, torch.Tensor) or emb.numel() != tc.hidden_size or emb.dim() not in (1, 2):
         raise PromptError(f"speaker_embedding must be a vector of {tc.hidden_size} values")
-    emb = emb.detach().to(device=device, dtype=dtype).reshape(-1)
+    emb = emb.detach().to("cpu", dtype).reshape(-1)  # checked on the host: no wait for the device
     if not bool(torch.isfinite(emb).all()):
         raise PromptError("speaker_embedding holds non-finite values")
-    return emb, language_id
+    return upload(emb, device), language_id
 
 
 def _instruct(spec: PromptSpec, cfg: Qwen3TTSConfig, device: torch.device) -> torch.Tensor | None:
@@ -268,4 +270,4 @@ def _icl_inputs(spec: PromptSpec, cfg: Qwen3TTSConfig, device: torch.device) -> 
         raise PromptError(f"ref_code must be a (frames, {groups}) tensor with at least one frame")
     if code.is_floating_point() or code.is_complex() or int(code.min()) < 0 or int(code.max()) >= codebook:
         raise PromptError(f"ref_code must hold integer codes in [0, {codebook})")
-    return ref_ids[ROLE_LEN:-REF_TAIL], code.to(device=device, dtype=torch.long)
+    return ref_ids[ROLE_LEN:-REF_TAIL], upload(code.to(torch.long), device)
