@@ -188,7 +188,7 @@ class CodecStreamer:
                 streams = [self.streams[r] for r in rids]
                 try:
                     codes = upload(torch.stack([torch.stack(s.pending[:n]) for s in streams]), self.device)
-                    wav = self._decode_rows([s.row for s in streams], codes)
+                    wav = self._decode_rows([s.row for s in streams], codes, final=finished.issuperset(rids))
                 except Exception as e:
                     self._fail(rids, e, failed)
                     continue
@@ -250,12 +250,21 @@ class CodecStreamer:
 
     # --- decoding rows of the bank ----------------------------------------------------------------------
 
-    def _decode_rows(self, rows: list[int], codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, n, 16] through the bank rows `rows` (each advanced by n frames) -> wav [B, 1, n * spf]."""
+    def _decode_rows(self, rows: list[int], codes: torch.Tensor, final: bool = False) -> torch.Tensor:
+        """codes [B, n, 16] through the bank rows `rows` (each advanced by n frames) -> wav [B, 1, n * spf].
+
+        `final`: these are the streams' last frames. Their state is never read again, so a tail of any length
+        can replay the graph of a longer chunk, padded: every layer is causal, so the padding changes only
+        samples past the tail, which are cut off."""
         b, n = codes.shape[0], codes.shape[1]
         graph = self._graph_for(b, n)
         if graph is not None:
             return graph.replay(rows, codes, self.scratch_row)[:b]
+        longer = self._graph_for(b, n, at_least=final)
+        if longer is not None:
+            padded = torch.zeros(b, longer.codes.shape[1], 16, dtype=codes.dtype, device=codes.device)
+            padded[:, :n] = codes
+            return longer.replay(rows, padded, self.scratch_row)[:b, :, : n * self.decoder.samples_per_frame]
         index = upload(np.array(rows, dtype=np.int64), self.device)
         wav, new = self.decoder.stream_step(codes, self.bank.select(index))
         self._store(index, new)
@@ -368,11 +377,15 @@ class CodecStreamer:
 
     # --- CUDA graphs ------------------------------------------------------------------------------------
 
-    def _graph_for(self, b: int, n: int) -> _ChunkGraph | None:
+    def _graph_for(self, b: int, n: int, at_least: bool = False) -> _ChunkGraph | None:
+        """The graph for `b` streams of exactly `n` frames (or, `at_least`, the shortest of more)."""
         if not self.graphs:
             return None
         bucket = next((x for x in GRAPH_BATCHES if x >= b), None)
-        return self.graphs.get((bucket, n)) if bucket is not None else None
+        if not at_least:
+            return self.graphs.get((bucket, n))
+        sizes = sorted(m for (x, m) in self.graphs if x == bucket and m > n)
+        return self.graphs[(bucket, sizes[0])] if sizes else None
 
     def _capture_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
