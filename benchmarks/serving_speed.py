@@ -126,10 +126,19 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                          "--result-dir", str(Path(args.out) / "runs"), "--label", f"{name}-{mode}",
                          "--topology", "single", "--max-num-seqs", str(args.max_num_seqs), "--num-gpus", "1"]
                 t1 = time.monotonic()
+                spy = None
+                if args.profile == f"{mode}:{conc}":  # a sampling profile of the server during this cell
+                    spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration",
+                                            str(args.profile_seconds), "--rate", "100", "--format", "raw",
+                                            "--nonblocking", "--threads", "--output",
+                                            str(Path(args.out) / f"profile-{name}-{mode}-c{conc}.txt")],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 done = subprocess.run(bench, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                     p for p in (str(Path(".").resolve()), os.environ.get("PYTHONPATH")) if p)},
                     capture_output=True, text=True, timeout=args.cell_timeout)
                 after = step_timers(url)
+                if spy is not None:
+                    spy.wait(args.profile_seconds + 30)
                 result_path = Path(args.out) / "runs" / f"{name}-{mode}-single-c{conc}.json"
                 if done.returncode != 0 or not result_path.exists():
                     print(f"[{stem}] bench failed: {done.stderr[-800:]}", flush=True)
@@ -206,6 +215,8 @@ def main() -> int:
     p.add_argument("--max-prompts", type=int, default=256)
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--cell-timeout", type=float, default=300)
+    p.add_argument("--profile", default=None, metavar="MODE:CONC", help="py-spy the server during this cell")
+    p.add_argument("--profile-seconds", type=int, default=5)
     args = p.parse_args()
     Path(args.out, "runs").mkdir(parents=True, exist_ok=True)
     cells = []
