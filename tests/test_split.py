@@ -146,7 +146,8 @@ def test_codec_engine_cuts_bursts_on_the_single_schedule(loaded):
     codes = torch.randint(0, 2048, (10, 16), generator=torch.Generator().manual_seed(3))
     runs = []
     for burst in (1, 10, 4):
-        eng = CodecEngine(loaded.speech_tokenizer.decoder, StreamSchedule(first_chunk_frames=1, chunk_frames=4))
+        eng = CodecEngine(loaded.speech_tokenizer.decoder,
+                          StreamSchedule(first_chunk_frames=1, chunk_frames=4, chunk_ramp=False))
         eng.open("a", ref_code=REF)
         outs = []
         for i in range(0, 10, burst):
@@ -175,7 +176,7 @@ def test_codec_decoder_alone_matches_the_full_load(loaded, tiny_checkpoint):
 
 
 def test_a_codec_failure_fails_only_its_request(tiny_checkpoint):
-    client = split_client(tiny_checkpoint, ["cpu", "cpu"])  # chunks of 1, then 3s
+    client = split_client(tiny_checkpoint, ["cpu", "cpu"], chunk_ramp=False)  # chunks of 1, then 3s
     decoder = client.codec.engine.streamer.decoder
     real = decoder.stream_step
 

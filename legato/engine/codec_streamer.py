@@ -52,7 +52,7 @@ class StreamSchedule:
 
     first_chunk_frames: int = 1
     chunk_frames: int = 25
-    chunk_ramp: bool = False
+    chunk_ramp: bool = True
     window_frames: int | None = 300
     window_context: int = 25
 

@@ -146,12 +146,16 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
         await self.wait_links()
 
     async def wait_links(self) -> None:
-        """Waits (bounded) until every prefill worker reports every link ready; a link that failed its
-        handshake (e.g. a KV layout mismatch between workers) makes the deployment fail to start."""
+        """Waits (bounded) until both ends of every link report it ready (a decode worker whose end has not
+        had the prefill worker's hello yet cannot be armed); a link that failed its handshake (e.g. a KV
+        layout mismatch between workers) makes the deployment fail to start."""
         deadline = time.monotonic() + self.link_timeout_s
         while True:
             states = {(p, d): c.links.get(d) for p, c in enumerate(self.prefill.replicas)
                       for d in range(len(self.decode))}
+            decode_ends = {(p, d): c.links.get(p) for d, c in enumerate(self.decode)
+                           for p in range(len(self.prefill.replicas))}
+            states = {key: s if s is None or s.state != "ready" else decode_ends[key] for key, s in states.items()}
             failed = [f"prefill {p} -> decode {d}: {s.error}" for (p, d), s in states.items()
                       if s is not None and s.state == "failed"]
             if failed:

@@ -76,9 +76,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--chunk-frames", type=int, default=25, help="frames in each later audio chunk")
     e.add_argument("--voice-cache-size", type=int, default=256,
                    help="reference clips whose voice features are kept (a clip sent again is not re-encoded); 0: off")
-    e.add_argument("--chunk-ramp", action="store_true",
+    e.add_argument("--chunk-ramp", action=argparse.BooleanOptionalAction, default=True,
                    help="after the first chunk, make each chunk as long as the audio already sent, up to "
-                        "--chunk-frames, so real-time playback never runs dry (off: straight to --chunk-frames)")
+                        "--chunk-frames, so real-time playback never runs dry (--no-chunk-ramp: straight to "
+                        "--chunk-frames)")
     e.add_argument("--frames-per-text-token", type=float, default=8.0,
                    help="frame cap: a request stops (finish reason `length`) after this many frames per text "
                         "token plus --frame-cap-margin, unless it asks for an exact length; 0: no cap")
