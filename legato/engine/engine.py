@@ -21,7 +21,7 @@ from legato.engine.block_manager import BlockManager
 from legato.engine.codec_streamer import CodecStreamer, StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.engine.disagg import make_handoff, model_hash, receive_handoff
-from legato.engine.kv_cache import PagedKVCache
+from legato.engine.kv_cache import profile_kv_blocks
 from legato.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
 from legato.engine.mtp_replicas import replica_group
 from legato.engine.request import Request
@@ -29,7 +29,7 @@ from legato.engine.sampler import draw_seed
 from legato.engine.scheduler import Scheduler, StepResult
 from legato.engine.step_copies import PendingCopy, StepCopies, StepTimes
 from legato.kv_transfer.handoff import Handoff, KVLayout
-from legato.models.qwen3_tts.decoder_layer import pack_projections, packed_bytes
+from legato.models.qwen3_tts.decoder_layer import pack_projections
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import LoadedModel
 from legato.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt, build_prompt, target_text_tokens
@@ -106,7 +106,7 @@ class Engine:
         if talker.codec_head.weight.is_cuda:
             # Packed serving copies of the projections exist before the KV cache is sized, so they count.
             pack_projections(talker)
-        num_blocks = config.num_kv_blocks or self._profile_kv_blocks()
+        num_blocks = config.num_kv_blocks or profile_kv_blocks(loaded, config)
         config.num_kv_blocks = num_blocks
         pad_id = torch.tensor([loaded.config.tts_pad_token_id], device=talker.codec_head.weight.device)
         with torch.inference_mode():
@@ -428,30 +428,3 @@ class Engine:
     def _final(self, live: _Live, reason: str, error: str | None) -> RequestOutput:
         live.reason, live.error = reason, error
         return self._output(live, finished=True)[0]
-
-    # --- memory ---------------------------------------------------------------------------------------
-
-    def _profile_kv_blocks(self) -> int:
-        """KV blocks that fit the memory budget: on CUDA, what is left of `gpu_memory_utilization` of the
-        device after weights and a reserve for activations and graphs; on the CPU, enough for every slot
-        to hold a full-length request capped at 4096 positions."""
-        tc = self.loaded.config.talker_config
-        dtype = self.loaded.talker.codec_head.weight.dtype
-        per_block = PagedKVCache.bytes_per_block(tc.num_hidden_layers, self.config.block_size,
-                                                 tc.num_key_value_heads, tc.head_dim, dtype)
-        device = self.loaded.talker.codec_head.weight.device
-        if device.type != "cuda":
-            per_seq = -(-min(self.config.max_model_len, 4096) // self.config.block_size)
-            return self.config.max_num_seqs * per_seq
-        free, total = torch.cuda.mem_get_info(device)
-        # `gpu_memory_utilization` is this engine's share of the device (several engines may share one):
-        # its own weights, activations and KV must fit in it, and the KV must fit in what is free now.
-        own = sum(t.numel() * t.element_size() for m in (self.loaded.model, self.loaded.speech_tokenizer)
-                  for t in list(m.parameters()) + list(m.buffers())) + packed_bytes(self.loaded.talker)
-        # Activations of the largest step, CUDA graphs, codec streaming state. With mtp_replicas = K there are K
-        # graph pools, but each group's buckets stop at ceil(batch / K), so together they hold about one pool.
-        reserve = 4 << 30
-        budget = min(int(total * self.config.gpu_memory_utilization) - own - reserve, free - reserve)
-        if budget < per_block * 16:
-            raise RuntimeError(f"not enough device memory for a KV cache (budget {budget / 2**30:.2f} GiB)")
-        return budget // per_block

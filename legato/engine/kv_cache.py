@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from legato.engine.config import EngineConfig
 from legato.layers.packed_prefill import PackedPrefill, packed_prefill_attention
 from legato.layers.paged_attention import decode_attention, write_kv
-from legato.models.qwen3_tts.decoder_layer import KVCache
+from legato.models.qwen3_tts.decoder_layer import KVCache, packed_bytes
+from legato.models.qwen3_tts.loader import LoadedModel
 
 
 @dataclass
@@ -59,3 +61,29 @@ class PagedKVCache(KVCache):
             write_kv(kc, vc, k[0], v[0], meta.slot_mapping)
             return packed_prefill_attention(q[0], kc, vc, meta, self.scale).unsqueeze(0)
         raise RuntimeError("PagedKVCache used without attention metadata")
+
+
+def profile_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
+    """KV blocks that fit the memory budget: on CUDA, what is left of `gpu_memory_utilization` of the
+    device after weights and a reserve for activations and graphs; on the CPU, enough for every slot
+    to hold a full-length request capped at 4096 positions."""
+    tc = loaded.config.talker_config
+    dtype = loaded.talker.codec_head.weight.dtype
+    per_block = PagedKVCache.bytes_per_block(tc.num_hidden_layers, config.block_size,
+                                             tc.num_key_value_heads, tc.head_dim, dtype)
+    device = loaded.talker.codec_head.weight.device
+    if device.type != "cuda":
+        per_seq = -(-min(config.max_model_len, 4096) // config.block_size)
+        return config.max_num_seqs * per_seq
+    free, total = torch.cuda.mem_get_info(device)
+    # `gpu_memory_utilization` is this engine's share of the device (several engines may share one):
+    # its own weights, activations and KV must fit in it, and the KV must fit in what is free now.
+    own = sum(t.numel() * t.element_size() for m in (loaded.model, loaded.speech_tokenizer)
+              for t in list(m.parameters()) + list(m.buffers())) + packed_bytes(loaded.talker)
+    # Activations of the largest step, CUDA graphs, codec streaming state. With mtp_replicas = K there are K
+    # graph pools, but each group's buckets stop at ceil(batch / K), so together they hold about one pool.
+    reserve = 4 << 30
+    budget = min(int(total * config.gpu_memory_utilization) - own - reserve, free - reserve)
+    if budget < per_block * 16:
+        raise RuntimeError(f"not enough device memory for a KV cache (budget {budget / 2**30:.2f} GiB)")
+    return budget // per_block
