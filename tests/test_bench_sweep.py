@@ -237,4 +237,4 @@ def test_end_to_end_sweep_of_the_real_server(tmp_path, monkeypatch):
     # Per-GPU goodput is drawn only where there are GPUs (CI has none: one host, equal hardware).
     for png in PNGS[:2] if summary["meta"]["cpu_only"] else PNGS:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert elapsed < 120, f"the sweep took {elapsed:.0f} s"
+    assert elapsed < 900, f"the sweep took {elapsed:.0f} s"  # a hang guard, not a speed target

@@ -462,7 +462,7 @@ def test_timeouts_abort_and_report(tmp_path):
         assert_error(speak(c), 504, "timed out")
         events = sse_events(speak(c, stream_format="sse").text)
         assert events[-1]["type"] == "speech.audio.error" and events[-1]["error"]["code"] == 504
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 4.5  # without the timeouts the first stall alone is 5 s
         assert len(client.closed_early) == 2
         assert 'legato_request_aborts_total{reason="timeout"} 2.0' in c.get("/metrics").text
 
