@@ -60,7 +60,7 @@ def test_add_rejects_what_could_never_run():
 def test_add_queue_full_and_duplicates():
     s = make(max_waiting=2)
     s.add(Request("a", 4, 4))
-    with pytest.raises(ValueError, match="already live"):
+    with pytest.raises(ValueError, match="already in flight"):
         s.add(Request("a", 4, 4))
     s.add(Request("b", 4, 4))
     with pytest.raises(QueueFullError):

@@ -135,7 +135,8 @@ def test_a_full_engine_queue_answers_429_with_retry_after(tmp_path_factory):
     assert codes[0] == 200 and codes[-1] == 429, codes
     for r in responses:
         if r.status_code == 429:
-            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+            # nothing finished yet, so the pace is unknown: one drain window (reliability/test_retry_after.py)
+            assert r.headers["retry-after"] == "30" and r.json()["error"]["code"] == "queue_full"
         else:
             assert len(r.content) == 30 * SAMPLES_PER_FRAME * 2
 

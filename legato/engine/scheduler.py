@@ -39,6 +39,10 @@ class QueueFullError(RuntimeError):
     """The bounded waiting queue is full; the caller should shed load (HTTP 429/503)."""
 
 
+class DuplicateRequestError(ValueError):
+    """A request id that is already live on this engine (HTTP 409: ids name one request at a time)."""
+
+
 class RequestTooLargeError(ValueError):
     """The request could never run on this engine (too long for max_model_len, the KV cache or the budget)."""
 
@@ -146,7 +150,7 @@ class Scheduler:
         if req.status is not RequestStatus.WAITING:
             raise ValueError(f"request {req.request_id!r} is {req.status.name}, expected WAITING")
         if self.get(req.request_id) is not None:
-            raise ValueError(f"request id {req.request_id!r} is already live")
+            raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
         cfg, bm = self.config, self.block_manager
         if req.max_tokens > cfg.max_model_len:
             raise RequestTooLargeError(f"request {req.request_id!r}: prompt_len {req.prompt_len} + max_frames "

@@ -21,7 +21,7 @@ import numpy as np
 
 from legato.engine.config import EngineConfig
 from legato.engine.engine import Engine, EngineRequest, RequestOutput
-from legato.engine.scheduler import QueueFullError, RequestTooLargeError
+from legato.engine.scheduler import DuplicateRequestError, QueueFullError, RequestTooLargeError
 from legato.kv_transfer.handoff import Handoff, LayoutMismatch
 from legato.models.qwen3_tts.audio import AudioError
 from legato.models.qwen3_tts.inputs import VoiceCache, VoiceFeatures, build_spec, extract_voice
@@ -36,6 +36,7 @@ from legato.pipeline.client import (
     StreamChunk,
     SynthesisRequest,
 )
+from legato.pipeline.drain import DrainRate
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +47,14 @@ class _Stream:
     queue: asyncio.Queue
 
 
-def rejection(exc: Exception) -> RequestRejected:
-    """Maps an engine-side refusal to an HTTP-style rejection."""
+def rejection(exc: Exception, retry_after: float = 1.0) -> RequestRejected:
+    """Maps an engine-side refusal to an HTTP-style rejection; `retry_after` is what a 429 tells the client."""
     if isinstance(exc, RequestRejected):
         return exc
     if isinstance(exc, QueueFullError):
-        return RequestRejected(429, f"server busy: {exc}", retry_after=1.0)
+        return RequestRejected(429, f"server busy: {exc}", retry_after=retry_after)
+    if isinstance(exc, DuplicateRequestError):
+        return RequestRejected(409, str(exc))
     if isinstance(exc, LayoutMismatch):  # two workers of one deployment disagree: a deployment error
         return RequestRejected(500, f"KV layout mismatch between workers: {exc}")
     if isinstance(exc, (PromptError, AudioError, SamplingParamsError, RequestTooLargeError, ValueError)):
@@ -75,6 +78,7 @@ class LocalEngineClient(EngineClient):
         self._closed = False  # the engine thread has exited: the inbox takes nothing more
         self._inbox_lock = threading.Lock()
         self._deadline: float | None = None  # engine thread: when shutdown aborts what is still running
+        self._drain_rate = DrainRate()  # engine thread: finishes per second, for a 429's Retry-After
 
     # --- server side ----------------------------------------------------------------------------------
 
@@ -250,7 +254,8 @@ class LocalEngineClient(EngineClient):
                     handoff_only=req.handoff_only,
                 ))
         except Exception as e:
-            _settle(admitted, error=rejection(e))
+            wait = self._drain_rate.retry_after(self.engine.scheduler.num_waiting + 1)
+            _settle(admitted, error=rejection(e, retry_after=wait))
             return
         self._streams[req.request_id] = stream
         _settle(admitted, result=seed)
@@ -268,6 +273,7 @@ class LocalEngineClient(EngineClient):
             )
             if o.finished:
                 del self._streams[o.request_id]
+                self._drain_rate.finished()
             if chunk.audio.size or chunk.codes.size or o.finished:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
 

@@ -232,7 +232,7 @@ class ProcessEngineClient(EngineClient):
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if rid in self._streams:
-                raise RequestRejected(400, f"request id {rid!r} is already in flight")
+                raise RequestRejected(409, f"request id {rid!r} is already in flight")
             self._streams[rid] = stream
         if not self._send(msg):
             self._streams.pop(rid, None)

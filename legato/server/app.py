@@ -19,9 +19,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from legato.pipeline.client import EngineClient
+from legato.server.access import ApiKeyAuth, HostCheck, OriginCheck
 from legato.server.errors import error_body, install_error_handlers
 from legato.server.logs import current_request_id
 from legato.server.metrics import ServerMetrics
@@ -93,10 +95,26 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
     _document_errors_as_400(app)
     app.add_middleware(SpeechStatusCounter, metrics=metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    _add_access_checks(app, settings)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: even a 413 carries the request id
     app.state.metrics = metrics
     app.state.client = client
     return app
+
+
+def _add_access_checks(app: FastAPI, settings: ServerSettings) -> None:
+    """Outermost first: Host, then CORS (it answers preflights, which carry no credentials), Origin, key."""
+    if settings.api_keys:
+        app.add_middleware(ApiKeyAuth, keys=settings.api_keys)
+    app.add_middleware(OriginCheck, allowed=settings.allowed_origins)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST", "DELETE"], allow_credentials=False,
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id", "X-Seed", "X-Sample-Rate", "X-Finish-Reason",
+                                           "X-Audio-Seconds", "Retry-After"])
+    if settings.allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=settings.allowed_hosts)
 
 
 def _document_errors_as_400(app: FastAPI) -> None:

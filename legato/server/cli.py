@@ -39,6 +39,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--port", type=int, default=8000, help="port to listen on")
     h.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    a = p.add_argument_group("access")
+    a.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require Authorization: Bearer KEY on every route but /health (repeatable; also "
+                        "$LEGATO_API_KEY); a missing or wrong key gets 401")
+    a.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="a file of API keys, one per line (# comments), on top of --api-key")
+    a.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="comma-separated web origins (https://app.example.com, or *) whose pages may call the "
+                        "server (CORS); requests from other origins get 403 (default: none)")
+    a.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                   help="comma-separated Host header names served, or * (default: the loopback names when --host "
+                        "is loopback, otherwise any)")
     t = p.add_argument_group("topology")
     t.add_argument("--topology", default="single",
                    help="single | split (talker worker + codec worker) | replicas:N (N engines behind a router) | "
@@ -122,6 +134,28 @@ def voice_aliases(items: list[str]) -> dict[str, str]:
     return aliases
 
 
+def access_settings(args: argparse.Namespace) -> dict:
+    """ServerSettings' api_keys, allowed_origins and allowed_hosts from the access flags (ValueError if bad)."""
+    import os
+
+    from legato.server.access import LOOPBACK_HOSTS, load_api_keys, origin_key
+
+    env_key = os.environ.get("LEGATO_API_KEY")
+    keys = load_api_keys([*args.api_key, *([env_key] if env_key else [])], args.api_key_file)
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and origin_key(origin) is None:
+            raise ValueError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port])")
+    if args.allowed_hosts is not None:
+        names = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+        hosts = None if "*" in names else names
+    elif args.host.strip("[]") in LOOPBACK_HOSTS or args.host.startswith("127."):
+        hosts = (*LOOPBACK_HOSTS, args.host)
+    else:
+        hosts = None
+    return {"api_keys": keys, "allowed_origins": origins, "allowed_hosts": hosts}
+
+
 def check_devices(devices: list[str]) -> None:
     """Refuses devices this machine does not have, before anything loads (one line, naming the device)."""
     import torch
@@ -198,6 +232,7 @@ def serve(args: argparse.Namespace) -> int:
             allowed_local_media_path=args.allowed_local_media_path, allow_remote_media=args.allow_remote_media,
             request_timeout_s=args.request_timeout if args.request_timeout > 0 else None,
             shutdown_grace_s=args.shutdown_grace, voices_dir=voices_dir, voice_aliases=voice_aliases(args.voice_alias),
+            **access_settings(args),
         )
         topology = parse_topology(args.topology)
         devices = args.devices.split(",") if args.devices else None

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from legato.server.encoding import STREAMABLE
+from legato.server.text import check_unicode
 
 # OpenAI's formats; aac is accepted here and refused by the speech service with the reason (encoding.py).
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
@@ -32,7 +33,8 @@ class VoiceRef(BaseModel):
 
 
 class SpeechRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: "stream": "yes" or "speed": true are type errors, not guesses (ints still pass as floats)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     # --- OpenAI fields ------------------------------------------------------------------------------
     model: str | None = Field(None, max_length=512, description="Served model name (see /v1/models).")
@@ -93,10 +95,7 @@ class SpeechRequest(BaseModel):
         # JSON may carry lone surrogates ("\ud800"), which no tokenizer or log line can encode
         text = value.id if isinstance(value, VoiceRef) else value
         if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError("must be valid Unicode text (no lone surrogates)") from e
+            check_unicode(text)
         return value
 
     @property

@@ -43,6 +43,14 @@ class ServerSettings:
     voice_aliases: dict[str, str] = field(default_factory=lambda: dict(OPENAI_VOICE_ALIASES))
     """Voice names a request may use for another voice (OpenAI's `alloy`, `nova`, ... by default); a real
     voice of that name wins over an alias."""
+    api_keys: tuple[str, ...] = ()
+    """Bearer tokens, one of which every route but /health requires; empty: no authentication."""
+    allowed_origins: tuple[str, ...] = ()
+    """Web origins (scheme://host[:port], or "*") whose pages may call the server; CORS is answered for them
+    and requests from any other origin are refused with 403. Empty: no cross-origin calls at all."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host header names served (DNS-rebinding guard); None: any. The CLI sets loopback names when it binds
+    loopback."""
     generation_defaults: dict[str, Any] = field(default_factory=lambda: dict(GENERATION_DEFAULTS))
     """The model's sampling defaults (`LoadedModel.generation_defaults`); request fields override them."""
 

@@ -232,7 +232,7 @@ class SpeechService:
             raise ApiError(400, str(e), "invalid_speaker_embedding", "speaker_embedding") from e
 
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 403, 404, 413, 429, 500, 503, 504)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 429, 500, 503, 504)}
 _AUDIO = {"content": {t: {"schema": {"type": "string", "format": "binary"}}
                       for t in (*MEDIA_TYPES.values(), "text/event-stream")},
           "description": "The audio (file or stream) or an SSE event stream."}
@@ -243,7 +243,14 @@ def build_speech_router(service: SpeechService, responder: SpeechResponder) -> A
 
     @router.post(SPEECH_PATH, responses={200: _AUDIO, **_ERRORS}, response_class=Response)
     async def create_speech(body: SpeechRequest, request: Request) -> Response:
-        prepared = await service.prepare(body, request.state.request_id)
-        return await responder.respond(prepared.synthesis, prepared.response_format, prepared.mode, request)
+        rid = request.state.request_id
+        responder.claim(rid)
+        try:
+            prepared = await service.prepare(body, rid)
+            return await responder.respond(prepared.synthesis, prepared.response_format, prepared.mode, request)
+        except BaseException:
+            if getattr(request.state, "generation", None) is None:  # a Generation releases its id itself
+                responder.release(rid)
+            raise
 
     return router

@@ -55,8 +55,10 @@ class Generation:
     usage, and records exactly one outcome."""
 
     def __init__(self, client: EngineClient, req: SynthesisRequest, mode: str, started: float,
-                 timeout_s: float | None, metrics: ServerMetrics) -> None:
+                 timeout_s: float | None, metrics: ServerMetrics,
+                 on_end: Callable[[str], None] | None = None) -> None:
         self.req = req
+        self._on_end = on_end
         self.mode = mode
         self.started = started
         self.deadline = None if timeout_s is None else started + timeout_s
@@ -114,6 +116,7 @@ class Generation:
         if self.outcome is not None:
             return
         self.outcome = status
+        self._ended()
         e2e = time.perf_counter() - self.started
         if abort_reason:
             self.metrics.aborts.labels(abort_reason).inc()
@@ -140,6 +143,12 @@ class Generation:
         """Ends the engine request if it is still running (closing the iterator aborts it)."""
         with anyio.CancelScope(shield=True):
             await self._chunks.aclose()
+        self._ended()
+
+    def _ended(self) -> None:
+        if self._on_end is not None:
+            self._on_end(self.req.request_id)
+            self._on_end = None
 
     async def abandon(self) -> None:
         """Ends the request as the client leaving (499) unless an outcome was recorded, and closes it."""
@@ -152,10 +161,23 @@ class SpeechResponder:
         self.client = client
         self.settings = settings
         self.metrics = metrics
+        self._live: set[str] = set()  # request ids between claim() and their Generation's end
+
+    def claim(self, request_id: str) -> None:
+        """Reserves a request id for one request at a time: a second request with the id of one still in
+        flight is a conflict (409), not a new request (ids key aborts, logs and metrics)."""
+        if request_id in self._live:
+            raise ApiError(409, f"request id {request_id!r} is already in flight", "duplicate_request_id",
+                           "X-Request-Id")
+        self._live.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._live.discard(request_id)
 
     async def respond(self, req: SynthesisRequest, fmt: str, mode: str, request: Request) -> Response:
         started = getattr(request.state, "started", time.perf_counter())
-        gen = Generation(self.client, req, mode, started, self.settings.request_timeout_s, self.metrics)
+        gen = Generation(self.client, req, mode, started, self.settings.request_timeout_s, self.metrics,
+                         on_end=self.release)
         request.state.generation = gen  # its outcome is the request's final status (see app.SpeechStatusCounter)
         try:
             if mode == "file":
@@ -295,7 +317,7 @@ class SpeechResponder:
 
 
 def _rejection_code(status: int) -> str:
-    codes = {429: "queue_full", 503: "shutting_down", 413: "request_too_large"}
+    codes = {429: "queue_full", 503: "shutting_down", 413: "request_too_large", 409: "duplicate_request_id"}
     return codes.get(status, "internal_error" if status >= 500 else "invalid_request")
 
 

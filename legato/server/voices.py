@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from legato.pipeline.client import EngineClient, RequestRejected
+from legato.server.text import check_unicode
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ MAX_REF_TEXT_CHARS = 4096
 _FORMAT = "1"
 _SUFFIX = ".safetensors"
 _TMP_PREFIX = ".tmp-"  # names cannot start with '.', so temporaries never collide with voices
+QUARANTINE_DIR = "quarantine"  # voice files that fail validation at start-up are moved here, not served
 
 
 class VoiceError(Exception):
@@ -265,12 +267,24 @@ class VoiceStore:
                 continue
             try:
                 voice = self._read(path)
-            except Exception as e:  # one bad file must not keep the server from starting
-                log.warning("skipping voice file %s: %s", path, e)
+            except Exception as e:  # one bad file must not keep the server from starting, nor be served
+                self._quarantine(path, e)
                 continue
             self._voices[voice.name.lower()] = voice
         if self._voices:
             log.info("loaded %d saved voices from %s", len(self._voices), self.root)
+
+    def _quarantine(self, path: Path, why: Exception) -> None:
+        """Moves a voice file that fails validation out of the store (kept for its owner to inspect)."""
+        target = self.root / QUARANTINE_DIR / f"{path.name}.{int(time.time())}"
+        try:
+            target.parent.mkdir(exist_ok=True)
+            os.replace(path, target)
+        except OSError as e:
+            log.warning("voice file %s is invalid (%s) and could not be quarantined (%s): not serving it", path,
+                        why, e)
+            return
+        log.warning("quarantined voice file %s -> %s: %s", path, target, why)
 
     def _read(self, path: Path) -> Voice:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -291,8 +305,14 @@ class VoiceStore:
         if code is not None and (code.dtype != torch.int64 or code.ndim != 2 or code.shape[1] != 16):
             raise ValueError("ref_code is not int64 [T, 16]")
         ref_text = json.loads(meta.get("ref_text", "null"))
-        if ref_text is not None and not isinstance(ref_text, str):
-            raise ValueError("ref_text is not a string")
+        if ref_text is not None:  # the rules of a new voice: a file edited or written by an older version
+            try:
+                if _clean_ref_text(ref_text) != ref_text:
+                    raise ValueError("ref_text is not stored stripped")
+            except VoiceError as e:
+                raise ValueError(e.message) from e
+        if code is not None and ref_text is None:
+            raise ValueError("ref_code without its ref_text")
         source = meta.get("source")
         if source not in ("audio", "embedding"):
             raise ValueError(f"unknown source {source!r}")
@@ -304,6 +324,10 @@ def _clean_ref_text(ref_text: object) -> str | None:
         return None
     if not isinstance(ref_text, str):
         raise VoiceError(400, "ref_text must be a string")
+    try:
+        check_unicode(ref_text)
+    except ValueError as e:
+        raise VoiceError(400, f"ref_text {e}") from e
     ref_text = ref_text.strip()
     if len(ref_text) > MAX_REF_TEXT_CHARS:
         raise VoiceError(400, f"ref_text is {len(ref_text)} characters; the limit is {MAX_REF_TEXT_CHARS}")

@@ -14,17 +14,19 @@ is a 4xx in the server's error shape (`errors.error_body`: `{"error": {"message"
 
 from __future__ import annotations
 
+import codecs
 import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
 from legato.server.errors import error_body
 from legato.server.media import MediaError, MediaPolicy, decode_ref_audio, resolve_ref_audio
+from legato.server.text import check_unicode
 from legato.server.voices import Voice, VoiceError, VoiceStore
 
 # room for the fields around the audio (a 2048-float embedding as JSON is ~50 KiB)
@@ -52,6 +54,12 @@ class CreateVoiceRequest(BaseModel):
     speaker_embedding: list[float] | None = Field(None, max_length=16384)
     x_vector_only: bool = Field(False, validation_alias=AliasChoices("x_vector_only", "x_vector_only_mode"))
     replace: bool = False
+
+    @field_validator("name", "ref_audio", "ref_text")
+    @classmethod
+    def _valid_text(cls, value: str | None) -> str | None:
+        # the speech request's rule: a voice whose text cannot be encoded could never be listed or served
+        return value if value is None else check_unicode(value)
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -98,6 +106,7 @@ def build_voices_router(store: VoiceStore, policy: MediaPolicy) -> APIRouter:
 async def _create(request: Request, store: VoiceStore, policy: MediaPolicy) -> Voice:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        _require_utf8(request.headers.get("content-type", ""))
         body = await _read_body(request, policy.max_bytes + _BODY_OVERHEAD)
         fields, upload = await _parse_form(request, body, policy)
         req = _validate(fields)
@@ -120,6 +129,22 @@ async def _create(request: Request, store: VoiceStore, policy: MediaPolicy) -> V
     return await store.create(req.name, audio=audio, ref_text=req.ref_text,
                               speaker_embedding=req.speaker_embedding, x_vector_only=req.x_vector_only,
                               replace=req.replace)
+
+
+def _require_utf8(content_type: str) -> None:
+    """Form text is UTF-8. A client-chosen charset would decide how the server reads the text: with
+    `unicode_escape`, plain ASCII bytes spell lone surrogates that pass every later check."""
+    for param in content_type.split(";")[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() != "charset":
+            continue
+        charset = value.strip().strip('"').lower()
+        try:
+            name = codecs.lookup(charset).name
+        except LookupError:
+            name = None
+        if name not in ("utf-8", "ascii"):
+            raise VoiceError(415, f"form charset {charset[:40]!r} is not supported: send form text as UTF-8")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -182,16 +207,25 @@ async def _parse_form(request: Request, body: bytes, policy: MediaPolicy) -> tup
     return fields, upload
 
 
+_FORM_BOOLS = {"true": True, "1": True, "on": True, "false": False, "0": False, "off": False}  # "on": a checkbox
+
+
 def _validate(fields: dict) -> CreateVoiceRequest:
+    for key in ("replace", "x_vector_only"):
+        if key in fields:
+            flag = _FORM_BOOLS.get(fields[key].strip().lower())
+            if flag is None:
+                raise VoiceError(400, f"form field {key!r} must be true or false")
+            fields[key] = flag
     try:
-        return CreateVoiceRequest.model_validate(fields)
+        return CreateVoiceRequest.model_validate(fields, strict=True)
     except ValidationError as e:
         raise VoiceError(400, _describe(e)) from e
 
 
 def _validate_json(body: bytes) -> CreateVoiceRequest:
     try:
-        return CreateVoiceRequest.model_validate_json(body or b"{}")
+        return CreateVoiceRequest.model_validate_json(body or b"{}", strict=True)
     except ValidationError as e:
         raise VoiceError(400, _describe(e)) from e
 

@@ -1,0 +1,154 @@
+"""Who may call the server: API keys, the Host a request names, and the web origins allowed to call it.
+
+Three pure-ASGI checks, each answering in the OpenAI error shape:
+- `HostCheck`: a server on loopback only answers requests whose `Host` is a loopback name (or one the
+  operator lists). A page on an attacker's domain that rebinds its DNS to 127.0.0.1 sends its own Host,
+  so it is refused (400) before anything runs.
+- `OriginCheck`: a request from a web page carries `Origin`. Unless that origin is the server's own or one
+  the operator allows (`--allowed-origins`, which also turns CORS on), it is refused (403). Form posts need
+  no CORS preflight, so without this any page could create voices on a local server.
+- `ApiKeyAuth`: with `--api-key`, every route but `/health` needs `Authorization: Bearer <key>` (what the
+  OpenAI SDK's `api_key=` sends); a missing or wrong key gets 401. Keys are compared in constant time.
+Clients that are not browsers send no Origin and are not affected by `OriginCheck`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from legato.server.errors import error_body
+
+OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def load_api_keys(keys: Iterable[str], key_file: str | None = None) -> tuple[str, ...]:
+    """The keys given on the command line plus those of `key_file` (one per line; blank lines and `#`
+    comments skipped). ValueError for an empty key or one with whitespace inside (a pasting mistake)."""
+    found = [k.strip() for k in keys]
+    if key_file is not None:
+        try:
+            text = Path(key_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the API key file {key_file!r}: {e}") from e
+        found += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    for key in found:
+        if not key or any(c.isspace() for c in key) or not key.isprintable():
+            raise ValueError("an API key must be a non-empty string of printable characters without spaces")
+    return tuple(dict.fromkeys(found))
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _host_name(host: str) -> str:
+    """`Host` header -> the host without its port ("[::1]:8000" -> "::1")."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
+                  headers: dict[str, str] | None = None) -> None:
+    await JSONResponse(error_body(status, message, code), status_code=status, headers=headers)(scope, receive, send)
+
+
+class HostCheck:
+    """Answers only requests whose Host header names one of `allowed` (host names, no ports)."""
+
+    def __init__(self, app: ASGIApp, allowed: Iterable[str]) -> None:
+        self.app = app
+        self.allowed = frozenset(h.strip().lower().strip("[]") for h in allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = _host_name(_header(scope, b"host") or "")
+            if host not in self.allowed:
+                await _refuse(scope, receive, send, 400, f"Host {host[:100]!r} is not served here (--allowed-hosts)",
+                              "invalid_host")
+                return
+        await self.app(scope, receive, send)
+
+
+def origin_key(origin: str) -> str | None:
+    """'http://LocalHost:80' -> 'http://localhost' (what two spellings of one origin share); None if it is
+    no http(s) origin ('null', a file:// page)."""
+    try:
+        parts = urlsplit(origin.strip().lower())
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
+        return None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    if port is not None and str(port) != _DEFAULT_PORTS[parts.scheme]:
+        host += f":{port}"
+    return f"{parts.scheme}://{host}"
+
+
+class OriginCheck:
+    """Refuses requests from web pages of other origins than the server's own and `allowed` ("*": any)."""
+
+    def __init__(self, app: ASGIApp, allowed: Iterable[str]) -> None:
+        self.app = app
+        allowed = list(allowed)
+        self.any = "*" in allowed
+        self.allowed = frozenset(k for k in map(origin_key, allowed) if k is not None)
+
+    def _allows(self, scope: Scope, origin: str) -> bool:
+        if self.any:
+            return True
+        key = origin_key(origin)
+        if key is None:
+            return False
+        if key in self.allowed:
+            return True
+        own = origin_key(f"{scope.get('scheme', 'http')}://{_header(scope, b'host') or ''}")
+        return key == own  # our own pages (the API docs) post with an Origin too
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            origin = _header(scope, b"origin")
+            if origin is not None and not self._allows(scope, origin):
+                await _refuse(scope, receive, send, 403, f"requests from origin {origin[:100]!r} are not allowed "
+                              "(--allowed-origins)", "origin_not_allowed")
+                return
+        await self.app(scope, receive, send)
+
+
+class ApiKeyAuth:
+    """Requires `Authorization: Bearer <one of keys>` on every path but OPEN_PATHS."""
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    def _valid(self, given: str | None) -> bool:
+        scheme, _, token = (given or "").strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        token_bytes = token.strip().encode("latin-1", "replace")
+        # every key is compared, so the time taken does not say which key came close
+        return sum(hmac.compare_digest(token_bytes, k) for k in self.keys) > 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = _header(scope, b"authorization")
+            if not self._valid(given):
+                message = ("missing API key: send Authorization: Bearer <key>" if given is None
+                           else "incorrect API key provided")
+                await _refuse(scope, receive, send, 401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, send)

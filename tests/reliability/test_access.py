@@ -1,0 +1,148 @@
+"""Who may call the server: API keys (401 in OpenAI's shape; the OpenAI SDK's `api_key=` works unchanged),
+the Host a request names (DNS rebinding), web origins (cross-site form posts, CORS off unless configured),
+and one request per request id (409)."""
+
+from __future__ import annotations
+
+import argparse
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from server_helpers import FakeClient, frames_chunk, server_settings
+
+from legato.server.access import load_api_keys
+from legato.server.app import build_app
+from legato.server.cli import access_settings
+
+KEY = "sk-test-0123456789"
+SPEECH = {"input": "Hello there.", "voice": "ryan", "stream": False}
+
+
+def one_frame(req):
+    return [frames_chunk(1, 1, True, "stop")]
+
+
+def app(script=one_frame, **settings) -> TestClient:
+    return TestClient(build_app(FakeClient(script), server_settings(**settings), None))
+
+
+def assert_error(resp, status: int, code: str) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == code and err["message"] and err["type"], err
+
+
+def test_api_key_on_every_route_but_health():
+    with app(api_keys=(KEY, "sk-second")) as c:
+        assert c.get("/health").status_code == 200
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/audio/speech"),
+                             ("GET", "/v1/audio/voices"), ("GET", "/docs"), ("GET", "/nowhere")):
+            resp = c.request(method, path, json=SPEECH if method == "POST" else None)
+            assert_error(resp, 401, "invalid_api_key")
+            assert resp.headers["www-authenticate"] == "Bearer"
+        for bad in ("Bearer wrong", f"Basic {KEY}", KEY, f"Bearer {KEY}x", "Bearer "):
+            assert_error(c.get("/v1/models", headers={"Authorization": bad}), 401, "invalid_api_key")
+        for good in (KEY, "sk-second"):
+            assert c.get("/v1/models", headers={"Authorization": f"Bearer {good}"}).status_code == 200
+        resp = c.post("/v1/audio/speech", json=SPEECH, headers={"Authorization": f"bearer {KEY}"})
+        assert resp.status_code == 200 and resp.content
+
+
+def test_the_openai_sdk_sends_its_api_key_as_we_expect():
+    with app(api_keys=(KEY,)) as c:
+        for key, status in ((KEY, 200), ("sk-wrong", 401)):
+            sdk = openai.OpenAI(api_key=key, base_url="http://testserver/v1", http_client=c, max_retries=0)
+            try:
+                audio = sdk.audio.speech.create(model="fake", voice="ryan", input="Hi.", response_format="wav")
+                got = 200 if audio.content[:4] == b"RIFF" else -1
+            except openai.AuthenticationError as e:
+                got = e.status_code
+            assert got == status
+
+
+def test_api_keys_from_flags_a_file_and_the_environment(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-a\n\n  sk-b  \nsk-a\n")
+    assert load_api_keys(["sk-c"], str(keys)) == ("sk-c", "sk-a", "sk-b")
+    for bad in ("", "two words", "tab\tkey"):
+        with pytest.raises(ValueError, match="API key"):
+            load_api_keys([bad])
+    with pytest.raises(ValueError, match="cannot read"):
+        load_api_keys([], str(tmp_path / "missing"))
+    monkeypatch.setenv("LEGATO_API_KEY", "sk-env")
+    args = argparse.Namespace(api_key=["sk-c"], api_key_file=None, allowed_origins="", allowed_hosts=None,
+                              host="127.0.0.1")
+    got = access_settings(args)
+    assert got["api_keys"] == ("sk-c", "sk-env")
+    assert set(got["allowed_hosts"]) >= {"localhost", "127.0.0.1", "::1"}
+    assert access_settings(argparse.Namespace(**{**vars(args), "host": "0.0.0.0"}))["allowed_hosts"] is None
+    with pytest.raises(ValueError, match="not an origin"):
+        access_settings(argparse.Namespace(**{**vars(args), "allowed_origins": "evil"}))
+
+
+def test_cross_site_form_posts_are_refused():
+    with app() as c:
+        form = {"name": "x"}
+        for origin in ("https://evil.example", "null", "http://127.0.0.1.evil.example"):
+            assert_error(c.post("/v1/audio/voices", data=form, headers={"Origin": origin}), 403,
+                         "origin_not_allowed")
+            assert_error(c.post("/v1/audio/speech", json=SPEECH, headers={"Origin": origin}), 403,
+                         "origin_not_allowed")
+        # no CORS unless configured: a preflight is refused, and no response grants an origin
+        pre = c.options("/v1/audio/speech", headers={"Origin": "https://app.example",
+                                                     "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 403 and "access-control-allow-origin" not in pre.headers
+        # our own pages (the API docs) and clients that are not browsers still work
+        assert c.post("/v1/audio/speech", json=SPEECH, headers={"Origin": "http://testserver"}).status_code == 200
+        assert c.post("/v1/audio/speech", json=SPEECH).status_code == 200
+
+
+def test_allowed_origins_get_cors_and_others_do_not():
+    with app(allowed_origins=("https://app.example",), api_keys=(KEY,)) as c:
+        pre = c.options("/v1/audio/speech", headers={"Origin": "https://app.example",
+                                                     "Access-Control-Request-Method": "POST",
+                                                     "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        ok = c.post("/v1/audio/speech", json=SPEECH, headers={"Origin": "https://app.example", **auth})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        assert "x-request-id" in ok.headers["access-control-expose-headers"].lower()
+        assert_error(c.post("/v1/audio/speech", json=SPEECH, headers={"Origin": "https://other.example", **auth}),
+                     403, "origin_not_allowed")
+
+
+def test_host_check_refuses_rebound_names():
+    with app(allowed_hosts=("localhost", "127.0.0.1", "::1")) as c:
+        for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
+            assert c.get("/v1/models", headers={"Host": host}).status_code == 200
+        for host in ("attacker.example", "attacker.example:8000", "127.0.0.1.nip.io", ""):
+            assert_error(c.get("/v1/models", headers={"Host": host}), 400, "invalid_host")
+
+
+def test_duplicate_request_id_in_flight_is_409():
+    def slow(req):
+        return [frames_chunk(1, 1), 1.0, frames_chunk(1, 2, True, "stop")]
+
+    with app(slow) as c:
+        # a raw stream holds its id until it ends; a second request with that id meanwhile is a conflict
+        with c.stream("POST", "/v1/audio/speech", json={**SPEECH, "stream": True, "response_format": "pcm"},
+                      headers={"X-Request-Id": "dup-1"}) as first:
+            assert first.status_code == 200
+            assert_error(c.post("/v1/audio/speech", json=SPEECH, headers={"X-Request-Id": "dup-1"}), 409,
+                         "duplicate_request_id")
+            body = b"".join(first.iter_bytes())
+        assert body
+        # once it ended the id is free again, and a refused request never holds it
+        assert c.post("/v1/audio/speech", json=SPEECH, headers={"X-Request-Id": "dup-1"}).status_code == 200
+        refused = c.post("/v1/audio/speech", json={**SPEECH, "speed": 2.0}, headers={"X-Request-Id": "d2"})
+        assert refused.status_code == 400
+        assert c.post("/v1/audio/speech", json=SPEECH, headers={"X-Request-Id": "d2"}).status_code == 200
+
+
+@pytest.mark.parametrize("field,value", [("stream", "yes"), ("stream", 1), ("speed", True), ("seed", "3"),
+                                         ("seed", 3.0), ("ignore_eos", "false"), ("temperature", "0.5")])
+def test_loose_coercion_is_refused(field, value):
+    with app() as c:
+        resp = c.post("/v1/audio/speech", json={**SPEECH, field: value})
+        assert resp.status_code == 400 and field in resp.json()["error"]["message"], resp.text
