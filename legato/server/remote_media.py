@@ -125,7 +125,7 @@ async def _checked_address(url: httpx.URL, policy: MediaPolicy) -> IPAddress:
     for addr in addrs:
         why = forbidden_reason(addr, policy.allow_remote_networks)
         if why:
-            named = f"{host!r} resolves to {addr}" if str(addr) != host else f"{host}"
+            named = f"{host!r} resolves to {addr}" if str(addr) != host else host
             raise MediaError(403, f"ref_audio URL host {named}, {why}: the server only fetches from public "
                                   f"addresses (an operator can allow a network with {_ALLOW_FLAG})")
     return addrs[0]

@@ -235,6 +235,23 @@ def test_the_connection_goes_to_the_address_that_was_checked(monkeypatch, server
     assert server.seen == [("/clip.wav", f"voices.example:{port}")]
 
 
+def test_https_connects_to_the_checked_address_and_verifies_the_name(monkeypatch):
+    """TLS goes to the pinned IP, but SNI and the certificate check use the name from the URL."""
+    import httpx
+
+    fake_dns(monkeypatch, {"secure.example": [["127.0.0.1"]]})
+    sent = []
+
+    async def send(self, request, **kwargs):
+        sent.append((request.url.host, request.headers["host"], request.extensions.get("sni_hostname")))
+        raise httpx.ConnectError("stopped by the test", request=request)
+
+    monkeypatch.setattr(httpx.AsyncClient, "send", send)
+    err = refused("https://secure.example/clip.wav", remote(allow_remote_networks=LOOPBACK_ONLY))
+    assert err.status == 400 and "stopped by the test" in err.message
+    assert sent == [("127.0.0.1", "secure.example", "secure.example")]
+
+
 def test_unresolvable_names_are_400(monkeypatch):
     def fail(*args, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
