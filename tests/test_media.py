@@ -215,6 +215,8 @@ def test_large_local_file_is_413(media):
 
 # --- remote URLs ------------------------------------------------------------------------------------
 
+LOOPBACK_SERVER = ("127.0.0.1/32",)  # loopback is refused unless the operator allows it, as these tests do
+
 
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (the stdlib's name)
@@ -261,18 +263,21 @@ def test_remote_urls_are_403_unless_allowed(http_base):
 
 
 def test_remote_fetch_when_allowed(http_base):
-    policy = MediaPolicy(allow_remote=True, timeout_s=5.0)
+    policy = MediaPolicy(allow_remote=True, timeout_s=5.0, allow_remote_networks=LOOPBACK_SERVER)
     assert_is_clip(resolve(f"{http_base}/clip.wav", policy))
     err = refused(f"{http_base}/missing.wav", policy)
     assert err.status == 400 and "404" in err.message
 
 
 def test_remote_fetch_is_capped_and_timed(http_base):
-    declared = refused(f"{http_base}/clip.wav", MediaPolicy(allow_remote=True, max_bytes=1000))
+    def policy(**limits) -> MediaPolicy:
+        return MediaPolicy(allow_remote=True, allow_remote_networks=LOOPBACK_SERVER, **limits)
+
+    declared = refused(f"{http_base}/clip.wav", policy(max_bytes=1000))
     assert declared.status == 413
-    streamed = refused(f"{http_base}/endless", MediaPolicy(allow_remote=True, max_bytes=200_000))
+    streamed = refused(f"{http_base}/endless", policy(max_bytes=200_000))
     assert streamed.status == 413 and "200000" in streamed.message
     start = time.monotonic()
-    slow = refused(f"{http_base}/slow", MediaPolicy(allow_remote=True, timeout_s=0.3))
+    slow = refused(f"{http_base}/slow", policy(timeout_s=0.3))
     assert slow.status == 400 and "timed out" in slow.message
     assert time.monotonic() - start < 5  # the endpoint would stall for longer than this

@@ -108,7 +108,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--max-ref-audio-seconds", type=float, default=60.0, help="longest reference clip")
     r.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose files requests may name as file:// ref_audio (default: none)")
-    r.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) ref_audio URLs")
+    r.add_argument("--allow-remote-media", action="store_true",
+                   help="fetch http(s) ref_audio URLs (from public addresses only)")
+    r.add_argument("--remote-media-allow-cidr", action="append", default=[], metavar="CIDR",
+                   help="a non-public network remote ref_audio may come from, e.g. an internal media server "
+                        "(repeatable; cloud metadata addresses stay refused)")
     r.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before a request is aborted (0: never)")
     r.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests get on shutdown")
@@ -230,6 +234,7 @@ def serve(args: argparse.Namespace) -> int:
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
             max_ref_audio_bytes=args.max_ref_audio_bytes, max_ref_audio_seconds=args.max_ref_audio_seconds,
             allowed_local_media_path=args.allowed_local_media_path, allow_remote_media=args.allow_remote_media,
+            remote_media_allow_cidrs=tuple(args.remote_media_allow_cidr),
             request_timeout_s=args.request_timeout if args.request_timeout > 0 else None,
             shutdown_grace_s=args.shutdown_grace, voices_dir=voices_dir, voice_aliases=voice_aliases(args.voice_alias),
             **access_settings(args),

@@ -2,8 +2,10 @@
 
 Everything a client sends here is untrusted, so each source is checked before any bytes are decoded:
 local files only inside the directory the operator allowed (after resolving symlinks and `..`), remote
-URLs only when the operator opted in, every source capped in bytes before decoding and in seconds after.
-Decoding and file reads run on worker threads so a large clip never stalls the event loop.
+URLs only when the operator opted in and only from public addresses (`remote_media`), every source capped
+in bytes before decoding and in seconds from its header before a sample is decoded. A clip must then be
+real audio worth cloning: finite, long enough, not silent. Every refusal is a MediaError with a plain
+message. Decoding and file reads run on worker threads so a large clip never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -12,19 +14,32 @@ import asyncio
 import base64
 import binascii
 import io
+import ipaddress
 import os
 import re
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
-from legato.models.qwen3_tts.audio import AudioError, read_audio
-
 MiB = 1024 * 1024
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+# Rates a voice recording plausibly has (telephone to studio); outside them the header is lying or the file
+# is not speech, and a huge declared rate would let a short header ask for an enormous decode.
+MIN_RATE, MAX_RATE = 8000, 192000
+# -80 dBFS: below one step of 13-bit audio, so only digital silence or dither; no speaker embedding in it
+SILENCE_PEAK = 1e-4
+_UNKNOWN_FRAMES = 1 << 62
+_BLOCK_SAMPLES = 1 << 20  # interleaved samples per decoded block (4 MiB as float32)
+_UNREADABLE = "ref_audio cannot be decoded: it is not a readable audio file (WAV, FLAC, OGG, MP3)"
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9A-Fa-f]+>")
+
+
 def _strip_whitespace(text: str) -> str:
     # str.split() drops every run of whitespace in C: a regex over a few hundred KB of base64 per request
     # held the GIL long enough to slow the engine thread under load.
@@ -36,20 +51,39 @@ class MediaError(Exception):
     local path or remote URL the policy forbids, 413 too large (bytes or seconds)."""
 
     def __init__(self, status: int, message: str) -> None:
+        message = _plain(message)
         super().__init__(message)
         self.status = status
         self.message = message
 
 
+def _plain(message: str) -> str:
+    # libraries put object reprs in their errors ("<_io.BytesIO object at 0x7f...>"): they mean nothing
+    # to a client and leak a server memory address
+    return _OBJECT_REPR.sub("the audio data", message)
+
+
 @dataclass
 class MediaPolicy:
-    """What the operator allows. `allowed_local_media_path` None: no `file://` at all."""
+    """What the operator allows. `allowed_local_media_path` None: no `file://` at all.
+    `allow_remote_networks`: CIDRs that remote URLs may reach although they are not public (an internal
+    media server); strings are parsed here. `min_seconds`: shorter clips carry too little voice to clone."""
 
     allowed_local_media_path: str | None = None
     allow_remote: bool = False
     max_bytes: int = 10 * MiB
     max_seconds: float = 60.0
     timeout_s: float = 10.0
+    allow_remote_networks: tuple[IPNetwork | str, ...] = ()
+    min_seconds: float = 0.5
+
+    def __post_init__(self) -> None:
+        self.allow_remote_networks = parse_networks(self.allow_remote_networks)
+
+
+def parse_networks(values: Iterable[object]) -> tuple[IPNetwork, ...]:
+    """CIDR strings (or networks) -> networks; a bare address is a one-address network. Raises ValueError."""
+    return tuple(ipaddress.ip_network(v, strict=False) for v in values)  # type: ignore[arg-type]
 
 
 async def resolve_ref_audio(value: str, policy: MediaPolicy) -> tuple[np.ndarray, int]:
@@ -69,7 +103,9 @@ async def resolve_ref_audio(value: str, policy: MediaPolicy) -> tuple[np.ndarray
     elif scheme == "file":
         data = await asyncio.to_thread(_read_local, value, policy)
     elif scheme in ("http", "https"):
-        data = await _fetch_remote(value, policy)
+        from legato.server.remote_media import fetch_remote  # imports httpx: only remote fetches need it
+
+        data = await fetch_remote(value, policy)
     elif scheme is not None:
         # base64 has no ':' so anything with a scheme-like prefix was meant as a URL
         raise MediaError(400, f"unsupported ref_audio URL scheme {scheme!r}: use a data: URL, base64, "
@@ -85,36 +121,79 @@ async def decode_ref_audio(data: bytes, policy: MediaPolicy) -> tuple[np.ndarray
         raise MediaError(413, f"ref_audio is {len(data)} bytes; the limit is {policy.max_bytes}")
     if not data:
         raise MediaError(400, "ref_audio is empty")
-    return await asyncio.to_thread(_decode, data, policy.max_seconds)
+    return await asyncio.to_thread(_decode, data, policy)
 
 
-def _decode(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]:
-    # The header's length is checked first: a few KiB of FLAC silence can decode to hours of samples.
-    declared = _declared_seconds(data)
-    if declared is not None and declared > max_seconds:
-        raise MediaError(413, f"ref_audio is {declared:.1f} s long; the limit is {max_seconds:g} s")
-    try:
-        samples, sr = read_audio(data)
-    except AudioError as e:
-        raise MediaError(400, f"ref_audio: {e}") from e
-    seconds = len(samples) / sr
-    if seconds > max_seconds:
-        raise MediaError(413, f"ref_audio is {seconds:.1f} s long; the limit is {max_seconds:g} s")
-    if not np.isfinite(samples).all():
-        raise MediaError(400, "ref_audio contains NaN or infinite samples")
-    return samples, sr
-
-
-def _declared_seconds(data: bytes) -> float | None:
+def _decode(data: bytes, policy: MediaPolicy) -> tuple[np.ndarray, int]:
     import soundfile as sf
 
     try:
-        info = sf.info(io.BytesIO(data))
-    except Exception:  # undecodable: read_audio reports it with its own message
-        return None
-    if info.samplerate <= 0 or info.frames <= 0:
-        return None
-    return info.frames / info.samplerate
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            # The header is judged before any sample is decoded: a few KiB of FLAC can declare hours.
+            _check_header(f.samplerate, f.channels, f.frames, policy)
+            samples = _read_mono(f, policy)
+            rate = int(f.samplerate)
+    except MediaError:
+        raise
+    except Exception as e:  # LibsndfileError, and TypeError/ValueError/RuntimeError for odd input
+        raise MediaError(400, f"{_UNREADABLE} ({_reason(e)})") from e
+    _check_samples(samples, rate, policy)
+    return samples, rate
+
+
+def _reason(err: Exception) -> str:
+    # libsndfile's own words ("Format not recognised"), without the "Error opening <BytesIO ...>" prefix
+    text = getattr(err, "error_string", None) or str(err) or type(err).__name__
+    return _plain(text).strip().rstrip(".")[:160]
+
+
+def _check_header(rate: int, channels: int, frames: int, policy: MediaPolicy) -> None:
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise MediaError(400, f"ref_audio declares a sample rate of {rate} Hz; accepted rates are "
+                              f"{MIN_RATE}-{MAX_RATE} Hz")
+    if channels < 1:
+        raise MediaError(400, f"ref_audio declares {channels} channels")
+    # libsndfile reports a stream of unknown length (a FLAC without a sample count) as SF_COUNT_MAX:
+    # not a claim to judge; reading stops at the limit instead
+    if frames > policy.max_seconds * rate and frames < _UNKNOWN_FRAMES:
+        raise MediaError(413, f"ref_audio is {frames / rate:.1f} s long; the limit is {policy.max_seconds:g} s")
+
+
+def _read_mono(f, policy: MediaPolicy) -> np.ndarray:
+    """Decodes block by block to mono, so memory is bounded by the mono clip, whatever the channel count,
+    and stops once past the length limit whatever the header said."""
+    limit = int(policy.max_seconds * f.samplerate)
+    block_frames = max(1, _BLOCK_SAMPLES // f.channels)
+    blocks: list[np.ndarray] = []
+    total = 0
+    while True:
+        block = f.read(frames=block_frames, dtype="float32", always_2d=True)
+        if not len(block):
+            break
+        blocks.append(block.mean(axis=1).astype(np.float32, copy=False))
+        total += len(block)
+        if total > limit:
+            raise MediaError(413, f"ref_audio is longer than the limit of {policy.max_seconds:g} s")
+    return np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
+
+
+def _check_samples(samples: np.ndarray, rate: int, policy: MediaPolicy) -> None:
+    if not len(samples):
+        raise MediaError(400, "ref_audio is empty: it holds no audio samples")
+    if not np.isfinite(samples).all():
+        raise MediaError(400, "ref_audio contains NaN or infinite samples")
+    seconds = len(samples) / rate
+    if seconds < policy.min_seconds:
+        raise MediaError(400, f"ref_audio is {seconds * 1000:.0f} ms long; a reference clip must be at least "
+                              f"{policy.min_seconds:g} s")
+    peak = float(np.abs(samples).max())
+    if peak < SILENCE_PEAK:
+        raise MediaError(400, f"ref_audio is silent (peak {_dbfs(peak)}, below {_dbfs(SILENCE_PEAK)}): a voice "
+                              "cannot be cloned from silence")
+
+
+def _dbfs(peak: float) -> str:
+    return "-inf dBFS" if peak <= 0 else f"{20 * np.log10(peak):.0f} dBFS"
 
 
 def _check_encoded_size(encoded_len: int, policy: MediaPolicy) -> None:
@@ -185,36 +264,3 @@ def _read_local(url: str, policy: MediaPolicy) -> bytes:
     if len(data) > policy.max_bytes:
         raise MediaError(413, f"ref_audio file is over the limit of {policy.max_bytes} bytes")
     return data
-
-
-async def _fetch_remote(url: str, policy: MediaPolicy) -> bytes:
-    if not policy.allow_remote:
-        raise MediaError(403, "remote ref_audio URLs are disabled on this server (--allow-remote-media)")
-    try:
-        # httpx's timeout bounds each read; wait_for bounds the whole download against a slow drip
-        return await asyncio.wait_for(_download(url, policy), timeout=policy.timeout_s)
-    except asyncio.TimeoutError as e:
-        raise MediaError(400, f"fetching ref_audio timed out after {policy.timeout_s:g} s") from e
-
-
-async def _download(url: str, policy: MediaPolicy) -> bytes:
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=True) as http:
-            async with http.stream("GET", url) as resp:
-                if resp.status_code >= 400:
-                    raise MediaError(400, f"fetching ref_audio failed: HTTP {resp.status_code}")
-                declared = resp.headers.get("content-length")
-                if declared and declared.isdigit() and int(declared) > policy.max_bytes:
-                    raise MediaError(413, f"remote ref_audio is {declared} bytes; the limit is {policy.max_bytes}")
-                buf = bytearray()
-                async for chunk in resp.aiter_bytes():
-                    buf += chunk
-                    if len(buf) > policy.max_bytes:
-                        raise MediaError(413, f"remote ref_audio is over the limit of {policy.max_bytes} bytes")
-                return bytes(buf)
-    except httpx.TimeoutException as e:
-        raise MediaError(400, f"fetching ref_audio timed out after {policy.timeout_s:g} s") from e
-    except (httpx.HTTPError, httpx.InvalidURL) as e:
-        raise MediaError(400, f"fetching ref_audio failed: {type(e).__name__}: {e}") from e

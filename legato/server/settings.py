@@ -9,6 +9,7 @@ from typing import Any
 
 from legato.models.qwen3_tts.loader import GENERATION_DEFAULTS
 from legato.server.aliases import OPENAI_VOICE_ALIASES
+from legato.server.media import parse_networks
 
 MiB = 1024 * 1024
 
@@ -33,6 +34,9 @@ class ServerSettings:
     """`file://` reference audio is read only under this directory; None refuses every `file://`."""
     allow_remote_media: bool = False
     """Fetch http(s) reference audio URLs (off by default: a server fetching URLs is an SSRF risk)."""
+    remote_media_allow_cidrs: tuple[str, ...] = ()
+    """Non-public networks remote reference audio may still come from (an internal media server); by default
+    only public addresses are fetched."""
     media_fetch_timeout_s: float = 10.0
     request_timeout_s: float | None = 600.0
     """A request still running after this long is aborted and reported (504 / error event / cut stream)."""
@@ -70,6 +74,10 @@ class ServerSettings:
                              f"got {self.request_timeout_s!r}")
         if self.allowed_local_media_path is not None and not Path(self.allowed_local_media_path).is_dir():
             raise ValueError(f"allowed local media path {self.allowed_local_media_path!r} is not a directory")
+        try:
+            parse_networks(self.remote_media_allow_cidrs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"ServerSettings.remote_media_allow_cidrs: {e}") from e
         missing = [k for k in GENERATION_DEFAULTS if k not in self.generation_defaults]
         if missing:
             raise ValueError(f"ServerSettings.generation_defaults lacks {missing}")

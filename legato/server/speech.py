@@ -48,7 +48,7 @@ class SpeechService:
         self.media_policy = MediaPolicy(
             allowed_local_media_path=settings.allowed_local_media_path, allow_remote=settings.allow_remote_media,
             max_bytes=settings.max_ref_audio_bytes, max_seconds=settings.max_ref_audio_seconds,
-            timeout_s=settings.media_fetch_timeout_s,
+            timeout_s=settings.media_fetch_timeout_s, allow_remote_networks=settings.remote_media_allow_cidrs,
         )
 
     @property
