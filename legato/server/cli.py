@@ -3,8 +3,10 @@
     legato serve                                   # the embedded tiny default (random weights: noise)
     legato serve Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice --port 8000
 
-SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting connections and lets in-flight requests run
-for up to --shutdown-grace seconds, then the engine aborts whatever is left.
+SIGINT/SIGTERM shut down gracefully (server/lifecycle.py): new speech/voice requests and /health answer
+503 at once, in-flight requests run for up to --shutdown-grace seconds, then the engine ends the rest
+with their format's error ending (503, an SSE error event, a truncated raw stream) and the process exits
+0. A second signal exits at once (128 + the signal number).
 """
 
 from __future__ import annotations
@@ -149,8 +151,10 @@ def serve(args: argparse.Namespace) -> int:
     from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
     from legato.pipeline.topology import TopologyError, build_client, parse_topology
     from legato.server.app import build_app
+    from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
     from legato.server.logs import configure_logging
     from legato.server.settings import ServerSettings
+    from legato.server.streaming import install_cut_stream_log_filter
     from legato.server.voices import VoiceStore
 
     args.worker_memory = None
@@ -218,14 +222,16 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     settings.generation_defaults = generation_defaults
     store = VoiceStore(voices_dir, client)  # holds voices only for Base models; lists and refuses otherwise
-    app = build_app(client, settings, store)
+    lifecycle = Lifecycle(client, settings.shutdown_grace_s)
+    install_cut_stream_log_filter()
+    app = build_app(client, settings, store, lifecycle)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
-                            timeout_graceful_shutdown=settings.shutdown_grace_s)
+                            timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
     log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host, args.port, name,
              client.info.model_type, dtype, devices or device, topology)
     try:
-        uvicorn.Server(config).run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown; nothing left to report
+        GracefulServer(config, lifecycle).run()
+    except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers; nothing left to report
         return 130
     return 0
 
