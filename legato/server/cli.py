@@ -41,6 +41,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--port", type=int, default=8000, help="port to listen on")
     h.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    # --- slow clients (connections.py) ---
+    h.add_argument("--timeout-header", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's line and headers; then it is closed")
+    h.add_argument("--timeout-body", type=float, default=30.0,
+                   help="seconds a request body may pause between two chunks; then 408")
+    h.add_argument("--max-connections", type=int, default=1024,
+                   help="most concurrent connections; a request on one more gets 503")
+    # --- end slow clients ---
     t = p.add_argument_group("topology")
     t.add_argument("--topology", default="single",
                    help="single | split (talker worker + codec worker) | replicas:N (N engines behind a router) | "
@@ -151,6 +159,7 @@ def serve(args: argparse.Namespace) -> int:
     from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
     from legato.pipeline.topology import TopologyError, build_client, parse_topology
     from legato.server.app import build_app
+    from legato.server.connections import BodyTimeoutMiddleware, check_limits, guarded_h11
     from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
     from legato.server.logs import configure_logging
     from legato.server.settings import ServerSettings
@@ -175,6 +184,7 @@ def serve(args: argparse.Namespace) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     try:
         check_devices([device, *(args.devices.split(",") if args.devices else [])])
+        check_limits(args.timeout_header, args.timeout_body, args.max_connections)
         if args.model is None:
             model_path = default_model_dir()
             log.warning("no --model: serving the embedded default %s, which has RANDOM weights (its audio is "
@@ -224,8 +234,10 @@ def serve(args: argparse.Namespace) -> int:
     store = VoiceStore(voices_dir, client)  # holds voices only for Base models; lists and refuses otherwise
     lifecycle = Lifecycle(client, settings.shutdown_grace_s)
     install_cut_stream_log_filter()
-    app = build_app(client, settings, store, lifecycle)
+    app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle), args.timeout_body)
+    # uvicorn's limit counts the connection asking too, so one more lets exactly --max-connections in.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
+                            http=guarded_h11(args.timeout_header), limit_concurrency=args.max_connections + 1,
                             timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
     log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host, args.port, name,
              client.info.model_type, dtype, devices or device, topology)

@@ -32,7 +32,7 @@ _TYPES = {
     504: "timeout_error",
 }
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
 
 
 class ApiError(Exception):
