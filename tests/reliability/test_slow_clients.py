@@ -1,5 +1,5 @@
 """Slow and misbehaving clients on a real `legato serve` process: a request head that never completes, a body
-that stalls, and more connections than allowed.
+that stalls, more connections than allowed, and a client leaving mid-upload.
 
 Timeouts are set small through the flags; assertions wait against generous hang guards and never assert
 how fast the server reacted."""
@@ -17,6 +17,7 @@ from serve_process import LONG, ServeProcess, raw_request, read_head, read_to_eo
 pytestmark = pytest.mark.slow
 
 HANG_GUARD = 30.0
+DIRTY = ("Traceback", "Exception in ASGI application")
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,20 @@ def test_a_streaming_response_is_not_cut_by_the_body_timeout(srv):
     # The response outlives --timeout-body while the server keeps waiting on `receive` for a disconnect.
     r = httpx.post(f"{srv.url}/v1/audio/speech", json=speech_body(12, sse=True), timeout=HANG_GUARD * 4)
     assert r.status_code == 200 and '"speech.audio.done"' in r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/voices", "/v1/audio/speech"])
+def test_a_client_leaving_mid_upload_is_one_quiet_log_line(srv, path):
+    with _connect(srv.port) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 100000\r\n\r\n".encode() + b'{"name": "half", "ref_audio": "' + b"A" * 50000)
+    gone = srv.wait_log(lambda x: x.get("msg") == f"client disconnected during the request body of POST {path}",
+                        timeout=HANG_GUARD)
+    assert gone is not None, srv.log_text()[-3000:]
+    assert not [d for d in DIRTY if d in srv.log_text()], srv.log_text()[-3000:]
+    r = httpx.post(f"{srv.url}/v1/audio/speech", json=speech_body(2, stream=False, response_format="wav"),
+                   timeout=HANG_GUARD * 4)
+    assert r.status_code == 200  # and the server keeps serving
 
 
 def test_connections_beyond_the_cap_get_503(tmp_path):
