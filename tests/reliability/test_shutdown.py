@@ -1,5 +1,5 @@
 """SIGTERM/SIGINT on a real `legato serve` process: new work is refused at once, streams get the grace, the
-ones still running at its end get their format's error ending (counted as shutdown 503s, not client
+requests still running at its end get their format's error ending (counted as shutdown 503s, not client
 disconnects), the process exits 0 with a clean log, and a second signal exits at once.
 
 Every wait polls against a generous hang guard: nothing here assumes how fast the loaded box runs."""
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 
 import httpx
 import pytest
 from serve_process import LONG, ServeProcess, raw_request, read_head, read_to_eof, speech_body
+from server_helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +54,10 @@ def _wait_status(url: str, path: str, status: int, timeout: float = 60.0) -> htt
         time.sleep(0.05)
 
 
+def _running(srv: ServeProcess) -> int:
+    return httpx.get(f"{srv.url}/health", timeout=5).json()["engine"]["running"]
+
+
 def _speech_lines(srv: ServeProcess, rid: str) -> list[dict]:
     return [x for x in srv.log_lines() if x.get("request_id") == rid and str(x["msg"]).startswith("speech ")]
 
@@ -84,10 +90,22 @@ def test_streams_past_the_grace_end_with_their_formats_error_ending(tmp_path):
     with ServeProcess(tmp_path, "--shutdown-grace", "1") as srv:
         sse, sse_start = _open_stream(srv, "cut-sse", LONG, sse=True)
         raw, raw_start = _open_stream(srv, "cut-pcm", LONG, sse=False)
+        whole = {}
+        file_request = threading.Thread(target=lambda: whole.update(r=httpx.post(
+            f"{srv.url}/v1/audio/speech", json=speech_body(LONG, stream=False, response_format="wav"),
+            headers={"X-Request-Id": "cut-file"}, timeout=120)))
+        file_request.start()
+        # A whole-file request says nothing until it is done: wait until the engine runs all three.
+        assert wait_until(lambda: _running(srv) == 3, timeout=60, interval=0.05)
         srv.signal(signal.SIGTERM)
         sse_body = read_to_eof(sse, sse_start)
         raw_body = read_to_eof(raw, raw_start)
+        file_request.join(120)
         assert srv.wait_exit() == 0
+
+    assert whole["r"].status_code == 503
+    assert whole["r"].json()["error"]["code"] == "shutting_down"
+    assert "shutting down" in whole["r"].json()["error"]["message"]
 
     events = _events(sse_body)
     assert events[0]["type"] == "speech.audio.delta"
@@ -99,7 +117,7 @@ def test_streams_past_the_grace_end_with_their_formats_error_ending(tmp_path):
 
     assert raw_body and not raw_body.endswith(b"0\r\n\r\n"), "a cut raw stream must lack the final chunk"
 
-    for rid, mode in (("cut-sse", "sse"), ("cut-pcm", "audio")):
+    for rid, mode in (("cut-sse", "sse"), ("cut-pcm", "audio"), ("cut-file", "file")):
         lines = _speech_lines(srv, rid)
         assert len(lines) == 1, lines  # one outcome, the shutdown's, not a client disconnect (499)
         assert lines[0]["status"] == 503 and lines[0]["abort_reason"] == "shutdown" and lines[0]["mode"] == mode
