@@ -15,8 +15,10 @@ from legato.eval.probe import probe
     ("split", "thread", 1), ("split", "process", 1), ("single", "thread", 2), ("1p1d", "process", 2),
 ])
 def test_probe_finds_identical_codes(tiny_checkpoint, topology, workers, mtp):
+    # Batch-invariant: without it a row's floats may follow the batch it lands in, which follows arrival
+    # timing on a loaded box; the guarantee under test is the invariant mode's.
     report = probe(topology, str(tiny_checkpoint), "cpu", n=8, concurrencies=[1, 8], frames=6, greedy=False,
-                   workers=workers, mtp_replicas=mtp)
+                   workers=workers, mtp_replicas=mtp, batch_invariant=True, invariant_rows=8)
     assert report["codes_identical"] and [r["concurrency"] for r in report["runs"]] == [1, 8]
     for run in report["runs"]:
         assert all(run["identical_per_request"]) and run["finish_reasons"] == ["length"]

@@ -3,8 +3,10 @@
 Routes: `POST /v1/audio/speech` (speech.py), the voice routes (voices_api.py, when a voice store is given),
 `GET /v1/models`, `GET /health`, `GET /metrics`. Two pure-ASGI middlewares run first: request ids (taken
 from a valid `X-Request-Id` or generated, echoed on every response, set for the logs) and a request-body
-size cap. The lifespan starts the engine client and, on shutdown, stops it with a grace period (uvicorn
-has already let in-flight requests finish for up to the same grace before that).
+size cap. The lifespan starts the engine client. Shutdown (lifecycle.py): on the first SIGTERM/SIGINT the
+app drains (new speech/voice requests and /health answer 503 "server is shutting down" / "stopping") and
+the engine is stopped with the grace, so requests still running at its end get their format's error
+ending; uvicorn exits once nothing is in flight, and the lifespan waits for that same engine stop.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from legato.pipeline.client import EngineClient
 from legato.server.access import ApiKeyAuth, HostCheck, OriginCheck
 from legato.server.errors import error_body, install_error_handlers
+from legato.server.lifecycle import DrainMiddleware, Lifecycle
 from legato.server.logs import current_request_id
 from legato.server.metrics import ServerMetrics
 from legato.server.schemas import ModelCard, ModelList
@@ -38,8 +41,11 @@ log = logging.getLogger(__name__)
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: `$` would let a final "\n" in
 
 
-def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None) -> FastAPI:
-    """The server for one engine client. The app owns the client's lifetime (start/stop in its lifespan)."""
+def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None,
+              lifecycle: Lifecycle | None = None) -> FastAPI:
+    """The server for one engine client. The app owns the client's lifetime (start/stop in its lifespan);
+    `lifecycle` is shared with the server that drains it on a signal (cli.py), else the app makes its own."""
+    lifecycle = lifecycle or Lifecycle(client, settings.shutdown_grace_s)
     service = SpeechService(client, settings, voice_store)
     metrics = ServerMetrics(client, service.model_name)
     responder = SpeechResponder(client, settings, metrics)
@@ -52,8 +58,9 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
         try:
             yield
         finally:
-            log.info("shutting down: in-flight requests get %.1f s", settings.shutdown_grace_s)
-            await client.stop(settings.shutdown_grace_s)
+            if not lifecycle.draining:
+                log.info("shutting down: in-flight requests get %.1f s", settings.shutdown_grace_s)
+            await lifecycle.stop_engine()
             log.info("engine stopped")
 
     app = FastAPI(title="legato", version=_version(), lifespan=lifespan,
@@ -75,13 +82,16 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
             languages=info.languages, voices=voices,
         )])
 
-    @app.get("/health", responses={503: {"description": "The engine has stopped or died."}})
+    @app.get("/health", responses={503: {"description": "The engine has stopped or died, or the server is "
+                                                       "shutting down."}})
     async def health() -> JSONResponse:
-        """200 while the engine runs; 503 once it has died or is stopping. `engine` carries its live stats
-        (queue depth, running requests, KV blocks) for operators and tests."""
-        alive = engine_alive(client)
+        """200 while the engine runs; 503 once it has died ("unavailable") or the server is shutting down
+        ("stopping"). `engine` carries its live stats (queue depth, running requests, KV blocks) for operators
+        and tests."""
+        alive = engine_alive(client) and not lifecycle.draining
         s = client.stats()
-        body = {"status": "ok" if alive else "unavailable", "model": service.model_name, "engine": {
+        status = "ok" if alive else "stopping" if lifecycle.draining else "unavailable"
+        body = {"status": status, "model": service.model_name, "engine": {
             "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage, "num_kv_blocks": s.num_kv_blocks,
             "free_kv_blocks": s.free_kv_blocks, "aborted": s.aborted,
         }}
@@ -93,12 +103,14 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
         return Response(body, media_type=content_type)
 
     _document_errors_as_400(app)
+    app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # innermost: its 503s are counted and carry ids
     app.add_middleware(SpeechStatusCounter, metrics=metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     _add_access_checks(app, settings)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: even a 413 carries the request id
     app.state.metrics = metrics
     app.state.client = client
+    app.state.lifecycle = lifecycle
     return app
 
 

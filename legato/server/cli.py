@@ -3,8 +3,10 @@
     legato serve                                   # the embedded tiny default (random weights: noise)
     legato serve Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice --port 8000
 
-SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting connections and lets in-flight requests run
-for up to --shutdown-grace seconds, then the engine aborts whatever is left.
+SIGINT/SIGTERM shut down gracefully (server/lifecycle.py): new speech/voice requests and /health answer
+503 at once, in-flight requests run for up to --shutdown-grace seconds, then the engine ends the rest
+with their format's error ending (503, an SSE error event, a truncated raw stream) and the process exits
+0. A second signal exits at once (128 + the signal number).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--port", type=int, default=8000, help="port to listen on")
     h.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    # slow clients (connections.py)
+    h.add_argument("--timeout-header", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's line and headers; then it is closed")
+    h.add_argument("--timeout-body", type=float, default=30.0,
+                   help="seconds a request body may pause between two chunks; then 408")
+    h.add_argument("--max-connections", type=int, default=1024,
+                   help="most concurrent connections; a request on one more gets 503")
     a = p.add_argument_group("access")
     a.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require Authorization: Bearer KEY on every route but /health (repeatable; also "
@@ -187,8 +196,11 @@ def serve(args: argparse.Namespace) -> int:
     from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
     from legato.pipeline.topology import TopologyError, build_client, parse_topology
     from legato.server.app import build_app
+    from legato.server.connections import BodyTimeoutMiddleware, check_limits, guarded_h11
+    from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
     from legato.server.logs import configure_logging
     from legato.server.settings import ServerSettings
+    from legato.server.streaming import install_cut_stream_log_filter
     from legato.server.voices import VoiceStore
 
     args.worker_memory = None
@@ -209,6 +221,7 @@ def serve(args: argparse.Namespace) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     try:
         check_devices([device, *(args.devices.split(",") if args.devices else [])])
+        check_limits(args.timeout_header, args.timeout_body, args.max_connections)
         if args.model is None:
             model_path = default_model_dir()
             log.warning("no --model: serving the embedded default %s, which has RANDOM weights (its audio is "
@@ -258,14 +271,18 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     settings.generation_defaults = generation_defaults
     store = VoiceStore(voices_dir, client)  # holds voices only for Base models; lists and refuses otherwise
-    app = build_app(client, settings, store)
+    lifecycle = Lifecycle(client, settings.shutdown_grace_s)
+    install_cut_stream_log_filter()
+    app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle), args.timeout_body)
+    # uvicorn's limit counts the connection asking too, so one more lets exactly --max-connections in.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
-                            timeout_graceful_shutdown=settings.shutdown_grace_s)
+                            http=guarded_h11(args.timeout_header), limit_concurrency=args.max_connections + 1,
+                            timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
     log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host, args.port, name,
              client.info.model_type, dtype, devices or device, topology)
     try:
-        uvicorn.Server(config).run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown; nothing left to report
+        GracefulServer(config, lifecycle).run()
+    except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers; nothing left to report
         return 130
     return 0
 

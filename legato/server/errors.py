@@ -3,7 +3,7 @@
 Every refusal the server makes goes through here, so clients see one shape whatever refused them: our own
 checks (`ApiError`), pydantic validation (always **400**, as OpenAI answers invalid parameters; never 422),
 Starlette's HTTP errors (unknown route, wrong method, and the `HTTPException`s of other routers), and
-unexpected exceptions (500, logged with their traceback).
+unexpected exceptions (500, logged with their traceback). A client leaving mid-body is one log line.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ _TYPES = {
     504: "timeout_error",
 }
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
 
 
 class ApiError(Exception):
@@ -93,7 +94,14 @@ def install_error_handlers(app: FastAPI) -> None:
         message, param = validation_message(exc)
         return JSONResponse(error_body(400, message, "invalid_request", param), status_code=400)
 
-    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_client_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+        # The client left mid-body: nobody reads the answer, and nothing failed on our side.
+        log.info("client disconnected during the request body of %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's body parsing wraps it in a 400
+            return await on_client_disconnect(request, exc.__cause__)
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
         return JSONResponse(error_body(exc.status_code, message, code), status_code=exc.status_code,
@@ -106,4 +114,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(ClientDisconnect, on_client_disconnect)
     app.add_exception_handler(Exception, on_unexpected)

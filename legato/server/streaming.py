@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk, SynthesisRequest
 from legato.server.encoding import StreamEncoder, encode_file, media_type
-from legato.server.errors import ApiError
+from legato.server.errors import ApiError, error_type
 from legato.server.metrics import ServerMetrics
 from legato.server.settings import ServerSettings
 
@@ -312,7 +313,7 @@ class SpeechResponder:
             encoder.close()
             await gen.abandon()  # no-op unless the client left
         yield _event({"type": "speech.audio.error", "request_id": gen.req.request_id, "usage": gen.usage(),
-                      "error": {"message": message, "type": "timeout_error" if status == 504 else "server_error",
+                      "error": {"message": message, "type": error_type(status),
                                 "code": status, "partial_audio": gen.samples > 0}})
 
 
@@ -378,6 +379,27 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
+# Set in the task of a request whose raw stream was cut on purpose; the context is the task's, so it is
+# still set when uvicorn, in that same task, notices the incomplete response.
+_cut_here: contextvars.ContextVar[bool] = contextvars.ContextVar("legato_stream_cut", default=False)
+_UVICORN_INCOMPLETE = "ASGI callable returned without completing response."
+
+
+class CutStreamLogFilter(logging.Filter):
+    """Drops uvicorn's error line for a response left incomplete when that was a deliberate `StreamCut`,
+    already logged with its reason: one line per cut stream. Other incomplete responses still log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _UVICORN_INCOMPLETE and _cut_here.get())
+
+
+def install_cut_stream_log_filter() -> None:
+    """Adds `CutStreamLogFilter` to uvicorn's error logger, once."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, CutStreamLogFilter) for f in logger.filters):
+        logger.addFilter(CutStreamLogFilter())
+
+
 class AudioStreamResponse(Response):
     """A streamed body that (a) watches for the client leaving and cancels the body at once, whatever
     the ASGI spec version (Starlette's StreamingResponse only notices on the next write with spec 2.4),
@@ -415,6 +437,7 @@ class AudioStreamResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except StreamCut as e:
             log.warning("cutting the audio stream: %s", e)  # the server closes the connection mid-body
+            _cut_here.set(True)  # uvicorn is about to log the same cut again, without its reason
         except OSError:
             pass  # the client is gone (a write failed); the body's finally aborts the request
         finally:

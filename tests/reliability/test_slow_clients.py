@@ -1,0 +1,114 @@
+"""Slow and misbehaving clients on a real `legato serve` process: a request head that never completes, a body
+that stalls, more connections than allowed, and a client leaving mid-upload.
+
+Timeouts are set small through the flags; assertions wait against generous hang guards and never assert
+how fast the server reacted."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from serve_process import LONG, ServeProcess, raw_request, read_head, read_to_eof, speech_body
+
+pytestmark = pytest.mark.slow
+
+HANG_GUARD = 30.0
+DIRTY = ("Traceback", "Exception in ASGI application")
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    with ServeProcess(tmp_path_factory.mktemp("slow"), "--timeout-header", "0.5", "--timeout-body", "1") as s:
+        yield s
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """True once the server closes the connection (EOF or reset); False if the hang guard ran out first."""
+    sock.settimeout(HANG_GUARD)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def _connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD)
+
+
+def test_half_a_request_line_is_disconnected_after_the_header_timeout(srv):
+    with _connect(srv.port) as sock:
+        sock.sendall(b"GET /hea")
+        assert _closed_by_server(sock)
+    assert srv.healthy()
+
+
+def test_a_connection_that_sends_nothing_is_disconnected(srv):
+    with _connect(srv.port) as sock:
+        assert _closed_by_server(sock)
+
+
+def test_half_a_header_block_on_a_kept_alive_connection_is_disconnected(srv):
+    with _connect(srv.port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _ = read_head(sock)
+        assert status == 200
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # the next request's head stalls
+        assert _closed_by_server(sock)
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/audio/voices"])
+def test_a_stalled_body_gets_408_and_a_close(srv, path):
+    with _connect(srv.port) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 200\r\n\r\n".encode() + b'{"input": "Hel')
+        status, rest = read_head(sock)
+        assert status == 408
+        body = read_to_eof(sock, rest)  # and the server closes the connection
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and "stalled" in error["message"]
+
+
+def test_a_streaming_response_is_not_cut_by_the_body_timeout(srv):
+    # The response outlives --timeout-body while the server keeps waiting on `receive` for a disconnect.
+    r = httpx.post(f"{srv.url}/v1/audio/speech", json=speech_body(12, sse=True), timeout=HANG_GUARD * 4)
+    assert r.status_code == 200 and '"speech.audio.done"' in r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/voices", "/v1/audio/speech"])
+def test_a_client_leaving_mid_upload_is_one_quiet_log_line(srv, path):
+    with _connect(srv.port) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 100000\r\n\r\n".encode() + b'{"name": "half", "ref_audio": "' + b"A" * 50000)
+    gone = srv.wait_log(lambda x: x.get("msg") == f"client disconnected during the request body of POST {path}",
+                        timeout=HANG_GUARD)
+    assert gone is not None, srv.log_text()[-3000:]
+    assert not [d for d in DIRTY if d in srv.log_text()], srv.log_text()[-3000:]
+    r = httpx.post(f"{srv.url}/v1/audio/speech", json=speech_body(2, stream=False, response_format="wav"),
+                   timeout=HANG_GUARD * 4)
+    assert r.status_code == 200  # and the server keeps serving
+
+
+def test_connections_beyond_the_cap_get_503(tmp_path):
+    with ServeProcess(tmp_path, "--max-connections", "2") as srv:
+        streams = []
+        for i in range(2):  # two connections held open by running streams
+            sock = raw_request(srv.port, "POST", "/v1/audio/speech", json.dumps(speech_body(LONG)).encode(),
+                               {"Content-Type": "application/json", "X-Request-Id": f"held-{i}"})
+            assert read_head(sock)[0] == 200
+            streams.append(sock)
+        r = httpx.get(f"{srv.url}/health", timeout=HANG_GUARD)
+        assert r.status_code == 503
+        for sock in streams:
+            sock.close()
+        deadline = time.monotonic() + HANG_GUARD * 2
+        while not srv.healthy():  # the cap frees up once the server has noticed the clients leave
+            assert time.monotonic() < deadline, "connections stayed counted after their clients left"
+            time.sleep(0.1)
