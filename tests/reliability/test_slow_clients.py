@@ -57,17 +57,17 @@ def test_a_connection_that_sends_nothing_is_disconnected(srv):
 
 def test_half_a_header_block_on_a_kept_alive_connection_is_disconnected(srv):
     with _connect(srv.port) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         status, _ = read_head(sock)
         assert status == 200
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # the next request's head stalls
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # the next request's head stalls
         assert _closed_by_server(sock)
 
 
 @pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/audio/voices"])
 def test_a_stalled_body_gets_408_and_a_close(srv, path):
     with _connect(srv.port) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      "Content-Length: 200\r\n\r\n".encode() + b'{"input": "Hel')
         status, rest = read_head(sock)
         assert status == 408
@@ -85,7 +85,7 @@ def test_a_streaming_response_is_not_cut_by_the_body_timeout(srv):
 @pytest.mark.parametrize("path", ["/v1/audio/voices", "/v1/audio/speech"])
 def test_a_client_leaving_mid_upload_is_one_quiet_log_line(srv, path):
     with _connect(srv.port) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      "Content-Length: 100000\r\n\r\n".encode() + b'{"name": "half", "ref_audio": "' + b"A" * 50000)
     gone = srv.wait_log(lambda x: x.get("msg") == f"client disconnected during the request body of POST {path}",
                         timeout=HANG_GUARD)
