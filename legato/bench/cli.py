@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from dataclasses import asdict
@@ -84,6 +85,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("serve", help="benchmark one running server", formatter_class=DefaultsFormatter)
     _add_workload_args(p)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token of a server run with --api-key (default: $LEGATO_API_KEY when set)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: unbounded)")
     p.add_argument("--result-dir", default="bench-results", help="where the run's JSON and check WAV go")
     p.add_argument("--topology", default="server", help="recorded in the result (and the file names)")
@@ -178,7 +181,8 @@ def _prepare(args: argparse.Namespace):
     ccfg = ClientConfig(base_url=getattr(args, "base_url", "http://127.0.0.1:8000"), endpoint=args.endpoint,
                         model=args.model, max_concurrency=getattr(args, "max_concurrency", None),
                         request_rate=args.request_rate, num_warmups=args.num_warmups, timeout_s=args.timeout,
-                        seed=args.seed, sample_rate=args.sample_rate, progress=not args.no_progress)
+                        seed=args.seed, sample_rate=args.sample_rate, progress=not args.no_progress,
+                        api_key=getattr(args, "api_key", None) or os.environ.get("LEGATO_API_KEY"))
     request_cfg = {k: v for k, v in asdict(spec).items() if k != "fixed_length"}
     request_cfg["fixed_length"] = {**asdict(fixed), "rule": fixed.describe()} if fixed else None
     config = {

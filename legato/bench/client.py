@@ -35,6 +35,7 @@ class ClientConfig:
     seed: int = 0  # seeds the arrival process
     sample_rate: int = 24000
     progress: bool = True
+    api_key: str | None = None  # sent as `Authorization: Bearer` (a server run with --api-key)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -175,7 +176,8 @@ async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest]) -> RunO
     # The pool must never be the bottleneck: a request waiting for a connection would count as latency.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_concurrency or len(requests))
     timeout = httpx.Timeout(cfg.timeout_s)
-    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits, headers=headers) as client:
         runner = _Runner(client, cfg)
         warm_reqs = [requests[i % len(requests)] for i in range(cfg.num_warmups)]
         warmups = _records(warm_reqs, [0.0] * len(warm_reqs))

@@ -5,6 +5,7 @@ and one request per request id (409)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import openai
 import pytest
@@ -146,3 +147,21 @@ def test_loose_coercion_is_refused(field, value):
     with app() as c:
         resp = c.post("/v1/audio/speech", json={**SPEECH, field: value})
         assert resp.status_code == 400 and field in resp.json()["error"]["message"], resp.text
+
+
+def test_the_bench_client_sends_its_api_key():
+    from server_helpers import LiveServer
+
+    from legato.bench.client import ClientConfig, run_benchmark
+    from legato.bench.datasets import BenchRequest
+
+    def frames(req):
+        return [frames_chunk(1, 1), frames_chunk(1, 2, True, "stop")]
+
+    reqs = [BenchRequest("u0", {"input": "Hi.", "voice": "ryan", "num_frames": 2, "ignore_eos": True}, 3, 2)]
+    app = build_app(FakeClient(frames), server_settings(api_keys=(KEY,)), None)
+    with LiveServer(app) as srv:
+        for key, status in ((KEY, 200), (None, 401)):
+            cfg = ClientConfig(base_url=srv.url, progress=False, api_key=key)
+            (rec,) = asyncio.run(run_benchmark(cfg, reqs)).records
+            assert rec.status == status and rec.ok == (status == 200), rec.error
