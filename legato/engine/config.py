@@ -51,6 +51,11 @@ class EngineConfig:
     without this a seeded request's codes on a GPU can depend on the load and the topology (they never do
     on the CPU). Costs latency at low load (a step is never smaller than `invariant_rows` rows) and
     throughput above it (bigger batches run as several chunks)."""
+    fair_prefill: bool = True
+    """Share each step's prefill budget among the prompts being prefilled (water-filling), so one long
+    prompt cannot hold the whole budget for many steps while short prompts behind it wait. Applies with
+    chunked prefill outside `batch_invariant` (whose chunks are cut at fixed sizes); off: the earliest
+    admitted prompt takes what it can first."""
     invariant_rows: int = 32
     """The fixed decode chunk of `batch_invariant`; engines compared for identical codes must agree on it."""
     first_chunk_frames: int = 1
@@ -136,6 +141,8 @@ class EngineConfig:
         if not isinstance(self.voice_cache_size, int) or isinstance(self.voice_cache_size, bool) \
                 or self.voice_cache_size < 0:
             raise ValueError(f"EngineConfig.voice_cache_size must be an int >= 0, got {self.voice_cache_size!r}")
+        if not isinstance(self.fair_prefill, bool):
+            raise ValueError(f"EngineConfig.fair_prefill must be a bool, got {self.fair_prefill!r}")
         if not isinstance(self.chunk_ramp, bool):
             raise ValueError(f"EngineConfig.chunk_ramp must be a bool, got {self.chunk_ramp!r}")
         if not isinstance(self.async_scheduling, bool):
