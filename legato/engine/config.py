@@ -33,6 +33,10 @@ class EngineConfig:
     """Share full prompt blocks between requests whose prefix keys match."""
     max_model_len: int = 32768
     """Most positions one request may use (prompt + frames); the talker's max_position_embeddings."""
+    max_prompt_tokens: int | None = None
+    """Most prompt positions (talker prefill tokens) one request may bring; a longer prompt is refused at
+    admission (RequestTooLargeError) before any of it runs. None: no limit beyond `max_model_len`. The server
+    sets it from `--max-prompt-tokens` (ServerSettings.max_prompt_tokens), checked in its front end first."""
     max_waiting: int = 1024
     """Bound of the waiting queue; add() beyond it raises QueueFullError."""
     gpu_memory_utilization: float = 0.9
@@ -110,6 +114,9 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             # The paged-attention kernel tiles one block at a time with power-of-two shapes.
             raise ValueError(f"EngineConfig.block_size must be a power of two, got {self.block_size}")
+        if self.max_prompt_tokens is not None and not _is_positive_int(self.max_prompt_tokens):
+            raise ValueError(f"EngineConfig.max_prompt_tokens must be a positive int or None, "
+                             f"got {self.max_prompt_tokens!r}")
         if self.num_kv_blocks is not None and not _is_positive_int(self.num_kv_blocks):
             raise ValueError(f"EngineConfig.num_kv_blocks must be a positive int or None, got {self.num_kv_blocks!r}")
         if not _is_positive_int(self.mtp_replicas):
