@@ -25,6 +25,7 @@ from legato.pipeline.client import EngineClient
 from legato.server.errors import error_body, install_error_handlers
 from legato.server.logs import current_request_id
 from legato.server.metrics import ServerMetrics
+from legato.server.prompt_limit import PromptLimit
 from legato.server.schemas import ModelCard, ModelList
 from legato.server.settings import ServerSettings
 from legato.server.speech import SPEECH_PATH, SpeechService, build_speech_router
@@ -36,9 +37,11 @@ log = logging.getLogger(__name__)
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: `$` would let a final "\n" in
 
 
-def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None) -> FastAPI:
-    """The server for one engine client. The app owns the client's lifetime (start/stop in its lifespan)."""
-    service = SpeechService(client, settings, voice_store)
+def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None,
+              prompt_limit: PromptLimit | None = None) -> FastAPI:
+    """The server for one engine client. The app owns the client's lifetime (start/stop in its lifespan).
+    `prompt_limit` holds requests to --max-prompt-tokens before they reach the client (None: not here)."""
+    service = SpeechService(client, settings, voice_store, prompt_limit)
     metrics = ServerMetrics(client, service.model_name)
     responder = SpeechResponder(client, settings, metrics)
     created = int(time.time())
