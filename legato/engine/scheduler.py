@@ -19,9 +19,11 @@ Policy:
 * **Fair prefill** (``fair_prefill``, chunked prefill, not batch-invariant). What the decodes leave of
   the budget is split among every prompt being prefilled by water-filling (``fair_shares``): a short
   prompt admitted behind a long one is prefilled whole in its first step, and the long one still gets
-  at least one token every step. Admission stops once every prefilling prompt's share would fall below
-  one KV block. Off, and in batch-invariant mode, chunks go to prompts in admission order, each taking
-  what it can of what is left (a long prompt takes the whole budget until it is done).
+  at least one token every step. Another prompt is admitted only while those already prefilling, counted
+  at one KV block each (or what they have left), leave some budget. Off, and in batch-invariant mode,
+  chunks go to prompts in admission order, each taking what it can of what is left (a long prompt takes
+  the whole budget until it is done; batch-invariant chunks are cut at fixed sizes, which fair shares
+  would make depend on the load).
 * **Handoff requests** (``kv_handoff``) are admitted in the same queue, take no token budget, receive
   blocks for their prompt and a slot, and wait in WAITING_FOR_HANDOFF until ``handoff_complete``.
 
