@@ -25,7 +25,7 @@ from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.default import DEFAULT_SPEAKER, default_model_dir
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import LoadedModel, load_model
-from legato.models.qwen3_tts.prompt import build_prompt
+from legato.models.qwen3_tts.prompt import build_prompt, default_max_prompt_tokens
 from legato.models.qwen3_tts.reference_loop import generate_codes
 from legato.models.qwen3_tts.sampling import SamplingParams
 
@@ -151,8 +151,13 @@ class TTS:
     def _engine_config(self, n: int) -> EngineConfig:
         weight = self.loaded.talker.codec_head.weight
         dtype = str(weight.dtype).replace("torch.", "")
+        cfg = self.loaded.config
+        # The server's default prompt limit (4096 characters, 60 s of reference): a longer prompt is refused
+        # unless the caller passes an engine_config with max_prompt_tokens=None.
+        limit = default_max_prompt_tokens(cfg.tts_model_type, cfg.tts_model_size, 4096, 60.0,
+                                          self.loaded.speech_config.frame_rate)
         return EngineConfig(device=weight.device.type, dtype=dtype, max_num_seqs=max(1, min(n, 256)),
-                            max_num_batched_tokens=max(4096, n), max_model_len=8192)
+                            max_num_batched_tokens=max(4096, n), max_model_len=8192, max_prompt_tokens=limit)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, ref_code: torch.Tensor | None = None) -> np.ndarray:

@@ -11,6 +11,7 @@ from legato.engine.scheduler import (
     Scheduler,
     SchedulerOutput,
     StepResult,
+    fair_shares,
 )
 
 S = RequestStatus
@@ -230,8 +231,8 @@ def test_chunked_prefill_off_prefills_whole_or_waits():
     assert out.num_batched_tokens == 10
 
 
-def test_prefill_chunks_share_one_budget():
-    s = make(max_num_seqs=4, max_num_batched_tokens=10)
+def test_prefill_chunks_share_one_budget_in_admission_order_without_fairness():
+    s = make(max_num_seqs=4, max_num_batched_tokens=10, fair_prefill=False)
     reqs = [Request(f"r{i}", prompt_len=4, max_frames=5) for i in range(4)]
     for r in reqs:
         s.add(r)
@@ -242,6 +243,75 @@ def test_prefill_chunks_share_one_budget():
     out = s.schedule()
     assert [r.request_id for r in out.decodes] == ["r0", "r1"]
     assert [(c.request.request_id, c.start, c.num_tokens) for c in out.prefills] == [("r2", 2, 2), ("r3", 0, 4)]
+
+
+def test_fair_prefill_splits_the_budget_and_spends_it_all():
+    s = make(max_num_seqs=4, max_num_batched_tokens=10)
+    reqs = [Request(f"r{i}", prompt_len=4, max_frames=5) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    out = s.schedule()
+    # Water-filling: 10 tokens over three 4-token prompts; the odd token goes to the earliest.
+    assert [(c.request.request_id, c.num_tokens) for c in out.prefills] == [("r0", 4), ("r1", 3), ("r2", 3)]
+    assert reqs[3].status is S.WAITING and out.num_batched_tokens == 10
+    s.update(results(out))
+    out = s.schedule()
+    assert [r.request_id for r in out.decodes] == ["r0"]
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.prefills] == [
+        ("r1", 3, 1), ("r2", 3, 1), ("r3", 0, 4)]
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_short_prompt_behind_a_long_one_is_prefilled_in_its_first_step(fair):
+    budget = 64
+    s = make(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=budget, fair_prefill=fair)
+    long = Request("long", prompt_len=10 * budget, max_frames=4)
+    short = Request("short", prompt_len=20, max_frames=2)
+    s.add(long)
+    out, _ = step(s)  # the long prompt alone takes the whole budget
+    assert [(c.request, c.num_tokens) for c in out.prefills] == [(long, budget)]
+    s.add(short)
+    progress, short_steps, steps = [], None, 0
+    while long.in_prefill or short.in_prefill or short.status is S.WAITING:
+        steps += 1
+        before = long.num_computed_tokens
+        out, _ = step(s)
+        assert out.num_batched_tokens == len(out.decodes) + sum(c.num_tokens for c in out.prefills) <= budget
+        progress.append(long.num_computed_tokens - before)
+        if short_steps is None and not short.in_prefill and short.status is not S.WAITING:
+            short_steps = steps
+    if fair:
+        assert short_steps == 1  # admitted and prefilled whole in the first step after it arrived
+        assert all(p > 0 for p in progress)  # the long prompt is never starved
+    else:
+        assert short_steps == 10  # waits for the whole long prompt (9 more budgets), then its own step
+    assert not long.in_prefill and long.num_computed_tokens >= long.prompt_len
+
+
+def test_fair_prefill_stays_off_in_batch_invariant_mode():
+    s = make(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64, batch_invariant=True)
+    long = Request("long", prompt_len=600, max_frames=4)
+    short = Request("short", prompt_len=20, max_frames=2)
+    s.add(long)
+    step(s)
+    s.add(short)
+    out, _ = step(s)
+    # Chunks stay cut at invariant_chunk whatever else waits: the short prompt does not take a share.
+    assert [(c.request, c.num_tokens) for c in out.prefills] == [(long, s.invariant_chunk)]
+    assert short.status is S.WAITING
+
+
+@pytest.mark.parametrize("demands, budget, expected", [
+    ([640, 20], 64, [44, 20]),
+    ([640, 640], 64, [32, 32]),
+    ([5, 5, 5], 10, [4, 3, 3]),
+    ([3, 0, 9], 100, [3, 0, 9]),
+    ([9, 9, 9], 2, [1, 1, 0]),
+    ([], 8, []),
+])
+def test_fair_shares_water_fill(demands, budget, expected):
+    shares = fair_shares(demands, budget)
+    assert shares == expected and sum(shares) <= budget
 
 
 def test_max_num_seqs_caps_running():

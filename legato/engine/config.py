@@ -33,6 +33,10 @@ class EngineConfig:
     """Share full prompt blocks between requests whose prefix keys match."""
     max_model_len: int = 32768
     """Most positions one request may use (prompt + frames); the talker's max_position_embeddings."""
+    max_prompt_tokens: int | None = None
+    """Most prompt positions (talker prefill tokens) one request may bring; a longer prompt is refused at
+    admission (RequestTooLargeError) before any of it runs. None: no limit beyond `max_model_len`. The server
+    sets it from `--max-prompt-tokens` (ServerSettings.max_prompt_tokens), checked in its front end first."""
     max_waiting: int = 1024
     """Bound of the waiting queue; add() beyond it raises QueueFullError."""
     gpu_memory_utilization: float = 0.9
@@ -51,6 +55,11 @@ class EngineConfig:
     without this a seeded request's codes on a GPU can depend on the load and the topology (they never do
     on the CPU). Costs latency at low load (a step is never smaller than `invariant_rows` rows) and
     throughput above it (bigger batches run as several chunks)."""
+    fair_prefill: bool = True
+    """Share each step's prefill budget among the prompts being prefilled (water-filling), so one long
+    prompt cannot hold the whole budget for many steps while short prompts behind it wait. Applies with
+    chunked prefill outside `batch_invariant` (whose chunks are cut at fixed sizes); off: the earliest
+    admitted prompt takes what it can first."""
     invariant_rows: int = 32
     """The fixed decode chunk of `batch_invariant`; engines compared for identical codes must agree on it."""
     first_chunk_frames: int = 1
@@ -105,6 +114,9 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             # The paged-attention kernel tiles one block at a time with power-of-two shapes.
             raise ValueError(f"EngineConfig.block_size must be a power of two, got {self.block_size}")
+        if self.max_prompt_tokens is not None and not _is_positive_int(self.max_prompt_tokens):
+            raise ValueError(f"EngineConfig.max_prompt_tokens must be a positive int or None, "
+                             f"got {self.max_prompt_tokens!r}")
         if self.num_kv_blocks is not None and not _is_positive_int(self.num_kv_blocks):
             raise ValueError(f"EngineConfig.num_kv_blocks must be a positive int or None, got {self.num_kv_blocks!r}")
         if not _is_positive_int(self.mtp_replicas):
@@ -136,6 +148,8 @@ class EngineConfig:
         if not isinstance(self.voice_cache_size, int) or isinstance(self.voice_cache_size, bool) \
                 or self.voice_cache_size < 0:
             raise ValueError(f"EngineConfig.voice_cache_size must be an int >= 0, got {self.voice_cache_size!r}")
+        if not isinstance(self.fair_prefill, bool):
+            raise ValueError(f"EngineConfig.fair_prefill must be a bool, got {self.fair_prefill!r}")
         if not isinstance(self.chunk_ramp, bool):
             raise ValueError(f"EngineConfig.chunk_ramp must be a bool, got {self.chunk_ramp!r}")
         if not isinstance(self.async_scheduling, bool):

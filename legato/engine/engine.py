@@ -26,7 +26,7 @@ from legato.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
 from legato.engine.mtp_replicas import replica_group
 from legato.engine.request import Request
 from legato.engine.sampler import draw_seed
-from legato.engine.scheduler import Scheduler, StepResult
+from legato.engine.scheduler import RequestTooLargeError, Scheduler, StepResult
 from legato.engine.step_copies import PendingCopy, StepCopies, StepTimes
 from legato.kv_transfer.handoff import Handoff, KVLayout
 from legato.models.qwen3_tts.decoder_layer import pack_projections
@@ -142,6 +142,11 @@ class Engine:
         if max_frames < 1:
             raise ValueError("the request allows no frames (max_new_tokens must be >= 2)")
         prompt = build_prompt(er.spec, self.loaded.talker, self.loaded.config)
+        limit = self.config.max_prompt_tokens
+        if limit is not None and prompt.length > limit:
+            # Refused before it queues: a prompt this long would hold prefill budget for many steps.
+            raise RequestTooLargeError(f"prompt is {prompt.length} tokens; the limit is {limit} "
+                                       "(max_prompt_tokens, --max-prompt-tokens)")
         frame_cap = None
         if not (er.ignore_eos and er.max_frames is not None):  # an exact length is the caller's to choose
             frame_cap = self.frame_cap(er.spec)

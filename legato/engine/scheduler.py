@@ -16,6 +16,14 @@ Policy:
 * **Strict FIFO admission.** The head of the waiting queue is admitted or nobody behind it is: small
   requests never overtake a large one, so none waits forever. With chunked prefill off, a prompt is
   prefilled whole in one step or the head waits for a step with enough budget.
+* **Fair prefill** (``fair_prefill``, chunked prefill, not batch-invariant). What the decodes leave of
+  the budget is split among every prompt being prefilled by water-filling (``fair_shares``): a short
+  prompt admitted behind a long one is prefilled whole in its first step, and the long one still gets
+  at least one token every step. Another prompt is admitted only while those already prefilling, counted
+  at one KV block each (or what they have left), leave some budget. Off, and in batch-invariant mode,
+  chunks go to prompts in admission order, each taking what it can of what is left (a long prompt takes
+  the whole budget until it is done; batch-invariant chunks are cut at fixed sizes, which fair shares
+  would make depend on the load).
 * **Handoff requests** (``kv_handoff``) are admitted in the same queue, take no token budget, receive
   blocks for their prompt and a slot, and wait in WAITING_FOR_HANDOFF until ``handoff_complete``.
 
@@ -186,6 +194,11 @@ class Scheduler:
             self._in_flight[req.request_id] = 1
             budget -= 1
 
+        if self._fair:
+            budget -= self._schedule_fair(partial, budget, out)
+            out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+            return out
+
         for req in partial:
             if budget == 0:
                 break
@@ -197,11 +210,8 @@ class Scheduler:
         while self._waiting and self._free_slots:
             req = next(iter(self._waiting.values()))
             if req.kv_handoff:
-                if bm.allocate(req, req.prompt_len, reserve_tokens=req.max_tokens, use_prefix_cache=False) is None:
+                if not self._admit_handoff(req, out):
                     break
-                self._admit(req, RequestStatus.WAITING_FOR_HANDOFF, out)
-                self._receiving[req.request_id] = req
-                out.kv_receives.append(req)
                 continue
             if budget == 0:
                 break
@@ -319,6 +329,49 @@ class Scheduler:
     # ---- internals -----------------------------------------------------------------------------------
 
     @property
+    def _fair(self) -> bool:
+        # Batch-invariant mode cuts chunks at fixed sizes whatever else runs; fair shares depend on the load,
+        # so they would make a seeded request's codes depend on it too. Unchunked prompts are never split.
+        cfg = self.config
+        return cfg.fair_prefill and cfg.enable_chunked_prefill and not cfg.batch_invariant
+
+    def _schedule_fair(self, partial: list[Request], budget: int, out: SchedulerOutput) -> int:
+        """Admit in FIFO order, then split ``budget`` among every prompt being prefilled (``fair_shares``),
+        so a long prompt cannot hold the whole budget while short ones behind it wait. Returns tokens used."""
+        bm = self.block_manager
+        prefilling = list(partial)
+        floor = self.config.block_size  # a share below one KV block is not worth admitting another request for
+        demand = sum(min(r.prompt_len - r.num_computed_tokens, floor) for r in prefilling)
+        while self._waiting and self._free_slots:
+            req = next(iter(self._waiting.values()))
+            if req.kv_handoff:
+                if not self._admit_handoff(req, out):
+                    break
+                continue
+            if demand >= budget:
+                break
+            # Blocks for one token now; the chunk grows into the reservation once its share is known.
+            cached = bm.allocate(req, bm.match_prefix(req) + 1, reserve_tokens=req.max_tokens)
+            if cached is None:
+                break
+            req.num_computed_tokens = req.num_cached_tokens = cached
+            self._admit(req, RequestStatus.RUNNING, out)
+            self._running[req.request_id] = req
+            prefilling.append(req)
+            demand += min(req.prompt_len - cached, floor)
+        shares = fair_shares([r.prompt_len - r.num_computed_tokens for r in prefilling], budget)
+        return sum(self._schedule_chunk(r, n, out) for r, n in zip(prefilling, shares, strict=True) if n)
+
+    def _admit_handoff(self, req: Request, out: SchedulerOutput) -> bool:
+        if self.block_manager.allocate(req, req.prompt_len, reserve_tokens=req.max_tokens,
+                                       use_prefix_cache=False) is None:
+            return False
+        self._admit(req, RequestStatus.WAITING_FOR_HANDOFF, out)
+        self._receiving[req.request_id] = req
+        out.kv_receives.append(req)
+        return True
+
+    @property
     def invariant_chunk(self) -> int:
         """Batch-invariant prefill chunk: what the budget leaves beside a full decode batch, always."""
         return self.config.max_num_batched_tokens - self.config.max_num_seqs
@@ -362,3 +415,28 @@ class Scheduler:
         heapq.heappush(self._free_slots, req.slot)
         req.slot = None
         self.stats.num_finished += 1
+
+
+def fair_shares(demands: Sequence[int], budget: int) -> list[int]:
+    """Split ``budget`` tokens among ``demands`` (in FIFO order) by water-filling: every demand gets the same
+    level, a demand below it gets all it asks and its leftover is shared again, and what cannot be split
+    evenly goes one token each to the earliest. Every demand gets at least one token when there are no more
+    demands than tokens; the sum never exceeds ``budget``."""
+    shares = [0] * len(demands)
+    open_ = [i for i, d in enumerate(demands) if d > 0]
+    left = budget
+    while open_ and left > 0:
+        level = left // len(open_)
+        if level == 0:
+            for i in open_[:left]:
+                shares[i] += 1
+            break
+        still = []
+        for i in open_:
+            give = min(level, demands[i] - shares[i])
+            shares[i] += give
+            left -= give
+            if shares[i] < demands[i]:
+                still.append(i)
+        open_ = still
+    return shares

@@ -30,6 +30,7 @@ from legato.server.errors import error_body, install_error_handlers
 from legato.server.lifecycle import DrainMiddleware, Lifecycle
 from legato.server.logs import current_request_id
 from legato.server.metrics import ServerMetrics
+from legato.server.prompt_limit import PromptLimit
 from legato.server.schemas import ModelCard, ModelList
 from legato.server.settings import ServerSettings
 from legato.server.speech import SPEECH_PATH, SpeechService, build_speech_router
@@ -42,11 +43,12 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: `$` wo
 
 
 def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None,
-              lifecycle: Lifecycle | None = None) -> FastAPI:
+              lifecycle: Lifecycle | None = None, prompt_limit: PromptLimit | None = None) -> FastAPI:
     """The server for one engine client. The app owns the client's lifetime (start/stop in its lifespan);
-    `lifecycle` is shared with the server that drains it on a signal (cli.py), else the app makes its own."""
+    `lifecycle` is shared with the server that drains it on a signal (cli.py), else the app makes its own.
+    `prompt_limit` holds requests to --max-prompt-tokens before they reach the client (None: not here)."""
     lifecycle = lifecycle or Lifecycle(client, settings.shutdown_grace_s)
-    service = SpeechService(client, settings, voice_store)
+    service = SpeechService(client, settings, voice_store, prompt_limit)
     metrics = ServerMetrics(client, service.model_name)
     responder = SpeechResponder(client, settings, metrics)
     created = int(time.time())

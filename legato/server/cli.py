@@ -115,6 +115,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens a request may ask")
     r.add_argument("--max-ref-audio-bytes", type=int, default=10 * 1024 * 1024, help="largest reference clip")
     r.add_argument("--max-ref-audio-seconds", type=float, default=60.0, help="longest reference clip")
+    # --- prompt-token limit (h-prompt) ---
+    r.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="most talker prompt tokens a request may bring (400 prompt_too_long, before the engine). "
+                        "Default: what the largest legitimate request needs, --max-input-chars at one token per "
+                        "character for the input, again for instructions (models that take them) and for ref_text "
+                        "plus --max-ref-audio-seconds x 12.5 frames (Base), + 16 template tokens: 4112 for a "
+                        "0.6B CustomVoice, 8208 for a 1.7B CustomVoice or VoiceDesign, 8958 for a Base model")
+    # --- end prompt-token limit ---
     r.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose files requests may name as file:// ref_audio (default: none)")
     r.add_argument("--allow-remote-media", action="store_true",
@@ -199,6 +207,7 @@ def serve(args: argparse.Namespace) -> int:
     from legato.server.connections import BodyTimeoutMiddleware, check_limits, guarded_h11
     from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
     from legato.server.logs import configure_logging
+    from legato.server.prompt_limit import PromptLimit
     from legato.server.settings import ServerSettings
     from legato.server.streaming import install_cut_stream_log_filter
     from legato.server.voices import VoiceStore
@@ -250,8 +259,11 @@ def serve(args: argparse.Namespace) -> int:
             remote_media_allow_cidrs=tuple(args.remote_media_allow_cidr),
             request_timeout_s=args.request_timeout if args.request_timeout > 0 else None,
             shutdown_grace_s=args.shutdown_grace, voices_dir=voices_dir, voice_aliases=voice_aliases(args.voice_alias),
-            **access_settings(args),
+            max_prompt_tokens=args.max_prompt_tokens, **access_settings(args),
         )
+        # The front counts prompt tokens with the tokenizer alone; the engines hold the same limit at admission.
+        prompt_limit = PromptLimit.from_model_dir(resolve_model_dir(model_path), settings)
+        engine_config.max_prompt_tokens = prompt_limit.limit
         topology = parse_topology(args.topology)
         devices = args.devices.split(",") if args.devices else None
         generation_defaults: dict = {}
@@ -273,7 +285,7 @@ def serve(args: argparse.Namespace) -> int:
     store = VoiceStore(voices_dir, client)  # holds voices only for Base models; lists and refuses otherwise
     lifecycle = Lifecycle(client, settings.shutdown_grace_s)
     install_cut_stream_log_filter()
-    app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle), args.timeout_body)
+    app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle, prompt_limit), args.timeout_body)
     # uvicorn's limit counts the connection asking too, so one more lets exactly --max-connections in.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
                             http=guarded_h11(args.timeout_header), limit_concurrency=args.max_connections + 1,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from legato.models.qwen3_tts.loader import GENERATION_DEFAULTS
+from legato.models.qwen3_tts.prompt import default_max_prompt_tokens
 from legato.server.aliases import OPENAI_VOICE_ALIASES
 from legato.server.media import parse_networks
 
@@ -30,6 +31,16 @@ class ServerSettings:
     """Largest `max_new_tokens` (and `num_frames` + 1) a request may ask for."""
     max_ref_audio_bytes: int = 10 * MiB
     max_ref_audio_seconds: float = 60.0
+    # --- prompt-token limit (h-prompt) ---
+    max_prompt_tokens: int | None = None
+    """Most talker prompt tokens one request may bring (`--max-prompt-tokens`), checked after tokenising and
+    before the engine sees the request (400 `prompt_too_long`): one long prompt holds prefill budget that
+    every other request waits on. None sizes it from the model for the largest legitimate request
+    (`prompt_token_limit`): max_input_chars at one token per character (ordinary text in every language the
+    model speaks; emoji cost up to four) for the input, again for instructions (models that take them) and
+    for ref_text plus max_ref_audio_seconds x 12.5 frames (Base), plus 16 template and control tokens.
+    With the defaults: 4112 (0.6B CustomVoice), 8208 (1.7B CustomVoice, VoiceDesign), 8958 (Base)."""
+    # --- end prompt-token limit ---
     allowed_local_media_path: str | None = None
     """`file://` reference audio is read only under this directory; None refuses every `file://`."""
     allow_remote_media: bool = False
@@ -69,6 +80,11 @@ class ServerSettings:
             value = getattr(self, name)
             if not _positive(value) and not (name == "shutdown_grace_s" and value == 0):
                 raise ValueError(f"ServerSettings.{name} must be a positive number, got {value!r}")
+        if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int)
+                                                   or isinstance(self.max_prompt_tokens, bool)
+                                                   or self.max_prompt_tokens < 1):
+            raise ValueError(f"ServerSettings.max_prompt_tokens must be a positive int or None, "
+                             f"got {self.max_prompt_tokens!r}")
         if self.request_timeout_s is not None and not _positive(self.request_timeout_s):
             raise ValueError("ServerSettings.request_timeout_s must be positive or None, "
                              f"got {self.request_timeout_s!r}")
@@ -86,6 +102,12 @@ class ServerSettings:
     def max_request_bytes(self) -> int:
         """Largest request body: base64 reference audio (4/3 of its bytes) plus room for the other fields."""
         return self.max_ref_audio_bytes * 4 // 3 + 1 * MiB
+
+    def prompt_token_limit(self, model_type: str, model_size: str) -> int:
+        """`max_prompt_tokens`, or when None the size the largest legitimate request needs on this model."""
+        if self.max_prompt_tokens is not None:
+            return self.max_prompt_tokens
+        return default_max_prompt_tokens(model_type, model_size, self.max_input_chars, self.max_ref_audio_seconds)
 
     @property
     def max_new_tokens_default(self) -> int:

@@ -19,6 +19,7 @@ from legato.pipeline.client import EngineClient, SynthesisRequest
 from legato.server.encoding import MEDIA_TYPES, STREAMABLE, format_problem
 from legato.server.errors import ApiError, ErrorResponse
 from legato.server.media import MediaError, MediaPolicy, resolve_ref_audio
+from legato.server.prompt_limit import PromptLimit
 from legato.server.schemas import SpeechRequest
 from legato.server.settings import ServerSettings
 from legato.server.streaming import SpeechResponder
@@ -40,10 +41,12 @@ class SpeechService:
     """Checks a request against the served model and the limits, and builds its `SynthesisRequest`.
     Every refusal is an `ApiError` naming the field and, where there is a choice, what is available."""
 
-    def __init__(self, client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None) -> None:
+    def __init__(self, client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None,
+                 prompt_limit: PromptLimit | None = None) -> None:
         self.client = client
         self.settings = settings
         self.voice_store = voice_store
+        self.prompt_limit = prompt_limit  # None: the engines' own admission check is the only one
         self.voice_aliases = {k.lower(): v.lower() for k, v in settings.voice_aliases.items()}
         self.media_policy = MediaPolicy(
             allowed_local_media_path=settings.allowed_local_media_path, allow_remote=settings.allow_remote_media,
@@ -63,6 +66,8 @@ class SpeechService:
         self._check_request(body)
         sampling, max_frames = self._sampling(body)
         inp = await self._speech_input(body)
+        if self.prompt_limit is not None:
+            self.prompt_limit.check(inp)
         mode = body.mode
         synthesis = SynthesisRequest(
             request_id=request_id, input=inp, sampling=sampling, max_frames=max_frames,

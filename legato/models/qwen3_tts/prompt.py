@@ -7,6 +7,7 @@ input (then `tts_pad` once they run out). See shared/reference/qwen3-tts-model.m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -105,6 +106,62 @@ class TalkerPrompt:
 def target_text_tokens(spec: PromptSpec) -> int:
     """Tokens of the text to speak (the templated `text_ids` without their template)."""
     return max(0, len(spec.text_ids) - ROLE_LEN - TARGET_TAIL)
+
+
+# Positions a prompt holds beside its texts and reference frames, at most: the instruction's template
+# (<|im_start|>user\n ... <|im_end|>\n, 5), the role (3), the codec control prefix (think, think_bos,
+# language, think_eos, speaker slot, pad: 6) and the body's closing eos + codec_bos (2).
+PROMPT_OVERHEAD = 16
+# Ordinary text is at most about one token per character under the Qwen2 vocabulary (Chinese, Japanese and
+# Korean come close to one; English runs near a quarter), so a limit sized at one token per character takes
+# any real text at the character limit, while symbols that cost several tokens each (emoji) do not fit.
+TOKENS_PER_CHAR = 1.0
+
+
+def takes_instructions(model_type: str, model_size: str) -> bool:
+    """Whether a model's prompt holds `instructions` (VoiceDesign; CustomVoice but the 0.6B, which drops it)."""
+    return model_type == "voice_design" or (model_type == "custom_voice" and model_size != "0b6")
+
+
+def default_max_prompt_tokens(model_type: str, model_size: str, max_input_chars: int,
+                              max_ref_audio_seconds: float, frame_rate: float = 12.5) -> int:
+    """The prompt-token limit that the largest legitimate request fits: its text at `max_input_chars` of
+    ordinary text, an instruction as long (models that take one), the reference transcript as long plus
+    `max_ref_audio_seconds` of reference frames (Base: in-context cloning), and `PROMPT_OVERHEAD`:
+
+        chars * TOKENS_PER_CHAR * (1 + instructions + base) + base * ceil(seconds * frame_rate) + 16
+    """
+    texts = 1 + int(takes_instructions(model_type, model_size)) + int(model_type == "base")
+    ref_frames = math.ceil(max_ref_audio_seconds * frame_rate) if model_type == "base" else 0
+    return math.ceil(max_input_chars * TOKENS_PER_CHAR) * texts + ref_frames + PROMPT_OVERHEAD
+
+
+def prompt_length(spec: PromptSpec, cfg: Qwen3TTSConfig, ref_frames: int | None = None) -> int:
+    """The talker positions `build_prompt(spec, ...)` gives, from token counts alone (no weights), so a
+    front end without the model can hold a request to a prompt-token limit. `ref_frames` stands in for
+    `spec.ref_code`'s length when the reference clip is not encoded yet. Assumes a spec `build_prompt`
+    accepts (it does not validate)."""
+    kind = cfg.tts_model_type
+    instruct = 0
+    if spec.instruct_ids is not None and takes_instructions(kind, cfg.tts_model_size):
+        instruct = len(spec.instruct_ids)
+    lang = (spec.language or "").lower()
+    dialect = kind == "custom_voice" and (cfg.talker_config.spk_is_dialect or {}).get((spec.speaker or "").lower())
+    tags = 4 if lang != "auto" or dialect else 3  # a dialect speaker brings its dialect's language tag
+    control = tags + int(kind != "voice_design") + 1  # + speaker slot + codec_pad; codec_bos opens the body
+    text = len(spec.text_ids) - ROLE_LEN - TARGET_TAIL
+    if kind == "base" and not spec.x_vector_only:
+        frames = ref_frames if ref_frames is not None else len(spec.ref_code if spec.ref_code is not None else ())
+        codec = 1 + frames  # codec_bos + the reference frames
+        if not spec.non_streaming_mode:
+            body = codec  # text beyond the reference frames trails into the decode steps
+        else:
+            body = max(0, len(spec.ref_ids or ()) - ROLE_LEN - REF_TAIL) + text + 1 + codec
+    elif spec.non_streaming_mode:
+        body = text + 2  # the text, tts_eos, then tts_pad + codec_bos
+    else:
+        body = 1  # one text token with codec_bos; the rest trails
+    return instruct + ROLE_LEN + control + body
 
 
 def supported_languages(cfg: Qwen3TTSConfig) -> list[str]:
