@@ -367,23 +367,32 @@ def _multipart(fields: dict[str, str], charset: str, part_charset: bool, upload:
     return bytes(out + f"--{_BOUNDARY}--\r\n".encode())
 
 
-@_FUZZ
-@given(
-    charset=st.sampled_from(_CHARSETS), part_charset=st.booleans(),
-    fields=st.dictionaries(st.sampled_from(["name", "ref_text", "x_vector_only", "speaker_embedding", "replace",
-                                            "_charset_", "ref_audio"]), _form_text, max_size=4),
-    name=_form_text | _valid_names, upload=st.sampled_from([None, CLIP_BYTES, b"RIFF\x00\x00"]),
+CHARSET_FUZZ = st.tuples(  # (charset, part_charset, fields, name, upload) for `multipart_with_charset`
+    st.sampled_from(_CHARSETS), st.booleans(),
+    st.dictionaries(st.sampled_from(["name", "ref_text", "x_vector_only", "speaker_embedding", "replace",
+                                     "_charset_", "ref_audio"]), _form_text, max_size=4),
+    _form_text | _valid_names, st.sampled_from([None, CLIP_BYTES, b"RIFF\x00\x00"]),
 )
-def test_fuzz_multipart_with_client_chosen_charsets(fake_app, charset, part_charset, fields, name, upload):
+
+
+def multipart_with_charset(charset: str, part_charset: bool, fields: dict[str, str], name: str,
+                           upload: bytes | None) -> tuple[bytes, str]:
+    """A voice-upload form claiming `charset` in its Content-Type (and each part's, if `part_charset`)."""
+    body = _multipart({"name": name, **fields}, charset, part_charset, upload)
+    return body, f"multipart/form-data; boundary={_BOUNDARY}; charset={charset}"
+
+
+@_FUZZ
+@given(case=CHARSET_FUZZ)
+def test_fuzz_multipart_with_client_chosen_charsets(fake_app, case):
     """A form naming any charset (header or part) is read as UTF-8 or refused: never a 5xx, never a stored
     name that is not valid UTF-8, and the listing keeps working after every case."""
     count_case("voices multipart_with_charset")
     http, _, _ = fake_app
-    body = _multipart({"name": name, **fields}, charset, part_charset, upload)
-    content_type = f"multipart/form-data; boundary={_BOUNDARY}; charset={charset}"
+    body, content_type = multipart_with_charset(*case)
     r = http.post(URL, content=body, headers={"content-type": content_type})
     check(r)
-    if _codec_name(charset) not in ("utf-8", "ascii"):
+    if _codec_name(case[0]) not in ("utf-8", "ascii"):
         assert r.status_code == 415, r.text  # refused before the body is parsed with that charset
     listing = http.get(URL)
     assert listing.status_code == 200
