@@ -15,7 +15,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from fuzz_scale import count_case, fuzz_examples
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from voice_helpers import CLIP, HIDDEN, FakeClient
 
@@ -311,11 +311,14 @@ _SAVED = ["Ann", "bob.2", "c-d_e"]
 @_FUZZ
 @given(name=st.text(min_size=1, max_size=80) | st.sampled_from(_SAVED + [n.swapcase() for n in _SAVED]))
 def test_fuzz_delete_and_list(fake_app, name):
-    count_case("voices delete_and_list")
     http, store, _ = fake_app
     for saved in _SAVED:
         if store.get(saved) is None:
             asyncio.run(store.create(saved, speaker_embedding=embedding()))
+    # An HTTP client drops "." and ".." path segments (RFC 3986), so such a DELETE never names a voice; no
+    # stored name can be one (NAME_PATTERN starts with a letter or digit).
+    assume(name not in (".", ".."))
+    count_case("voices delete_and_list")
     existed = store.get(name) is not None
     r = http.delete(f"{URL}/{quote(name, safe='')}")
     check(r)
