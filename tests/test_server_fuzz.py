@@ -12,6 +12,7 @@ import httpx
 import pytest
 import requests
 import schemathesis
+from fuzz_scale import count_case, fuzz_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import LiveServer, local_client, server_settings, tiny_loaded, wait_until
@@ -21,7 +22,7 @@ from legato.server.voices import VoiceStore
 
 CALL_TIMEOUT = 20.0
 OWN_ROUTES = ("/v1/audio/speech", "/v1/models", "/health")  # the voice routes document their own codes
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=fuzz_examples(), deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
 
@@ -59,6 +60,7 @@ def _fuzz_operation(op, mode, url: str, session: requests.Session, documented: s
     @FUZZ
     @given(case=op.as_strategy(generation_mode=mode))
     def run(case) -> None:
+        count_case(f"schemathesis {mode.value} {op.method.upper()} {op.path}")
         response = case.call(base_url=url, session=session, timeout=CALL_TIMEOUT)
         content_type = response.headers.get("content-type", [""])  # schemathesis: a list per header
         check_answer(response.status_code, content_type[0], response.content)
@@ -130,6 +132,7 @@ def _mutations(client: httpx.Client, valid: dict) -> list[int]:
     @FUZZ
     @given(body=bodies(valid))
     def run(body: dict) -> None:
+        count_case(f"mutated POST /v1/audio/speech ({'base' if valid is BASE_VALID else 'custom_voice'})")
         # json.dumps escapes to ASCII, so lone surrogates travel as "\ud800", as a hostile client sends them
         content = json.dumps(body).encode()
         with client.stream("POST", "/v1/audio/speech", content=content,
@@ -154,3 +157,30 @@ def test_mutated_valid_requests_never_5xx(live):
         assert statuses.count(200) >= 5, statuses  # the fuzzing reached the engine, not only the validators
         assert wait_until(lambda: client.get("/health").json()["engine"]["running"] == 0, timeout=10)
         assert client.get("/health").json()["status"] == "ok"
+
+
+def test_voice_uploads_with_client_chosen_charsets_never_5xx(live):
+    """The multipart charset fuzz of test_voices_api, through the live server and the real voice store: any
+    charset, in the header or a part, is read as UTF-8 or refused, and the listing stays 200 after each."""
+    from test_voices_api import CHARSET_FUZZ, multipart_with_charset
+
+    srv, app = live
+    if app.state.client.info.model_type != "base":
+        pytest.skip("voice uploads are for Base models (the app mounts no voice store here)")
+    statuses = []
+    with httpx.Client(base_url=srv.url, timeout=CALL_TIMEOUT) as client:
+        @FUZZ
+        @given(case=CHARSET_FUZZ)
+        def run(case) -> None:
+            count_case("live multipart_with_charset POST /v1/audio/voices")
+            body, content_type = multipart_with_charset(*case)
+            try:
+                r = client.post("/v1/audio/voices", content=body, headers={"content-type": content_type})
+            except httpx.LocalProtocolError:  # the client library itself will not send it (a NUL in a header)
+                return
+            check_answer(r.status_code, r.headers.get("content-type", ""), r.content)
+            statuses.append(r.status_code)
+            assert client.get("/v1/audio/voices").status_code == 200
+
+        run()
+    assert 415 in statuses, statuses

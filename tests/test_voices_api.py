@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import json
 from urllib.parse import quote
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, event, given, settings
+from fuzz_scale import count_case, fuzz_examples
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from voice_helpers import CLIP, HIDDEN, FakeClient
 
@@ -254,7 +256,8 @@ _bodies = st.one_of(
     }), st.dictionaries(st.text(max_size=10), _json_values, max_size=2)),
     _json_values,
 )
-_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_FUZZ = settings(max_examples=fuzz_examples(), deadline=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def check(resp) -> None:
@@ -270,6 +273,7 @@ def check(resp) -> None:
 @_FUZZ
 @given(body=_bodies)
 def test_fuzz_json_create(fake_app, body):
+    count_case("voices json_create")
     http, _, _ = fake_app
     check(http.post(URL, content=json.dumps(body), headers={"content-type": "application/json"}))
 
@@ -284,6 +288,7 @@ def test_fuzz_json_create(fake_app, body):
     field=st.sampled_from(["file", "audio_sample", "name", "x"]),
 )
 def test_fuzz_multipart_create(fake_app, fields, name, upload, field):
+    count_case("voices multipart_create")
     http, _, _ = fake_app
     data = {"name": name, **fields}
     files = {field: ("clip.wav", upload, "audio/wav")} if upload is not None else None
@@ -295,6 +300,7 @@ def test_fuzz_multipart_create(fake_app, fields, name, upload, field):
     "application/json", "multipart/form-data", "multipart/form-data; boundary=xyz", "text/plain", "",
     "application/x-www-form-urlencoded", "application/octet-stream", "application/ld+json"]))
 def test_fuzz_raw_bodies(fake_app, body, content_type):
+    count_case("voices raw_bodies")
     http, _, _ = fake_app
     check(http.post(URL, content=body, headers={"content-type": content_type}))
 
@@ -309,6 +315,10 @@ def test_fuzz_delete_and_list(fake_app, name):
     for saved in _SAVED:
         if store.get(saved) is None:
             asyncio.run(store.create(saved, speaker_embedding=embedding()))
+    # An HTTP client drops "." and ".." path segments (RFC 3986), so such a DELETE never names a voice; no
+    # stored name can be one (NAME_PATTERN starts with a letter or digit).
+    assume(name not in (".", ".."))
+    count_case("voices delete_and_list")
     existed = store.get(name) is not None
     r = http.delete(f"{URL}/{quote(name, safe='')}")
     check(r)
@@ -316,3 +326,78 @@ def test_fuzz_delete_and_list(fake_app, name):
     assert store.get(name) is None
     listing = http.get(URL)
     assert listing.status_code == 200 and all("name" in v for v in listing.json()["voices"])
+
+
+# Charsets a client may name for form text: the two the server reads, and ones it must refuse (415) without
+# ever decoding with them (unicode_escape turns plain ASCII into lone surrogates; rot13/base64 are not even
+# text encodings), plus names that are no codec at all.
+_CHARSETS = ["utf-8", "UTF-8", "utf8", '"utf-8"', "ascii", "us-ascii", "latin-1", "iso-8859-1", "cp1252",
+             "utf-16", "utf-16-le", "utf-32", "shift_jis", "unicode_escape", "raw_unicode_escape", "rot13",
+             "base64", "punycode", "idna", "bogus", "", "utf-8\x00", "x" * 200]
+# Text with what an escape-decoding charset would turn into surrogates, real controls and odd code points.
+_form_text = st.lists(st.sampled_from(["\\ud800", "\\udfff", "\\x00", "\\u202e", "\\N{SNOWMAN}", "\x00", "\x1b",
+                                       "\r\n", "\u202e", "\U0001f600", "é", "Ann", "a"]) | st.characters(),
+                      max_size=12).map("".join)
+
+
+_BOUNDARY = "legato-fuzz-boundary"
+
+
+def _codec_name(charset: str) -> str | None:
+    try:
+        return codecs.lookup(charset.strip('"').lower()).name
+    except (LookupError, ValueError):
+        return None
+
+
+def _encode_part(text: str, charset: str) -> bytes:
+    """The bytes a client would send for `text` claiming `charset` (UTF-8 when that is no usable codec)."""
+    try:
+        return text.encode(charset.strip('"'), errors="surrogatepass")
+    except (LookupError, UnicodeError, TypeError, ValueError):
+        return text.encode("utf-8", errors="surrogatepass")
+
+
+def _multipart(fields: dict[str, str], charset: str, part_charset: bool, upload: bytes | None) -> bytes:
+    out = bytearray()
+    for key, value in fields.items():
+        ctype = f"Content-Type: text/plain; charset={charset}\r\n" if part_charset else ""
+        out += (f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="{key}"\r\n{ctype}\r\n').encode()
+        out += _encode_part(value, charset) + b"\r\n"
+    if upload is not None:
+        out += (f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+                "Content-Type: audio/wav\r\n\r\n").encode() + upload + b"\r\n"
+    return bytes(out + f"--{_BOUNDARY}--\r\n".encode())
+
+
+CHARSET_FUZZ = st.tuples(  # (charset, part_charset, fields, name, upload) for `multipart_with_charset`
+    st.sampled_from(_CHARSETS), st.booleans(),
+    st.dictionaries(st.sampled_from(["name", "ref_text", "x_vector_only", "speaker_embedding", "replace",
+                                     "_charset_", "ref_audio"]), _form_text, max_size=4),
+    _form_text | _valid_names, st.sampled_from([None, CLIP_BYTES, b"RIFF\x00\x00"]),
+)
+
+
+def multipart_with_charset(charset: str, part_charset: bool, fields: dict[str, str], name: str,
+                           upload: bytes | None) -> tuple[bytes, str]:
+    """A voice-upload form claiming `charset` in its Content-Type (and each part's, if `part_charset`)."""
+    body = _multipart({"name": name, **fields}, charset, part_charset, upload)
+    return body, f"multipart/form-data; boundary={_BOUNDARY}; charset={charset}"
+
+
+@_FUZZ
+@given(case=CHARSET_FUZZ)
+def test_fuzz_multipart_with_client_chosen_charsets(fake_app, case):
+    """A form naming any charset (header or part) is read as UTF-8 or refused: never a 5xx, never a stored
+    name that is not valid UTF-8, and the listing keeps working after every case."""
+    count_case("voices multipart_with_charset")
+    http, _, _ = fake_app
+    body, content_type = multipart_with_charset(*case)
+    r = http.post(URL, content=body, headers={"content-type": content_type})
+    check(r)
+    if _codec_name(case[0]) not in ("utf-8", "ascii"):
+        assert r.status_code == 415, r.text  # refused before the body is parsed with that charset
+    listing = http.get(URL)
+    assert listing.status_code == 200
+    for voice in listing.json()["voices"]:
+        voice["name"].encode("utf-8")  # raises on a lone surrogate

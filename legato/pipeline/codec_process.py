@@ -28,7 +28,7 @@ from legato.pipeline import messages as m
 from legato.pipeline.client import EngineStats, RequestRejected, StreamChunk
 from legato.pipeline.codec_worker import CodecChunk, CodecError, CodecStats, LocalCodecClient, load_codec_decoder
 from legato.pipeline.process_client import ProcessEngineClient, model_info
-from legato.pipeline.worker import WorkerSpec, drain, heartbeats, incoming
+from legato.pipeline.worker import WorkerSpec, drain, handle_safely, heartbeats, incoming
 
 log = logging.getLogger("legato.codec_worker")
 
@@ -145,33 +145,36 @@ class _CodecWorker:
         beats.cancel()
 
     async def receive(self, cmd: zmq.asyncio.Socket) -> None:
-        async for msg in incoming(cmd):
-            if isinstance(msg, m.CodecOpen):
-                rid = msg.request_id
-                if self.draining or rid in self.tasks:
-                    why = "the codec worker is shutting down" if self.draining else f"codec stream {rid!r} is open"
-                    await self.send(m.Rejected(rid, 503 if self.draining else 400, why))
-                    continue
-                self.feeds[rid] = asyncio.Queue()
-                self.tasks[rid] = asyncio.create_task(self.stream(msg))
-            elif isinstance(msg, m.CodecFrames):
-                feed = self.feeds.get(msg.request_id)
-                if feed is not None:
-                    feed.put_nowait(msg.codes)
-                    if msg.last:
-                        feed.put_nowait(None)
-            elif isinstance(msg, m.Abort):
-                feed = self.feeds.get(msg.request_id)
-                if feed is not None:
-                    # Both: the marker ends a stream still waiting for frames, the abort one decoding its tail.
-                    feed.put_nowait(_StreamAborted(msg.reason))
-                    await self.codec.abort(msg.request_id, msg.reason)
-            elif isinstance(msg, m.Shutdown):
-                log.info("shutdown requested (grace %.1f s)", msg.grace_s)
-                self.grace_s, self.draining = msg.grace_s, True
-                self.stop.set()
-            else:
-                log.error("dropping a %s: not a message for a codec worker", type(msg).__name__)
+        async for msg in incoming(cmd, self.spec.max_message_bytes):
+            await handle_safely(self.handle, msg)
+
+    async def handle(self, msg: m.Message) -> None:
+        if isinstance(msg, m.CodecOpen):
+            rid = msg.request_id
+            if self.draining or rid in self.tasks:
+                why = "the codec worker is shutting down" if self.draining else f"codec stream {rid!r} is open"
+                await self.send(m.Rejected(rid, 503 if self.draining else 400, why))
+                return
+            self.feeds[rid] = asyncio.Queue()
+            self.tasks[rid] = asyncio.create_task(self.stream(msg))
+        elif isinstance(msg, m.CodecFrames):
+            feed = self.feeds.get(msg.request_id)
+            if feed is not None:
+                feed.put_nowait(msg.codes)
+                if msg.last:
+                    feed.put_nowait(None)
+        elif isinstance(msg, m.Abort):
+            feed = self.feeds.get(msg.request_id)
+            if feed is not None:
+                # Both: the marker ends a stream still waiting for frames, the abort one decoding its tail.
+                feed.put_nowait(_StreamAborted(msg.reason))
+                await self.codec.abort(msg.request_id, msg.reason)
+        elif isinstance(msg, m.Shutdown):
+            log.info("shutdown requested (grace %.1f s)", msg.grace_s)
+            self.grace_s, self.draining = msg.grace_s, True
+            self.stop.set()
+        else:
+            log.error("dropping a %s: not a message for a codec worker", type(msg).__name__)
 
     async def stream(self, msg: m.CodecOpen) -> None:
         rid, feed = msg.request_id, self.feeds[msg.request_id]

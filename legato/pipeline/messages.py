@@ -3,7 +3,9 @@
 Every message is a small dataclass. On the wire it is a ZMQ multipart message: frame 0 is a UTF-8 JSON
 header `{"type": ..., "v": 1, "body": {...}, "arrays": [[name, dtype, shape], ...]}` and each later frame
 is the raw C-order bytes of one array, in the order the header lists them. Nothing is pickled: decoding
-only ever builds the types named here, and any header or frame that does not fit raises `MessageError`.
+only ever builds the types named here, and any header or frame that does not fit raises `MessageError`, as
+does a message over `MAX_MESSAGE_BYTES` (both ends also set ZMQ's MAXMSGSIZE, so a far larger frame is never
+even buffered: its connection is dropped).
 
 Direction: Submit, AwaitHandoff, Abort, ExtractVoice, Shutdown go server -> worker; Ready, Chunk, Rejected,
 VoiceResult, Stats, LinkStatus, Heartbeat go worker -> server. `request_id` doubles as the call id of
@@ -14,6 +16,7 @@ answers with Ready, Chunk (PCM; `num_frames` counts the frames decoded so far), 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +30,9 @@ from legato.pipeline.client import EngineStats, ModelInfo, StreamChunk, Synthesi
 
 VERSION = 1
 _DTYPES = {"float32", "int64"}  # the only array dtypes any message carries
+# Far above any real message (a minute of 192 kHz reference audio as float32 is 46 MB), far below what
+# would hurt a host: one bad or hostile frame costs a bounded allocation, then a logged drop.
+MAX_MESSAGE_BYTES = 256 * 2**20
 
 
 class MessageError(ValueError):
@@ -169,48 +175,65 @@ def encode(msg: Message) -> list[bytes]:
     return [header, *frames]
 
 
-def decode(frames: Sequence[bytes | memoryview]) -> Message:
-    """The message in `frames`; raises MessageError on anything malformed."""
+def decode(frames: Sequence[bytes | memoryview], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """The message in `frames`; raises MessageError on anything malformed or over `max_bytes` in all."""
     if not frames:
         raise MessageError("empty message")
+    size = sum(memoryview(f).nbytes for f in frames)
+    if size > max_bytes:
+        raise MessageError(f"message of {len(frames)} frames is {size} bytes, over the limit of {max_bytes}")
     try:
-        header = json.loads(bytes(frames[0]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MessageError(f"header is not JSON: {e}") from None
+        header = json.loads(bytes(frames[0]), parse_constant=_no_constant)
+    # ValueError covers bad UTF-8, bad JSON, NaN/Infinity and integers past Python's digit limit;
+    # RecursionError a deeply nested header.
+    except (ValueError, RecursionError) as e:
+        raise MessageError(f"header is not JSON: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise MessageError("header is not a JSON object")
     if header.get("v") != VERSION:
-        raise MessageError(f"unsupported message version {header.get('v')!r} (this side speaks {VERSION})")
+        raise MessageError(f"unsupported message version {_brief(header.get('v'))} (this side speaks {VERSION})")
     tag = header.get("type")
     if tag not in _DECODERS:
-        raise MessageError(f"unknown message type {tag!r}")
+        raise MessageError(f"unknown message type {_brief(tag)}")
     body = header.get("body")
     if not isinstance(body, dict):
         raise MessageError(f"{tag}: body is not an object")
-    arrays = _arrays(tag, header.get("arrays"), frames[1:])
     try:
+        arrays = _arrays(tag, header.get("arrays"), frames[1:])
         return _DECODERS[tag](_Body(tag, body, arrays))
     except MessageError:
         raise
-    except (ValueError, TypeError) as e:  # e.g. SamplingParams validation of a well-typed but bad value
-        raise MessageError(f"{tag}: {e}") from None
+    # e.g. SamplingParams validation of a well-typed but bad value, or a shape numpy cannot build
+    except (ValueError, TypeError, OverflowError) as e:
+        raise MessageError(f"{tag}: {str(e)[:200]}") from None
+
+
+def _brief(value: Any) -> str:
+    """A repr short enough for a log line, whatever a peer put in the header."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _arrays(tag: str, listed: Any, frames: Sequence[bytes | memoryview]) -> dict[str, np.ndarray]:
     if not isinstance(listed, list) or len(listed) != len(frames):
-        raise MessageError(f"{tag}: header lists {len(listed) if isinstance(listed, list) else listed!r} arrays, "
-                           f"{len(frames)} frames follow")
+        count = len(listed) if isinstance(listed, list) else _brief(listed)
+        raise MessageError(f"{tag}: header lists {count} arrays, {len(frames)} frames follow")
     out = {}
     for entry, frame in zip(listed, frames, strict=True):
         ok = (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in _DTYPES
               and isinstance(entry[2], list) and all(_is_int(n) and n >= 0 for n in entry[2]))
         if not ok:
-            raise MessageError(f"{tag}: bad array entry {entry!r} (want [name, float32|int64, [dims]])")
+            raise MessageError(f"{tag}: bad array entry {_brief(entry)} (want [name, float32|int64, [dims]])")
         name, dtype, shape = entry
         data = memoryview(frame).cast("B")
-        want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        want = math.prod(shape) * np.dtype(dtype).itemsize  # exact: numpy's int64 product would wrap
         if data.nbytes != want:
-            raise MessageError(f"{tag}: array {name!r} {dtype}{shape} needs {want} bytes, got {data.nbytes}")
+            raise MessageError(f"{tag}: array {_brief(name)} {dtype}{_brief(shape)} needs {want} bytes, "
+                               f"got {data.nbytes}")
         out[name] = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
     return out
 
@@ -294,7 +317,7 @@ def _dec_submit(b: _Body) -> Submit:
         inner = _Body(f"{b.tag}.{part}", b.get(part, dict), {})
         unknown = set(inner.body) - set(fields)
         if unknown:
-            raise MessageError(f"{inner.tag}: unknown fields {sorted(unknown)}")
+            raise MessageError(f"{inner.tag}: unknown fields {_brief(sorted(unknown))}")
         required = _REQUIRED_INPUT if part == "input" else set()
         sub[part] = {k: inner.get(k, t, optional=k not in required) for k, t in fields.items() if k in inner.body
                      or k in required}

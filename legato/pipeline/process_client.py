@@ -45,7 +45,7 @@ from legato.pipeline.client import (
 )
 from legato.pipeline.ipc import zmq_endpoint
 from legato.pipeline.kv_links import KVLinkSpec, socket_path
-from legato.pipeline.worker import WorkerSpec
+from legato.pipeline.worker import WorkerSpec, receive_limit
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class ProcessEngineClient(EngineClient):
         heartbeat_timeout_s: float = 15.0,
         kv: KVLinkSpec | None = None,
         role: str = "engine",
+        max_message_bytes: int = m.MAX_MESSAGE_BYTES,
     ) -> None:
         self.model_path = str(resolve_model_dir(model_path))
         self.role = role  # "engine", or "codec": the split topology's codec worker (see codec_process.py)
@@ -100,6 +101,7 @@ class ProcessEngineClient(EngineClient):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.generation_defaults: dict = {}
         self.kv = kv
+        self.max_message_bytes = max_message_bytes  # either way: a larger message is refused or dropped
         self.links: dict[int, m.LinkStatus] = {}  # process MpNd: the worker's KV links, by peer index
         self.proc: subprocess.Popen | None = None
         self.dead_reason: str | None = None  # set once the worker is found dead
@@ -133,6 +135,7 @@ class ProcessEngineClient(EngineClient):
         self._out = self._ctx.socket(zmq.PULL)
         for sock in (self._cmd, self._out):
             sock.setsockopt(zmq.LINGER, 0)
+        self._out.setsockopt(zmq.MAXMSGSIZE, receive_limit(self.max_message_bytes))
         self._cmd.bind(self.endpoints[0])
         self._out.bind(self.endpoints[1])
         spec = WorkerSpec(
@@ -140,6 +143,7 @@ class ProcessEngineClient(EngineClient):
             label=self.label, cmd_endpoint=self.endpoints[0], out_endpoint=self.endpoints[1],
             parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s, torch_threads=self.torch_threads,
             kv=None if self.kv is None else self.kv.to_dict(), role=self.role,
+            max_message_bytes=self.max_message_bytes,
         )
         env = dict(os.environ)
         root = str(Path(legato.__file__).resolve().parents[1])  # the worker imports the same legato
@@ -229,12 +233,13 @@ class ProcessEngineClient(EngineClient):
     def _open(self, rid: str, msg: m.Message) -> _Stream:
         if not self.is_alive():
             raise RequestRejected(503, self._unavailable())
+        frames = self._encode(msg)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if rid in self._streams:
                 raise RequestRejected(409, f"request id {rid!r} is already in flight")
             self._streams[rid] = stream
-        if not self._send(msg):
+        if not self._send(msg, frames):
             self._streams.pop(rid, None)
             raise RequestRejected(503, self._unavailable())
         return stream
@@ -264,10 +269,12 @@ class ProcessEngineClient(EngineClient):
         if not self.is_alive():
             raise RequestRejected(503, self._unavailable())
         call_id = f"voice-{uuid.uuid4().hex}"
+        msg = m.ExtractVoice(call_id, np.asarray(samples, np.float32), int(sample_rate))
+        frames = self._encode(msg)
         fut = asyncio.get_running_loop().create_future()
         with self._lock:
             self._calls[call_id] = fut
-        if not self._send(m.ExtractVoice(call_id, np.asarray(samples, np.float32), int(sample_rate))):
+        if not self._send(msg, frames):
             self._calls.pop(call_id, None)
             raise RequestRejected(503, self._unavailable())
         try:
@@ -288,9 +295,20 @@ class ProcessEngineClient(EngineClient):
             return f"engine worker {self.label} is not serving: {self.dead_reason}"
         return "server is shutting down" if self._stopping else f"engine worker {self.label} is not running"
 
-    def _send(self, msg: m.Message) -> bool:
-        """Queues a message to the worker; False when it cannot (no worker connected, or closed)."""
+    def _encode(self, msg: m.Message) -> list[bytes]:
+        """The frames of a request's opening message; RequestRejected (413) when the worker would drop them as
+        over its limit, which would leave the request waiting for an answer that never comes."""
         frames = m.encode(msg)
+        size = sum(len(f) for f in frames)
+        if size > self.max_message_bytes:
+            raise RequestRejected(413, f"the request is {size} bytes on the worker link, over its limit of "
+                                       f"{self.max_message_bytes}")
+        return frames
+
+    def _send(self, msg: m.Message, frames: list[bytes] | None = None) -> bool:
+        """Queues a message (or its frames, already encoded) to the worker; False when it cannot (no worker
+        connected, or closed)."""
+        frames = m.encode(msg) if frames is None else frames
         with self._lock:
             if self._closing.is_set() or self._cmd is None:
                 return False
@@ -312,13 +330,20 @@ class ProcessEngineClient(EngineClient):
                         frames = self._out.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    try:
-                        self._dispatch(m.decode(frames))
-                    except m.MessageError as e:
-                        log.error("engine worker %s sent a malformed message: %s", self.label, e)
+                    self._receive(frames)
             if self._closing.is_set():
                 return
             self._watch()
+
+    def _receive(self, frames: list[bytes]) -> None:
+        """Decodes and dispatches one message; a bad one is logged and dropped: this thread also watches the
+        worker, and its end would leave every request waiting forever."""
+        try:
+            self._dispatch(m.decode(frames, self.max_message_bytes))
+        except m.MessageError as e:
+            log.error("engine worker %s sent a malformed message: %s", self.label, e)
+        except Exception:
+            log.exception("engine worker %s: dropping a message that could not be handled", self.label)
 
     def _watch(self) -> None:
         """Declares the worker dead when its process exits or its heartbeats stop (then kills it)."""

@@ -45,6 +45,7 @@ class WorkerSpec:
     torch_threads: int | None = None
     kv: dict | None = None  # process MpNd: this worker's KVLinkSpec fields
     role: str = "engine"  # or "codec": the codec worker of `split` (codec_process.py)
+    max_message_bytes: int = m.MAX_MESSAGE_BYTES  # a larger command is dropped (see messages.py)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -80,35 +81,38 @@ class _Worker:
         beats.cancel()
 
     async def receive(self, cmd: zmq.asyncio.Socket) -> None:
-        async for msg in incoming(cmd):
-            if self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
-                await self.send(m.Rejected(msg.request_id, 503, "the worker is shutting down"))
-            elif isinstance(msg, m.Submit):
-                req = msg.request
-                if req.handoff_to is not None:
-                    job = self.prefill_and_send(req) if self.links is not None else self.no_links(req.request_id)
-                else:
-                    job = self.stream(req.request_id, self.client.generate(req))
-                self.tasks[req.request_id] = asyncio.create_task(job)
-            elif isinstance(msg, m.AwaitHandoff):
-                job = self.receive_and_decode(msg) if self.links is not None else self.no_links(msg.request_id)
-                self.tasks[msg.request_id] = asyncio.create_task(job)
-            elif isinstance(msg, m.Abort):
-                rid = msg.request_id
-                if self.links is not None and rid in self.tasks:
-                    self.cancelled.add(rid)
-                    peer = self.links.pending(rid)
-                    if peer is not None:
-                        self.links.cancel(peer, rid, msg.reason)
-                await self.client.abort(rid, msg.reason)
-            elif isinstance(msg, m.ExtractVoice):
-                asyncio.create_task(self.voice(msg))
-            elif isinstance(msg, m.Shutdown):
-                log.info("shutdown requested (grace %.1f s)", msg.grace_s)
-                self.grace_s, self.draining = msg.grace_s, True
-                self.stop.set()
+        async for msg in incoming(cmd, self.spec.max_message_bytes):
+            await handle_safely(self.handle, msg)
+
+    async def handle(self, msg: m.Message) -> None:
+        if self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
+            await self.send(m.Rejected(msg.request_id, 503, "the worker is shutting down"))
+        elif isinstance(msg, m.Submit):
+            req = msg.request
+            if req.handoff_to is not None:
+                job = self.prefill_and_send(req) if self.links is not None else self.no_links(req.request_id)
             else:
-                log.error("dropping a %s: not a server -> worker message", type(msg).__name__)
+                job = self.stream(req.request_id, self.client.generate(req))
+            self.tasks[req.request_id] = asyncio.create_task(job)
+        elif isinstance(msg, m.AwaitHandoff):
+            job = self.receive_and_decode(msg) if self.links is not None else self.no_links(msg.request_id)
+            self.tasks[msg.request_id] = asyncio.create_task(job)
+        elif isinstance(msg, m.Abort):
+            rid = msg.request_id
+            if self.links is not None and rid in self.tasks:
+                self.cancelled.add(rid)
+                peer = self.links.pending(rid)
+                if peer is not None:
+                    self.links.cancel(peer, rid, msg.reason)
+            await self.client.abort(rid, msg.reason)
+        elif isinstance(msg, m.ExtractVoice):
+            asyncio.create_task(self.voice(msg))
+        elif isinstance(msg, m.Shutdown):
+            log.info("shutdown requested (grace %.1f s)", msg.grace_s)
+            self.grace_s, self.draining = msg.grace_s, True
+            self.stop.set()
+        else:
+            log.error("dropping a %s: not a server -> worker message", type(msg).__name__)
 
     async def stream(self, rid: str, chunks) -> None:
         try:
@@ -195,6 +199,9 @@ class _Worker:
             v = await self.client.extract_voice(msg.samples, msg.sample_rate)
         except RequestRejected as e:
             await self.send(m.Rejected(msg.request_id, e.status, e.message, e.retry_after))
+        except Exception as e:  # unanswered, the server's call would wait forever
+            log.exception("voice extraction %s failed", msg.request_id)
+            await self.send(m.Rejected(msg.request_id, 500, f"worker error: {e}"))
         else:
             await self.send(m.VoiceResult(msg.request_id, v.speaker_embedding.numpy(), v.ref_code.numpy()))
 
@@ -217,6 +224,7 @@ async def run(spec: WorkerSpec) -> int:
     cmd = ctx.socket(zmq.PULL)
     out.setsockopt(zmq.LINGER, 2000)  # let the last chunks reach the server after Shutdown
     cmd.setsockopt(zmq.LINGER, 0)
+    cmd.setsockopt(zmq.MAXMSGSIZE, receive_limit(spec.max_message_bytes))
     out.connect(spec.out_endpoint)
     cmd.connect(spec.cmd_endpoint)
     try:
@@ -244,16 +252,34 @@ async def run(spec: WorkerSpec) -> int:
         ctx.term()
 
 
-async def incoming(cmd: zmq.asyncio.Socket) -> AsyncIterator[m.Message]:
+async def incoming(cmd: zmq.asyncio.Socket, max_bytes: int = m.MAX_MESSAGE_BYTES) -> AsyncIterator[m.Message]:
     """The messages arriving on `cmd`; a malformed one is logged and dropped."""
     while True:
         frames = await cmd.recv_multipart()
         try:
-            msg = m.decode(frames)
+            msg = m.decode(frames, max_bytes)
         except m.MessageError as e:
             log.error("dropping a malformed message: %s", e)
             continue
+        except Exception:  # a decoder bug must cost one message, never the command loop
+            log.exception("dropping a message that could not be decoded")
+            continue
         yield msg
+
+
+async def handle_safely(handle, msg: m.Message) -> None:
+    """`await handle(msg)`, where a failure is logged and costs that one message, not the command loop (whose
+    end would leave the worker heart-beating but deaf)."""
+    try:
+        await handle(msg)
+    except Exception:
+        log.exception("dropping a %s: handling it failed", type(msg).__name__)
+
+
+def receive_limit(max_message_bytes: int) -> int:
+    """ZMQ's MAXMSGSIZE for a receiving socket: far above the decoder's limit, so a frame just over it is still
+    received and dropped with a log line, while a far larger one never is (libzmq drops its connection)."""
+    return 2 * max_message_bytes + 2**20
 
 
 async def drain(tasks: dict[str, asyncio.Task], grace_s: float, receiving: asyncio.Task, stop_engine) -> None:

@@ -141,7 +141,7 @@ def _require_utf8(content_type: str) -> None:
         charset = value.strip().strip('"').lower()
         try:
             name = codecs.lookup(charset).name
-        except LookupError:
+        except (LookupError, ValueError):  # ValueError: a NUL in the name ("utf-8\x00")
             name = None
         if name not in ("utf-8", "ascii"):
             raise VoiceError(415, f"form charset {charset[:40]!r} is not supported: send form text as UTF-8")
