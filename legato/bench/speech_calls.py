@@ -4,19 +4,23 @@ said why.
 
 Requests fix their length (`ignore_eos` + `num_frames`), so a complete body has a known size: raw PCM is
 exactly frames × 1920 samples × 2 bytes (Qwen3-TTS's 12.5 Hz codec at 24 kHz), a WAV is that after its
-header, an SSE stream ends with `speech.audio.done` whose usage counts the frames. MP3 sizes depend on the
-encoder, so an MP3 only has to be non-empty and start like an MP3.
+header, an SSE stream ends with `speech.audio.done` whose usage counts the frames. An MP3 is decoded: a
+whole file gives exactly the samples (its Info tag tells the decoder the encoder's delay and padding); a
+stream cannot carry that tag up front, so it decodes to those samples plus the encoder's delay and the last
+frame's padding (up to four 576-sample MPEG-2 frames are allowed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import time
 from dataclasses import dataclass
 
 import httpx
+import soundfile as sf
 
 SAMPLES_PER_FRAME = 1920
 SAMPLE_RATE = 24000
@@ -65,11 +69,20 @@ def _wav_problem(body: bytes, pcm_bytes: int) -> str | None:
     return None if got == pcm_bytes else f"WAV data {got} bytes, expected {pcm_bytes}"
 
 
-def _mp3_problem(body: bytes) -> str | None:
-    if not body:
-        return "empty MP3"
+_MP3_SLACK = 4 * 576  # samples a streamed MP3 may decode to beyond its audio: encoder delay + last-frame padding
+
+
+def _mp3_problem(body: bytes, frames: int, whole: bool) -> str | None:
     # an ID3 tag or an MPEG audio frame sync (11 set bits)
-    return None if body[:3] == b"ID3" or (body[0] == 0xFF and body[1] & 0xE0 == 0xE0) else "not an MP3"
+    if len(body) < 2 or not (body[:3] == b"ID3" or (body[0] == 0xFF and body[1] & 0xE0 == 0xE0)):
+        return f"not an MP3: {body[:16]!r}"
+    try:
+        got = sf.info(io.BytesIO(body)).frames
+    except (RuntimeError, sf.LibsndfileError) as e:
+        return f"MP3 does not decode: {e}"
+    want = frames * SAMPLES_PER_FRAME
+    ok = got == want if whole else want <= got <= want + _MP3_SLACK
+    return None if ok else f"MP3 decodes to {got} samples, expected {want}" + ("" if whole else f"..+{_MP3_SLACK}")
 
 
 def body_problem(kind: tuple[str, str], frames: int, body: bytes) -> str | None:
@@ -78,7 +91,7 @@ def body_problem(kind: tuple[str, str], frames: int, body: bytes) -> str | None:
     pcm_bytes = frames * SAMPLES_PER_FRAME * 2
     if fmt == "pcm":
         return None if len(body) == pcm_bytes else f"PCM {len(body)} bytes, expected {pcm_bytes}"
-    return _wav_problem(body, pcm_bytes) if fmt == "wav" else _mp3_problem(body)
+    return _wav_problem(body, pcm_bytes) if fmt == "wav" else _mp3_problem(body, frames, kind[1] == "file")
 
 
 def sse_problem(kind: tuple[str, str], frames: int, events: list[dict]) -> str | None:
@@ -91,7 +104,7 @@ def sse_problem(kind: tuple[str, str], frames: int, events: list[dict]) -> str |
         return f"speech.audio.done counts {tokens} frames, expected {frames}"
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1] if e.get("type") == "speech.audio.delta")
     if kind[0] == "mp3":
-        return _mp3_problem(audio)
+        return _mp3_problem(audio, frames, whole=False)
     want = frames * SAMPLES_PER_FRAME * 2
     return None if len(audio) == want else f"SSE audio {len(audio)} bytes, expected {want}"
 
