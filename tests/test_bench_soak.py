@@ -66,3 +66,12 @@ def test_requests_fall_in_the_window_they_ended_in():
     first, last = _windows(cfg, outs, samples, t0=100.0)
     assert (first["ok"], first["bad"], last["ok"]) == (2, 1, 2)  # the one ending past the duration: last
     assert (first["rss_mb"], last["rss_mb"], last["kv_usage_max"]) == (100.0, 110.0, 0.3)
+
+
+def test_the_command_says_when_the_server_is_not_there(capsys):
+    from serve_process import free_port
+
+    from legato.cli import main
+
+    assert main(["bench", "soak", "--url", f"http://127.0.0.1:{free_port()}", "--duration", "1", "--no-warmup"]) == 2
+    assert "legato bench soak: error" in capsys.readouterr().err

@@ -381,7 +381,13 @@ def _soak(args: argparse.Namespace) -> int:
                      min_frames=args.min_frames, max_frames=args.max_frames, voice=args.voice or None,
                      pid=args.pid, timeout_s=args.timeout, drain_timeout_s=args.drain_timeout,
                      warmup=not args.no_warmup, extra=extra)
-    result = run_soak(cfg)
+    import httpx
+
+    try:
+        result = run_soak(cfg)
+    except httpx.HTTPError as e:  # the server is not there, or its /health is not legato's
+        print(f"legato bench soak: error: {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     print(summary(result))
     if args.out:
         print(f"wrote {write_result(result, args.out)}")
