@@ -1,4 +1,5 @@
-"""`legato bench serve|sweep|compare`. Heavy imports happen inside the handlers, so `legato --help` stays fast."""
+"""`legato bench serve|sweep|summarize|compare|soak`. Heavy imports happen inside the handlers, so
+`legato --help` stays fast."""
 
 from __future__ import annotations
 
@@ -130,6 +131,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("b", help="run B's JSON")
     p.add_argument("--allow-unfair", action="store_true", help="show runs whose limits differ, flagged")
     p.set_defaults(func=_run(_compare))
+
+    p = bsub.add_parser(
+        "soak", help="long mixed load with random disconnects: latency, RSS and KV leaks over time",
+        formatter_class=DefaultsFormatter,
+        description="Drive a running server with mixed formats (pcm/wav/mp3 as streams, files and SSE) and "
+                    "random mid-stream disconnects; report per-window e2e p99, server RSS and KV usage, first vs "
+                    "last window, and leaked KV blocks after the drain. The operators' run is ten minutes: "
+                    "legato bench soak --duration 600 --pid <server pid> --out soak.json. Exit 1 on any bad "
+                    "response or leaked block.")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (600: the operators' soak)")
+    p.add_argument("--concurrency", type=int, default=8, help="clients, each looping requests")
+    p.add_argument("--disconnect-rate", type=float, default=0.1, help="share of requests the client leaves early")
+    p.add_argument("--windows", type=int, default=None, help="windows the run is cut into (default: one a minute, "
+                   "at least 2)")
+    p.add_argument("--pid", type=int, default=None, help="the server's process id, for its RSS from /proc "
+                   "(default: the server's process_resident_memory_bytes gauge, if it exports one)")
+    p.add_argument("--seed", type=int, default=0, help="seeds formats, lengths and who leaves when")
+    p.add_argument("--min-frames", type=int, default=8, help="fewest frames of a request (ignore_eos)")
+    p.add_argument("--max-frames", type=int, default=40, help="most frames of a request")
+    p.add_argument("--voice", default="ryan", help="voice sent with each request ('' for none)")
+    p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline in seconds (past it: a hang)")
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds the engine gets to drain after")
+    p.add_argument("--no-warmup", action="store_true", help="no warm-up request of every kind before the clock")
+    p.add_argument("--out", default=None, help="write the report JSON here (default: none)")
+    p.set_defaults(func=_run(_soak))
 
 
 def _run(handler):
@@ -344,3 +372,27 @@ def _compare(args: argparse.Namespace) -> int:
     print(f"A = {args.a} ({a['config'].get('topology')})\nB = {args.b} ({b['config'].get('topology')})")
     print(compare_table(a, b))
     return 0
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from .soak import SoakConfig, passed, run_soak, summary, write_result
+
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    cfg = SoakConfig(url=args.url, duration_s=args.duration, concurrency=args.concurrency,
+                     disconnect_rate=args.disconnect_rate, windows=args.windows, seed=args.seed,
+                     min_frames=args.min_frames, max_frames=args.max_frames, voice=args.voice or None,
+                     pid=args.pid, timeout_s=args.timeout, drain_timeout_s=args.drain_timeout,
+                     warmup=not args.no_warmup, extra=extra)
+    import httpx
+
+    try:
+        result = run_soak(cfg)
+    except httpx.HTTPError as e:  # the server is not there, or its /health is not legato's
+        print(f"legato bench soak: error: {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(summary(result))
+    if args.out:
+        print(f"wrote {write_result(result, args.out)}")
+    return 0 if passed(result) else 1
