@@ -58,6 +58,12 @@ class KVLinkSpec:
     connect_timeout_s: float = 120.0  # prefill side: decode workers may still be loading
     send_delay_s: float = 0.0  # fault injection for tests: hold handoffs this long before sending them,
     delay_prefix: str = ""  # ... those whose request id starts with this
+    # Across hosts (the Ray launcher fills these in): a decode worker listens on `listen` ("tcp://host:port")
+    # instead of its Unix socket, a prefill worker dials `peer_addresses[d]` for decode worker d ("" = the
+    # Unix socket), and `host` is where peers reach this worker's mooncake engine.
+    listen: str = ""
+    peer_addresses: list[str] = dataclasses.field(default_factory=list)
+    host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -70,6 +76,14 @@ class KVLinkSpec:
 def socket_path(instance_id: str, decode_index: int) -> str:
     """The address of decode worker `decode_index`'s KV-link listener (abstract on Linux: see ipc.py)."""
     return socket_address(instance_id, f"kv{decode_index}")
+
+
+def tcp_host_port(address: str) -> tuple[str, int]:
+    """("host", port) of a "tcp://host:port" address."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"not a tcp://host:port address: {address!r}")
+    return host, int(port)
 
 
 class KVLinks:
@@ -97,11 +111,16 @@ class KVLinks:
     # --- life cycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.spec.role == "decode":
+        if self.spec.role == "decode" and self.spec.listen:
+            self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind(tcp_host_port(self.spec.listen))
+        elif self.spec.role == "decode":
             path = socket_path(self.spec.instance_id, self.spec.index)
             ipc.remove(path)
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener.bind(path)
+        if self.spec.role == "decode":
             self._listener.listen(max(8, self.spec.peers))
             self._listener.settimeout(0.2)
             target = self._accept_loop
@@ -121,7 +140,8 @@ class KVLinks:
             self._dispatch(peer, conn.close())
         if self._listener is not None:
             self._listener.close()
-            ipc.remove(socket_path(self.spec.instance_id, self.spec.index))
+            if not self.spec.listen:
+                ipc.remove(socket_path(self.spec.instance_id, self.spec.index))
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_result(TransferEvent("", EventKind.FAILED, FailReason.CLOSED, "worker closing"))
@@ -227,7 +247,8 @@ class KVLinks:
             conn.close()
             return
         cls = get_backend(self.spec.backend)
-        self.connectors[peer] = cls(self.layout, conn, f"{self.name}.{peer}")
+        extra = {"hostname": self.spec.host} if self.spec.backend == "mooncake" else {}
+        self.connectors[peer] = cls(self.layout, conn, f"{self.name}.{peer}", **extra)
 
     def _dispatch(self, peer: int, events: list[TransferEvent]) -> None:
         for ev in events:
@@ -283,9 +304,10 @@ class KVLinks:
         todo = set(range(self.spec.peers))
         while todo and not self._closed.is_set():
             for peer in sorted(todo):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                address = self.spec.peer_addresses[peer] if peer < len(self.spec.peer_addresses) else ""
+                sock = socket.socket(socket.AF_INET if address else socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
-                    sock.connect(socket_path(self.spec.instance_id, peer))
+                    sock.connect(tcp_host_port(address) if address else socket_path(self.spec.instance_id, peer))
                 except OSError:
                     sock.close()
                     continue

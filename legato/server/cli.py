@@ -80,6 +80,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--mtp-replicas", type=int, default=1,
                    help="code-predictor replicas in each decode engine (own CUDA stream and graph pool each; "
                         "requests pinned by crc32(request id) %% K)")
+    g = p.add_argument_group("launcher (docs/ray.md)")
+    g.add_argument("--launcher", default="local", choices=["local", "ray"],
+                   help="start worker processes as children of the server, or as Ray actors placed through one "
+                        "placement group (needs the ray extra; implies --workers process)")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (host:port of its head); default: start a local one on 127.0.0.1")
+    g.add_argument("--ray-placement", default="pack", choices=["pack", "spread"],
+                   help="the placement group's strategy: workers packed on as few nodes as fit, or spread over nodes")
+    g.add_argument("--ray-node-resource", action="append", default=[], metavar="WORKER=RESOURCE",
+                   help="pin a role (replica, prefill, decode, talker, codec, engine) or one worker (e.g. decode0) "
+                        "to the nodes that have this custom Ray resource (repeatable)")
+    g.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs of each worker's Ray bundle")
     e = p.add_argument_group("engine (per worker)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoding at once")
     e.add_argument("--max-num-batched-tokens", type=int, default=4096,
@@ -177,6 +189,24 @@ def access_settings(args: argparse.Namespace) -> dict:
     return {"api_keys": keys, "allowed_origins": origins, "allowed_hosts": hosts}
 
 
+def launcher_of(args: argparse.Namespace):
+    """The launcher `--launcher` names, with the `--ray-*` options; `--launcher ray` implies process workers.
+    Raises LauncherError (one line) when Ray is missing or an option is malformed."""
+    from legato.pipeline.launchers import LauncherError, make_launcher
+
+    if args.launcher == "local":
+        return None
+    pins = {}
+    for item in args.ray_node_resource:
+        worker, sep, resource = item.partition("=")
+        if not sep or not worker or not resource:
+            raise LauncherError(f"--ray-node-resource takes WORKER=RESOURCE, got {item!r}")
+        pins[worker.strip()] = resource.strip()
+    args.workers = "process"
+    return make_launcher(args.launcher, {"address": args.ray_address, "placement": args.ray_placement,
+                                         "node_resources": pins, "cpus_per_worker": args.ray_cpus_per_worker})
+
+
 def check_devices(devices: list[str]) -> None:
     """Refuses devices this machine does not have, before anything loads (one line, naming the device)."""
     import torch
@@ -202,6 +232,7 @@ def serve(args: argparse.Namespace) -> int:
     from legato.models.qwen3_tts.default import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
     from legato.models.qwen3_tts.loader import load_generation_defaults, load_model, resolve_model_dir
     from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
+    from legato.pipeline.launchers import LauncherError
     from legato.pipeline.topology import TopologyError, build_client, parse_topology
     from legato.server.app import build_app
     from legato.server.connections import BodyTimeoutMiddleware, check_limits, guarded_h11
@@ -273,12 +304,13 @@ def serve(args: argparse.Namespace) -> int:
             generation_defaults.update(loaded.generation_defaults)
             return loaded
 
+        launcher = launcher_of(args)
         client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
                               model_path=model_path, memory_shares=args.worker_memory, kv_backend=args.kv_transfer,
-                              pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy)
+                              pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy, launcher=launcher)
         if args.workers == "process":  # the workers load the model; its generation defaults come from disk
             generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
-    except (ConfigError, TopologyError, ValueError) as e:
+    except (ConfigError, TopologyError, LauncherError, ValueError) as e:
         print(f"legato serve: error: {e}", file=sys.stderr)
         return 2
     settings.generation_defaults = generation_defaults

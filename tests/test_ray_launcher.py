@@ -1,0 +1,223 @@
+"""`--launcher ray`: the same topologies with every worker a Ray actor, on a two-node Ray cluster on this
+machine (`ray.cluster_utils.Cluster`, every node and address 127.0.0.1, one CPU per node, no dashboard).
+
+Codes must equal `single`'s (replicas:2 with a replica per node; 1p1d with prefill and decode on different
+nodes and KV over Mooncake TCP), a killed actor must fail only its own requests, with a reason, while the
+other node keeps serving, and a stopped deployment must leave no actor, placement group, shm segment or
+socket behind. Without Ray, `--launcher ray` must exit with a one-line instruction.
+
+The cluster takes ~10 s to start; each deployment ~20-40 s on a 2-core box (the tiny model loads in every
+worker); the whole file ~2-3 minutes. The deployment tests are marked slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from client_helpers import gather_streams, mixed_requests
+
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline.client import SynthesisRequest
+from legato.pipeline.launchers import RAY_MISSING, LauncherError, make_launcher
+from legato.pipeline.topology import build_client, parse_topology
+
+# Before Ray is imported: Ray otherwise swaps a loopback address for the machine's outward one.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+BLOCKS = 128
+OPTS = {"torch_threads": 1, "start_timeout_s": 120}
+STORE = 80 * 1024 * 1024
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=BLOCKS, max_model_len=512,
+                        max_num_batched_tokens=256)
+
+
+def _codes(chunks) -> np.ndarray:
+    return np.concatenate([c.codes for c in chunks if c.codes is not None])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "node_ip_address": "127.0.0.1", "resources": {"node_a": 1}, "include_dashboard": False,
+        "object_store_memory": STORE})
+    try:
+        c.add_node(node_ip_address="127.0.0.1", num_cpus=1, resources={"node_b": 1}, object_store_memory=STORE)
+        ray.init(address=c.address, include_dashboard=False, log_to_driver=True)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def want(tiny_checkpoint):
+    """Codes of `mixed_requests(8)` from the in-process `single` engine."""
+    from legato.models.qwen3_tts.loader import load_model
+
+    torch.set_num_threads(1)
+    single = build_client(parse_topology("single"), lambda d: load_model(tiny_checkpoint, device=d), _config())
+
+    async def run():
+        await single.start()
+        try:
+            return await gather_streams(single, mixed_requests(8), 8)
+        finally:
+            await single.stop()
+    return [_codes(chunks) for chunks in asyncio.run(run())]
+
+
+def _deploy(path, topology: str, pins: dict[str, str], **kw):
+    launcher = make_launcher("ray", {"node_resources": pins, "cpus_per_worker": 1.0, "place_timeout_s": 60})
+    client = build_client(parse_topology(topology), None, _config(), workers="process", model_path=str(path),
+                          process_options=OPTS, launcher=launcher, **kw)
+    return client, launcher
+
+
+def _gone(launcher, instance_id: str, pids: list[int], ports: list[int]) -> None:
+    """Nothing of the deployment is left: actors, placement group, processes, shm segments, sockets."""
+    import ray
+
+    from legato.kv_transfer.shm import list_segments
+
+    for name, actor in launcher.actors.items():
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.where.remote(), timeout=30)
+        assert name in launcher._released
+    assert launcher.placement_group is None
+    table = ray.util.placement_group_table()
+    assert all(pg["state"] == "REMOVED" for pg in table.values()), table
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert list_segments(instance_id) == []
+    with open("/proc/net/unix") as f:
+        assert f"legato-{instance_id}" not in f.read()
+    assert not set(ports) & _listening_tcp_ports()
+
+
+def _listening_tcp_ports() -> set[int]:
+    ports = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A":
+                ports.add(int(local.split(":")[1], 16))
+    return ports
+
+
+def _tcp_ports(client) -> list[int]:
+    return [int(e.rsplit(":", 1)[1]) for e in client.endpoints if e.startswith("tcp://")]
+
+
+@pytest.mark.slow
+def test_replicas_one_per_node_give_the_codes_of_single(cluster, tiny_checkpoint, want):
+    router, launcher = _deploy(tiny_checkpoint, "replicas:2", {"replica0": "node_a", "replica1": "node_b"})
+
+    async def run():
+        await router.start()
+        try:
+            return {c: await gather_streams(router, mixed_requests(8, prefix=f"r{c}-"), c) for c in (1, 8)}
+        finally:
+            await router.stop()
+
+    got = asyncio.run(run())
+    a, b = router.replicas
+    assert launcher.placements["replica0"].node_id != launcher.placements["replica1"].node_id
+    assert a.endpoints[0].startswith("ipc://") and b.endpoints[0].startswith("tcp://127.0.0.1:")
+    for conc, results in got.items():
+        for i, chunks in enumerate(results):
+            assert chunks[-1].finish_reason == "length", (conc, i, chunks[-1])
+            assert np.array_equal(_codes(chunks), want[i]), (conc, i)
+    assert all(r.proc.returncode == 0 for r in router.replicas)
+    _gone(launcher, a.instance_id, [a.pid, b.pid], _tcp_ports(b))
+
+
+@pytest.mark.slow
+def test_pd_across_nodes_over_mooncake_gives_the_codes_of_single(cluster, tiny_checkpoint, want):
+    router, launcher = _deploy(tiny_checkpoint, "1p1d", {"prefill": "node_a", "decode": "node_b"},
+                               kv_backend="mooncake")
+
+    async def run():
+        await router.start()
+        try:
+            return {c: await gather_streams(router, mixed_requests(8, prefix=f"c{c}-"), c) for c in (1, 8)}
+        finally:
+            await router.stop()
+
+    got = asyncio.run(run())
+    prefill, decode = router.prefill.replicas[0], router.decode[0]
+    assert decode.kv.listen.startswith("tcp://127.0.0.1:") and prefill.kv.peer_addresses == [decode.kv.listen]
+    for conc, results in got.items():
+        for i, chunks in enumerate(results):
+            assert chunks[-1].finish_reason == "length", (conc, i, chunks[-1])
+            assert np.array_equal(_codes(chunks), want[i]), (conc, i)
+    sent = sum(s.counters.get("sent", 0) for s in prefill.links.values())
+    assert sent == 16, prefill.links  # every handoff crossed the link between the nodes
+    _gone(launcher, prefill.instance_id, [prefill.pid, decode.pid],
+          _tcp_ports(decode) + [int(decode.kv.listen.rsplit(":", 1)[1])])
+
+
+@pytest.mark.slow
+def test_a_killed_replica_actor_fails_its_requests_and_the_other_node_serves(cluster, tiny_checkpoint):
+    import ray
+
+    router, launcher = _deploy(tiny_checkpoint, "replicas:2", {"replica0": "node_a", "replica1": "node_b"})
+    emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
+
+    def long(rid: str) -> SynthesisRequest:
+        inp = SpeechInput("A long one.", language="english", speaker_embedding=emb, x_vector_only=True)
+        return SynthesisRequest(rid, inp, SamplingParams(seed=3, max_new_tokens=400), ignore_eos=True)
+
+    async def run():
+        await router.start()
+        try:
+            streams = [router.generate(long(f"long{i}")) for i in range(2)]
+            firsts = [await s.__anext__() for s in streams]  # both streaming, one on each replica
+            assert router.in_flight == [1, 1] and not any(c.finished for c in firsts)
+            ray.kill(launcher.actors["replica1"], no_restart=True)
+            ends = []
+            for s in streams:
+                ends.append([c async for c in s][-1])
+            after = await gather_streams(router, mixed_requests(4, prefix="after-"), 4)
+            return ends, after
+        finally:
+            await router.stop()
+
+    t0 = time.monotonic()
+    ends, after = asyncio.run(run())
+    failed = [e for e in ends if e.finish_reason == "error"]
+    assert len(failed) == 1 and "Ray actor died" in failed[0].error, ends
+    assert [e.finish_reason for e in ends].count("length") == 1
+    assert all(c[-1].finish_reason == "length" for c in after)
+    assert "Ray actor died" in router.replicas[1].dead_reason
+    assert time.monotonic() - t0 < 300
+    a, b = router.replicas
+    _gone(launcher, a.instance_id, [a.pid, b.pid], _tcp_ports(b))
+
+
+def test_launcher_ray_without_ray_is_a_one_line_instruction(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    for mod in [m for m in sys.modules if m.startswith("legato.pipeline.ray_launcher")]:
+        monkeypatch.delitem(sys.modules, mod)
+    with pytest.raises(LauncherError, match="needs Ray"):
+        make_launcher("ray")
+    from legato.cli import main
+
+    assert main(["serve", "--launcher", "ray", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"legato serve: error: {RAY_MISSING}"
