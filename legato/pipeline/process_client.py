@@ -183,6 +183,7 @@ class ProcessEngineClient(EngineClient):
         sockets and removes their files."""
         self._stopping = True
         if self.proc is None or self._closing.is_set():  # never started, or already stopped
+            await self.launcher.release(self.worker_name)  # a placed worker that never ran gives its place back
             return
         await self._shutdown_process(grace_s)
 

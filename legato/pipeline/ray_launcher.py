@@ -210,6 +210,10 @@ class RayLauncher(Launcher):
             raise LauncherError(f"--ray-node-resource names {', '.join(sorted(unknown))}, which this deployment "
                                 f"does not run (its workers: {', '.join(names)})")
         self.workers = list(workers)
+        # Now, on the caller's (main) thread, before the server installs its signal handlers: Ray's own
+        # SIGTERM handler, installed by ray.init, would otherwise abort the process instead of letting the
+        # server drain.
+        self._connect()
 
     async def place(self, name: str) -> Placement:
         async with self._lock:
@@ -230,6 +234,9 @@ class RayLauncher(Launcher):
             if self._links is None:
                 self._links = await asyncio.get_running_loop().run_in_executor(None, self._link_addresses)
         listens, hosts = self._links
+        if any(listens) and kv.backend == "shm":
+            raise LauncherError("--kv-transfer shm needs prefill and decode workers on one node; these are placed "
+                                "on several: use --kv-transfer mooncake (or pin them to one node)")
         me = f"{kv.role}{kv.index}"
         if kv.role == "decode":
             return replace(kv, listen=listens[kv.index], host=hosts[me])
@@ -250,7 +257,9 @@ class RayLauncher(Launcher):
         opts = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
         if self.options.address is None:  # a local cluster, bound to loopback only
             need = max(1.0, self.options.cpus_per_worker * len(self.workers))
-            ray.init(_node_ip_address="127.0.0.1", num_cpus=int(need + 0.999), **opts)
+            # A small object store: actor calls carry only strings and numbers, nothing big goes through it.
+            ray.init(_node_ip_address="127.0.0.1", num_cpus=int(need + 0.999), object_store_memory=100 * 2**20,
+                     **opts)
         else:
             ray.init(address=self.options.address, **opts)
         self._owns_ray = True

@@ -260,7 +260,8 @@ def serve(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     try:
-        check_devices([device, *(args.devices.split(",") if args.devices else [])])
+        if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
+            check_devices([device, *(args.devices.split(",") if args.devices else [])])
         check_limits(args.timeout_header, args.timeout_body, args.max_connections)
         if args.model is None:
             model_path = default_model_dir()
