@@ -81,8 +81,8 @@ def want(tiny_checkpoint):
     return [_codes(chunks) for chunks in asyncio.run(run())]
 
 
-def _deploy(path, topology: str, pins: dict[str, str], **kw):
-    launcher = make_launcher("ray", {"node_resources": pins, "cpus_per_worker": 1.0, "place_timeout_s": 60})
+def _deploy(path, topology: str, pins: dict[str, str], cpus: float = 1.0, **kw):
+    launcher = make_launcher("ray", {"node_resources": pins, "cpus_per_worker": cpus, "place_timeout_s": 60})
     client = build_client(parse_topology(topology), None, _config(), workers="process", model_path=str(path),
                           process_options=OPTS, launcher=launcher, **kw)
     return client, launcher
@@ -172,16 +172,51 @@ def test_pd_across_nodes_over_mooncake_gives_the_codes_of_single(cluster, tiny_c
           _tcp_ports(decode) + [int(decode.kv.listen.rsplit(":", 1)[1])])
 
 
+def _long(rid: str) -> SynthesisRequest:
+    emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    inp = SpeechInput("A long one.", language="english", speaker_embedding=emb, x_vector_only=True)
+    return SynthesisRequest(rid, inp, SamplingParams(seed=3, max_new_tokens=400), ignore_eos=True)
+
+
+@pytest.mark.slow
+def test_a_killed_decode_actor_fails_its_request_and_the_other_decode_serves(cluster, tiny_checkpoint):
+    """1p2d: prefill and decode0 on node_a, decode1 on node_b (so every KV link runs over TCP)."""
+    import ray
+
+    pins = {"prefill": "node_a", "decode0": "node_a", "decode1": "node_b"}
+    router, launcher = _deploy(tiny_checkpoint, "1p2d", pins, cpus=0.5, kv_backend="mooncake",
+                               pairing="round_robin")
+
+    async def run():
+        await router.start()
+        try:
+            streams = [router.generate(_long(f"long{i}")) for i in range(2)]
+            firsts = [await s.__anext__() for s in streams]  # both streaming, one on each decode engine
+            assert router.decode_in_flight == [1, 1] and not any(c.finished for c in firsts)
+            ray.kill(launcher.actors["decode1"], no_restart=True)
+            ends = []
+            for s in streams:
+                ends.append([c async for c in s][-1])
+            after = await gather_streams(router, mixed_requests(4, prefix="after-"), 4)
+            return ends, after
+        finally:
+            await router.stop()
+
+    ends, after = asyncio.run(run())
+    assert sorted(e.finish_reason for e in ends) == ["error", "length"], ends
+    assert "Ray actor died" in next(e.error for e in ends if e.finish_reason == "error")
+    assert all(c[-1].finish_reason == "length" for c in after)
+    assert "Ray actor died" in router.decode[1].dead_reason
+    prefill, d0, d1 = router.prefill.replicas[0], *router.decode
+    _gone(launcher, prefill.instance_id, [prefill.pid, d0.pid, d1.pid], _tcp_ports(d1))
+
+
 @pytest.mark.slow
 def test_a_killed_replica_actor_fails_its_requests_and_the_other_node_serves(cluster, tiny_checkpoint):
     import ray
 
     router, launcher = _deploy(tiny_checkpoint, "replicas:2", {"replica0": "node_a", "replica1": "node_b"})
-    emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
-
-    def long(rid: str) -> SynthesisRequest:
-        inp = SpeechInput("A long one.", language="english", speaker_embedding=emb, x_vector_only=True)
-        return SynthesisRequest(rid, inp, SamplingParams(seed=3, max_new_tokens=400), ignore_eos=True)
+    long = _long
 
     async def run():
         await router.start()
@@ -208,6 +243,31 @@ def test_a_killed_replica_actor_fails_its_requests_and_the_other_node_serves(clu
     assert time.monotonic() - t0 < 300
     a, b = router.replicas
     _gone(launcher, a.instance_id, [a.pid, b.pid], _tcp_ports(b))
+
+
+def test_ray_options_and_plans_are_checked_before_anything_starts():
+    pytest.importorskip("ray")
+    from legato.pipeline.launchers import WorkerPlan
+    from legato.pipeline.ray_launcher import RayLauncher, RayOptions
+
+    with pytest.raises(LauncherError, match="--ray-placement"):
+        RayOptions(placement="strict")
+    with pytest.raises(LauncherError, match="not a role"):
+        RayOptions(node_resources={"gpu7": "x"})
+    assert RayOptions(node_resources={"decode": "b", "decode1": "c"}).resource_of("decode0") == "b"
+    with pytest.raises(LauncherError, match="does not run"):
+        RayLauncher(RayOptions(node_resources={"prefill": "a"})).plan([WorkerPlan("replica0")])
+
+
+def test_the_ray_deploy_files_name_only_serve_options():
+    from pathlib import Path
+
+    from legato.cli import build_parser
+    from legato.pipeline.deploy import load_deploy
+
+    defaults = build_parser().parse_args(["serve"]).serve_defaults
+    for path in sorted((Path(__file__).parents[1] / "deploy" / "ray").glob("*.yaml")):
+        assert load_deploy(path, defaults)["launcher"] == "ray", path
 
 
 def test_launcher_ray_without_ray_is_a_one_line_instruction(monkeypatch, capsys):
