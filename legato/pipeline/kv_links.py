@@ -64,6 +64,9 @@ class KVLinkSpec:
     listen: str = ""
     peer_addresses: list[str] = dataclasses.field(default_factory=list)
     host: str = "127.0.0.1"
+    # Per peer, the backend of that link ("" = `backend`): `backend="auto"` under the Ray launcher makes
+    # links within a node shm and links between nodes mooncake; both ends of a link are given the same.
+    peer_backends: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -167,6 +170,10 @@ class KVLinks:
             fut.set_result(TransferEvent(request_id, EventKind.FAILED, FailReason.PEER_CANCELLED, reason))
         return result
 
+    def backend_of(self, peer: int) -> str:
+        named = self.spec.peer_backends[peer] if peer < len(self.spec.peer_backends) else ""
+        return named or ("shm" if self.spec.backend == "auto" else self.spec.backend)
+
     def pending(self, request_id: str) -> int | None:
         """The peer of `request_id`'s transfer in flight, or None."""
         return next((p for (p, rid) in self._waiting if rid == request_id), None)
@@ -246,8 +253,9 @@ class KVLinks:
             log.error("KV link %s: a second connection from worker %d; dropping it", self.name, peer)
             conn.close()
             return
-        cls = get_backend(self.spec.backend)
-        extra = {"hostname": self.spec.host} if self.spec.backend == "mooncake" else {}
+        backend = self.backend_of(peer)
+        cls = get_backend(backend)
+        extra = {"hostname": self.spec.host} if backend == "mooncake" else {}
         self.connectors[peer] = cls(self.layout, conn, f"{self.name}.{peer}", **extra)
 
     def _dispatch(self, peer: int, events: list[TransferEvent]) -> None:
@@ -270,7 +278,7 @@ class KVLinks:
                 elif state is LinkState.FAILED:
                     log.error("KV link %s <-> worker %d failed: %s", self.name, peer, error)
                 elif state is LinkState.READY:
-                    log.info("KV link %s <-> worker %d ready (%s)", self.name, peer, self.spec.backend)
+                    log.info("KV link %s <-> worker %d ready (%s)", self.name, peer, self.backend_of(peer))
                 if self._on_state is not None:
                     self._on_state(peer, state, error, self.counters(peer))
 

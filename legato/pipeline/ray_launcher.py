@@ -238,9 +238,15 @@ class RayLauncher(Launcher):
             raise LauncherError("--kv-transfer shm needs prefill and decode workers on one node; these are placed "
                                 "on several: use --kv-transfer mooncake (or pin them to one node)")
         me = f"{kv.role}{kv.index}"
+        backends = []
+        if kv.backend == "auto":  # per link: shm within a node, mooncake between nodes
+            other = "prefill" if kv.role == "decode" else "decode"
+            node = self.placements[me].node_id
+            backends = ["shm" if self.placements[f"{other}{i}"].node_id == node else "mooncake"
+                        for i in range(kv.peers)]
         if kv.role == "decode":
-            return replace(kv, listen=listens[kv.index], host=hosts[me])
-        return replace(kv, peer_addresses=list(listens), host=hosts[me])
+            return replace(kv, listen=listens[kv.index], host=hosts[me], peer_backends=backends)
+        return replace(kv, peer_addresses=list(listens), host=hosts[me], peer_backends=backends)
 
     async def release(self, name: str) -> None:
         actor = self.actors.get(name)

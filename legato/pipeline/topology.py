@@ -129,8 +129,9 @@ def build_client(
         from legato.kv_transfer import backend_names
         from legato.pipeline.kv_links import KVLinkSpec
 
-        if kv_backend not in backend_names() or kv_backend == "inproc":
-            raise TopologyError(f"process MpNd needs a cross-process KV backend (shm, mooncake), got {kv_backend!r}")
+        if kv_backend not in (*backend_names(), "auto") or kv_backend == "inproc":
+            raise TopologyError(f"process MpNd needs a cross-process KV backend (shm, mooncake, or auto: shm within "
+                                f"a node, mooncake between nodes), got {kv_backend!r}")
     names = worker_names(topology)
     if launcher is not None and workers == "process":
         launcher.plan([WorkerPlan(n, gpu_share(devices[i % len(devices)], devices, topology.num_workers,

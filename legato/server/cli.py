@@ -69,8 +69,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated devices for the workers, in order (default: --device for all)")
     t.add_argument("--workers", default="thread", choices=["thread", "process"],
                    help="run each engine on a thread of the server process or in its own worker process")
-    t.add_argument("--kv-transfer", default="shm", choices=["shm", "mooncake"],
-                   help="how process MpNd moves each handoff between its prefill and decode workers")
+    t.add_argument("--kv-transfer", default="shm", choices=["shm", "mooncake", "auto"],
+                   help="how process MpNd moves each handoff between its prefill and decode workers (auto: shm "
+                        "between workers on one node, mooncake between nodes)")
     t.add_argument("--pd-pairing", default="least_loaded", choices=["least_loaded", "round_robin"],
                    help="MpNd: how each request's decode engine is picked (least loaded, ties round robin; or round "
                         "robin)")
