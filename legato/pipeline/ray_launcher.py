@@ -264,8 +264,9 @@ class RayLauncher(Launcher):
         if self.options.address is None:  # a local cluster, bound to loopback only
             need = max(1.0, self.options.cpus_per_worker * len(self.workers))
             # A small object store: actor calls carry only strings and numbers, nothing big goes through it.
-            ray.init(_node_ip_address="127.0.0.1", num_cpus=int(need + 0.999), object_store_memory=100 * 2**20,
-                     **opts)
+            # address="local": a new instance even when this machine already runs one (None would join it).
+            ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=int(need + 0.999),
+                     object_store_memory=100 * 2**20, **opts)
         else:
             ray.init(address=self.options.address, **opts)
         self._owns_ray = True
