@@ -247,6 +247,27 @@ def test_pd_across_nodes_over_mooncake_gives_the_codes_of_single(cluster, tiny_c
           _tcp_ports(decode) + [int(decode.kv.listen.rsplit(":", 1)[1])])
 
 
+@pytest.mark.slow
+def test_split_talker_and_codec_on_two_nodes_give_the_codes_and_audio_of_single(cluster, tiny_checkpoint, want):
+    client, launcher = _deploy(tiny_checkpoint, "split", {"talker": "node_a", "codec": "node_b"})
+
+    async def run():
+        await client.start()
+        try:
+            return await gather_streams(client, mixed_requests(8, prefix="s-"), 8)
+        finally:
+            await client.stop()
+
+    got = asyncio.run(run())
+    talker, codec = client.talker, client.codec.worker
+    assert talker.endpoints[0].startswith("ipc://") and codec.endpoints[0].startswith("tcp://127.0.0.1:")
+    for i, chunks in enumerate(got):
+        assert chunks[-1].finish_reason == "length", (i, chunks[-1])
+        assert np.array_equal(_codes(chunks), want[i]), i
+        assert np.concatenate([c.audio for c in chunks]).size == want[i].shape[0] * 1920
+    _gone(launcher, talker.instance_id, [talker.pid, codec.pid], _tcp_ports(codec))
+
+
 def _long(rid: str) -> SynthesisRequest:
     emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
     inp = SpeechInput("A long one.", language="english", speaker_embedding=emb, x_vector_only=True)
