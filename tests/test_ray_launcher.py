@@ -355,6 +355,11 @@ def test_ray_options_and_plans_are_checked_before_anything_starts():
     assert RayOptions(node_resources={"decode": "b", "decode1": "c"}).resource_of("decode0") == "b"
     with pytest.raises(LauncherError, match="does not run"):
         RayLauncher(RayOptions(node_resources={"prefill": "a"})).plan([WorkerPlan("replica0")])
+    from legato.pipeline.launchers import LocalLauncher
+    from legato.pipeline.topology import TopologyError
+
+    with pytest.raises(TopologyError, match="workers='process'"):
+        build_client(parse_topology("single"), None, _config(), launcher=LocalLauncher())
 
 
 def test_the_ray_deploy_files_name_only_serve_options():

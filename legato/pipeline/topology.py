@@ -99,6 +99,8 @@ def build_client(
     child processes by default, or Ray actors), and is given the deployment's plan here."""
     if workers not in ("thread", "process"):
         raise TopologyError(f"workers must be 'thread' or 'process', got {workers!r}")
+    if launcher is not None and workers != "process":
+        raise TopologyError("a launcher starts worker processes: it needs workers='process'")
     try:  # before any model is loaded
         check_pd_options(pairing, on_kv_failure)
     except ValueError as e:
