@@ -2,14 +2,15 @@
 machine (`ray.cluster_utils.Cluster`, every node and address 127.0.0.1, one CPU per node, no dashboard).
 
 Codes must equal `single`'s (replicas:2 with a replica per node; 1p1d with prefill and decode on different
-nodes and KV over Mooncake TCP), a killed actor must fail only its own requests, with a reason, while the
-other node keeps serving, and a stopped deployment must leave no actor, placement group, shm segment or
-socket behind. Without Ray, `--launcher ray` must exit with a one-line instruction.
+nodes and KV over Mooncake TCP; split with talker and codec worker apart), a killed actor must fail only its
+own requests, with a reason (or recompute a handoff that did not cross), while the other node keeps
+serving, and a stopped deployment must leave no actor, placement group, shm segment or socket behind.
+Without Ray, `--launcher ray` must exit with a one-line instruction.
 
-The cluster takes ~10 s to start; each deployment 20-45 s on a 2-core box (the tiny model loads in every
-worker), `serve` on a local Ray instance ~45 s; the whole file 2.5 minutes there (8 tests, 145 s measured
-beside other work). Those five are marked slow. Mooncake's engine listens on every interface (docs/ray.md);
-nothing else here binds or dials an address but 127.0.0.1.
+The cluster takes ~10 s to start; each deployment 15-45 s on a 2-core box (the tiny model loads in every
+worker), `serve` on a local Ray instance ~30 s; the whole file ~3 minutes there (9 tests, measured beside
+other work). The six deployment tests are marked slow. Mooncake's engine listens on every interface
+(docs/ray.md); nothing else here binds or dials an address but 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -268,39 +269,53 @@ def test_split_talker_and_codec_on_two_nodes_give_the_codes_and_audio_of_single(
     _gone(launcher, talker.instance_id, [talker.pid, codec.pid], _tcp_ports(codec))
 
 
-def _long(rid: str) -> SynthesisRequest:
+def _long(rid: str, frames: int = 400) -> SynthesisRequest:
     emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
     inp = SpeechInput("A long one.", language="english", speaker_embedding=emb, x_vector_only=True)
-    return SynthesisRequest(rid, inp, SamplingParams(seed=3, max_new_tokens=400), ignore_eos=True)
+    return SynthesisRequest(rid, inp, SamplingParams(seed=3, max_new_tokens=frames + 1), ignore_eos=True)
 
 
 @pytest.mark.slow
-def test_a_killed_decode_actor_fails_its_request_and_the_other_decode_serves(cluster, tiny_checkpoint):
-    """1p2d: prefill and decode0 on node_a, decode1 on node_b, `--kv-transfer auto`: the link within node_a
-    is shm, the one between the nodes mooncake (both with TCP control channels)."""
+def test_a_killed_decode_actor_fails_its_stream_recomputes_its_handoff_and_the_other_decode_serves(
+        cluster, tiny_checkpoint):
+    """1p2d: prefill and decode0 on node_a, decode1 on node_b, `--kv-transfer auto` (the link within node_a
+    is shm, the one between the nodes mooncake, both with TCP control channels), `--kv-failure-policy
+    recompute`. decode1's actor is killed while it streams one request and while another's handoff to it is
+    held at the prefill worker: the first fails with the reason, the second is recomputed on decode0."""
     import ray
 
     pins = {"prefill": "node_a", "decode0": "node_a", "decode1": "node_b"}
-    router, launcher = _deploy(tiny_checkpoint, "1p2d", pins, cpus=0.5, kv_backend="auto", pairing="round_robin")
+    router, launcher = _deploy(tiny_checkpoint, "1p2d", pins, cpus=0.5, kv_backend="auto", pairing="round_robin",
+                               on_kv_failure="recompute", kv_options={"send_delay_s": 3.0, "delay_prefix": "slow"})
 
     async def run():
         await router.start()
         try:
             streams = [router.generate(_long(f"long{i}")) for i in range(2)]
-            firsts = [await s.__anext__() for s in streams]  # both streaming, one on each decode engine
+            firsts = [await s.__anext__() for s in streams]  # both streaming: long0 on decode0, long1 on decode1
             assert router.decode_in_flight == [1, 1] and not any(c.finished for c in firsts)
+            ref = asyncio.ensure_future(gather_streams(router, [_long("ref-x", 6)], 1))  # turn 2: decode0
+            await asyncio.sleep(0.2)
+            slow = asyncio.ensure_future(gather_streams(router, [_long("slow-x", 6)], 1))  # turn 3: decode1, held
+            deadline = time.monotonic() + 30
+            while router.decode_in_flight[1] < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert router.decode_in_flight[1] == 2
             ray.kill(launcher.actors["decode1"], no_restart=True)
             ends = []
             for s in streams:
                 ends.append([c async for c in s][-1])
+            held, reference = (await slow)[0], (await ref)[0]
             after = await gather_streams(router, mixed_requests(4, prefix="after-"), 4)
-            return ends, after
+            return ends, held, reference, after, router.stats()
         finally:
             await router.stop()
 
-    ends, after = asyncio.run(run())
-    assert sorted(e.finish_reason for e in ends) == ["error", "length"], ends
-    assert "Ray actor died" in next(e.error for e in ends if e.finish_reason == "error")
+    ends, held, reference, after, stats = asyncio.run(run())
+    assert [e.finish_reason for e in ends] == ["length", "error"], ends
+    assert "Ray actor died" in ends[1].error
+    assert held[-1].finish_reason == reference[-1].finish_reason == "length"
+    assert np.array_equal(_codes(held), _codes(reference)) and stats.recomputed == 1
     assert all(c[-1].finish_reason == "length" for c in after)
     assert "Ray actor died" in router.decode[1].dead_reason
     prefill, d0, d1 = router.prefill.replicas[0], *router.decode
