@@ -269,6 +269,19 @@ def test_split_talker_and_codec_on_two_nodes_give_the_codes_and_audio_of_single(
     _gone(launcher, talker.instance_id, [talker.pid, codec.pid], _tcp_ports(codec))
 
 
+@pytest.mark.slow
+def test_probe_over_ray_finds_the_codes_of_single(cluster, tiny_checkpoint, capsys):
+    import json
+
+    from legato.cli import main
+
+    rc = main(["probe", "--topology", "replicas:2", "--model", str(tiny_checkpoint), "--device", "cpu",
+               "--requests", "4", "--concurrency", "4", "--frames", "5", "--batch-invariant", "--invariant-rows", "8",
+               "--launcher", "ray", "--ray-node-resource", "replica0=node_a", "--ray-node-resource", "replica1=node_b"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["codes_identical"] and out["launcher"] == "ray" and out["workers"] == "process"
+
+
 def _long(rid: str, frames: int = 400) -> SynthesisRequest:
     emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
     inp = SpeechInput("A long one.", language="english", speaker_embedding=emb, x_vector_only=True)
@@ -370,8 +383,12 @@ def test_ray_options_and_plans_are_checked_before_anything_starts():
     assert RayOptions(node_resources={"decode": "b", "decode1": "c"}).resource_of("decode0") == "b"
     with pytest.raises(LauncherError, match="does not run"):
         RayLauncher(RayOptions(node_resources={"prefill": "a"})).plan([WorkerPlan("replica0")])
-    from legato.pipeline.launchers import LocalLauncher
+    from legato.pipeline.launchers import LocalLauncher, parse_node_resources
     from legato.pipeline.topology import TopologyError
+
+    assert parse_node_resources(["decode0 = b", "prefill=a"]) == {"decode0": "b", "prefill": "a"}
+    with pytest.raises(LauncherError, match="WORKER=RESOURCE"):
+        parse_node_resources(["decode"])
 
     with pytest.raises(TopologyError, match="workers='process'"):
         build_client(parse_topology("single"), None, _config(), launcher=LocalLauncher())

@@ -109,6 +109,17 @@ class LocalLauncher(Launcher):
         return spawn_worker(spec_json, worker_env(torch_threads))
 
 
+def parse_node_resources(items: list[str]) -> dict[str, str]:
+    """`--ray-node-resource WORKER=RESOURCE` items as {worker: resource}; LauncherError for a malformed one."""
+    pins = {}
+    for item in items:
+        worker, sep, resource = item.partition("=")
+        if not sep or not worker.strip() or not resource.strip():
+            raise LauncherError(f"--ray-node-resource takes WORKER=RESOURCE, got {item!r}")
+        pins[worker.strip()] = resource.strip()
+    return pins
+
+
 def make_launcher(kind: str, ray_options: dict | None = None) -> Launcher:
     """The launcher named `kind`; "ray" imports Ray now and raises LauncherError(RAY_MISSING) without it."""
     if kind == "local":

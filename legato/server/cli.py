@@ -193,19 +193,14 @@ def access_settings(args: argparse.Namespace) -> dict:
 def launcher_of(args: argparse.Namespace):
     """The launcher `--launcher` names, with the `--ray-*` options; `--launcher ray` implies process workers.
     Raises LauncherError (one line) when Ray is missing or an option is malformed."""
-    from legato.pipeline.launchers import LauncherError, make_launcher
+    from legato.pipeline.launchers import make_launcher, parse_node_resources
 
     if args.launcher == "local":
         return None
-    pins = {}
-    for item in args.ray_node_resource:
-        worker, sep, resource = item.partition("=")
-        if not sep or not worker or not resource:
-            raise LauncherError(f"--ray-node-resource takes WORKER=RESOURCE, got {item!r}")
-        pins[worker.strip()] = resource.strip()
     args.workers = "process"
     return make_launcher(args.launcher, {"address": args.ray_address, "placement": args.ray_placement,
-                                         "node_resources": pins, "cpus_per_worker": args.ray_cpus_per_worker})
+                                         "node_resources": parse_node_resources(args.ray_node_resource),
+                                         "cpus_per_worker": args.ray_cpus_per_worker})
 
 
 def check_devices(devices: list[str]) -> None:
