@@ -8,8 +8,8 @@ serving, and a stopped deployment must leave no actor, placement group, shm segm
 Without Ray, `--launcher ray` must exit with a one-line instruction.
 
 The cluster takes ~10 s to start; each deployment 15-45 s on a 2-core box (the tiny model loads in every
-worker), `serve` on a local Ray instance ~30 s; the whole file ~3 minutes there (9 tests, measured beside
-other work). The six deployment tests are marked slow. Mooncake's engine listens on every interface
+worker), `serve` on a local Ray instance ~30 s; the whole file 2-3 minutes there (10 tests, 114-160 s measured beside
+other work). The seven deployment tests are marked slow. Mooncake's engine listens on every interface
 (docs/ray.md); nothing else here binds or dials an address but 127.0.0.1.
 """
 
