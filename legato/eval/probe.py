@@ -100,14 +100,17 @@ async def run_client(client: EngineClient, reqs: list[SynthesisRequest], concurr
 
 def probe(topology: str, model: str | None, device: str, n: int, concurrencies: list[int], frames: int,
           greedy: bool, workers: str = "thread", kv_backend: str = "shm", mtp_replicas: int = 1,
-          memory: float = 0.2, batch_invariant: bool = False, invariant_rows: int = 32) -> dict:
+          memory: float = 0.2, batch_invariant: bool = False, invariant_rows: int = 32,
+          launcher: str = "local", ray_options: dict | None = None) -> dict:
     """`single` (thread, one code-predictor group) against `topology` for the same seeded requests at each
-    concurrency: code equality, TTFP p50 and frames/s side by side."""
+    concurrency: code equality, TTFP p50 and frames/s side by side. `launcher="ray"` runs the topology's
+    workers as Ray actors (`ray_options`: `RayOptions` fields), which implies process workers."""
     import torch
 
     from legato.engine.config import EngineConfig
     from legato.models.qwen3_tts.default import default_model_dir
     from legato.models.qwen3_tts.loader import load_model
+    from legato.pipeline.launchers import make_launcher
     from legato.pipeline.topology import build_client, parse_topology
 
     path = model or default_model_dir()
@@ -125,8 +128,11 @@ def probe(topology: str, model: str | None, device: str, n: int, concurrencies: 
     single = asyncio.run(run_client(build_client(parse_topology("single"), lambda _: reference, config), reqs,
                                     concurrencies))
     other_cfg = dataclasses.replace(config, mtp_replicas=mtp_replicas)
+    placer = None if launcher == "local" else make_launcher(launcher, ray_options)
+    workers = "process" if placer is not None else workers
     other = asyncio.run(run_client(build_client(parse_topology(topology), load, other_cfg, workers=workers,
-                                                model_path=str(path), kv_backend=kv_backend), reqs, concurrencies))
+                                                model_path=str(path), kv_backend=kv_backend, launcher=placer),
+                                   reqs, concurrencies))
     runs = []
     for conc, a, b in zip(concurrencies, single, other, strict=True):
         equal = [bool(np.array_equal(x, y)) for x, y in zip(a.codes, b.codes, strict=True)]
@@ -140,7 +146,8 @@ def probe(topology: str, model: str | None, device: str, n: int, concurrencies: 
             "frames_per_s_topology": frames_total / b.wall_s,
             "throughput_ratio": (frames_total / b.wall_s) / (sum(len(c) for c in a.codes) / a.wall_s),
         })
-    return {"topology": topology, "workers": workers, "kv_backend": kv_backend, "mtp_replicas": mtp_replicas,
+    return {"topology": topology, "workers": workers, "launcher": launcher, "kv_backend": kv_backend,
+            "mtp_replicas": mtp_replicas,
             "batch_invariant": batch_invariant, "invariant_rows": invariant_rows if batch_invariant else None,
             "device": device, "model": str(path), "requests": n, "frames": frames, "greedy": greedy,
             "codes_identical": all(r["codes_identical"] for r in runs), "runs": runs}
@@ -159,7 +166,14 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--greedy", action="store_true", help="argmax decoding instead of seeded sampling")
     p.add_argument("--workers", choices=["thread", "process"], default="thread",
                    help="engines on threads of this process or in worker processes")
-    p.add_argument("--kv-transfer", default="shm", help="KV backend of process MpNd: shm | mooncake")
+    p.add_argument("--kv-transfer", default="shm", help="KV backend of process MpNd: shm | mooncake | auto")
+    p.add_argument("--launcher", choices=["local", "ray"], default="local",
+                   help="the topology's workers as children of this process, or as Ray actors (docs/ray.md; "
+                        "implies --workers process)")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local one on 127.0.0.1)")
+    p.add_argument("--ray-placement", choices=["pack", "spread"], default="pack", help="placement group strategy")
+    p.add_argument("--ray-node-resource", action="append", default=[], metavar="WORKER=RESOURCE",
+                   help="pin a role or worker to the nodes with this custom resource (repeatable)")
     p.add_argument("--mtp-replicas", type=int, default=1, help="code-predictor replicas of the topology's engines")
     p.add_argument("--memory", type=float, default=0.2, help="gpu_memory_utilization of each side")
     p.add_argument("--batch-invariant", action="store_true", help="both sides in batch-invariant mode")
@@ -171,15 +185,18 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     import torch
 
+    from legato.pipeline.launchers import LauncherError, parse_node_resources
     from legato.pipeline.topology import TopologyError
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         concurrencies = [int(c) for c in args.concurrency.split(",")]
+        ray_options = {"address": args.ray_address, "placement": args.ray_placement,
+                       "node_resources": parse_node_resources(args.ray_node_resource)}
         report = probe(args.topology, args.model, device, args.requests, concurrencies, args.frames,
                        args.greedy, args.workers, args.kv_transfer, args.mtp_replicas, args.memory,
-                       args.batch_invariant, args.invariant_rows)
-    except (TopologyError, ValueError) as e:
+                       args.batch_invariant, args.invariant_rows, args.launcher, ray_options)
+    except (TopologyError, LauncherError, ValueError) as e:
         print(f"legato probe: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2)

@@ -33,6 +33,8 @@ def zmq_endpoint(instance_id: str, suffix: str) -> str:
 
 def remove(address: str) -> None:
     """Removes the file behind a socket address or endpoint (abstract addresses have none)."""
+    if address.startswith("tcp://"):
+        return
     path = address.removeprefix("ipc://")
     if path.startswith(("\0", "@")):
         return

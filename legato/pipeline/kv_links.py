@@ -58,6 +58,15 @@ class KVLinkSpec:
     connect_timeout_s: float = 120.0  # prefill side: decode workers may still be loading
     send_delay_s: float = 0.0  # fault injection for tests: hold handoffs this long before sending them,
     delay_prefix: str = ""  # ... those whose request id starts with this
+    # Across hosts (the Ray launcher fills these in): a decode worker listens on `listen` ("tcp://host:port")
+    # instead of its Unix socket, a prefill worker dials `peer_addresses[d]` for decode worker d ("" = the
+    # Unix socket), and `host` is where peers reach this worker's mooncake engine.
+    listen: str = ""
+    peer_addresses: list[str] = dataclasses.field(default_factory=list)
+    host: str = "127.0.0.1"
+    # Per peer, the backend of that link ("" = `backend`): `backend="auto"` under the Ray launcher makes
+    # links within a node shm and links between nodes mooncake; both ends of a link are given the same.
+    peer_backends: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -70,6 +79,14 @@ class KVLinkSpec:
 def socket_path(instance_id: str, decode_index: int) -> str:
     """The address of decode worker `decode_index`'s KV-link listener (abstract on Linux: see ipc.py)."""
     return socket_address(instance_id, f"kv{decode_index}")
+
+
+def tcp_host_port(address: str) -> tuple[str, int]:
+    """("host", port) of a "tcp://host:port" address."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"not a tcp://host:port address: {address!r}")
+    return host, int(port)
 
 
 class KVLinks:
@@ -97,11 +114,16 @@ class KVLinks:
     # --- life cycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.spec.role == "decode":
+        if self.spec.role == "decode" and self.spec.listen:
+            self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind(tcp_host_port(self.spec.listen))
+        elif self.spec.role == "decode":
             path = socket_path(self.spec.instance_id, self.spec.index)
             ipc.remove(path)
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener.bind(path)
+        if self.spec.role == "decode":
             self._listener.listen(max(8, self.spec.peers))
             self._listener.settimeout(0.2)
             target = self._accept_loop
@@ -121,7 +143,8 @@ class KVLinks:
             self._dispatch(peer, conn.close())
         if self._listener is not None:
             self._listener.close()
-            ipc.remove(socket_path(self.spec.instance_id, self.spec.index))
+            if not self.spec.listen:
+                ipc.remove(socket_path(self.spec.instance_id, self.spec.index))
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_result(TransferEvent("", EventKind.FAILED, FailReason.CLOSED, "worker closing"))
@@ -146,6 +169,10 @@ class KVLinks:
         if fut is not None and not fut.done():
             fut.set_result(TransferEvent(request_id, EventKind.FAILED, FailReason.PEER_CANCELLED, reason))
         return result
+
+    def backend_of(self, peer: int) -> str:
+        named = self.spec.peer_backends[peer] if peer < len(self.spec.peer_backends) else ""
+        return named or ("shm" if self.spec.backend == "auto" else self.spec.backend)
 
     def pending(self, request_id: str) -> int | None:
         """The peer of `request_id`'s transfer in flight, or None."""
@@ -226,8 +253,10 @@ class KVLinks:
             log.error("KV link %s: a second connection from worker %d; dropping it", self.name, peer)
             conn.close()
             return
-        cls = get_backend(self.spec.backend)
-        self.connectors[peer] = cls(self.layout, conn, f"{self.name}.{peer}")
+        backend = self.backend_of(peer)
+        cls = get_backend(backend)
+        extra = {"hostname": self.spec.host} if backend == "mooncake" else {}
+        self.connectors[peer] = cls(self.layout, conn, f"{self.name}.{peer}", **extra)
 
     def _dispatch(self, peer: int, events: list[TransferEvent]) -> None:
         for ev in events:
@@ -249,7 +278,7 @@ class KVLinks:
                 elif state is LinkState.FAILED:
                     log.error("KV link %s <-> worker %d failed: %s", self.name, peer, error)
                 elif state is LinkState.READY:
-                    log.info("KV link %s <-> worker %d ready (%s)", self.name, peer, self.spec.backend)
+                    log.info("KV link %s <-> worker %d ready (%s)", self.name, peer, self.backend_of(peer))
                 if self._on_state is not None:
                     self._on_state(peer, state, error, self.counters(peer))
 
@@ -283,9 +312,10 @@ class KVLinks:
         todo = set(range(self.spec.peers))
         while todo and not self._closed.is_set():
             for peer in sorted(todo):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                address = self.spec.peer_addresses[peer] if peer < len(self.spec.peer_addresses) else ""
+                sock = socket.socket(socket.AF_INET if address else socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
-                    sock.connect(socket_path(self.spec.instance_id, peer))
+                    sock.connect(tcp_host_port(address) if address else socket_path(self.spec.instance_id, peer))
                 except OSError:
                     sock.close()
                     continue

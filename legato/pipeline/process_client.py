@@ -28,7 +28,6 @@ import numpy as np
 import torch
 import zmq
 
-import legato
 from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.config import load_model_config, load_speech_tokenizer_config
 from legato.models.qwen3_tts.inputs import VoiceFeatures
@@ -45,6 +44,7 @@ from legato.pipeline.client import (
 )
 from legato.pipeline.ipc import zmq_endpoint
 from legato.pipeline.kv_links import KVLinkSpec, socket_path
+from legato.pipeline.launchers import Launcher, LocalLauncher
 from legato.pipeline.worker import WorkerSpec, receive_limit
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class ProcessEngineClient(EngineClient):
         kv: KVLinkSpec | None = None,
         role: str = "engine",
         max_message_bytes: int = m.MAX_MESSAGE_BYTES,
+        launcher: Launcher | None = None,
+        worker_name: str | None = None,
     ) -> None:
         self.model_path = str(resolve_model_dir(model_path))
         self.role = role  # "engine", or "codec": the split topology's codec worker (see codec_process.py)
@@ -102,8 +104,10 @@ class ProcessEngineClient(EngineClient):
         self.generation_defaults: dict = {}
         self.kv = kv
         self.max_message_bytes = max_message_bytes  # either way: a larger message is refused or dropped
+        self.launcher = launcher or LocalLauncher()  # how the worker process is started and watched
+        self.worker_name = worker_name or role  # the launcher's name for it (e.g. "decode0")
         self.links: dict[int, m.LinkStatus] = {}  # process MpNd: the worker's KV links, by peer index
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = None  # or what the launcher gives that behaves as one
         self.dead_reason: str | None = None  # set once the worker is found dead
         # Until the first heartbeat: an idle engine, every block free (a router must not read it as full).
         blocks = self.config.num_kv_blocks or 0
@@ -136,28 +140,14 @@ class ProcessEngineClient(EngineClient):
         for sock in (self._cmd, self._out):
             sock.setsockopt(zmq.LINGER, 0)
         self._out.setsockopt(zmq.MAXMSGSIZE, receive_limit(self.max_message_bytes))
-        self._cmd.bind(self.endpoints[0])
-        self._out.bind(self.endpoints[1])
-        spec = WorkerSpec(
-            model_path=self.model_path, engine_config=dataclasses.asdict(self.config), name=self.info.name,
-            label=self.label, cmd_endpoint=self.endpoints[0], out_endpoint=self.endpoints[1],
-            parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s, torch_threads=self.torch_threads,
-            kv=None if self.kv is None else self.kv.to_dict(), role=self.role,
-            max_message_bytes=self.max_message_bytes,
-        )
-        env = dict(os.environ)
-        root = str(Path(legato.__file__).resolve().parents[1])  # the worker imports the same legato
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        if self.torch_threads:
-            env["OMP_NUM_THREADS"] = str(self.torch_threads)
-        # A session of its own: a Ctrl-C at the terminal reaches the server only, which then shuts the worker
-        # down in order (the worker still exits by itself if the server dies).
-        # -P (Python >= 3.11): the working directory is not put on sys.path, so nothing there shadows legato.
-        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-        self.proc = subprocess.Popen([sys.executable, *safe_path, "-m", "legato.pipeline.worker", spec.to_json()],
-                                     env=env,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        try:
+            await self._launch()
+        except BaseException:  # not placed or not spawned: nothing runs, give back what was taken
+            for sock in (self._cmd, self._out):
+                sock.close()
+            self._ctx.term()
+            await self.launcher.release(self.worker_name)
+            raise
         self._threads = [threading.Thread(target=self._read_log, name=f"worker-log-{self.label}", daemon=True),
                          threading.Thread(target=self._io_loop, name=f"worker-io-{self.label}", daemon=True)]
         for t in self._threads:
@@ -172,11 +162,32 @@ class ProcessEngineClient(EngineClient):
             await asyncio.sleep(0.02)
         log.info("engine worker %s ready (pid %d)", self.label, self.proc.pid)
 
+    async def _launch(self) -> None:
+        placement = await self.launcher.place(self.worker_name)
+        if placement.same_node:
+            self._cmd.bind(self.endpoints[0])
+            self._out.bind(self.endpoints[1])
+        else:  # a worker on another node reaches us over TCP, on a port the kernel picks
+            for sock in (self._cmd, self._out):
+                sock.bind(f"tcp://{placement.server_host}:*")
+            self.endpoints = tuple(s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (self._cmd, self._out))
+        if self.kv is not None:
+            self.kv = await self.launcher.link(self.kv)
+        spec = WorkerSpec(
+            model_path=self.model_path, engine_config=dataclasses.asdict(self.config), name=self.info.name,
+            label=self.label, cmd_endpoint=self.endpoints[0], out_endpoint=self.endpoints[1],
+            parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s, torch_threads=self.torch_threads,
+            kv=None if self.kv is None else self.kv.to_dict(), role=self.role,
+            max_message_bytes=self.max_message_bytes,
+        )
+        self.proc = await self.launcher.spawn(self.worker_name, spec.to_json(), self.torch_threads)
+
     async def stop(self, grace_s: float = 10.0) -> None:
         """Shutdown to the worker, wait for it to exit (grace + a margin), then terminate/kill; closes the
         sockets and removes their files."""
         self._stopping = True
         if self.proc is None or self._closing.is_set():  # never started, or already stopped
+            await self.launcher.release(self.worker_name)  # a placed worker that never ran gives its place back
             return
         await self._shutdown_process(grace_s)
 
@@ -207,6 +218,7 @@ class ProcessEngineClient(EngineClient):
             ipc.remove(endpoint)
         if self.kv is not None and self.kv.role == "decode":  # a killed decode worker leaves its listener behind
             ipc.remove(socket_path(self.kv.instance_id, self.kv.index))
+        await self.launcher.release(self.worker_name)
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -351,7 +363,7 @@ class ProcessEngineClient(EngineClient):
             return
         code = self.proc.poll()
         if code is not None:
-            self._died(f"worker died (exit code {code})")
+            self._died(f"worker died ({getattr(self.proc, 'death', None) or f'exit code {code}'})")
         elif self._ready.is_set() and time.monotonic() - self._last_beat > self.heartbeat_timeout_s:
             self._died(f"worker died (no heartbeat for {self.heartbeat_timeout_s:.0f} s)")
             self.proc.kill()

@@ -31,6 +31,7 @@ from legato.models.qwen3_tts.inputs import VoiceFeatures
 from legato.models.qwen3_tts.loader import LoadedModel
 from legato.pipeline.client import EngineClient, EngineStats, RequestRejected, StreamChunk, SynthesisRequest
 from legato.pipeline.codec_worker import CodecError, LocalCodecClient, load_codec_decoder
+from legato.pipeline.launchers import Launcher, WorkerPlan
 
 if TYPE_CHECKING:
     from legato.pipeline.codec_process import ProcessCodecClient
@@ -164,6 +165,7 @@ def build_split_client(
     process_options: dict | None = None,
     memory_shares: list[float] | None = None,
     load_codec: Callable[[str], CodecDecoder] | None = None,
+    launcher: Launcher | None = None,
 ) -> SplitClient:
     """The `split` topology: `devices` is [talker device, codec device], or one device for both.
 
@@ -202,9 +204,13 @@ def build_split_client(
         from legato.pipeline.process_client import ProcessEngineClient, new_instance_id
 
         instance_id = instance_id or new_instance_id()
-        talker = ProcessEngineClient(model_path, cfg, talker_device, name, instance_id, 0, **(process_options or {}))
+        if launcher is not None:
+            launcher.plan(_split_plan(talker_device, codec_device, cfg.gpu_memory_utilization))
+        talker = ProcessEngineClient(model_path, cfg, talker_device, name, instance_id, 0, **(process_options or {}),
+                                     launcher=launcher, worker_name="talker")
         codec = ProcessCodecClient(model_path, dataclasses.replace(config, device=codec_device), codec_device,
-                                   name, instance_id, 1, **(process_options or {}))
+                                   name, instance_id, 1, **(process_options or {}), launcher=launcher,
+                                   worker_name="codec")
         return SplitClient(talker, codec)
     loaded = load(talker_device)
     local_talker = LocalEngineClient(loaded, cfg, name=name)
@@ -214,3 +220,15 @@ def build_split_client(
                    load_codec_decoder(loaded.path, codec_device, getattr(torch, config.codec_dtype)))
     local_codec = LocalCodecClient(decoder, StreamSchedule.of(config), name=f"{name}-codec")
     return SplitClient(local_talker, local_codec)
+
+
+def _split_plan(talker_device: str, codec_device: str, talker_share: float) -> list[WorkerPlan]:
+    """The GPUs of split's two workers: a device each, or on one device the talker its memory share and the
+    codec worker (no KV cache) the rest."""
+    if not talker_device.startswith("cuda"):
+        gpus = (0.0, 0.0 if not codec_device.startswith("cuda") else 1.0)
+    elif talker_device != codec_device:
+        gpus = (1.0, 1.0 if codec_device.startswith("cuda") else 0.0)
+    else:
+        gpus = (talker_share, max(0.05, round(1.0 - talker_share, 3)))
+    return [WorkerPlan("talker", gpus[0]), WorkerPlan("codec", gpus[1])]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.loader import LoadedModel
 from legato.pipeline.client import EngineClient
+from legato.pipeline.launchers import Launcher, WorkerPlan
 from legato.pipeline.local import LocalEngineClient
 from legato.pipeline.pd import LinkedPrefillDecodeRouter, PrefillDecodeRouter, check_pd_options
 from legato.pipeline.router import ReplicaRouter
@@ -80,6 +81,7 @@ def build_client(
     kv_options: dict | None = None,
     pairing: str = "least_loaded",
     on_kv_failure: str = "fail",
+    launcher: Launcher | None = None,
 ) -> EngineClient:
     """One engine per worker; `load(device)` loads a model copy onto a device. Workers take `devices` in
     order (several workers may share one device, each with its own KV budget from `config`).
@@ -93,9 +95,12 @@ def build_client(
     KV links. `config.mtp_replicas` applies to every engine except MpNd's prefill engines. MpNd picks each
     request's decode engine by `pairing` (least_loaded | round_robin); `on_kv_failure` (fail | recompute)
     says what process MpNd does with a request whose handoff did not cross (thread MpNd moves handoffs by
-    reference: they cannot fail in transit)."""
+    reference: they cannot fail in transit). `launcher` starts the worker processes (`launchers.py`: local
+    child processes by default, or Ray actors), and is given the deployment's plan here."""
     if workers not in ("thread", "process"):
         raise TopologyError(f"workers must be 'thread' or 'process', got {workers!r}")
+    if launcher is not None and workers != "process":
+        raise TopologyError("a launcher starts worker processes: it needs workers='process'")
     try:  # before any model is loaded
         check_pd_options(pairing, on_kv_failure)
     except ValueError as e:
@@ -106,7 +111,7 @@ def build_client(
         try:
             return build_split_client(load, config, devices, name=name, workers=workers, model_path=model_path,
                                       instance_id=instance_id, process_options=process_options,
-                                      memory_shares=memory_shares)
+                                      memory_shares=memory_shares, launcher=launcher)
         except ValueError as e:
             raise TopologyError(str(e)) from None
     if workers == "process" and model_path is None:
@@ -126,8 +131,14 @@ def build_client(
         from legato.kv_transfer import backend_names
         from legato.pipeline.kv_links import KVLinkSpec
 
-        if kv_backend not in backend_names() or kv_backend == "inproc":
-            raise TopologyError(f"process MpNd needs a cross-process KV backend (shm, mooncake), got {kv_backend!r}")
+        if kv_backend not in (*backend_names(), "auto") or kv_backend == "inproc":
+            raise TopologyError(f"process MpNd needs a cross-process KV backend (shm, mooncake, or auto: shm within "
+                                f"a node, mooncake between nodes), got {kv_backend!r}")
+    names = worker_names(topology)
+    if launcher is not None and workers == "process":
+        launcher.plan([WorkerPlan(n, gpu_share(devices[i % len(devices)], devices, topology.num_workers,
+                                               memory_shares[i] if memory_shares else config.gpu_memory_utilization))
+                       for i, n in enumerate(names)])
     clients = []
     for i in range(topology.num_workers):
         device = devices[i % len(devices)]
@@ -148,7 +159,8 @@ def build_client(
                                 peers=topology.decode if prefill else topology.replicas,
                                 instance_id=instance_id, backend=kv_backend, **(kv_options or {}))
             clients.append(ProcessEngineClient(model_path, cfg, device, name, instance_id, i,
-                                               **(process_options or {}), kv=kv))
+                                               **(process_options or {}), kv=kv, launcher=launcher,
+                                               worker_name=names[i]))
         else:
             clients.append(LocalEngineClient(load(device), cfg, name=name))
     if topology.kind == "pd":
@@ -157,3 +169,23 @@ def build_client(
             return LinkedPrefillDecodeRouter(prefill, decode, pairing=pairing, on_kv_failure=on_kv_failure)
         return PrefillDecodeRouter(prefill, decode, pairing=pairing)
     return clients[0] if topology.kind == "single" else ReplicaRouter(clients)
+
+
+def worker_names(topology: Topology) -> list[str]:
+    """The launcher's names for a topology's workers, in build order (prefill engines before decode)."""
+    if topology.kind == "single":
+        return ["engine"]
+    if topology.kind == "split":
+        return ["talker", "codec"]
+    if topology.kind == "replicas":
+        return [f"replica{i}" for i in range(topology.replicas)]
+    return [f"prefill{i}" for i in range(topology.replicas)] + [f"decode{j}" for j in range(topology.decode)]
+
+
+def gpu_share(device: str, devices: list[str], num_workers: int, memory_share: float) -> float:
+    """The GPUs a worker asks its launcher for: none on CPU, its memory share of a device it shares with
+    other workers, or the whole device it has alone."""
+    if not device.startswith("cuda"):
+        return 0.0
+    sharing = num_workers if len(devices) == 1 else devices.count(device)
+    return 1.0 if sharing <= 1 else min(1.0, memory_share)

@@ -69,8 +69,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated devices for the workers, in order (default: --device for all)")
     t.add_argument("--workers", default="thread", choices=["thread", "process"],
                    help="run each engine on a thread of the server process or in its own worker process")
-    t.add_argument("--kv-transfer", default="shm", choices=["shm", "mooncake"],
-                   help="how process MpNd moves each handoff between its prefill and decode workers")
+    t.add_argument("--kv-transfer", default="shm", choices=["shm", "mooncake", "auto"],
+                   help="how process MpNd moves each handoff between its prefill and decode workers (auto: shm "
+                        "between workers on one node, mooncake between nodes)")
     t.add_argument("--pd-pairing", default="least_loaded", choices=["least_loaded", "round_robin"],
                    help="MpNd: how each request's decode engine is picked (least loaded, ties round robin; or round "
                         "robin)")
@@ -80,6 +81,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--mtp-replicas", type=int, default=1,
                    help="code-predictor replicas in each decode engine (own CUDA stream and graph pool each; "
                         "requests pinned by crc32(request id) %% K)")
+    g = p.add_argument_group("launcher (docs/ray.md)")
+    g.add_argument("--launcher", default="local", choices=["local", "ray"],
+                   help="start worker processes as children of the server, or as Ray actors placed through one "
+                        "placement group (needs the ray extra; implies --workers process)")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (host:port of its head); default: start a local one on 127.0.0.1")
+    g.add_argument("--ray-placement", default="pack", choices=["pack", "spread"],
+                   help="the placement group's strategy: workers packed on as few nodes as fit, or spread over nodes")
+    g.add_argument("--ray-node-resource", action="append", default=[], metavar="WORKER=RESOURCE",
+                   help="pin a role (replica, prefill, decode, talker, codec, engine) or one worker (e.g. decode0) "
+                        "to the nodes that have this custom Ray resource (repeatable)")
+    g.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs of each worker's Ray bundle")
     e = p.add_argument_group("engine (per worker)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoding at once")
     e.add_argument("--max-num-batched-tokens", type=int, default=4096,
@@ -177,6 +190,19 @@ def access_settings(args: argparse.Namespace) -> dict:
     return {"api_keys": keys, "allowed_origins": origins, "allowed_hosts": hosts}
 
 
+def launcher_of(args: argparse.Namespace):
+    """The launcher `--launcher` names, with the `--ray-*` options; `--launcher ray` implies process workers.
+    Raises LauncherError (one line) when Ray is missing or an option is malformed."""
+    from legato.pipeline.launchers import make_launcher, parse_node_resources
+
+    if args.launcher == "local":
+        return None
+    args.workers = "process"
+    return make_launcher(args.launcher, {"address": args.ray_address, "placement": args.ray_placement,
+                                         "node_resources": parse_node_resources(args.ray_node_resource),
+                                         "cpus_per_worker": args.ray_cpus_per_worker})
+
+
 def check_devices(devices: list[str]) -> None:
     """Refuses devices this machine does not have, before anything loads (one line, naming the device)."""
     import torch
@@ -202,6 +228,7 @@ def serve(args: argparse.Namespace) -> int:
     from legato.models.qwen3_tts.default import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
     from legato.models.qwen3_tts.loader import load_generation_defaults, load_model, resolve_model_dir
     from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
+    from legato.pipeline.launchers import LauncherError
     from legato.pipeline.topology import TopologyError, build_client, parse_topology
     from legato.server.app import build_app
     from legato.server.connections import BodyTimeoutMiddleware, check_limits, guarded_h11
@@ -229,7 +256,8 @@ def serve(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     try:
-        check_devices([device, *(args.devices.split(",") if args.devices else [])])
+        if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
+            check_devices([device, *(args.devices.split(",") if args.devices else [])])
         check_limits(args.timeout_header, args.timeout_body, args.max_connections)
         if args.model is None:
             model_path = default_model_dir()
@@ -273,12 +301,13 @@ def serve(args: argparse.Namespace) -> int:
             generation_defaults.update(loaded.generation_defaults)
             return loaded
 
+        launcher = launcher_of(args)
         client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
                               model_path=model_path, memory_shares=args.worker_memory, kv_backend=args.kv_transfer,
-                              pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy)
+                              pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy, launcher=launcher)
         if args.workers == "process":  # the workers load the model; its generation defaults come from disk
             generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
-    except (ConfigError, TopologyError, ValueError) as e:
+    except (ConfigError, TopologyError, LauncherError, ValueError) as e:
         print(f"legato serve: error: {e}", file=sys.stderr)
         return 2
     settings.generation_defaults = generation_defaults
