@@ -42,8 +42,10 @@ STORE = 80 * 1024 * 1024
 
 
 def _config() -> EngineConfig:
+    # Batch-invariant: a row's floats must not follow which requests share its batch, which follows arrival
+    # timing on a loaded box (the guarantee compared here is the invariant mode's).
     return EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=BLOCKS, max_model_len=512,
-                        max_num_batched_tokens=256)
+                        max_num_batched_tokens=256, batch_invariant=True, invariant_rows=8)
 
 
 def _codes(chunks) -> np.ndarray:
