@@ -58,3 +58,28 @@ def test_command_line_wins_and_unknown_keys_are_refused(tmp_path):
     bad.write_text("- not a mapping\n")
     with pytest.raises(DeployError, match="mapping"):
         load_deploy(bad, args.serve_defaults)
+
+
+@pytest.mark.parametrize("name", ["replicas", "1p1d"])
+def test_kuberay_manifests_carry_the_ray_deploy_files(tmp_path, name):
+    """The ConfigMap of each KubeRay manifest is deploy/ray/<name>.yaml with its per-node pins set, and the
+    worker groups offer exactly the custom resources those pins name."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((DEPLOY / "ray" / "kuberay" / f"raycluster-{name}.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "RayCluster", "Service"]
+    inner = tmp_path / "deploy.yaml"
+    inner.write_text(docs[0]["data"]["deploy.yaml"])
+    args = parse([])
+    defaults = args.serve_defaults
+    options = load_deploy(inner, defaults)
+    plain = load_deploy(DEPLOY / "ray" / f"{name}.yaml", defaults)
+    pins = options.pop("ray_node_resource")
+    plain.pop("ray_node_resource", None)
+    plain.pop("ray_address", None)
+    assert options == plain and options["launcher"] == "ray"
+    groups = docs[1]["spec"]["workerGroupSpecs"]
+    offered = {yaml.safe_load(g["rayStartParams"]["resources"]).strip('"') for g in groups}
+    assert {pin.split("=")[1] for pin in pins} == {next(iter(yaml.safe_load(o))) for o in offered}
+    apply_deploy(args, load_deploy(inner, defaults), defaults)
+    assert parse_topology(args.topology).num_workers == len(groups)
