@@ -254,7 +254,8 @@ class LocalEngineClient(EngineClient):
                     handoff_only=req.handoff_only,
                 ))
         except Exception as e:
-            wait = self._drain_rate.retry_after(self.engine.scheduler.num_waiting + 1)
+            wait = (self._drain_rate.retry_after(self.engine.scheduler.num_waiting + 1)
+                    if isinstance(e, QueueFullError) else 1.0)
             _settle(admitted, error=rejection(e, retry_after=wait))
             return
         self._streams[req.request_id] = stream

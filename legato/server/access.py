@@ -45,7 +45,8 @@ def load_api_keys(keys: Iterable[str], key_file: str | None = None) -> tuple[str
     return tuple(dict.fromkeys(found))
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def scope_header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header `name` (lower-case bytes) of an ASGI request, or None."""
     for key, value in scope.get("headers", []):
         if key.lower() == name:
             return value.decode("latin-1")
@@ -74,7 +75,7 @@ class HostCheck:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            host = _host_name(_header(scope, b"host") or "")
+            host = _host_name(scope_header(scope, b"host") or "")
             if host not in self.allowed:
                 await _refuse(scope, receive, send, 400, f"Host {host[:100]!r} is not served here (--allowed-hosts)",
                               "invalid_host")
@@ -115,12 +116,12 @@ class OriginCheck:
             return False
         if key in self.allowed:
             return True
-        own = origin_key(f"{scope.get('scheme', 'http')}://{_header(scope, b'host') or ''}")
+        own = origin_key(f"{scope.get('scheme', 'http')}://{scope_header(scope, b'host') or ''}")
         return key == own  # our own pages (the API docs) post with an Origin too
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            origin = _header(scope, b"origin")
+            origin = scope_header(scope, b"origin")
             if origin is not None and not self._allows(scope, origin):
                 await _refuse(scope, receive, send, 403, f"requests from origin {origin[:100]!r} are not allowed "
                               "(--allowed-origins)", "origin_not_allowed")
@@ -145,7 +146,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = _header(scope, b"authorization")
+            given = scope_header(scope, b"authorization")
             if not self._valid(given):
                 message = ("missing API key: send Authorization: Bearer <key>" if given is None
                            else "incorrect API key provided")

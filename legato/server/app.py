@@ -25,7 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from legato.pipeline.client import EngineClient
-from legato.server.access import ApiKeyAuth, HostCheck, OriginCheck
+from legato.server.access import ApiKeyAuth, HostCheck, OriginCheck, scope_header
 from legato.server.errors import error_body, install_error_handlers
 from legato.server.lifecycle import DrainMiddleware, Lifecycle
 from legato.server.logs import current_request_id
@@ -163,7 +163,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = _header(scope, b"x-request-id")
+        given = scope_header(scope, b"x-request-id")
         valid = given is None or REQUEST_ID_PATTERN.fullmatch(given) is not None
         rid = given if given is not None and valid else uuid.uuid4().hex
         state = scope.setdefault("state", {})
@@ -199,7 +199,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _header(scope, b"content-length")
+        declared = scope_header(scope, b"content-length")
         message = f"request body exceeds the limit of {self.max_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await JSONResponse(error_body(413, message, "request_too_large"), status_code=413)(scope, receive, send)
@@ -245,13 +245,6 @@ class SpeechStatusCounter:
             gen = scope.get("state", {}).get("generation")
             outcome = gen.outcome if gen is not None and gen.outcome is not None else sent
             self.metrics.requests.labels(str(outcome)).inc()
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
 
 
 def _version() -> str:
