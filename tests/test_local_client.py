@@ -268,3 +268,47 @@ def test_a_reference_clip_sent_again_is_not_encoded_again(loaded, monkeypatch, c
         # 0 miss, 0 hit, 1 miss, 0@16k miss (a rate is part of the key; evicts 0), 0 miss (evicts 1),
         # 2 miss (evicts 0@16k), 1 miss.
         assert len(calls) == 6 and (cache.hits, cache.misses) == (1, 6)
+
+
+def test_a_slow_voice_encode_never_stalls_running_streams(loaded):
+    """Admission work (here a reference clip whose encoding blocks) runs off the engine thread: a stream
+    already running finishes while the new request's voice is still being encoded, and that request then
+    runs normally."""
+    import threading
+
+    from legato.models.qwen3_tts.inputs import VoiceFeatures
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    def slow_voices(loaded_model, samples, rate):
+        entered.set()
+        assert release.wait(60), "the test never released the encoder"
+        return VoiceFeatures(EMB.clone(), torch.zeros(0, 16, dtype=torch.long))
+
+    async def main():
+        client = make_client(loaded)
+        client.voices = slow_voices
+        await client.start()
+        clip = SpeechInput("Hello there.", language="english", ref_audio=np.zeros(24000, np.float32),
+                           x_vector_only=True)
+        blocked = None
+        try:
+            running = []
+            async for chunk in client.generate(request("running", frames=12, first_chunk_frames=1)):
+                running.append(chunk)
+                if blocked is None:  # the first chunk is out: now a request arrives whose voice blocks
+                    blocked = asyncio.create_task(collect(client, SynthesisRequest(
+                        "clip", clip, SamplingParams(seed=1, max_new_tokens=5))))
+                    assert await asyncio.to_thread(entered.wait, 30)
+            assert not blocked.done()  # its voice is still being encoded
+            release.set()
+            late, _ = await asyncio.wait_for(blocked, 60)
+        finally:
+            release.set()
+            await client.stop()
+        return running, late
+
+    running, late = asyncio.run(main())
+    assert running[-1].finish_reason == "length" and running[-1].num_frames == 12
+    assert late[-1].finish_reason == "length" and late[-1].num_frames == 4

@@ -51,6 +51,7 @@ class EngineRequest:
     stream_audio: bool = True
     first_chunk_frames: int | None = None  # None: the engine's configured first chunk
     handoff_only: bool = False  # prefill worker: stop after prefill and emit a Handoff for a decode worker
+    prompt: TalkerPrompt | None = None  # `Engine.prepare_prompt(spec)`, built off the engine's thread; None: at add
 
 
 @dataclass
@@ -141,7 +142,7 @@ class Engine:
         max_frames = er.max_frames if er.max_frames is not None else er.sampling.max_new_tokens - 1
         if max_frames < 1:
             raise ValueError("the request allows no frames (max_new_tokens must be >= 2)")
-        prompt = build_prompt(er.spec, self.loaded.talker, self.loaded.config)
+        prompt = er.prompt if er.prompt is not None else self.prepare_prompt(er.spec)
         limit = self.config.max_prompt_tokens
         if limit is not None and prompt.length > limit:
             # Refused before it queues: a prompt this long would hold prefill budget for many steps.
@@ -166,6 +167,12 @@ class Engine:
         self.scheduler.add(req)
         self.live[er.request_id] = _Live(req, prompt, er, seed, ref_code=er.spec.ref_code, frame_cap=frame_cap)
         return seed
+
+    def prepare_prompt(self, spec: PromptSpec) -> TalkerPrompt:
+        """The talker prompt of `spec` (embeddings queued on the device). It reads only the weights, so a
+        client may call it from its own threads and hand the result in `EngineRequest.prompt`, keeping the
+        small embedding launches and the host work around them off the engine's critical path."""
+        return build_prompt(spec, self.loaded.talker, self.loaded.config)
 
     def frame_cap(self, spec: PromptSpec) -> int | None:
         """Most frames a request for this text may run (`EngineConfig.frames_per_text_token`), or None."""

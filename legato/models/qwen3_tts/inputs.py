@@ -8,6 +8,7 @@ every entry point treats the same request the same way.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,12 +76,16 @@ def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int) ->
 
 class VoiceCache:
     """Voice features by reference clip (a hash of its samples and rate), least recently used out first.
-    Clients that send the same reference clip with every request pay for its encoding once."""
+    Clients that send the same reference clip with every request pay for its encoding once.
+
+    Safe to call from several threads: a lock guards the entries, and a miss encodes under it, so a clip
+    that several requests bring at once is encoded once (and the encoders never run two at a time)."""
 
     def __init__(self, max_entries: int = 256) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[bytes, VoiceFeatures] = OrderedDict()
         self.hits = self.misses = 0
+        self._lock = threading.Lock()
 
     def __call__(self, loaded: LoadedModel, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
         """`extract_voice`, remembered (same signature, so `build_spec` can take it as its `extract`)."""
@@ -88,16 +93,17 @@ class VoiceCache:
             return extract_voice(loaded, samples, sample_rate)
         arr = np.ascontiguousarray(samples, dtype=np.float32)
         key = hashlib.blake2b(arr.tobytes(), digest_size=16, key=str(int(sample_rate)).encode()).digest()
-        feats = self._entries.get(key)
-        if feats is None:
-            self.misses += 1
-            feats = extract_voice(loaded, arr, sample_rate)
-            self._entries[key] = feats
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-        else:
-            self.hits += 1
-            self._entries.move_to_end(key)
+        with self._lock:
+            feats = self._entries.get(key)
+            if feats is None:
+                self.misses += 1
+                feats = extract_voice(loaded, arr, sample_rate)
+                self._entries[key] = feats
+                while len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
+            else:
+                self.hits += 1
+                self._entries.move_to_end(key)
         return VoiceFeatures(feats.speaker_embedding.clone(), feats.ref_code.clone())
 
 
