@@ -211,3 +211,45 @@ def test_codec_graphs_give_the_eager_codec_audio(tmp_path):
         rid = f"c{i}"
         assert torch.equal(graphs.frames(rid), eager.frames(rid))
         assert abs(graphs.pcm(rid) - eager.pcm(rid)).max() < 1e-5, rid
+
+
+def test_graph_prefill_equals_eager_prefill(tmp_path):
+    """Packed prefill as CUDA graph replays (token buckets) on the 0.6B config in bf16: the codes of the same
+    padded forward run eagerly, bit for bit, for mixed prompt lengths joining mid-run; and on a float32
+    tiny model, the codes of the unpadded eager forward (greedy)."""
+    from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset
+    from legato.models.qwen3_tts.testing import random_model
+
+    def run(lm, specs, prefill, **kw):
+        engine = Engine(lm, engine_config(device="cuda", num_kv_blocks=512, **kw))
+        assert engine.runner.prefill_buckets is not None and engine.runner.prefill_buckets.graphs
+        if prefill == "padded-eager":
+            engine.runner.prefill_buckets = engine.runner.make_prefill_buckets(graphs=False)
+        elif prefill == "unpadded":
+            engine.runner.prefill_buckets = None
+        reqs = [EngineRequest(f"r{i}", specs[i % len(specs)], SamplingParams(
+            seed=i, max_new_tokens=30, do_sample=i % 2 == 0, subtalker_do_sample=i % 2 == 0), max_frames=10 + i,
+            ignore_eos=True, stream_audio=False) for i in range(9)]
+        return run_all(engine, reqs[:5], join_at={2: reqs[5:]})
+
+    lm = random_model(preset("0.6B", "base"), SpeechTokenizerConfig(), device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    hidden = lm.config.talker_config.hidden_size
+    ref = torch.randint(0, 2048, (23, 16), generator=g)
+    specs = [build_spec(lm, SpeechInput(t, language="english", speaker_embedding=torch.randn(hidden, generator=g),
+                                        x_vector_only=x, ref_code=None if x else ref,
+                                        ref_text=None if x else "A reference transcript."))
+             for t, x in (("Hello there, how are you?", True), ("Short.", False),
+                          ("A somewhat longer sentence to speak, with commas, and more.", True))]
+    graphs, eager = (run(lm, specs, p, dtype="bfloat16") for p in ("graphs", "padded-eager"))
+    for i in range(9):
+        assert torch.equal(graphs.frames(f"r{i}"), eager.frames(f"r{i}")), i
+
+    tiny = load_model(tiny_model(tmp_path, "base").path, device="cuda")
+    emb = torch.randn(64, generator=g)
+    tiny_specs = [build_spec(tiny, SpeechInput(t, speaker_embedding=emb, x_vector_only=True))
+                  for t in ("Hello there, how are you?", "Short.", "A somewhat longer sentence, with commas.")]
+    graphs, unpadded = (run(tiny, tiny_specs, p) for p in ("graphs", "unpadded"))
+    for i in range(1, 9, 2):  # the greedy ones
+        assert torch.equal(graphs.frames(f"r{i}"), unpadded.frames(f"r{i}")), i
+

@@ -126,3 +126,78 @@ def test_one_packed_forward_writes_the_cache_each_alone_writes(tmp_path_factory)
     assert packed[0] == alone[0]
     for a, b in zip(packed[1:], alone[1:], strict=True):
         assert (a - b).abs().max() < 1e-5
+
+
+def _bucketed(engine: Engine) -> Engine:
+    """The engine's runner with the padded token-bucket prefill of the CUDA graphs, run eagerly."""
+    engine.runner.prefill_buckets = engine.runner.make_prefill_buckets(graphs=False)
+    return engine
+
+
+@pytest.mark.parametrize("model_type", list(MODES))
+@pytest.mark.parametrize("greedy", [True, False])
+def test_token_bucket_prefill_gives_the_codes_of_the_unpadded_forward(tmp_path_factory, model_type, greedy):
+    """The graph path's padded buffers (run eagerly here) change no real token: mixed prompt lengths packed in
+    one step, and chunked across steps, give the codes of the unpadded packed forward."""
+    lm = tiny_model(tmp_path_factory.getbasetemp() / "packed", model_type)
+    g = torch.Generator().manual_seed(2)
+    emb, ref = torch.randn(64, generator=g), torch.randint(0, 2048, (9, 16), generator=g)
+    specs = [build_spec(lm, x) for x in MODES[model_type](emb, ref)]
+    total = sum(build_prompt(s, lm.talker, lm.config).length for s in specs)
+
+    def params(i: int) -> SamplingParams:
+        if greedy:
+            return SamplingParams(do_sample=False, subtalker_do_sample=False, max_new_tokens=9)
+        return SamplingParams(seed=40 + i, max_new_tokens=9)
+
+    reqs = lambda: [EngineRequest(f"p{i}", s, params(i)) for i, s in enumerate(specs)]  # noqa: E731
+    for budget in (total + 8, 24):  # all in one step (one bucket, padded), and chunked over several
+        plain = run_all(Engine(lm, engine_config(max_num_batched_tokens=budget)), reqs())
+        padded = run_all(_bucketed(Engine(lm, engine_config(max_num_batched_tokens=budget))), reqs())
+        for i in range(len(specs)):
+            assert torch.equal(padded.frames(f"p{i}"), plain.frames(f"p{i}")), (model_type, budget, i)
+
+
+def test_token_bucket_prefill_writes_only_real_blocks_and_the_scratch_block(tmp_path_factory):
+    """Padded tokens land in the scratch block alone: every other block holds what the unpadded forward
+    writes, and the first tokens and hidden states are the same (CPU float32)."""
+    lm = tiny_model(tmp_path_factory.getbasetemp() / "packed", "custom_voice")
+    specs = [build_spec(lm, SpeechInput(t, speaker="ryan")) for t in ("One.", "Two words here.", "Three, then.")]
+    prompts = [build_prompt(s, lm.talker, lm.config) for s in specs]
+
+    def run(bucketed: bool):
+        engine = Engine(lm, engine_config(num_kv_blocks=64))
+        if bucketed:
+            _bucketed(engine)
+        runner = engine.runner
+        for slot in range(3):
+            runner.slots.assign(slot, prompts[slot].trailing_text, SamplingParams(seed=slot), slot, False)
+        slots, tokens = runner.prefill([PrefillWork(i, prompts[i].embeds, 0, [10 * i, 10 * i + 1, 10 * i + 2], True)
+                                        for i in range(3)])
+        real = [b for b in range(runner.kv.k.shape[1]) if b != runner.replicas[0].scratch_block]
+        return (dict(zip(slots, tokens.tolist(), strict=True)), runner.kv.k[:, real].clone(),
+                runner.kv.v[:, real].clone(), runner.slots.past_hidden[:3].clone())
+
+    padded, plain = run(True), run(False)
+    assert padded[0] == plain[0]
+    for a, b in zip(padded[1:], plain[1:], strict=True):
+        assert (a - b).abs().max() < 1e-5
+
+
+def test_static_prefill_pads_tokens_to_the_scratch_block_and_tiles_to_an_empty_chunk():
+    from legato.engine.prefill_graphs import StaticPrefill, token_buckets
+
+    assert token_buckets(4096) == [32, 64, 128, 256, 512, 1024, 2048, 4096] and token_buckets(20) == [32]
+    st = StaticPrefill(128, 4, 6, 8, 16, 99, torch.float32, torch.device("cpu"))
+    embeds = [torch.ones(5, 8), 2 * torch.ones(70, 8)]
+    st.load(embeds, [5, 70], [0, 16], [[1], [2, 3, 4, 5, 6, 7]])
+    meta = st.meta
+    assert meta.cu_seqlens.tolist() == [0, 5, 75, 75, 75, 75] and meta.host_cu == [0, 5, 75]
+    assert meta.starts.tolist() == [0, 16, 0, 0, 0] and meta.block_tables[1].tolist() == [2, 3, 4, 5, 6, 7]
+    assert meta.block_tables[0].tolist() == [1, 99, 99, 99, 99, 99]
+    assert meta.tiles.shape[0] == 128 // BLOCK_M + 4
+    assert meta.tiles.tolist()[:3] == [[0, 0], [1, 0], [1, 1]]
+    assert all(t == [4, 0] for t in meta.tiles.tolist()[3:])  # chunk 4: always empty
+    assert meta.slot_mapping[75:].eq(99 * 16).all() and meta.positions[75:].eq(0).all()
+    assert meta.slot_mapping[5].item() == 3 * 16 + 0 and meta.slot_mapping[74].item() == 7 * 16 + (16 + 69) % 16
+    assert torch.equal(st.embeds[:5], embeds[0]) and torch.equal(st.embeds[5:75], embeds[1])

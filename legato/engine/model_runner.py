@@ -1,6 +1,7 @@
 """Runs the talker and code predictor for one scheduled step.
 
-Prefill runs every prompt chunk of the step in one packed, variable-length forward (eagerly). Decode runs
+Prefill runs every prompt chunk of the step in one packed, variable-length forward: on CUDA a CUDA graph
+replay of the smallest token bucket that holds the step (`prefill_graphs.py`), eagerly otherwise. Decode runs
 every running request together: one batched code-predictor frame loop (15 steps),
 then one batched talker step, then codebook-0 sampling. On CUDA that whole decode step is one CUDA graph
 per batch-size bucket (captured largest first into one memory pool, padded rows pointing at a scratch slot
@@ -23,6 +24,7 @@ import torch
 from legato.engine.config import EngineConfig
 from legato.engine.kv_cache import DecodeMeta, PagedKVCache
 from legato.engine.mtp_replicas import Replica, group_buckets
+from legato.engine.prefill_graphs import PrefillBuckets, token_buckets
 from legato.engine.sampler import Sampler
 from legato.engine.slot_state import SlotState
 from legato.layers.host import upload
@@ -83,8 +85,19 @@ class ModelRunner:
         # largest bucket); larger ones run eagerly.
         self.graph_limit = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
         self.graph_bytes = 0
+        self.prefill_buckets: PrefillBuckets | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
+            if not config.batch_invariant:  # there each chunk runs alone, at its own length
+                self.prefill_buckets = self.make_prefill_buckets(graphs=True)
+                self.graph_bytes += self.prefill_buckets.graph_bytes
+
+    def make_prefill_buckets(self, graphs: bool) -> PrefillBuckets:
+        """Static packed-prefill inputs per token bucket up to the step's token budget; `graphs` captures
+        them (CUDA), otherwise the padded forward runs eagerly."""
+        return PrefillBuckets(self._packed_forward, token_buckets(self.config.max_num_batched_tokens),
+                              self.config.max_num_seqs, self.max_blocks_per_seq, self.talker.config.hidden_size,
+                              self.block_size, self.replicas[0].scratch_block, self.dtype, self.device, graphs)
 
     # --- prefill --------------------------------------------------------------------------------------
 
@@ -98,17 +111,23 @@ class ModelRunner:
         last_hidden, last_slots = [], []
         groups = [[w] for w in work] if self.config.batch_invariant else [work]
         for chunks in groups:
-            meta = PackedPrefill.build([w.embeds.shape[0] for w in chunks], [w.start for w in chunks],
-                                       [w.block_table for w in chunks], self.block_size,
-                                       self.replicas[0].scratch_block, self.device)
-            self.kv.meta = meta
-            embeds = torch.cat([w.embeds for w in chunks]).to(self.dtype)
-            hidden = self.talker(embeds.unsqueeze(0), meta.positions.unsqueeze(0), self.kv)[0]
+            lengths = [w.embeds.shape[0] for w in chunks]
+            starts, tables = [w.start for w in chunks], [w.block_table for w in chunks]
+            static = (self.prefill_buckets.bucket_for(sum(lengths), len(chunks))
+                      if self.prefill_buckets is not None else None)
+            if static is not None:
+                # The bucket's output buffer: its last rows are stacked below, before any other prefill runs.
+                hidden = self.prefill_buckets.run(static, [w.embeds for w in chunks], lengths, starts, tables)
+                cu = static.meta.host_cu
+            else:
+                meta = PackedPrefill.build(lengths, starts, tables, self.block_size,
+                                           self.replicas[0].scratch_block, self.device)
+                hidden = self._packed_forward(torch.cat([w.embeds for w in chunks]).to(self.dtype), meta)
+                cu = meta.host_cu
             for i, w in enumerate(chunks):
                 if w.is_last:
-                    last_hidden.append(hidden[meta.host_cu[i + 1] - 1])
+                    last_hidden.append(hidden[cu[i + 1] - 1])
                     last_slots.append(w.slot)
-        self.kv.meta = None
         if not last_slots:
             return [], torch.zeros(0, dtype=torch.long, device=self.device)
         # Batch invariance: each prompt's first token alone, so its logits never depend on how many
@@ -123,6 +142,14 @@ class ModelRunner:
             self.slots.past_hidden[slots] = hidden
             self.slots.last_c0[slots] = tokens[-1]
         return last_slots, torch.cat(tokens)
+
+    def _packed_forward(self, embeds: torch.Tensor, meta: PackedPrefill) -> torch.Tensor:
+        """embeds [T, H] of a step's packed chunks -> final hidden states [T, H] (KV written)."""
+        self.kv.meta = meta
+        try:
+            return self.talker(embeds.unsqueeze(0), meta.positions.unsqueeze(0), self.kv)[0]
+        finally:
+            self.kv.meta = None
 
     # --- decode ---------------------------------------------------------------------------------------
 

@@ -53,26 +53,40 @@ class PackedPrefill:
               pad_block: int, device: torch.device) -> PackedPrefill:
         """Metadata of chunks of `lengths` tokens starting at positions `starts` of requests with block
         tables `tables` (ragged; padded with `pad_block`, never read)."""
-        n = len(lengths)
-        cu = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu[1:])
         width = max(len(t) for t in tables)
-        table = np.full((n, width), pad_block, dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        positions = np.concatenate([np.arange(s, s + m) for s, m in zip(starts, lengths, strict=True)])
-        seq_of = np.repeat(np.arange(n), lengths)
-        blocks = table[seq_of, positions // block_size].astype(np.int64)
-        slot_mapping = blocks * block_size + positions % block_size
-        tiles = np.array([(i, t) for i, m in enumerate(lengths) for t in range(-(-m // BLOCK_M))], dtype=np.int32)
+        host = packed_host_arrays(lengths, starts, tables, block_size, pad_block, width)
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return upload(a, device)
 
-        return cls(slot_mapping=dev(slot_mapping), positions=dev(positions.astype(np.int64)),
-                   cu_seqlens=dev(cu.astype(np.int32)), starts=dev(np.asarray(starts, dtype=np.int32)),
-                   block_tables=dev(table), tiles=dev(tiles.reshape(-1, 2)), host_cu=cu.tolist(),
-                   host_starts=list(starts))
+        return cls(slot_mapping=dev(host["slot_mapping"]), positions=dev(host["positions"]),
+                   cu_seqlens=dev(host["cu_seqlens"]), starts=dev(host["starts"]),
+                   block_tables=dev(host["block_tables"]), tiles=dev(host["tiles"]),
+                   host_cu=host["cu_seqlens"].tolist(), host_starts=list(starts))
+
+
+def packed_host_arrays(lengths: list[int], starts: list[int], tables: list[list[int]], block_size: int,
+                       pad_block: int, width: int) -> dict[str, np.ndarray]:
+    """The host side of `PackedPrefill`'s tensors (block tables `width` wide, padded with `pad_block`):
+    slot_mapping and positions int64, the rest int32."""
+    n = len(lengths)
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    table = np.full((n, width), pad_block, dtype=np.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    positions = np.concatenate([np.arange(s, s + m) for s, m in zip(starts, lengths, strict=True)])
+    seq_of = np.repeat(np.arange(n), lengths)
+    blocks = table[seq_of, positions // block_size].astype(np.int64)
+    slot_mapping = blocks * block_size + positions % block_size
+    tiles = np.array([(i, t) for i, m in enumerate(lengths) for t in range(-(-m // BLOCK_M))], dtype=np.int32)
+    return {"slot_mapping": slot_mapping, "positions": positions.astype(np.int64), "cu_seqlens": cu.astype(np.int32),
+            "starts": np.asarray(starts, dtype=np.int32), "block_tables": table, "tiles": tiles.reshape(-1, 2)}
+
+
+def max_tiles(tokens: int, seqs: int) -> int:
+    """Most kernel tiles `seqs` chunks of `tokens` tokens in all can need (each chunk rounds up once)."""
+    return -(-tokens // BLOCK_M) + min(seqs, tokens)
 
 
 def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PackedPrefill,
