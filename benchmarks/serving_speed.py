@@ -69,6 +69,21 @@ def step_timers(url: str) -> dict:
     return {k: v for k in keys if (v := metric(text, k)) is not None}
 
 
+def server_ttfps(log_path: Path, start: int) -> list[float]:
+    """TTFP the server itself logged (request in to first audio out, `ttfp_s=`) after byte `start`."""
+    with open(log_path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    return [float(v) for v in re.findall(r" ttfp_s=([0-9.eE+-]+)", text)]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
 def first_request_ttfp(url: str, body: dict) -> float:
     t0 = time.perf_counter()
     ttfp = None
@@ -120,6 +135,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 n = min(args.max_prompts, max(args.min_prompts, 2 * conc))
                 stem = f"{name}-{mode}-c{conc}"
                 before = step_timers(url)
+                log.flush()
+                log_at = (Path(args.out) / f"server-{name}.log").stat().st_size
                 bench = [sys.executable, "-m", "legato.cli", "bench", "serve", "--base-url", url,
                          "--dataset-path", args.data, "--num-prompts", str(n), "--mode", mode, "--fixed-length",
                          "--max-concurrency", str(conc), "--num-warmups", "2", "--no-progress", "--timeout", "300",
@@ -137,6 +154,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                     p for p in (str(Path(".").resolve()), os.environ.get("PYTHONPATH")) if p)},
                     capture_output=True, text=True, timeout=args.cell_timeout)
                 after = step_timers(url)
+                served = server_ttfps(Path(args.out) / f"server-{name}.log", log_at)
                 if spy is not None:
                     spy.wait(args.profile_seconds + 30)
                 result_path = Path(args.out) / "runs" / f"{name}-{mode}-single-c{conc}.json"
@@ -156,7 +174,10 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 cell = {"variant": name, "kind": "cell", "mode": mode, "concurrency": conc, "prompts": n,
                         "wall_s": time.monotonic() - t1, "audio_s_per_s": agg["audio_throughput"],
                         "req_per_s": agg["request_throughput"], "ttfp_p50_ms": agg["ttfp_ms"]["median"],
-                        "ttfp_p99_ms": agg["ttfp_ms"]["p99"], "rtf_p50": agg["rtf"]["median"],
+                        "ttfp_p99_ms": agg["ttfp_ms"]["p99"],
+                        "server_ttfp_p50_ms": 1000 * (percentile(served, 0.5) or 0) if served else None,
+                        "server_ttfp_p99_ms": 1000 * (percentile(served, 0.99) or 0) if served else None,
+                        "rtf_p50": agg["rtf"]["median"],
                         "continuity": agg["continuity_rate"], "underrun_p99_s": agg["underrun_s"]["p99"],
                         "completed": agg["completed"], "failed": agg["failed"],
                         "gpu_busy": gpu / (gpu + gap) if gpu + gap > 0 else None,
@@ -181,8 +202,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
 
 
 def table(cells: list[dict]) -> str:
-    head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "RTF p50", "contin.",
-            "busy", "host/gpu/gap ms", "peak MiB")
+    head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "srv TTFP p50/p99", "RTF p50",
+            "contin.", "busy", "host/gpu/gap ms", "peak MiB")
     lines = [" | ".join(head)]
     for c in cells:
         if c["kind"] != "cell" or "error" in c:
@@ -195,6 +216,7 @@ def table(cells: list[dict]) -> str:
                   if c["gpu_ms_per_step"] is not None else "-")
         lines.append(" | ".join([c["variant"], c["mode"], str(c["concurrency"]), f(c["audio_s_per_s"]),
                                  f(c["req_per_s"], ".2f"), f(c["ttfp_p50_ms"], ".0f"), f(c["ttfp_p99_ms"], ".0f"),
+                                 f"{f(c.get('server_ttfp_p50_ms'), '.0f')}/{f(c.get('server_ttfp_p99_ms'), '.0f')}",
                                  f(c["rtf_p50"], ".3f"), f(c["continuity"], ".2f"), f(c["gpu_busy"], ".2f"),
                                  timers, str(c["peak_gpu_mib"])]))
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from legato.engine.mtp_replicas import replica_group
 from legato.engine.request import Request
 from legato.engine.sampler import draw_seed
 from legato.engine.scheduler import RequestTooLargeError, Scheduler, StepResult
+from legato.engine.slot_state import SlotAssignment
 from legato.engine.step_copies import PendingCopy, StepCopies, StepTimes
 from legato.kv_transfer.handoff import Handoff, KVLayout
 from legato.models.qwen3_tts.decoder_layer import pack_projections
@@ -263,13 +264,7 @@ class Engine:
         out = self.scheduler.schedule()
         launched = _Launched(errors=self._done)
         self._done = []
-        # Per-request start-up (slot reset, codec priming) fails only its own request, before the model runs.
-        for req in out.new_requests:
-            try:
-                self._start(req)
-            except Exception as e:
-                log.exception("starting request %s failed", req.request_id)
-                launched.errors += self._fail([req], f"request start failed: {type(e).__name__}: {e}")
+        self._start(out.new_requests, launched)
         prefills = [c for c in out.prefills if c.request.request_id in self.live]
         decodes = out.decodes
         if not prefills and not decodes:
@@ -375,10 +370,38 @@ class Engine:
             num_prompt_tokens=live.req.prompt_len, num_frames=live.frames, seed=live.seed, handoff=live.outgoing,
         )]
 
-    def _start(self, req: Request) -> None:
+    def _start(self, reqs: list[Request], launched: _Launched) -> None:
+        """Starts the step's new requests: their slots reset together, then each one's codec stream and, for
+        a handed-off request, its KV and post-prefill state. A start that fails fails only its own request
+        (all of them if the batched slot reset itself fails), before the model runs."""
+        ready: list[tuple[Request, SlotAssignment]] = []
+        for req in reqs:
+            live = self.live[req.request_id]
+            a = SlotAssignment(req.slot, live.prompt.trailing_text, live.engine_req.sampling, live.seed,
+                               live.engine_req.ignore_eos)
+            try:
+                self.runner.slots.check(a)
+            except Exception as e:
+                launched.errors += self._start_failed([req], e)
+                continue
+            ready.append((req, a))
+        try:
+            self.runner.slots.assign_many([a for _, a in ready])
+        except Exception as e:
+            launched.errors += self._start_failed([req for req, _ in ready], e)
+            return
+        for req, _ in ready:
+            try:
+                self._open(req)
+            except Exception as e:
+                launched.errors += self._start_failed([req], e)
+
+    def _start_failed(self, reqs: list[Request], e: Exception) -> list[RequestOutput]:
+        log.exception("starting request(s) %s failed", ", ".join(r.request_id for r in reqs))
+        return self._fail(reqs, f"request start failed: {type(e).__name__}: {e}")
+
+    def _open(self, req: Request) -> None:
         live = self.live[req.request_id]
-        self.runner.slots.assign(req.slot, live.prompt.trailing_text, live.engine_req.sampling, live.seed,
-                                 live.engine_req.ignore_eos)
         if live.engine_req.stream_audio:
             self.codec.open(req.request_id, live.ref_code, live.engine_req.first_chunk_frames)
         if live.incoming is not None:

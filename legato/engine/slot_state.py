@@ -9,12 +9,27 @@ graph rows read and write it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from legato.engine.sampler import HeadTensors, SamplingTensors
+from legato.layers.host import upload
 
 # Frames of min_new_tokens that keep EOS masked for a whole request (benchmarks with fixed lengths).
 NEVER_EOS = 1 << 62
+
+
+@dataclass
+class SlotAssignment:
+    """What a slot holds for a new request: its trailing text embeddings [n, H] and sampling knobs."""
+
+    slot: int
+    trailing_text: torch.Tensor
+    params: object  # SamplingParams (duck-typed: the fields the sampler reads)
+    seed: int
+    ignore_eos: bool
 
 
 class SlotState:
@@ -56,22 +71,46 @@ class SlotState:
 
     def assign(self, slot: int, trailing_text: torch.Tensor, params: object, seed: int, ignore_eos: bool) -> None:
         """Resets `slot` for a new request (its trailing text embeddings [n, H] and sampling params)."""
-        n = trailing_text.shape[0]
+        self.assign_many([SlotAssignment(slot, trailing_text, params, seed, ignore_eos)])
+
+    def check(self, a: SlotAssignment) -> None:
+        """Raises ValueError for an assignment the slot cannot hold (its trailing text is too long)."""
+        n = a.trailing_text.shape[0]
         if n > self.max_text:
             raise ValueError(f"trailing text of {n} tokens exceeds max_text_tokens={self.max_text}")
-        self.trailing[slot, :n] = trailing_text.to(self.trailing.dtype)
-        self.trailing_len[slot] = n
-        self.frames[slot] = 0
-        self.seen[slot] = False
+
+    def assign_many(self, items: list[SlotAssignment]) -> None:
+        """Resets every slot of `items` at once: the step's new requests cost three uploads and one scatter
+        per field, not ~15 single-element writes each (which were a seventh of the engine thread at c=64)."""
+        if not items:
+            return
+        for a in items:
+            self.check(a)
         p = self.params
-        p.seed[slot] = seed
-        p.repetition_penalty[slot] = float(params.repetition_penalty)
-        p.min_new_tokens[slot] = NEVER_EOS if ignore_eos else int(params.min_new_tokens)
-        for head, prefix in ((p.talker, ""), (p.subtalker, "subtalker_")):
-            head.do_sample[slot] = bool(getattr(params, prefix + "do_sample"))
-            head.temperature[slot] = float(getattr(params, prefix + "temperature"))
-            head.top_k[slot] = int(getattr(params, prefix + "top_k"))
-            head.top_p[slot] = float(getattr(params, prefix + "top_p"))
+        ints, floats, flags = [], [], []
+        for a in items:
+            q = a.params
+            ints.append((a.seed, NEVER_EOS if a.ignore_eos else int(q.min_new_tokens), int(q.top_k),
+                         int(q.subtalker_top_k), a.trailing_text.shape[0]))
+            floats.append((float(q.repetition_penalty), float(q.temperature), float(q.top_p),
+                           float(q.subtalker_temperature), float(q.subtalker_top_p)))
+            flags.append((bool(q.do_sample), bool(q.subtalker_do_sample)))
+        device = self.frames.device
+        idx = upload(np.array([a.slot for a in items], dtype=np.int64), device)
+        i = upload(np.array(ints, dtype=np.int64), device)
+        f = upload(np.array(floats, dtype=np.float32), device)
+        b = upload(np.array(flags, dtype=np.bool_), device)
+        for dst, src in ((p.seed, i[:, 0]), (p.min_new_tokens, i[:, 1]), (p.talker.top_k, i[:, 2]),
+                         (p.subtalker.top_k, i[:, 3]), (self.trailing_len, i[:, 4]),
+                         (p.repetition_penalty, f[:, 0]), (p.talker.temperature, f[:, 1]), (p.talker.top_p, f[:, 2]),
+                         (p.subtalker.temperature, f[:, 3]), (p.subtalker.top_p, f[:, 4]),
+                         (p.talker.do_sample, b[:, 0]), (p.subtalker.do_sample, b[:, 1])):
+            dst.index_copy_(0, idx, src)
+        self.frames.index_fill_(0, idx, 0)
+        self.seen.index_fill_(0, idx, False)
+        for a in items:
+            n = a.trailing_text.shape[0]
+            self.trailing[a.slot, :n] = a.trailing_text.to(self.trailing.dtype)
 
     def gather_params(self, slots: torch.Tensor, frame: torch.Tensor) -> SamplingTensors:
         """The sampling rows of `slots`, keyed to `frame` [B]."""
