@@ -265,6 +265,16 @@ class CodecStreamer:
             padded = torch.zeros(b, longer.codes.shape[1], 16, dtype=codes.dtype, device=codes.device)
             padded[:, :n] = codes
             return longer.replay(rows, padded, self.scratch_row)[:b, :, : n * self.decoder.samples_per_frame]
+        pieces = self._graph_pieces(b, n)
+        if pieces:
+            # A length no graph has (in-context priming of a whole reference, mostly) as several graph replays
+            # back to back: the decoder is causal and its state carries across calls, so n frames in pieces
+            # give what n frames in one call give. Each piece is copied out before a replay can reuse its buffer.
+            wavs, at = [], 0
+            for m in pieces:
+                wavs.append(self._graph_for(b, m).replay(rows, codes[:, at: at + m], self.scratch_row)[:b].clone())
+                at += m
+            return torch.cat(wavs, dim=-1)
         index = upload(np.array(rows, dtype=np.int64), self.device)
         wav, new = self.decoder.stream_step(codes, self.bank.select(index))
         self._store(index, new)
@@ -386,6 +396,19 @@ class CodecStreamer:
             return self.graphs.get((bucket, n))
         sizes = sorted(m for (x, m) in self.graphs if x == bucket and m > n)
         return self.graphs[(bucket, sizes[0])] if sizes else None
+
+    def _graph_pieces(self, b: int, n: int) -> list[int]:
+        """Chunk sizes with a graph for `b` streams that add up to `n`, longest first (empty: none do)."""
+        bucket = next((x for x in GRAPH_BATCHES if x >= b), None)
+        sizes = sorted((m for (x, m) in self.graphs if x == bucket), reverse=True)
+        if not sizes or sizes[-1] != 1:  # without a one-frame graph not every length splits
+            return []
+        pieces = []
+        for m in sizes:
+            while n >= m:
+                pieces.append(m)
+                n -= m
+        return pieces
 
     def _capture_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
