@@ -129,3 +129,13 @@ def test_a_cuda_deploy_file_fails_on_a_cpu_machine_before_anything_starts(tmp_pa
                       "(use --device cpu, or a deploy file without CUDA devices)"]
     assert "listening" not in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "cache").exists()  # nothing was loaded or written
+
+
+def test_workers_auto_runs_cuda_engines_in_processes_and_cpu_engines_on_threads():
+    from legato.server.cli import resolve_workers
+
+    args = build_parser().parse_args(["serve"])
+    assert args.workers == "auto"
+    assert resolve_workers("auto", ["cpu"]) == "thread"
+    assert resolve_workers("auto", ["cuda:0"]) == resolve_workers("auto", ["cpu", "cuda:1"]) == "process"
+    assert resolve_workers("thread", ["cuda:0"]) == "thread" and resolve_workers("process", ["cpu"]) == "process"

@@ -210,7 +210,7 @@ class Engine:
         return True
 
     def warm_up(self) -> float:
-        """Runs one throwaway request through every path that compiles or captures on first use (packed
+        """Runs throwaway requests through every path that compiles or captures on first use (packed
         prefill's Triton kernel, the compiled samplers, the codec's chunk sizes and, for Base models, the
         in-context priming), so the first real request pays for none of it. Returns the seconds it took."""
         started = time.perf_counter()
@@ -225,8 +225,12 @@ class Engine:
             inp = SpeechInput(text, speaker_embedding=torch.zeros(cfg.talker_config.hidden_size),
                               ref_code=torch.zeros(8, 16, dtype=torch.long), ref_text="Warm up.")
         frames = sum(StreamSchedule.of(self.config).chunk_sizes()) + 1
-        self.add_request(EngineRequest("__warm_up__", build_spec(self.loaded, inp), SamplingParams(seed=0),
-                                       max_frames=frames, ignore_eos=True))
+        spec = build_spec(self.loaded, inp)
+        # Three at once: compiled functions specialise batch 1 apart from larger batches, and the first
+        # burst of prompts ending in one step (their first-token sampling) must not be what compiles them.
+        for i in range(min(3, self.config.max_num_seqs)):
+            self.add_request(EngineRequest(f"__warm_up_{i}__", spec, SamplingParams(seed=i), max_frames=frames,
+                                           ignore_eos=True))
         while self.has_unfinished():
             self.step()
         return time.perf_counter() - started

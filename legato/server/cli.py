@@ -67,8 +67,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--deploy", default=None, help="a deploy/*.yaml file of options (the command line wins)")
     t.add_argument("--devices", default=None,
                    help="comma-separated devices for the workers, in order (default: --device for all)")
-    t.add_argument("--workers", default="thread", choices=["thread", "process"],
-                   help="run each engine on a thread of the server process or in its own worker process")
+    t.add_argument("--workers", default="auto", choices=["auto", "thread", "process"],
+                   help="run each engine on a thread of the server process or in its own worker process (auto: "
+                        "a worker process on CUDA, where the engine then holds a GIL of its own, a thread on the "
+                        "CPU)")
     t.add_argument("--kv-transfer", default="shm", choices=["shm", "mooncake", "auto"],
                    help="how process MpNd moves each handoff between its prefill and decode workers (auto: shm "
                         "between workers on one node, mooncake between nodes)")
@@ -190,6 +192,15 @@ def access_settings(args: argparse.Namespace) -> dict:
     return {"api_keys": keys, "allowed_origins": origins, "allowed_hosts": hosts}
 
 
+def resolve_workers(workers: str, devices: list[str]) -> str:
+    """`--workers auto`: a worker process per engine when any engine is on CUDA, else a thread. On the GPU
+    an engine step is a few milliseconds of Python, and sharing one GIL with the HTTP front and its encoders
+    cost about a fifth of the throughput at 64 streams (docs/benchmarks.md)."""
+    if workers != "auto":
+        return workers
+    return "process" if any(d.startswith("cuda") for d in devices) else "thread"
+
+
 def launcher_of(args: argparse.Namespace):
     """The launcher `--launcher` names, with the `--ray-*` options; `--launcher ray` implies process workers.
     Raises LauncherError (one line) when Ray is missing or an option is malformed."""
@@ -302,6 +313,7 @@ def serve(args: argparse.Namespace) -> int:
             return loaded
 
         launcher = launcher_of(args)
+        args.workers = resolve_workers(args.workers, devices or [device])
         client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
                               model_path=model_path, memory_shares=args.worker_memory, kv_backend=args.kv_transfer,
                               pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy, launcher=launcher)
