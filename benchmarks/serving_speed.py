@@ -65,7 +65,8 @@ def step_timers(url: str) -> dict:
     except httpx.HTTPError:
         return {}
     keys = ("legato_engine_steps_total", "legato_engine_step_host_seconds_total",
-            "legato_engine_step_gpu_seconds_total", "legato_engine_step_gap_seconds_total")
+            "legato_engine_loop_other_seconds_total", "legato_engine_step_gpu_seconds_total",
+            "legato_engine_step_gap_seconds_total")
     return {k: v for k in keys if (v := metric(text, k)) is not None}
 
 
@@ -169,6 +170,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 gap = after.get("legato_engine_step_gap_seconds_total", 0) - before.get(
                     "legato_engine_step_gap_seconds_total", 0)
                 steps = after.get("legato_engine_steps_total", 0) - before.get("legato_engine_steps_total", 0)
+                other = after.get("legato_engine_loop_other_seconds_total", 0) - before.get(
+                    "legato_engine_loop_other_seconds_total", 0)
                 host = after.get("legato_engine_step_host_seconds_total", 0) - before.get(
                     "legato_engine_step_host_seconds_total", 0)
                 cell = {"variant": name, "kind": "cell", "mode": mode, "concurrency": conc, "prompts": n,
@@ -183,7 +186,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                         "gpu_busy": gpu / (gpu + gap) if gpu + gap > 0 else None,
                         "host_ms_per_step": 1000 * host / steps if steps else None,
                         "gpu_ms_per_step": 1000 * gpu / steps if steps else None,
-                        "gap_ms_per_step": 1000 * gap / steps if steps else None}
+                        "gap_ms_per_step": 1000 * gap / steps if steps else None,
+                        "loop_other_ms_per_step": 1000 * other / steps if steps else None}
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
     finally:

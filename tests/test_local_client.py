@@ -312,3 +312,31 @@ def test_a_slow_voice_encode_never_stalls_running_streams(loaded):
     running, late = asyncio.run(main())
     assert running[-1].finish_reason == "length" and running[-1].num_frames == 12
     assert late[-1].finish_reason == "length" and late[-1].num_frames == 4
+
+
+def test_stats_count_steps_and_the_loop_time_around_them(loaded):
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            await collect(client, request("timed", frames=6))
+            ok = await asyncio.to_thread(_wait_for, lambda: client.stats().steps >= 6 and
+                                         client.stats().loop_other_s > 0, 30)
+        finally:
+            await client.stop()
+        return ok, client.stats()
+
+    ok, stats = asyncio.run(main())
+    assert ok, stats
+    assert stats.step_host_s > 0 and stats.loop_other_s > 0 and stats.running == 0
+
+
+def _wait_for(cond, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

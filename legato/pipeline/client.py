@@ -77,6 +77,9 @@ class EngineStats:
     step_host_s: float = 0.0
     step_gpu_s: float = 0.0
     step_gap_s: float = 0.0
+    # Host time of the engine loop outside its steps while work is running (the inbox, handing outputs to the
+    # event loop, stats): with the gaps above, where a step period goes that the step itself does not explain.
+    loop_other_s: float = 0.0
 
 
 @dataclass

@@ -101,6 +101,7 @@ class LocalEngineClient(EngineClient):
         self._inbox_lock = threading.Lock()
         self._deadline: float | None = None  # engine thread: when shutdown aborts what is still running
         self._drain_rate = DrainRate()  # engine thread: finishes per second, for a 429's Retry-After
+        self._loop_other_s = 0.0  # engine thread: host time outside engine.step() while work runs
 
     # --- server side ----------------------------------------------------------------------------------
 
@@ -215,7 +216,11 @@ class LocalEngineClient(EngineClient):
         try:
             while True:
                 idle = not self.engine.has_unfinished()
-                self._drain(block=idle and self._deadline is None)
+                block = idle and self._deadline is None
+                started = time.perf_counter()
+                self._drain(block=block)
+                if not block:
+                    self._loop_other_s += time.perf_counter() - started
                 deadline = self._deadline  # set by a "stop" command, from the grace that came with it
                 if deadline is not None and (not self.engine.has_unfinished() or time.monotonic() > deadline):
                     for rid in list(self._streams):
@@ -223,8 +228,11 @@ class LocalEngineClient(EngineClient):
                     self._deliver(self.engine.step())
                     self._refresh_stats()
                     return
-                self._deliver(self.engine.step())
+                outputs = self.engine.step()
+                started = time.perf_counter()
+                self._deliver(outputs)
                 self._refresh_stats()
+                self._loop_other_s += time.perf_counter() - started
         except Exception:  # the loop itself failing is fatal for this worker: fail every stream loudly
             log.exception("engine loop crashed")
             for rid, s in list(self._streams.items()):
@@ -312,7 +320,7 @@ class LocalEngineClient(EngineClient):
             waiting=sched.num_waiting, running=sched.num_running, kv_usage=bm.usage,
             num_kv_blocks=self.engine.config.num_kv_blocks or 0, free_kv_blocks=bm.num_free_blocks,
             aborted=dict(self._aborted), steps=times.steps, step_host_s=times.host_s, step_gpu_s=times.gpu_s,
-            step_gap_s=times.gap_s,
+            step_gap_s=times.gap_s, loop_other_s=self._loop_other_s,
         )
 
 

@@ -98,4 +98,5 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         step_host_s=sum(p.step_host_s for p in parts),
         step_gpu_s=sum(p.step_gpu_s for p in parts),
         step_gap_s=sum(p.step_gap_s for p in parts),
+        loop_other_s=sum(p.loop_other_s for p in parts),
     )

@@ -107,6 +107,8 @@ class _EngineCollector(Collector):
              s.step_gpu_s),
             ("legato_engine_step_gap_seconds", "Device idle time between engine steps (host work not hidden).",
              s.step_gap_s),
+            ("legato_engine_loop_other_seconds", "Host time of the engine loop outside its steps while work runs "
+             "(inbox, handing outputs to the event loop, stats).", s.loop_other_s),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         busy = s.step_gpu_s + s.step_gap_s
