@@ -298,6 +298,10 @@ class LocalEngineClient(EngineClient):
         _settle(admitted, result=seed)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands a step's chunks to their streams: one wake-up per event loop per step, not one per chunk (at
+        64 streams a step's outputs were as many cross-thread callbacks, each taking the loop's lock and
+        writing its wake-up pipe while the engine thread held the GIL)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamChunk]]] = {}
         for o in outputs:
             stream = self._streams.get(o.request_id)
             if stream is None:
@@ -312,7 +316,12 @@ class LocalEngineClient(EngineClient):
                 del self._streams[o.request_id]
                 self._drain_rate.finished()
             if chunk.audio.size or chunk.codes.size or o.finished:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+                batches.setdefault(stream.loop, []).append((stream.queue, chunk))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is left to read these streams
+                pass
 
     def _refresh_stats(self) -> None:
         sched, bm, times = self.engine.scheduler, self.engine.block_manager, self.engine.times
@@ -322,6 +331,12 @@ class LocalEngineClient(EngineClient):
             aborted=dict(self._aborted), steps=times.steps, step_host_s=times.host_s, step_gpu_s=times.gpu_s,
             step_gap_s=times.gap_s, loop_other_s=self._loop_other_s,
         )
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StreamChunk]]) -> None:
+    """On the event loop: a step's chunks into their streams' queues, in the order the step made them."""
+    for q, chunk in items:
+        q.put_nowait(chunk)
 
 
 def _settle(fut: asyncio.Future, result=None, error: Exception | None = None) -> None:
