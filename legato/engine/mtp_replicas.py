@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from legato.engine.graph_capture import capture
 from legato.engine.kv_cache import PagedKVCache
 
 # Batch sizes captured as CUDA graphs (each group's cap is added to those below it).
@@ -116,17 +117,8 @@ class DecodeGraph:
     def __init__(self, step: Callable[..., tuple[torch.Tensor, torch.Tensor]], inputs: tuple[torch.Tensor, ...],
                  pool: tuple[int, int], stream: torch.cuda.Stream | None) -> None:
         self.inputs = inputs
-        # Warm up on a side stream (kernel selection, Triton compilation) before capturing; the padded rows
-        # only touch the group's scratch slot and scratch block.
-        warm = stream if stream is not None else torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm), torch.inference_mode():
-            for _ in range(2):
-                step(*inputs)
-        torch.cuda.current_stream().wait_stream(warm)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.outputs = step(*inputs)
+        # The warm-up's padded rows only touch the group's scratch slot and scratch block.
+        self.graph, self.outputs = capture(lambda: step(*inputs), pool, stream)
 
     def replay(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays on the current stream (the group's)."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from legato.engine.graph_capture import capture
 from legato.layers.packed_prefill import PackedPrefill, max_tiles, packed_host_arrays
 
 log = logging.getLogger(__name__)
@@ -103,16 +104,7 @@ class StaticPrefill:
 class _PrefillGraph:
     def __init__(self, static: StaticPrefill, forward: Forward, pool) -> None:
         self.static = static
-        # Warm up on a side stream (Triton compilation, kernel selection) before capturing.
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm), torch.inference_mode():
-            for _ in range(2):
-                forward(static.embeds, static.meta)
-        torch.cuda.current_stream().wait_stream(warm)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
-            self.hidden = forward(static.embeds, static.meta)
+        self.graph, self.hidden = capture(lambda: forward(static.embeds, static.meta), pool)
 
 
 class PrefillBuckets:
