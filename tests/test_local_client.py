@@ -340,3 +340,19 @@ def _wait_for(cond, timeout: float) -> bool:
             return True
         time.sleep(0.02)
     return cond()
+
+
+def test_a_bad_gil_switch_interval_is_refused_in_one_line(monkeypatch):
+    import sys
+
+    from legato.pipeline.local import set_gil_switch_interval
+
+    before = sys.getswitchinterval()
+    for bad in ("fast", "-1", "nan", "inf"):
+        monkeypatch.setenv("LEGATO_GIL_SWITCH_MS", bad)
+        with pytest.raises(ValueError, match="LEGATO_GIL_SWITCH_MS"):
+            set_gil_switch_interval()
+        assert sys.getswitchinterval() == before
+    monkeypatch.setenv("LEGATO_GIL_SWITCH_MS", "0")
+    set_gil_switch_interval()
+    assert sys.getswitchinterval() == before  # 0 leaves the interpreter's own

@@ -56,7 +56,14 @@ DEFAULT_GIL_SWITCH_MS = 1.0
 
 
 def set_gil_switch_interval() -> None:
-    ms = float(os.environ.get("LEGATO_GIL_SWITCH_MS", DEFAULT_GIL_SWITCH_MS))
+    """Applies $LEGATO_GIL_SWITCH_MS (or the default); raises ValueError naming it when it is not a number >= 0."""
+    raw = os.environ.get("LEGATO_GIL_SWITCH_MS", str(DEFAULT_GIL_SWITCH_MS))
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = float("nan")
+    if not ms >= 0 or ms == float("inf"):
+        raise ValueError(f"LEGATO_GIL_SWITCH_MS must be a number of milliseconds >= 0 (0: Python's own), got {raw!r}")
     if ms > 0:
         sys.setswitchinterval(ms / 1000.0)
 
@@ -180,11 +187,9 @@ class LocalEngineClient(EngineClient):
         """`fn(*args)` on the admission thread; what it raises comes back as a RequestRejected."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._admission, fn, *args)
-        except RuntimeError as e:  # the executor was shut down under us: the client is stopping
-            if self._stopping:
-                raise RequestRejected(503, "server is shutting down") from e
-            raise rejection(e) from e
         except Exception as e:
+            if isinstance(e, RuntimeError) and self._stopping:  # the executor was shut down under us
+                raise RequestRejected(503, "server is shutting down") from e
             raise rejection(e) from e
 
     def _engine_request(self, req: SynthesisRequest) -> EngineRequest:

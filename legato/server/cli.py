@@ -240,6 +240,7 @@ def serve(args: argparse.Namespace) -> int:
     from legato.models.qwen3_tts.loader import load_generation_defaults, load_model, resolve_model_dir
     from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
     from legato.pipeline.launchers import LauncherError
+    from legato.pipeline.local import set_gil_switch_interval
     from legato.pipeline.topology import TopologyError, build_client, parse_topology
     from legato.server.app import build_app
     from legato.server.connections import BodyTimeoutMiddleware, check_limits, guarded_h11
@@ -270,6 +271,7 @@ def serve(args: argparse.Namespace) -> int:
         if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
             check_devices([device, *(args.devices.split(",") if args.devices else [])])
         check_limits(args.timeout_header, args.timeout_body, args.max_connections)
+        set_gil_switch_interval()  # a bad $LEGATO_GIL_SWITCH_MS is refused here, in one line, not in a worker
         if args.model is None:
             model_path = default_model_dir()
             log.warning("no --model: serving the embedded default %s, which has RANDOM weights (its audio is "
