@@ -122,10 +122,17 @@ def gpu_gaps(prof, min_gap_us: float = 20.0) -> dict:
 
 
 def run(lm, args, variant: str) -> dict:
-    """One engine for `variant`: default | no-audio (codec off) | sync (no step in flight); `+trace` profiles
-    a window of steps (the profiler's overhead then inflates the run's own timers)."""
-    variant, _, extra = variant.partition("+")
-    traced = extra == "trace" and args.trace_steps > 0
+    """One engine for `variant`: default | no-audio (codec off) | sync (no step in flight), with flags after
+    `+`: `trace` profiles a window of steps (the profiler's overhead then inflates the run's own timers),
+    `prio` runs the talker on a high-priority CUDA stream (the codec's stays at the default priority),
+    `codec-bf16` runs the codec decoder in bfloat16."""
+    name = variant
+    variant, *flags = variant.split("+")
+    traced = "trace" in flags and args.trace_steps > 0
+    decoder = lm.speech_tokenizer.decoder
+    decoder.to(torch.bfloat16 if "codec-bf16" in flags else torch.float32)
+    if "prio" in flags:
+        torch.cuda.set_stream(torch.cuda.Stream(priority=-100))  # clamped to the device's highest
     cfg = EngineConfig(device=args.device, dtype="bfloat16" if args.size != "tiny" else "float32",
                        max_num_seqs=args.max_num_seqs,
                        gpu_memory_utilization=0.6, async_scheduling=variant != "sync")
@@ -155,6 +162,8 @@ def run(lm, args, variant: str) -> dict:
     timer = PhaseTimer(engine, annotate=traced)
     for _ in range(args.concurrency):
         add()
+    if args.ready_file:  # tells a sampling profiler outside that the measured loop begins
+        open(args.ready_file, "w").close()
     t0 = time.perf_counter()
     times0 = (engine.times.steps, engine.times.host_s, engine.times.gpu_s, engine.times.gap_s)
     outside = 0.0
@@ -194,7 +203,7 @@ def run(lm, args, variant: str) -> dict:
     gpu, gap = t.gpu_s - times0[2], t.gap_s - times0[3]
     ttfp.sort()
     row = {
-        "variant": variant + ("+trace" if traced else ""), "mode": args.mode, "concurrency": args.concurrency,
+        "variant": name, "mode": args.mode, "concurrency": args.concurrency,
         "requests": next_id,
         "wall_s": wall, "steps": steps, "audio_s_per_s": audio_samples / 24000 / wall,
         "frames_per_s": frames_done / wall,
@@ -206,6 +215,9 @@ def run(lm, args, variant: str) -> dict:
         "ttfp_p99_ms": 1000 * ttfp[min(len(ttfp) - 1, int(0.99 * len(ttfp)))] if ttfp else None,
         "trace": trace,
     }
+    if "prio" in flags:
+        torch.cuda.synchronize()
+        torch.cuda.set_stream(torch.cuda.default_stream())
     return row
 
 
@@ -223,6 +235,7 @@ def main() -> None:
     ap.add_argument("--trace-after", type=int, default=150, help="steps before the profiled window")
     ap.add_argument("--trace-out", default=None, help="path prefix for chrome traces")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ready-file", default=None, help="created when the measured loop starts")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     if args.size == "tiny":  # a CPU smoke run of this script
