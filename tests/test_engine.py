@@ -346,3 +346,38 @@ def test_warm_up_runs_a_throwaway_request_and_leaves_nothing_behind(root, model_
     assert not engine.live and not engine.codec.streams and not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
     assert engine.times.steps > 6
+
+
+def test_decoding_every_step_delivers_the_chunks_of_decoding_when_due(tmp_path):
+    """With `codec_decode_every_step` the codec decodes each step's frames at once and holds the PCM:
+    the client gets the chunks (sizes, audio within float32 tolerance) of decoding each chunk when due, for
+    x-vector and in-context requests joining mid-run, and an aborted request leaves nothing held behind."""
+    lm = tiny_model(tmp_path, "base")
+    g = torch.Generator().manual_seed(5)
+    emb, ref = torch.randn(64, generator=g), torch.randint(0, 2048, (7, 16), generator=g)
+    specs = [build_spec(lm, SpeechInput("Hello there, how are you?", speaker_embedding=emb, x_vector_only=True)),
+             build_spec(lm, SpeechInput("Another one.", speaker_embedding=emb, ref_code=ref, ref_text="Ref."))]
+
+    def run(every: bool):
+        reqs = [EngineRequest(f"e{i}", specs[i % 2], SamplingParams(seed=i, max_new_tokens=40),
+                              max_frames=9 + 3 * i, ignore_eos=True) for i in range(5)]
+        engine = Engine(lm, engine_config(chunk_ramp=True, chunk_frames=4, codec_decode_every_step=every))
+        return engine, run_all(engine, reqs[:3], join_at={4: reqs[3:]})
+
+    engine, every = run(True)
+    _, due = run(False)
+    for i in range(5):
+        rid = f"e{i}"
+        assert torch.equal(every.frames(rid), due.frames(rid))
+        assert [a.size for a in every.audio[rid]] == [a.size for a in due.audio[rid]], rid
+        assert every.pcm(rid).size == (9 + 3 * i) * 1920
+        assert np.abs(every.pcm(rid) - due.pcm(rid)).max() < 1e-5, rid
+    assert not engine.codec.streams and not engine.codec._backlog
+    engine.add_request(EngineRequest("gone", specs[0], SamplingParams(seed=1, max_new_tokens=40), max_frames=20,
+                                     ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert engine.abort("gone")
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.codec.streams and not engine.codec._backlog and not engine.codec.pending

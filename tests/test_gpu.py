@@ -190,7 +190,8 @@ def test_async_loop_equals_sync_loop_on_the_0_6b_config():
 
 def test_codec_graphs_give_the_eager_codec_audio(tmp_path):
     """The codec's CUDA graphs (per stream count and chunk size, gathering and scattering bank rows) give
-    the audio of the eager codec, float32, with the chunk ramp and in-context priming."""
+    the audio of the eager codec, float32, with the chunk ramp and in-context priming; decoding every step
+    gives the chunks and audio of decoding each chunk when due."""
     cpu = tiny_model(tmp_path, "base")
     gpu = load_model(cpu.path, device="cuda")
     g = torch.Generator().manual_seed(2)
@@ -207,10 +208,14 @@ def test_codec_graphs_give_the_eager_codec_audio(tmp_path):
     engine, graphs = run()
     assert engine.codec.graphs, "the codec captured no graphs"
     _, eager = run(enforce_eager=True)
+    _, chunked = run(codec_decode_every_step=False)  # each chunk decoded when due, as graphs
     for i in range(5):
         rid = f"c{i}"
         assert torch.equal(graphs.frames(rid), eager.frames(rid))
         assert abs(graphs.pcm(rid) - eager.pcm(rid)).max() < 1e-5, rid
+        # Decoding every step delivers the chunks of the chunk-when-due decode, with its audio.
+        assert [a.size for a in graphs.audio[rid]] == [a.size for a in chunked.audio[rid]], rid
+        assert abs(graphs.pcm(rid) - chunked.pcm(rid)).max() < 1e-5, rid
 
 
 def test_graph_prefill_equals_eager_prefill(tmp_path):

@@ -1,4 +1,4 @@
-"""Streams codec frames into PCM chunks, batching every stream whose chunk is due in the same call.
+"""Streams codec frames into PCM chunks, batching the decode of every stream in one call per chunk size.
 
 Each stream owns a row of one preallocated state bank (conv tails, transposed-conv overhangs, the
 attention window's keys and values, its frame position), so the chunks concatenate to the decode of the
@@ -23,6 +23,13 @@ at the window's end. Positions count the reference frames of an in-context clone
 reference and generated codes as one sequence. Chunks that touch a window's edge run stream by stream;
 `window_frames=None` streams with full context instead (the whole-utterance `forward`), which differs from
 the reference past 300 frames.
+
+By default (`decode_every_step`) each call of `queue` decodes every frame that has arrived, one batched
+call for all streams (one frame each, in the engine), and holds the PCM on the host until the stream's
+next chunk is complete: the client sees the schedule's chunks, while the device runs one codec call per
+engine step instead of one per chunk size due. On an H200 at 64 streams the chunk schedule alone made
+five to seven small calls a step, whose launches and fixed costs took the GPU time of the talker's step
+from 10 to 16 ms. Off, each chunk is decoded when it is due (the decode then waits for its frames).
 """
 
 from __future__ import annotations
@@ -37,13 +44,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from legato.engine.codec_graphs import CodecGraphs, store_rows
 from legato.layers.host import upload
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.codec_streaming import CodecStreamState
 
 log = logging.getLogger(__name__)
-
-GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # stream counts captured as CUDA graphs (per chunk size)
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class StreamSchedule:
     chunk_ramp: bool = True
     window_frames: int | None = 300
     window_context: int = 25
+    decode_every_step: bool = True
 
     def __post_init__(self) -> None:
         if self.first_chunk_frames < 1 or self.chunk_frames < 1:
@@ -67,7 +74,7 @@ class StreamSchedule:
     def of(cls, config) -> StreamSchedule:
         """The schedule an `EngineConfig` names."""
         return cls(config.first_chunk_frames, config.chunk_frames, config.chunk_ramp, config.codec_window_frames,
-                   config.codec_window_context)
+                   config.codec_window_context, config.codec_decode_every_step)
 
     def chunk_sizes(self) -> list[int]:
         """Every chunk size the schedule makes before a stream's tail (the sizes worth a CUDA graph)."""
@@ -80,15 +87,29 @@ class StreamSchedule:
 
 
 @dataclass
+class _Held:
+    """A stream's decoded PCM not delivered yet (`decode_every_step`): it goes out in the schedule's chunks."""
+
+    first_chunk_frames: int
+    parts: list[np.ndarray] = field(default_factory=list)
+    frames: int = 0  # frames in `parts`
+    delivered: int = 0  # frames delivered so far
+    dropped: bool = False  # the stream was closed without its audio (aborted, failed)
+
+
+@dataclass
 class _Readback:
     """Decoded audio on its way to the host (`pcm` is complete once `event` has fired), or, with no rows, the
-    mark that the streams in `closing` have nothing more coming."""
+    mark that the streams in `closing` have nothing more coming. `holds` (one per row, or None) are where
+    held streams collect their PCM; `closing_holds` are the held streams that `closing` ends."""
 
     rids: list[str]
     n: int
     pcm: torch.Tensor | None  # [B, n * spf] float32 on the host
     event: torch.cuda.Event | None
     closing: set[str]
+    holds: list[_Held] | None = None
+    closing_holds: list[_Held] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +121,7 @@ class _Stream:
     position: int = 0  # frames run through the decoder, reference frames included
     prime: torch.Tensor | None = None  # reference codes [T, 16] still to run through the row
     next_window: CodecStreamState | None = None  # primed on the next window's left context
+    held: _Held | None = None  # with `decode_every_step`
 
 
 def next_chunk_frames(emitted: int, first: int, steady: int, ramp: bool = False) -> int:
@@ -124,8 +146,9 @@ class CodecStreamer:
         self._free_rows = list(range(capacity))
         self._fresh: list[int] = []  # rows to zero before their first use
         self._readbacks: collections.deque[_Readback] = collections.deque()  # audio on its way to the host
+        self._backlog: dict[str, _Held] = {}  # held streams with a complete chunk not delivered yet
         self.cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.graphs: dict[tuple[int, int], _ChunkGraph] = {}
+        self.graphs = CodecGraphs()
         if graphs and self.cuda_stream is not None:
             self._capture_graphs()
 
@@ -142,14 +165,20 @@ class CodecStreamer:
         row = heapq.heappop(self._free_rows)
         self._fresh.append(row)
         prime = ref_code.to(torch.long) if ref_code is not None and ref_code.shape[0] > 0 else None
-        self.streams[request_id] = _Stream(row, first_chunk_frames or self.schedule.first_chunk_frames, prime=prime)
+        first = first_chunk_frames or self.schedule.first_chunk_frames
+        held = _Held(first) if self.schedule.decode_every_step else None
+        self.streams[request_id] = _Stream(row, first, prime=prime, held=held)
 
     def push(self, request_id: str, frame: torch.Tensor) -> None:
         self.streams[request_id].pending.append(frame)
 
-    def close(self, request_id: str) -> None:
+    def close(self, request_id: str, keep_audio: bool = False) -> None:
+        """Frees the stream's row; its audio still on the way is dropped unless `keep_audio` (a finished
+        stream, whose last audio goes out with its closing mark)."""
         s = self.streams.pop(request_id, None)
         if s is not None:
+            if s.held is not None and not keep_audio:
+                s.held.dropped = True
             if s.row in self._fresh:
                 self._fresh.remove(s.row)
             heapq.heappush(self._free_rows, s.row)
@@ -178,11 +207,16 @@ class CodecStreamer:
             for rid, s in self.streams.items():
                 if rid in failed:
                     continue
-                need = next_chunk_frames(s.emitted_frames, s.first_chunk_frames, sched.chunk_frames, sched.chunk_ramp)
                 n = len(s.pending)
-                if not (rid in finished and n) and n < need:
-                    continue
-                n = n if rid in finished else need
+                if sched.decode_every_step:  # all that has arrived; `ready` cuts it into chunks
+                    if n == 0:
+                        continue
+                else:
+                    need = next_chunk_frames(s.emitted_frames, s.first_chunk_frames, sched.chunk_frames,
+                                             sched.chunk_ramp)
+                    if not (rid in finished and n) and n < need:
+                        continue
+                    n = n if rid in finished else need
                 (groups[n].append(rid) if self._in_one_window(s, n) else windowed.append((rid, n)))
             for n, rids in groups.items():
                 streams = [self.streams[r] for r in rids]
@@ -206,8 +240,9 @@ class CodecStreamer:
             for rid in finished & self.streams.keys():
                 # Closed now (its row is free again; work queued later on this stream runs after its own);
                 # reported closed once everything it has queued has come back.
-                self._readbacks.append(_Readback([], 0, None, None, {rid}))
-                self.close(rid)
+                held = self.streams[rid].held
+                self._readbacks.append(_Readback([], 0, None, None, {rid}, closing_holds=[held] if held else []))
+                self.close(rid, keep_audio=True)
         return failed
 
     def ready(self, wait: bool = False) -> tuple[dict[str, np.ndarray], set[str]]:
@@ -215,6 +250,7 @@ class CodecStreamer:
         last audio is in it. Never blocks without `wait`."""
         audio: dict[str, list[np.ndarray]] = defaultdict(list)
         closed: set[str] = set()
+        touched: dict[str, _Held] = {}
         while self._readbacks:
             rb = self._readbacks[0]
             if rb.event is not None and not wait and not rb.event.query():
@@ -224,29 +260,68 @@ class CodecStreamer:
             self._readbacks.popleft()
             if rb.pcm is not None:
                 pcm = rb.pcm.numpy()
-                for rid, w in zip(rb.rids, pcm, strict=True):
-                    audio[rid].append(w)
+                for i, (rid, w) in enumerate(zip(rb.rids, pcm, strict=True)):
+                    held = rb.holds[i] if rb.holds is not None else None
+                    if held is None:
+                        audio[rid].append(w)
+                    elif not held.dropped:
+                        held.parts.append(w.copy())  # a view would keep the whole pinned buffer alive
+                        held.frames += rb.n
+                        touched[rid] = held
+            for rid, held in zip(rb.closing, rb.closing_holds, strict=False):
+                touched[rid] = held
             closed |= rb.closing
+        # One chunk per stream per call, as when each chunk was decoded when due; the rest waits in the backlog.
+        for rid, held in {**self._backlog, **touched}.items():
+            self._backlog.pop(rid, None)
+            if held.dropped:
+                continue
+            if (part := self._deliver(held, everything=rid in closed)) is not None:
+                audio[rid].append(part)
+            if rid not in closed and self._due(held) > 0:
+                self._backlog[rid] = held
         return {rid: np.concatenate(parts) if len(parts) > 1 else parts[0] for rid, parts in audio.items()}, closed
 
     @property
     def pending(self) -> bool:
         """Audio queued that has not come back through `ready`."""
-        return bool(self._readbacks)
+        return bool(self._readbacks or self._backlog)
+
+    def _due(self, held: _Held) -> int:
+        """Frames of the held stream's next chunk when it is complete, else 0."""
+        sched = self.schedule
+        need = next_chunk_frames(held.delivered, held.first_chunk_frames, sched.chunk_frames, sched.chunk_ramp)
+        return need if held.frames >= need else 0
+
+    def _deliver(self, held: _Held, everything: bool) -> np.ndarray | None:
+        """The held PCM of the stream's next chunk if complete (all of it when the stream has ended)."""
+        spf = self.decoder.samples_per_frame
+        ready = held.frames if everything else self._due(held)
+        if ready == 0:
+            return None
+        pcm = np.concatenate(held.parts) if len(held.parts) > 1 else held.parts[0]
+        out, rest = pcm[: ready * spf], pcm[ready * spf:]
+        held.parts = [rest] if rest.size else []
+        held.frames -= ready
+        held.delivered += ready
+        return out
 
     def _queue_readback(self, rids: list[str], n: int, wav: torch.Tensor, finished: set[str]) -> None:
         """Counts `n` frames of each stream as emitted and queues their PCM [B, n * spf] to the host."""
+        holds = None
         for rid in rids:
             st = self.streams[rid]
             del st.pending[:n]
             st.emitted_frames += n
+        if self.schedule.decode_every_step:
+            holds = [self.streams[rid].held for rid in rids]
         if self.cuda_stream is None:
-            self._readbacks.append(_Readback(rids, n, wav.float(), None, set()))
+            self._readbacks.append(_Readback(rids, n, wav.float(), None, set(), holds))
             return
         pcm = wav.float().to("cpu", non_blocking=True)  # into pinned memory, filled when the event fires
         event = torch.cuda.Event()
         event.record(self.cuda_stream)
-        self._readbacks.append(_Readback(rids, n, pcm, event, set()))
+        self._readbacks.append(_Readback(rids, n, pcm, event, set(), holds))
 
     # --- decoding rows of the bank ----------------------------------------------------------------------
 
@@ -257,22 +332,26 @@ class CodecStreamer:
         can replay the graph of a longer chunk, padded: every layer is causal, so the padding changes only
         samples past the tail, which are cut off."""
         b, n = codes.shape[0], codes.shape[1]
-        graph = self._graph_for(b, n)
+        most = self.graphs.max_batch
+        if most and b > most:  # more streams than the largest graph: several replays of it
+            return torch.cat([self._decode_rows(rows[i: i + most], codes[i: i + most], final).clone()
+                              for i in range(0, b, most)])
+        graph = self.graphs.exact(b, n)
         if graph is not None:
-            return graph.replay(rows, codes, self.scratch_row)[:b]
-        longer = self._graph_for(b, n, at_least=final)
+            return graph.replay(rows, codes)[:b]
+        longer = self.graphs.longer(b, n) if final else None
         if longer is not None:
-            padded = torch.zeros(b, longer.codes.shape[1], 16, dtype=codes.dtype, device=codes.device)
+            padded = torch.zeros(b, longer.frames, 16, dtype=codes.dtype, device=codes.device)
             padded[:, :n] = codes
-            return longer.replay(rows, padded, self.scratch_row)[:b, :, : n * self.decoder.samples_per_frame]
-        pieces = self._graph_pieces(b, n)
+            return longer.replay(rows, padded)[:b, :, : n * self.decoder.samples_per_frame]
+        pieces = self.graphs.pieces(b, n)
         if pieces:
             # A length no graph has (in-context priming of a whole reference, mostly) as several graph replays
             # back to back: the decoder is causal and its state carries across calls, so n frames in pieces
             # give what n frames in one call give. Each piece is copied out before a replay can reuse its buffer.
             wavs, at = [], 0
             for m in pieces:
-                wavs.append(self._graph_for(b, m).replay(rows, codes[:, at: at + m], self.scratch_row)[:b].clone())
+                wavs.append(self.graphs.exact(b, m).replay(rows, codes[:, at: at + m])[:b].clone())
                 at += m
             return torch.cat(wavs, dim=-1)
         index = upload(np.array(rows, dtype=np.int64), self.device)
@@ -281,9 +360,7 @@ class CodecStreamer:
         return wav
 
     def _store(self, index: torch.Tensor, state: CodecStreamState) -> None:
-        self.bank.position.index_copy_(0, index, state.position)
-        for key, buf in self.bank.buffers.items():
-            buf.index_copy_(0, index, state.buffers[key])
+        store_rows(self.bank, index, state)
 
     def _reset_fresh_rows(self) -> None:
         if not self._fresh:
@@ -385,77 +462,15 @@ class CodecStreamer:
             failed[rid] = f"codec decode failed: {type(e).__name__}: {e}"
             self.close(rid)
 
-    # --- CUDA graphs ------------------------------------------------------------------------------------
-
-    def _graph_for(self, b: int, n: int, at_least: bool = False) -> _ChunkGraph | None:
-        """The graph for `b` streams of exactly `n` frames (or, `at_least`, the shortest of more)."""
-        if not self.graphs:
-            return None
-        bucket = next((x for x in GRAPH_BATCHES if x >= b), None)
-        if not at_least:
-            return self.graphs.get((bucket, n))
-        sizes = sorted(m for (x, m) in self.graphs if x == bucket and m > n)
-        return self.graphs[(bucket, sizes[0])] if sizes else None
-
-    def _graph_pieces(self, b: int, n: int) -> list[int]:
-        """Chunk sizes with a graph for `b` streams that add up to `n`, longest first (empty: none do)."""
-        bucket = next((x for x in GRAPH_BATCHES if x >= b), None)
-        sizes = sorted((m for (x, m) in self.graphs if x == bucket), reverse=True)
-        if not sizes or sizes[-1] != 1:  # without a one-frame graph not every length splits
-            return []
-        pieces = []
-        for m in sizes:
-            while n >= m:
-                pieces.append(m)
-                n -= m
-        return pieces
-
     def _capture_graphs(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        sizes = self.schedule.chunk_sizes()
-        batches = sorted((x for x in GRAPH_BATCHES if x <= self.capacity), reverse=True)
-        self.cuda_stream.wait_stream(torch.cuda.current_stream())  # the bank was zeroed on the default stream
-        try:
-            with torch.cuda.stream(self.cuda_stream), torch.inference_mode():
-                for b in batches:
-                    for n in sorted(sizes, reverse=True):
-                        self.graphs[(b, n)] = _ChunkGraph(self, b, n, pool)
+        sizes = set(self.schedule.chunk_sizes())
+        if self.schedule.decode_every_step:
+            sizes.add(1)  # what every step decodes
+        self.graphs.capture(self.decoder, self.bank, self.scratch_row, self.capacity, sorted(sizes), self.cuda_stream)
+        if self.graphs:
+            with self._on_stream(), torch.inference_mode():
                 self._reset_rows(range(self.capacity + 1))  # the captures wrote the scratch row: start clean
-        except RuntimeError:  # a performance feature: the codec still streams, eagerly, and the log says so
-            log.exception("capturing the codec's CUDA graphs failed; the codec runs eagerly")
-            self.graphs.clear()
-            return
-        log.info("captured codec CUDA graphs: stream counts %s x chunk sizes %s", batches, sizes)
 
     def _reset_rows(self, rows) -> None:
         self._fresh = list(rows)
         self._reset_fresh_rows()
-
-
-class _ChunkGraph:
-    """One codec step of `b` streams x `n` frames captured with its gather and scatter of bank rows."""
-
-    def __init__(self, streamer: CodecStreamer, b: int, n: int, pool) -> None:
-        dev = streamer.device
-        self.rows = torch.full((b,), streamer.scratch_row, dtype=torch.long, device=dev)
-        self.codes = torch.zeros(b, n, 16, dtype=torch.long, device=dev)
-
-        def step() -> torch.Tensor:
-            wav, new = streamer.decoder.stream_step(self.codes, streamer.bank.select(self.rows))
-            streamer._store(self.rows, new)
-            return wav
-
-        for _ in range(2):  # warm-up (kernel selection, Triton compilation) outside the capture
-            step()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=streamer.cuda_stream):
-            self.wav = step()
-
-    def replay(self, rows: list[int], codes: torch.Tensor, scratch: int) -> torch.Tensor:
-        b = len(rows)
-        padded = rows + [scratch] * (self.rows.shape[0] - b)
-        self.rows.copy_(upload(np.array(padded, dtype=np.int64), self.rows.device), non_blocking=True)
-        self.codes[:b].copy_(codes)
-        self.codes[b:].zero_()
-        self.graph.replay()
-        return self.wav

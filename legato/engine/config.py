@@ -83,6 +83,10 @@ class EngineConfig:
     4, 8, 16, 25, ...), so a real-time player never runs dry; off: straight to `chunk_frames` after the first.
     On by default since measured on the H200 (docs/benchmarks.md): continuity 1.00 instead of 0 up to
     concurrency 8, for 10 ms of TTFP at concurrency 1; the extra chunks replay CUDA graphs."""
+    codec_decode_every_step: bool = True
+    """Decode each step's new frames of every stream in one codec call and hold the PCM until the stream's
+    next chunk is complete (the client sees the same chunks); off: decode each chunk when it is due, one call
+    per chunk size. On by default since measured on the H200 (docs/benchmarks.md)."""
     max_text_tokens: int = 2048
     """Most text tokens one request may trail into its decode steps (sizes a per-slot device buffer)."""
     frames_per_text_token: float | None = 8.0
@@ -150,6 +154,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.voice_cache_size must be an int >= 0, got {self.voice_cache_size!r}")
         if not isinstance(self.fair_prefill, bool):
             raise ValueError(f"EngineConfig.fair_prefill must be a bool, got {self.fair_prefill!r}")
+        if not isinstance(self.codec_decode_every_step, bool):
+            raise ValueError("EngineConfig.codec_decode_every_step must be a bool, got "
+                             f"{self.codec_decode_every_step!r}")
         if not isinstance(self.chunk_ramp, bool):
             raise ValueError(f"EngineConfig.chunk_ramp must be a bool, got {self.chunk_ramp!r}")
         if not isinstance(self.async_scheduling, bool):

@@ -120,24 +120,24 @@ class CodecEngine:
         """Decodes every due chunk of every stream (several per stream after a burst, in schedule order),
         then the tails of ended streams."""
         streams = self.streamer.streams
+        spf = self.streamer.decoder.samples_per_frame
         outputs: list[CodecOutput] = []
         while True:
-            before = {rid: s.emitted_frames for rid, s in streams.items()}
             audio, failed = self.streamer.flush(set())
             if not audio and not failed:
                 break
             for rid, pcm in audio.items():
-                n = streams[rid].emitted_frames - before[rid]
+                n = pcm.size // spf
                 self.frames_decoded += n
                 outputs.append(CodecOutput(rid, pcm, n))
             outputs += self._failed(failed)
         ended = self._ended & streams.keys()
         if ended:
-            before = {rid: streams[rid].emitted_frames for rid in ended}
             audio, failed = self.streamer.flush(ended)  # decodes the tails and closes these streams
             outputs += self._failed(failed)
             for rid in sorted(ended - failed.keys()):
-                n = self._pushed.pop(rid) - before[rid]
+                n = audio[rid].size // spf if rid in audio else 0
+                self._pushed.pop(rid)
                 self._ended.discard(rid)
                 self.frames_decoded += n
                 outputs.append(CodecOutput(rid, audio.get(rid, _EMPTY), n, finished=True))

@@ -116,6 +116,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="after the first chunk, make each chunk as long as the audio already sent, up to "
                         "--chunk-frames, so real-time playback never runs dry (--no-chunk-ramp: straight to "
                         "--chunk-frames)")
+    e.add_argument("--codec-decode-every-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode every stream's new frames each step in one codec call, holding the audio until "
+                        "its chunk is complete (--no-codec-decode-every-step: one call per chunk when due)")
     e.add_argument("--frames-per-text-token", type=float, default=8.0,
                    help="frame cap: a request stops (finish reason `length`) after this many frames per text "
                         "token plus --frame-cap-margin, unless it asks for an exact length; 0: no cap")
@@ -286,6 +289,7 @@ def serve(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
             mtp_replicas=args.mtp_replicas, chunk_ramp=args.chunk_ramp, voice_cache_size=args.voice_cache_size,
+            codec_decode_every_step=args.codec_decode_every_step,
             batch_invariant=args.batch_invariant, invariant_rows=args.invariant_rows,
             frames_per_text_token=args.frames_per_text_token if args.frames_per_text_token > 0 else None,
             frame_cap_margin=args.frame_cap_margin,
