@@ -12,7 +12,7 @@ import pytest
 import torch
 from client_helpers import run_client
 
-from legato.engine.codec_streamer import StreamSchedule, next_chunk_frames
+from legato.engine.codec_schedule import StreamSchedule, next_chunk_frames
 from legato.engine.config import EngineConfig
 from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec

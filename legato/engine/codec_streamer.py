@@ -45,56 +45,12 @@ import numpy as np
 import torch
 
 from legato.engine.codec_graphs import CodecGraphs, store_rows
+from legato.engine.codec_schedule import HeldAudio, StreamSchedule, next_chunk_frames
 from legato.layers.host import upload
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.codec_streaming import CodecStreamState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StreamSchedule:
-    """How a stream is cut into chunks, and the decode windows it follows (see the module doc)."""
-
-    first_chunk_frames: int = 1
-    chunk_frames: int = 25
-    chunk_ramp: bool = True
-    window_frames: int | None = 300
-    window_context: int = 25
-    decode_every_step: bool = True
-
-    def __post_init__(self) -> None:
-        if self.first_chunk_frames < 1 or self.chunk_frames < 1:
-            raise ValueError("chunk sizes must be >= 1")
-        if self.window_frames is not None and not 0 <= self.window_context < self.window_frames:
-            raise ValueError(f"the decode window needs 0 <= window_context < window_frames, got "
-                             f"{self.window_context} and {self.window_frames}")
-
-    @classmethod
-    def of(cls, config) -> StreamSchedule:
-        """The schedule an `EngineConfig` names."""
-        return cls(config.first_chunk_frames, config.chunk_frames, config.chunk_ramp, config.codec_window_frames,
-                   config.codec_window_context, config.codec_decode_every_step)
-
-    def chunk_sizes(self) -> list[int]:
-        """Every chunk size the schedule makes before a stream's tail (the sizes worth a CUDA graph)."""
-        sizes, emitted, n = set(), 0, 0
-        while emitted == 0 or n != self.chunk_frames:  # the ramp grows until it reaches the steady size
-            n = next_chunk_frames(emitted, self.first_chunk_frames, self.chunk_frames, self.chunk_ramp)
-            sizes.add(n)
-            emitted += n
-        return sorted(sizes)
-
-
-@dataclass
-class _Held:
-    """A stream's decoded PCM not delivered yet (`decode_every_step`): it goes out in the schedule's chunks."""
-
-    first_chunk_frames: int
-    parts: list[np.ndarray] = field(default_factory=list)
-    frames: int = 0  # frames in `parts`
-    delivered: int = 0  # frames delivered so far
-    dropped: bool = False  # the stream was closed without its audio (aborted, failed)
 
 
 @dataclass
@@ -108,8 +64,8 @@ class _Readback:
     pcm: torch.Tensor | None  # [B, n * spf] float32 on the host
     event: torch.cuda.Event | None
     closing: set[str]
-    holds: list[_Held] | None = None
-    closing_holds: list[_Held] = field(default_factory=list)
+    holds: list[HeldAudio] | None = None
+    closing_holds: list[HeldAudio] = field(default_factory=list)
 
 
 @dataclass
@@ -121,15 +77,7 @@ class _Stream:
     position: int = 0  # frames run through the decoder, reference frames included
     prime: torch.Tensor | None = None  # reference codes [T, 16] still to run through the row
     next_window: CodecStreamState | None = None  # primed on the next window's left context
-    held: _Held | None = None  # with `decode_every_step`
-
-
-def next_chunk_frames(emitted: int, first: int, steady: int, ramp: bool = False) -> int:
-    """Frames of a stream's next chunk after `emitted` frames: `first`, then (ramp) as many as were already
-    sent, capped at `steady`; without the ramp `steady` straight after the first chunk."""
-    if emitted == 0:
-        return first
-    return min(steady, max(first, emitted)) if ramp else steady
+    held: HeldAudio | None = None  # with `decode_every_step`
 
 
 class CodecStreamer:
@@ -146,7 +94,7 @@ class CodecStreamer:
         self._free_rows = list(range(capacity))
         self._fresh: list[int] = []  # rows to zero before their first use
         self._readbacks: collections.deque[_Readback] = collections.deque()  # audio on its way to the host
-        self._backlog: dict[str, _Held] = {}  # held streams with a complete chunk not delivered yet
+        self._backlog: dict[str, HeldAudio] = {}  # held streams with a complete chunk not delivered yet
         self.cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.graphs = CodecGraphs()
         if graphs and self.cuda_stream is not None:
@@ -166,7 +114,7 @@ class CodecStreamer:
         self._fresh.append(row)
         prime = ref_code.to(torch.long) if ref_code is not None and ref_code.shape[0] > 0 else None
         first = first_chunk_frames or self.schedule.first_chunk_frames
-        held = _Held(first) if self.schedule.decode_every_step else None
+        held = HeldAudio(first) if self.schedule.decode_every_step else None
         self.streams[request_id] = _Stream(row, first, prime=prime, held=held)
 
     def push(self, request_id: str, frame: torch.Tensor) -> None:
@@ -250,7 +198,7 @@ class CodecStreamer:
         last audio is in it. Never blocks without `wait`."""
         audio: dict[str, list[np.ndarray]] = defaultdict(list)
         closed: set[str] = set()
-        touched: dict[str, _Held] = {}
+        touched: dict[str, HeldAudio] = {}
         while self._readbacks:
             rb = self._readbacks[0]
             if rb.event is not None and not wait and not rb.event.query():
@@ -276,9 +224,9 @@ class CodecStreamer:
             self._backlog.pop(rid, None)
             if held.dropped:
                 continue
-            if (part := self._deliver(held, everything=rid in closed)) is not None:
+            if (part := held.take(self.schedule, self.decoder.samples_per_frame, everything=rid in closed)) is not None:
                 audio[rid].append(part)
-            if rid not in closed and self._due(held) > 0:
+            if rid not in closed and held.due(self.schedule) > 0:
                 self._backlog[rid] = held
         return {rid: np.concatenate(parts) if len(parts) > 1 else parts[0] for rid, parts in audio.items()}, closed
 
@@ -286,25 +234,6 @@ class CodecStreamer:
     def pending(self) -> bool:
         """Audio queued that has not come back through `ready`."""
         return bool(self._readbacks or self._backlog)
-
-    def _due(self, held: _Held) -> int:
-        """Frames of the held stream's next chunk when it is complete, else 0."""
-        sched = self.schedule
-        need = next_chunk_frames(held.delivered, held.first_chunk_frames, sched.chunk_frames, sched.chunk_ramp)
-        return need if held.frames >= need else 0
-
-    def _deliver(self, held: _Held, everything: bool) -> np.ndarray | None:
-        """The held PCM of the stream's next chunk if complete (all of it when the stream has ended)."""
-        spf = self.decoder.samples_per_frame
-        ready = held.frames if everything else self._due(held)
-        if ready == 0:
-            return None
-        pcm = np.concatenate(held.parts) if len(held.parts) > 1 else held.parts[0]
-        out, rest = pcm[: ready * spf], pcm[ready * spf:]
-        held.parts = [rest] if rest.size else []
-        held.frames -= ready
-        held.delivered += ready
-        return out
 
     def _queue_readback(self, rids: list[str], n: int, wav: torch.Tensor, finished: set[str]) -> None:
         """Counts `n` frames of each stream as emitted and queues their PCM [B, n * spf] to the host."""

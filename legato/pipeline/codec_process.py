@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import zmq.asyncio
 
-from legato.engine.codec_streamer import StreamSchedule
+from legato.engine.codec_schedule import StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.pipeline import messages as m
 from legato.pipeline.client import EngineStats, RequestRejected, StreamChunk

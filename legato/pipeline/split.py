@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from legato.engine.codec_streamer import StreamSchedule
+from legato.engine.codec_schedule import StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.inputs import VoiceFeatures
