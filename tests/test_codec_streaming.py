@@ -302,3 +302,19 @@ def test_the_state_bank_serves_streams_that_come_and_go(decoder):
         want = _whole(decoder, full[None])[0, 0, (0 if ref is None else ref.shape[0]) * SPF :].numpy()
         pcm = np.concatenate(got[rid])
         assert pcm.shape == want.shape and np.abs(pcm - want).max() < TOL, rid
+
+
+def test_codec_graph_lookup_buckets_streams_and_splits_lengths():
+    """Which captured graph a decode of b streams x n frames replays: the smallest stream-count bucket that
+    holds b; a tail may replay a longer chunk (padded); a length no graph has splits into graph sizes."""
+    from legato.engine.codec_graphs import CodecGraphs
+
+    graphs = CodecGraphs()
+    assert not graphs and graphs.max_batch == 0 and graphs.exact(1, 1) is None and graphs.pieces(1, 3) == []
+    graphs.graphs = {(b, n): (b, n) for b in (1, 2, 4) for n in (1, 4, 8)}
+    assert graphs.max_batch == 4
+    assert graphs.exact(3, 4) == (4, 4) and graphs.exact(1, 2) is None and graphs.exact(5, 1) is None
+    assert graphs.longer(2, 4) == (2, 8) and graphs.longer(2, 8) is None
+    assert graphs.pieces(3, 21) == [8, 8, 4, 1] and sum(graphs.pieces(1, 7)) == 7
+    graphs.graphs = {(1, 4): (1, 4)}
+    assert graphs.pieces(1, 8) == []  # without a one-frame graph not every length splits
