@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import torch
 
+from legato.engine.graph_capture import capture
 from legato.layers.host import upload
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.codec_streaming import CodecStreamState
@@ -43,11 +44,7 @@ class ChunkGraph:
             store_rows(bank, self.rows, new)
             return wav
 
-        for _ in range(2):  # warm-up (kernel selection, Triton compilation) outside the capture
-            step()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.wav = step()
+        self.graph, self.wav = capture(step, pool, stream)
 
     @property
     def batch(self) -> int:
@@ -96,7 +93,7 @@ class CodecGraphs:
                         self.graphs[(b, n)] = ChunkGraph(decoder, bank, scratch, b, n, pool, stream)
         except RuntimeError:
             log.exception("capturing the codec's CUDA graphs failed; the codec runs eagerly")
-            self.graphs.clear()
+            self.clear()
             return
         log.info("captured codec CUDA graphs: stream counts %s x chunk sizes %s", batches, sorted(sizes))
 

@@ -56,16 +56,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Readback:
     """Decoded audio on its way to the host (`pcm` is complete once `event` has fired), or, with no rows, the
-    mark that the streams in `closing` have nothing more coming. `holds` (one per row, or None) are where
-    held streams collect their PCM; `closing_holds` are the held streams that `closing` ends."""
+    mark that the streams in `closing` have nothing more coming (each with its held audio, or None).
+    `holds` (one per row, or None) are where held streams collect their PCM."""
 
     rids: list[str]
     n: int
     pcm: torch.Tensor | None  # [B, n * spf] float32 on the host
     event: torch.cuda.Event | None
-    closing: set[str]
+    closing: dict[str, HeldAudio | None] = field(default_factory=dict)
     holds: list[HeldAudio] | None = None
-    closing_holds: list[HeldAudio] = field(default_factory=list)
 
 
 @dataclass
@@ -188,8 +187,7 @@ class CodecStreamer:
             for rid in finished & self.streams.keys():
                 # Closed now (its row is free again; work queued later on this stream runs after its own);
                 # reported closed once everything it has queued has come back.
-                held = self.streams[rid].held
-                self._readbacks.append(_Readback([], 0, None, None, {rid}, closing_holds=[held] if held else []))
+                self._readbacks.append(_Readback([], 0, None, None, {rid: self.streams[rid].held}))
                 self.close(rid, keep_audio=True)
         return failed
 
@@ -216,9 +214,8 @@ class CodecStreamer:
                         held.parts.append(w.copy())  # a view would keep the whole pinned buffer alive
                         held.frames += rb.n
                         touched[rid] = held
-            for rid, held in zip(rb.closing, rb.closing_holds, strict=False):
-                touched[rid] = held
-            closed |= rb.closing
+            touched.update((rid, held) for rid, held in rb.closing.items() if held is not None)
+            closed |= rb.closing.keys()
         # One chunk per stream per call, as when each chunk was decoded when due; the rest waits in the backlog.
         for rid, held in {**self._backlog, **touched}.items():
             self._backlog.pop(rid, None)
@@ -237,20 +234,18 @@ class CodecStreamer:
 
     def _queue_readback(self, rids: list[str], n: int, wav: torch.Tensor, finished: set[str]) -> None:
         """Counts `n` frames of each stream as emitted and queues their PCM [B, n * spf] to the host."""
-        holds = None
+        holds = [self.streams[rid].held for rid in rids] if self.schedule.decode_every_step else None
         for rid in rids:
             st = self.streams[rid]
             del st.pending[:n]
             st.emitted_frames += n
-        if self.schedule.decode_every_step:
-            holds = [self.streams[rid].held for rid in rids]
         if self.cuda_stream is None:
-            self._readbacks.append(_Readback(rids, n, wav.float(), None, set(), holds))
+            self._readbacks.append(_Readback(rids, n, wav.float(), None, holds=holds))
             return
         pcm = wav.float().to("cpu", non_blocking=True)  # into pinned memory, filled when the event fires
         event = torch.cuda.Event()
         event.record(self.cuda_stream)
-        self._readbacks.append(_Readback(rids, n, pcm, event, set(), holds))
+        self._readbacks.append(_Readback(rids, n, pcm, event, holds=holds))
 
     # --- decoding rows of the bank ----------------------------------------------------------------------
 
