@@ -336,6 +336,39 @@ def test_a_failing_codec_decode_fails_its_streams_not_the_engine(root, monkeypat
     assert after.finished["again"] == "length" and after.pcm("again").shape[0] == 5 * 1920
 
 
+def test_a_codec_fault_in_a_batched_decode_fails_only_the_stream_that_raises(root):
+    """Every step decodes all streams in one call; when that call raises, each stream is retried alone, so
+    only the faulty stream fails: the others' codes are those of a run without the fault and their audio is
+    within float32 tolerance of it (it was decoded in smaller batches)."""
+    lm = tiny_model(root, "base")
+    spec = build_spec(lm, base_inputs()[0])
+
+    def reqs():
+        return [EngineRequest(rid, spec, SamplingParams(seed=i, max_new_tokens=12), ignore_eos=True)
+                for i, rid in enumerate(["a", "bad", "c"])]
+
+    clean = run_all(Engine(lm, engine_config(chunk_frames=3)), reqs())
+    engine = Engine(lm, engine_config(chunk_frames=3))
+    streamer, real, batched_faults = engine.codec, engine.codec._decode_rows, []
+
+    def flaky(rows, codes, final=False):
+        bad = streamer.streams.get("bad")
+        if bad is not None and bad.row in rows:
+            batched_faults.append(len(rows))
+            raise RuntimeError("injected codec fault")
+        return real(rows, codes, final)
+
+    streamer._decode_rows = flaky
+    got = run_all(engine, reqs())
+    assert max(batched_faults) == 3  # the fault hit a call holding all three streams
+    assert got.finished["bad"] == "error" and "injected codec fault" in got.errors["bad"]
+    for rid in ("a", "c"):
+        assert got.finished[rid] == "length"
+        assert torch.equal(got.frames(rid), clean.frames(rid))
+        assert np.abs(got.pcm(rid) - clean.pcm(rid)).max() < 1e-5
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks and not engine.codec.streams
+
+
 @pytest.mark.parametrize("model_type", ["base", "custom_voice", "voice_design"])
 def test_warm_up_runs_a_throwaway_request_and_leaves_nothing_behind(root, model_type):
     """The start-up run that compiles and captures on a GPU: one request through prefill, every chunk size

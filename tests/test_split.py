@@ -175,17 +175,22 @@ def test_codec_decoder_alone_matches_the_full_load(loaded, tiny_checkpoint):
     assert all(torch.equal(v, full[k]) for k, v in decoder.state_dict().items())
 
 
-def test_a_codec_failure_fails_only_its_request(tiny_checkpoint):
-    client = split_client(tiny_checkpoint, ["cpu", "cpu"], chunk_ramp=False)  # chunks of 1, then 3s
-    decoder = client.codec.engine.streamer.decoder
-    real = decoder.stream_step
+@pytest.mark.parametrize("every_step", [True, False], ids=["decode-every-step", "decode-when-due"])
+def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, every_step):
+    """A decode that raises for one stream fails that request alone, also when its frames were batched with
+    other streams' into one call (every step decodes all streams at once: the call is retried stream by
+    stream)."""
+    client = split_client(tiny_checkpoint, ["cpu", "cpu"], chunk_ramp=False, codec_decode_every_step=every_step)
+    streamer = client.codec.engine.streamer
+    real = streamer._decode_rows
 
-    def flaky(codes, state, lengths=None):
-        if codes.shape[1] == 2:  # only the request with first_chunk_frames=2 decodes 2-frame chunks ([B, n, 16])
+    def flaky(rows, codes, final=False):
+        bad = streamer.streams.get("f2")
+        if bad is not None and bad.row in rows:
             raise RuntimeError("injected codec fault")
-        return real(codes, state, lengths)
+        return real(rows, codes, final)
 
-    decoder.stream_step = flaky
+    streamer._decode_rows = flaky
     reqs = [SynthesisRequest(f"f{i}", SpeechInput(f"Sentence {i}.", language="english", speaker_embedding=EMB,
                                                   x_vector_only=True),
                              SamplingParams(seed=i, max_new_tokens=60 if i == 2 else 8), ignore_eos=True,

@@ -134,8 +134,9 @@ class CodecStreamer:
     def flush(self, finished: set[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """Decodes every due chunk and waits for it; requests in `finished` flush their tail and are closed.
 
-        Returns (new PCM by request, failures by request). A decode that raises fails only the streams
-        batched into it: they are closed and reported with the reason, the others still get their audio."""
+        Returns (new PCM by request, failures by request). A stream whose decode raises (alone: a
+        batched call that raises is retried stream by stream) is closed and reported with the reason; the
+        others still get their audio."""
         failed = self.queue(finished)
         audio, _closed = self.ready(wait=True)
         return audio, failed
@@ -165,17 +166,10 @@ class CodecStreamer:
                         continue
                     n = n if rid in finished else need
                 (groups[n].append(rid) if self._in_one_window(s, n) else windowed.append((rid, n)))
+            most = self.graphs.max_batch or len(self.streams)
             for n, rids in groups.items():
-                streams = [self.streams[r] for r in rids]
-                try:
-                    codes = upload(torch.stack([torch.stack(s.pending[:n]) for s in streams]), self.device)
-                    wav = self._decode_rows([s.row for s in streams], codes, final=finished.issuperset(rids))
-                except Exception as e:
-                    self._fail(rids, e, failed)
-                    continue
-                for st in streams:
-                    st.position += n
-                self._queue_readback(rids, n, wav[:, 0], finished)
+                for i in range(0, len(rids), most):  # one decoder call (or graph replay) each
+                    self._decode_group(rids[i: i + most], n, finished, failed)
             for rid, n in windowed:
                 st = self.streams[rid]
                 try:
@@ -248,6 +242,27 @@ class CodecStreamer:
         self._readbacks.append(_Readback(rids, n, pcm, event, holds=holds))
 
     # --- decoding rows of the bank ----------------------------------------------------------------------
+
+    def _decode_group(self, rids: list[str], n: int, finished: set[str], failed: dict[str, str]) -> None:
+        """Decodes the next `n` frames of `rids` in one call. If that call raises, each stream is retried
+        alone, so a fault fails only the streams that raise by themselves. That is sound because a call that
+        raised left every row as it was: the eager call stores the new state after it returns, and a graph
+        replay only raises on a device fault, which no retry survives anyway."""
+        streams = [self.streams[r] for r in rids]
+        try:
+            codes = upload(torch.stack([torch.stack(s.pending[:n]) for s in streams]), self.device)
+            wav = self._decode_rows([s.row for s in streams], codes, final=finished.issuperset(rids))
+        except Exception as e:
+            if len(rids) == 1:
+                self._fail(rids, e, failed)
+                return
+            log.warning("codec decode of %d streams raised (%s); decoding them one by one", len(rids), e)
+            for rid in rids:
+                self._decode_group([rid], n, finished, failed)
+            return
+        for st in streams:
+            st.position += n
+        self._queue_readback(rids, n, wav[:, 0], finished)
 
     def _decode_rows(self, rows: list[int], codes: torch.Tensor, final: bool = False) -> torch.Tensor:
         """codes [B, n, 16] through the bank rows `rows` (each advanced by n frames) -> wav [B, 1, n * spf].
