@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import uuid
+import weakref
 
 import torch
 
@@ -41,8 +44,36 @@ def make_handoff(layout: KVLayout, request_id: str, seed: int, num_tokens: int =
     )
 
 
-def sender_main(kv_conn, cmd_conn, layout: dict, instance_id: str) -> None:
-    """Child process: the prefill end of a shm link, driven by test commands over `cmd_conn`.
+class HostIpc:
+    """A test stand-in for `CudaIpc` between two carriers of one process: a handle names a buffer in a shared
+    registry, held weakly, so a buffer its sender has freed cannot be opened any more (as a freed CUDA
+    allocation's handle cannot)."""
+
+    def __init__(self, registry: dict) -> None:
+        self.registry = registry
+
+    def export(self, arena: torch.Tensor) -> dict:
+        key = uuid.uuid4().hex
+        self.registry[key] = weakref.ref(arena)
+        return {"key": key}
+
+    def open(self, msg: dict) -> torch.Tensor:
+        ref = self.registry.get(msg["key"])
+        arena = ref() if ref is not None else None
+        if arena is None:
+            raise OSError(f"buffer {msg['key']} is gone")
+        return arena
+
+
+def on_device(h: Handoff, device: str) -> Handoff:
+    """`h` with its KV and hidden states on `device` (as a prefill engine's handoff is; ref codes stay on the host)."""
+    return dataclasses.replace(h, kv=h.kv.to(device), last_hidden=h.last_hidden.to(device),
+                               trailing_text=h.trailing_text.to(device))
+
+
+def sender_main(kv_conn, cmd_conn, layout: dict, instance_id: str, backend: str = "shm") -> None:
+    """Child process: the prefill end of a shm (or, on CUDA, cuda_ipc) link, driven by test commands over
+    `cmd_conn`.
 
     Commands: ("send", rid, seed, deadline_s), ("stall_send", rid, seed, deadline_s) (creates the segment
     and then hangs before writing it, to be killed mid-transfer), ("exit",). Reports ("ready",) once the
@@ -50,7 +81,13 @@ def sender_main(kv_conn, cmd_conn, layout: dict, instance_id: str) -> None:
     from legato.kv_transfer import shm
 
     lay = KVLayout.from_dict(layout)
-    conn = shm.ShmConnector(lay, kv_conn, instance_id)
+    if backend == "cuda_ipc":
+        from legato.kv_transfer.cuda_ipc import CudaIpcConnector
+
+        conn = CudaIpcConnector(lay, kv_conn, instance_id, device="cuda")
+    else:
+        conn = shm.ShmConnector(lay, kv_conn, instance_id)
+    device = "cuda" if backend == "cuda_ipc" else "cpu"
     conn.connect(30.0)
     cmd_conn.send(("ready",))
     while True:
@@ -60,7 +97,7 @@ def sender_main(kv_conn, cmd_conn, layout: dict, instance_id: str) -> None:
             continue
         cmd = cmd_conn.recv()
         if cmd[0] == "send":
-            conn.send(make_handoff(lay, cmd[1], cmd[2]), cmd[3])
+            conn.send(on_device(make_handoff(lay, cmd[1], cmd[2]), device), cmd[3])
         elif cmd[0] == "stall_send":
             def stalled(*args, **kwargs):
                 time.sleep(600)

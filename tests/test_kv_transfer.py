@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import multiprocessing
 import os
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_transfer_helpers import make_handoff, sender_main, small_layout
+from kv_transfer_helpers import HostIpc, make_handoff, sender_main, small_layout
 
 import legato
 from legato.kv_transfer import (
@@ -37,6 +38,7 @@ from legato.kv_transfer import (
     read_handoff,
     scatter_blocks,
 )
+from legato.kv_transfer.cuda_ipc import CudaIpcConnector
 from legato.kv_transfer.inproc import InprocChannel, InprocConnector
 from legato.kv_transfer.shm import ConnectionChannel, ShmConnector, list_segments, reap_segments, segment_name
 from legato.kv_transfer.transport import Channel
@@ -198,9 +200,12 @@ class Link:
     tap_b: Tap
     clock: Clock
     ids: tuple[str, str]
+    backend: str = ""
 
     def segments(self) -> list[str]:
-        return list_segments(self.ids[0]) + list_segments(self.ids[1])
+        """What the ends still hold for their peer: shared memory, or cuda_ipc's device arenas."""
+        arenas = [f"arena {rid}" for end in (self.a, self.b) for rid in getattr(end._carrier, "published", [])]
+        return list_segments(self.ids[0]) + list_segments(self.ids[1]) + arenas
 
 
 def make_link(backend: str, layout_b: KVLayout | None = None) -> Link:
@@ -213,11 +218,16 @@ def make_link(backend: str, layout_b: KVLayout | None = None) -> Link:
     else:
         pa, pb = Pipe()
         tap_a, tap_b = Tap(ConnectionChannel(pa)), Tap(ConnectionChannel(pb))
-        a, b = ShmConnector(lay, tap_a, ids[0], clock), ShmConnector(layout_b or lay, tap_b, ids[1], clock)
-    return Link(a, b, tap_a, tap_b, clock, ids)
+        if backend == "shm":
+            a, b = ShmConnector(lay, tap_a, ids[0], clock), ShmConnector(layout_b or lay, tap_b, ids[1], clock)
+        else:  # cuda_ipc's packing, offers and arena lifetime, with the handles stood in for on the CPU
+            registry: dict = {}
+            a, b = (CudaIpcConnector(layout, tap, rid, device="cpu", clock=clock, ipc=HostIpc(registry))
+                    for layout, tap, rid in ((lay, tap_a, ids[0]), (layout_b or lay, tap_b, ids[1])))
+    return Link(a, b, tap_a, tap_b, clock, ids, backend)
 
 
-@pytest.fixture(params=["inproc", "shm"])
+@pytest.fixture(params=["inproc", "shm", "cuda_ipc"])
 def link(request):
     lk = make_link(request.param)
     lk.a.connect(2.0)
@@ -240,8 +250,11 @@ def test_transfer_delivers_complete_handoff(link):
     (ev,) = link.b.poll()
     assert ev.kind is EventKind.RECEIVED and ev.request_id == "r1"
     assert_same_handoff(h, ev.handoff)
-    assert link.segments() == []  # the receiver frees the payload as soon as it has copied it out
+    # shm: the receiver frees the payload as soon as it has copied it out; cuda_ipc: the arena is the
+    # sender's, freed when the ack arrives.
+    assert link.segments() == (["arena r1"] if link.backend == "cuda_ipc" else [])
     assert kinds(link.a.poll()) == [("r1", EventKind.SENT, None)]
+    assert link.segments() == []
     sa, sb = link.a.stats(), link.b.stats()
     assert (sa.sent, sb.received) == (1, 1) and sa.bytes_sent > h.kv.numel() * 2
     assert sb.bytes_received == sa.bytes_sent
@@ -355,7 +368,7 @@ def test_close_fails_in_flight_and_the_peer_sees_it(link):
     assert link.a.close() == []
 
 
-@pytest.mark.parametrize("backend", ["inproc", "shm"])
+@pytest.mark.parametrize("backend", ["inproc", "shm", "cuda_ipc"])
 def test_layout_mismatch_refused_at_handshake(backend):
     lk = make_link(backend, layout_b=small_layout("float32", num_layers=4, model_hash="elsewhere"))
     for end in (lk.a, lk.b):
@@ -369,13 +382,71 @@ def test_layout_mismatch_refused_at_handshake(backend):
     assert lk.segments() == []
 
 
-@pytest.mark.parametrize("backend", ["inproc", "shm"])
+@pytest.mark.parametrize("backend", ["inproc", "shm", "cuda_ipc"])
 def test_send_before_handshake_fails_fast(backend):
     lk = make_link(backend)
     lk.a.send(make_handoff(small_layout(), "early", seed=1), 5.0)
     assert kinds(lk.a.poll()) == [("early", EventKind.FAILED, FailReason.PEER_NOT_READY)]
     with pytest.raises(TimeoutError):
         InprocConnector(small_layout(), InprocChannel.pair()[0]).connect(0.05)
+    lk.a.close(), lk.b.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuda_ipc specifics (its packing and lifetime run above with a stand-in for the handles; tests/test_gpu_kv.py
+# runs the handles between processes on a GPU)
+
+
+def test_cuda_ipc_refuses_in_one_line_without_cuda(monkeypatch):
+    from legato.kv_transfer.cuda_ipc import CudaIpcConnector, CudaIpcUnavailable, require_cuda_device
+
+    ca, _ = InprocChannel.pair()
+    with pytest.raises(CudaIpcUnavailable, match=r"runs on cpu \(use --kv-transfer shm\)"):
+        CudaIpcConnector(small_layout(), ca, "nocuda", device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CudaIpcUnavailable, match="sees no CUDA device") as err:
+        require_cuda_device("cuda:0")
+    assert "\n" not in str(err.value)
+
+
+def test_cuda_ipc_offer_pointing_outside_its_buffer_fails_that_request():
+    """A tensor region past the peer's buffer, or an offer naming another request, is a bad payload: nothing
+    outside the buffer is read, and the link goes on."""
+    lk = make_link("cuda_ipc")
+    lk.a.connect(2.0), lk.b.connect(2.0)
+    lk.b.receive("o1", 5.0)
+    lk.a.send(make_handoff(small_layout(), "o1", seed=3), 5.0)
+    offer = lk.tap_a.last("offer")
+    assert kinds(lk.b.poll()) == [("o1", EventKind.RECEIVED, None)]
+    forged = json.loads(json.dumps(offer))
+    forged["rid"] = forged["loc"]["header"]["request_id"] = "o2"
+    forged["loc"]["tensors"]["kv"]["offset"] = forged["loc"]["nbytes"]
+    lk.b.receive("o2", 5.0)
+    lk.tap_a.send(forged)
+    (ev,) = lk.b.poll()
+    assert (ev.kind, ev.reason) == (EventKind.FAILED, FailReason.BAD_PAYLOAD) and "outside" in ev.detail
+    other = json.loads(json.dumps(offer))
+    other["rid"] = "o3"  # the header still says o1
+    lk.b.receive("o3", 5.0)
+    lk.tap_a.send(other)
+    (ev,) = lk.b.poll()
+    assert (ev.kind, ev.reason) == (EventKind.FAILED, FailReason.BAD_PAYLOAD) and "'o1'" in ev.detail
+    assert lk.b.link_state is LinkState.READY
+    lk.a.close(), lk.b.close()
+    assert lk.segments() == []
+
+
+def test_cuda_ipc_arena_freed_before_the_receiver_reads_fails_as_a_transport_error():
+    """The sender frees its arena at its deadline: an offer the receiver takes after that cannot be read
+    (as a freed CUDA allocation's handle cannot be opened) and fails that request, not the link."""
+    lk = make_link("cuda_ipc")
+    lk.a.connect(2.0), lk.b.connect(2.0)
+    lk.a.send(make_handoff(small_layout(), "gone", seed=4), 1.0)
+    lk.a._carrier.discard("gone")  # as if the sender had already let go of it
+    lk.b.receive("gone", 5.0)
+    (ev,) = lk.b.poll()
+    assert (ev.kind, ev.reason) == (EventKind.FAILED, FailReason.TRANSPORT_ERROR) and "gone" in ev.detail
+    assert lk.b.link_state is LinkState.READY
     lk.a.close(), lk.b.close()
 
 
@@ -523,7 +594,8 @@ def test_registry_is_lazy():
         "import sys, legato.kv_transfer as kt\n"
         "mods = lambda: sorted(m for m in sys.modules if m.startswith('legato.kv_transfer.'))\n"
         "print(mods())\n"
-        "assert not any(m.endswith(('.shm', '.inproc', '.link', '.mooncake', '.nixl')) for m in mods()), mods()\n"
+        "backends = ('.shm', '.inproc', '.link', '.mooncake', '.nixl', '.cuda_ipc')\n"
+        "assert not any(m.endswith(backends) for m in mods()), mods()\n"
         "assert kt.get_backend('inproc').__name__ == 'InprocConnector'\n"
         "assert 'legato.kv_transfer.inproc' in sys.modules and 'legato.kv_transfer.shm' not in sys.modules\n"
         "assert kt.get_backend('shm').__name__ == 'ShmConnector'\n"
@@ -535,8 +607,8 @@ def test_registry_is_lazy():
 
 
 def test_registry_errors_are_clear():
-    assert backend_names() == ["inproc", "mooncake", "nixl", "shm"]
-    with pytest.raises(ValueError, match="unknown KV transfer backend 'rdma'.*inproc, mooncake, nixl, shm"):
+    assert backend_names() == ["cuda_ipc", "inproc", "mooncake", "nixl", "shm"]
+    with pytest.raises(ValueError, match="unknown KV transfer backend 'rdma'.*cuda_ipc, inproc, mooncake, nixl, shm"):
         get_backend("rdma")
     for name in ("mooncake", "nixl"):
         if importlib.util.find_spec(name) is not None:
@@ -557,3 +629,18 @@ def test_an_offer_of_another_shape_fails_that_request_without_raising():
     assert (ev.kind, ev.reason) == (EventKind.FAILED, FailReason.BAD_PAYLOAD) and "KeyError" in ev.detail
     assert lk.b.link_state is LinkState.READY
     lk.a.close(), lk.b.close()
+
+
+def test_a_link_whose_backend_cannot_open_fails_that_link_not_the_worker():
+    """A worker that cannot run its link's backend (cuda_ipc on a CPU engine) reports that link failed, with
+    the reason, instead of raising out of its event loop."""
+    from legato.pipeline.kv_links import KVLinks, KVLinkSpec
+
+    links = KVLinks(KVLinkSpec(role="decode", index=0, peers=2, instance_id="t1", backend="cuda_ipc"),
+                    small_layout(), device="cpu")
+    ours, theirs = Pipe()
+    links._adopt(0, ours)
+    state, error = links.states()[0]
+    assert state is LinkState.FAILED and "cannot open a cuda_ipc link" in error and "use --kv-transfer shm" in error
+    assert ours.closed and links.states()[1] == (LinkState.NOT_READY, None)
+    theirs.close()

@@ -144,6 +144,11 @@ def test_topology_refuses_inproc_between_processes(tiny_checkpoint):
         _pd(tiny_checkpoint, "1p1d", "inproc")
 
 
+def test_topology_refuses_cuda_ipc_between_cpu_workers(tiny_checkpoint):
+    with pytest.raises(TopologyError, match=r"cuda_ipc KV backend moves handoffs between CUDA devices.*use shm"):
+        _pd(tiny_checkpoint, "1p1d", "cuda_ipc")
+
+
 def test_layout_mismatch_is_refused_at_handshake(tiny_checkpoint):
     instance = new_instance_id()
     good = _pd(tiny_checkpoint, "1p1d", instance_id=instance)

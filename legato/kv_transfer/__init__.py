@@ -5,6 +5,7 @@ library is needed only by the deployments that use it:
 
     inproc    both ends in one process (tests, single-process topologies)
     shm       same host, separate processes: POSIX shared memory + a control channel (the default)
+    cuda_ipc  same host, GPU to GPU: the handoff stays in device memory, read through a CUDA IPC handle
     mooncake  cross-host over TCP/RDMA: one-sided reads from the sender's registered arena by the
               Mooncake Transfer Engine (extra: pip install legato[mooncake])
     nixl      cross-host over UCX (extra: pip install legato[nixl]); not implemented yet
@@ -38,6 +39,7 @@ from legato.kv_transfer.handoff import (
 _BACKENDS: dict[str, tuple[str, str]] = {
     "inproc": ("legato.kv_transfer.inproc", "InprocConnector"),
     "shm": ("legato.kv_transfer.shm", "ShmConnector"),
+    "cuda_ipc": ("legato.kv_transfer.cuda_ipc", "CudaIpcConnector"),
     "mooncake": ("legato.kv_transfer.mooncake", "MooncakeConnector"),
     "nixl": ("legato.kv_transfer.nixl", "NixlConnector"),
 }

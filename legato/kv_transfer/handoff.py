@@ -234,24 +234,17 @@ def scatter_blocks(k_cache: CacheTensors, v_cache: CacheTensors, block_ids: Sequ
 # Wire form
 
 
-def _tensor_fields(h: Handoff) -> dict[str, torch.Tensor]:
+def handoff_tensors(h: Handoff) -> dict[str, torch.Tensor]:
+    """The handoff's tensors by field name (`ref_code` only when set)."""
     out = {"kv": h.kv, "last_hidden": h.last_hidden, "trailing_text": h.trailing_text}
     if h.ref_code is not None:
         out["ref_code"] = h.ref_code
     return out
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _plan(h: Handoff) -> tuple[bytes, dict[str, torch.Tensor], dict[str, dict], int]:
-    """(header JSON, tensors, their specs, total size)."""
-    tensors = _tensor_fields(h)
-    specs = {name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size(),
-                    "offset": 0}
-             for name, t in tensors.items()}
-    header = {
+def handoff_header(h: Handoff) -> dict:
+    """Every field of `h` but its tensors, as JSON values (`handoff_from_parts` inverts it)."""
+    return {
         "version": h.version,
         "request_id": h.request_id,
         "layout": h.layout.to_dict(),
@@ -262,8 +255,58 @@ def _plan(h: Handoff) -> tuple[bytes, dict[str, torch.Tensor], dict[str, dict], 
         "max_frames": int(h.max_frames),
         "ignore_eos": bool(h.ignore_eos),
         "first_chunk_frames": h.first_chunk_frames,
-        "tensors": specs,
     }
+
+
+def handoff_from_parts(header: dict, tensors: dict[str, torch.Tensor]) -> Handoff:
+    """The validated Handoff of a `handoff_header` and its `handoff_tensors`, from a peer: raises
+    HandoffFormatError for anything missing, mistyped or inconsistent."""
+    try:
+        h = Handoff(
+            request_id=header["request_id"],
+            layout=KVLayout.from_dict(header["layout"]),
+            num_tokens=header["num_tokens"],
+            kv=tensors["kv"],
+            last_hidden=tensors["last_hidden"],
+            first_token=header["first_token"],
+            trailing_text=tensors["trailing_text"],
+            sampling=SamplingParams(**header["sampling"]),
+            seed=header["seed"],
+            max_frames=header["max_frames"],
+            ignore_eos=header["ignore_eos"],
+            first_chunk_frames=header["first_chunk_frames"],
+            ref_code=tensors.get("ref_code"),
+            version=header["version"],
+        )
+        h.validate()
+    except (KeyError, TypeError, ValueError) as e:
+        raise HandoffFormatError(f"malformed handoff: {e}") from e
+    return h
+
+
+def tensor_spec(t: torch.Tensor) -> dict:
+    """dtype, shape and size of `t` as JSON values; `offset` is where a packer puts it."""
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size(), "offset": 0}
+
+
+def pack_offsets(specs: dict[str, dict], start: int) -> int:
+    """Sets each spec's `offset`, from `start`, every region on an aligned boundary; returns the end."""
+    end = start
+    for spec in specs.values():
+        spec["offset"] = end
+        end = _align(end + spec["nbytes"])
+    return end
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _plan(h: Handoff) -> tuple[bytes, dict[str, torch.Tensor], dict[str, dict], int]:
+    """(header JSON, tensors, their specs, total size)."""
+    tensors = handoff_tensors(h)
+    specs = {name: tensor_spec(t) for name, t in tensors.items()}
+    header = {**handoff_header(h), "tensors": specs}
     # The offsets depend on the header's length, which depends on the offsets' digits: settle in a few passes.
     data_start = end = -1
     while True:
@@ -271,10 +314,8 @@ def _plan(h: Handoff) -> tuple[bytes, dict[str, torch.Tensor], dict[str, dict], 
         start = _align(_PREAMBLE.size + len(blob))
         if start == data_start:
             return blob, tensors, specs, end
-        data_start = end = start
-        for spec in specs.values():
-            spec["offset"] = end
-            end = _align(end + spec["nbytes"])
+        data_start = start
+        end = pack_offsets(specs, start)
 
 
 def handoff_nbytes(h: Handoff) -> int:
@@ -308,14 +349,21 @@ def encode_handoff(h: Handoff) -> bytes:
     return bytes(buf)
 
 
-def _read_tensor(view: memoryview, spec: dict, limit: int) -> torch.Tensor:
+def tensor_region(spec: dict, limit: int) -> tuple[torch.dtype, list[int], int, int]:
+    """(dtype, shape, nbytes, offset) of a peer's tensor spec, checked against a `limit`-byte buffer:
+    raises HandoffFormatError for a size that does not match its shape or a region outside the buffer."""
     dtype = dtype_from_name(spec["dtype"])
     shape = [int(s) for s in spec["shape"]]
     nbytes, offset = int(spec["nbytes"]), int(spec["offset"])
-    if nbytes != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+    if min(shape, default=0) < 0 or nbytes != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
         raise HandoffFormatError(f"tensor size {nbytes} does not match {spec['dtype']}{shape}")
     if offset < 0 or offset + nbytes > limit:
         raise HandoffFormatError(f"tensor region [{offset}, {offset + nbytes}) outside the {limit}-byte buffer")
+    return dtype, shape, nbytes, offset
+
+
+def _read_tensor(view: memoryview, spec: dict, limit: int) -> torch.Tensor:
+    dtype, shape, nbytes, offset = tensor_region(spec, limit)
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     # One copy out of the (possibly read-only, possibly shared) buffer into memory we own.
@@ -339,25 +387,8 @@ def read_handoff(buf: bytes | bytearray | memoryview) -> Handoff:
         header = json.loads(bytes(view[_PREAMBLE.size:_PREAMBLE.size + header_len]))
         specs = header["tensors"]
         tensors = {name: _read_tensor(view, spec, len(view)) for name, spec in specs.items()}
-        h = Handoff(
-            request_id=header["request_id"],
-            layout=KVLayout.from_dict(header["layout"]),
-            num_tokens=header["num_tokens"],
-            kv=tensors["kv"],
-            last_hidden=tensors["last_hidden"],
-            first_token=header["first_token"],
-            trailing_text=tensors["trailing_text"],
-            sampling=SamplingParams(**header["sampling"]),
-            seed=header["seed"],
-            max_frames=header["max_frames"],
-            ignore_eos=header["ignore_eos"],
-            first_chunk_frames=header["first_chunk_frames"],
-            ref_code=tensors.get("ref_code"),
-            version=header["version"],
-        )
-        h.validate()
     except HandoffFormatError:
         raise
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise HandoffFormatError(f"malformed handoff: {e}") from e
-    return h
+    return handoff_from_parts(header, tensors)

@@ -93,9 +93,11 @@ class KVLinks:
     """The links of one worker. Create and use on the worker's event loop; `start` spawns the socket thread."""
 
     def __init__(self, spec: KVLinkSpec, layout: KVLayout,
-                 on_state: Callable[[int, LinkState, str | None, dict], None] | None = None) -> None:
+                 on_state: Callable[[int, LinkState, str | None, dict], None] | None = None,
+                 device: str = "cpu") -> None:
         self.spec = spec
         self.layout = layout
+        self.device = device  # this worker's engine device (cuda_ipc lands handoffs there)
         self.connectors: dict[int, KVConnector] = {}
         self._on_state = on_state
         self._reported: dict[int, LinkState] = {}
@@ -254,9 +256,12 @@ class KVLinks:
             conn.close()
             return
         backend = self.backend_of(peer)
-        cls = get_backend(backend)
-        extra = {"hostname": self.spec.host} if backend == "mooncake" else {}
-        self.connectors[peer] = cls(self.layout, conn, f"{self.name}.{peer}", **extra)
+        extra = {"mooncake": {"hostname": self.spec.host}, "cuda_ipc": {"device": self.device}}.get(backend, {})
+        try:
+            self.connectors[peer] = get_backend(backend)(self.layout, conn, f"{self.name}.{peer}", **extra)
+        except Exception as e:  # e.g. a backend this process cannot run: this link fails, not the worker
+            conn.close()
+            self._adopt(peer, f"cannot open a {backend} link: {e}")
 
     def _dispatch(self, peer: int, events: list[TransferEvent]) -> None:
         for ev in events:

@@ -132,8 +132,11 @@ def build_client(
         from legato.pipeline.kv_links import KVLinkSpec
 
         if kv_backend not in (*backend_names(), "auto") or kv_backend == "inproc":
-            raise TopologyError(f"process MpNd needs a cross-process KV backend (shm, mooncake, or auto: shm within "
-                                f"a node, mooncake between nodes), got {kv_backend!r}")
+            raise TopologyError(f"process MpNd needs a cross-process KV backend (shm, cuda_ipc, mooncake, or auto: "
+                                f"shm within a node, mooncake between nodes), got {kv_backend!r}")
+        if kv_backend == "cuda_ipc" and any(not str(d).startswith("cuda") for d in devices):
+            raise TopologyError(f"the cuda_ipc KV backend moves handoffs between CUDA devices; the workers run on "
+                                f"{', '.join(map(str, devices))} (use shm)")
     names = worker_names(topology)
     if launcher is not None and workers == "process":
         launcher.plan([WorkerPlan(n, gpu_share(devices[i % len(devices)], devices, topology.num_workers,

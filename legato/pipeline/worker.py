@@ -240,7 +240,8 @@ async def run(spec: WorkerSpec) -> int:
         await client.start()
         worker = _Worker(spec, client, out)
         if spec.kv is not None:
-            worker.links = KVLinks(KVLinkSpec(**spec.kv), client.engine.kv_layout, worker.link_changed)
+            worker.links = KVLinks(KVLinkSpec(**spec.kv), client.engine.kv_layout, worker.link_changed,
+                                   device=config.device)
             worker.links.start()
         await worker.send(m.Ready(client.info, os.getpid(), dict(loaded.generation_defaults)))
         log.info("ready: %s on %s", spec.model_path, config.device)

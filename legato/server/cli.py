@@ -71,9 +71,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="run each engine on a thread of the server process or in its own worker process (auto: "
                         "a worker process on CUDA, where the engine then holds a GIL of its own, a thread on the "
                         "CPU)")
-    t.add_argument("--kv-transfer", default="shm", choices=["shm", "mooncake", "auto"],
-                   help="how process MpNd moves each handoff between its prefill and decode workers (auto: shm "
-                        "between workers on one node, mooncake between nodes)")
+    t.add_argument("--kv-transfer", default="shm", choices=["shm", "cuda_ipc", "mooncake", "auto"],
+                   help="how process MpNd moves each handoff between its prefill and decode workers (cuda_ipc: GPU "
+                        "to GPU on one host, through CUDA IPC handles; auto: shm between workers on one node, "
+                        "mooncake between nodes)")
     t.add_argument("--pd-pairing", default="least_loaded", choices=["least_loaded", "round_robin"],
                    help="MpNd: how each request's decode engine is picked (least loaded, ties round robin; or round "
                         "robin)")
