@@ -65,6 +65,21 @@ class HostIpc:
         return arena
 
 
+def wait_events(conn, want: int, timeout_s: float = 10.0) -> list:
+    """Polls `conn` until it has given `want` events or `timeout_s` has passed."""
+    events, end = [], time.monotonic() + timeout_s
+    while len(events) < want and time.monotonic() < end:
+        events += conn.poll()
+        time.sleep(0.002)
+    return events
+
+
+def child_report(cmd, timeout_s: float = 30.0):
+    """The next report of a sender child over its command pipe."""
+    assert cmd.poll(timeout_s), "child did not answer"
+    return cmd.recv()
+
+
 def on_device(h: Handoff, device: str) -> Handoff:
     """`h` with its KV and hidden states on `device` (as a prefill engine's handoff is; ref codes stay on the host)."""
     return dataclasses.replace(h, kv=h.kv.to(device), last_hidden=h.last_hidden.to(device),

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import time
 import uuid
 
 import numpy as np
 import pytest
 import torch
 from client_helpers import gather_streams, mixed_requests
-from kv_transfer_helpers import make_handoff, sender_main, small_layout
+from kv_transfer_helpers import child_report, make_handoff, sender_main, small_layout, wait_events
 
 from legato.engine.config import EngineConfig
 from legato.kv_transfer import EventKind, FailReason
@@ -24,19 +23,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU twins run elsewhere)"),
 ]
-
-
-def _events(conn, want: int, timeout_s: float = 30.0) -> list:
-    events, end = [], time.monotonic() + timeout_s
-    while len(events) < want and time.monotonic() < end:
-        events += conn.poll()
-        time.sleep(0.001)
-    return events
-
-
-def _report(cmd, timeout_s: float = 60.0):
-    assert cmd.poll(timeout_s), "the child did not answer"
-    return cmd.recv()
 
 
 def test_cuda_ipc_carries_handoffs_between_processes():
@@ -53,25 +39,25 @@ def test_cuda_ipc_carries_handoffs_between_processes():
     recv = CudaIpcConnector(lay, kv_parent, f"gr{uuid.uuid4().hex[:8]}", device="cuda:0")
     try:
         recv.connect(60.0)
-        assert _report(cmd_parent) == ("ready",)
+        assert child_report(cmd_parent, 60.0) == ("ready",)
         for i in range(5):
             rid = f"g{i}"
             recv.receive(rid, 10.0, num_tokens=10)
             cmd_parent.send(("send", rid, 20 + i, 10.0))
-            (ev,) = _events(recv, 1)
+            (ev,) = wait_events(recv, 1, timeout_s=30.0)
             assert ev.kind is EventKind.RECEIVED, ev
             want, got = make_handoff(lay, rid, 20 + i), ev.handoff
             assert got.kv.device.type == "cuda" and torch.equal(got.kv.cpu(), want.kv)
             assert torch.equal(got.last_hidden.cpu(), want.last_hidden)
             assert torch.equal(got.trailing_text.cpu(), want.trailing_text) and torch.equal(got.ref_code, want.ref_code)
             assert (got.first_token, got.seed, got.sampling) == (want.first_token, want.seed, want.sampling)
-            assert _report(cmd_parent) == ("event", rid, "sent", None)
+            assert child_report(cmd_parent, 60.0) == ("event", rid, "sent", None)
         recv.receive("cut", 10.0)
         recv.cancel("cut")
         cmd_parent.send(("send", "cut", 30, 10.0))
-        assert _report(cmd_parent) == ("event", "cut", "failed", FailReason.PEER_CANCELLED.value)
+        assert child_report(cmd_parent, 60.0) == ("event", "cut", "failed", FailReason.PEER_CANCELLED.value)
         cmd_parent.send(("exit",))
-        assert _report(cmd_parent) == ("bye",)
+        assert child_report(cmd_parent, 60.0) == ("bye",)
     finally:
         if child.is_alive():
             child.kill()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_transfer_helpers import HostIpc, make_handoff, sender_main, small_layout
+from kv_transfer_helpers import HostIpc, child_report, make_handoff, sender_main, small_layout, wait_events
 
 import legato
 from legato.kv_transfer import (
@@ -499,24 +499,11 @@ def test_shm_over_a_socketpair():
     h = make_handoff(lay, "sock", seed=5)
     b.receive("sock", 5.0)
     a.send(h, 5.0)
-    (ev,) = _wait_events(b, 1)
+    (ev,) = wait_events(b, 1)
     assert_same_handoff(h, ev.handoff)
-    assert kinds(_wait_events(a, 1)) == [("sock", EventKind.SENT, None)]
+    assert kinds(wait_events(a, 1)) == [("sock", EventKind.SENT, None)]
     a.close(), b.close()
     assert list_segments(ids[0]) == []
-
-
-def _wait_events(conn, want: int, timeout_s: float = 10.0):
-    events, end = [], time.monotonic() + timeout_s
-    while len(events) < want and time.monotonic() < end:
-        events += conn.poll()
-        time.sleep(0.002)
-    return events
-
-
-def _child_report(cmd, timeout_s: float = 30.0):
-    assert cmd.poll(timeout_s), "child did not answer"
-    return cmd.recv()
 
 
 def test_shm_across_a_spawned_process():
@@ -533,15 +520,15 @@ def test_shm_across_a_spawned_process():
     recv = ShmConnector(lay, kv_parent, parent_id)
     try:
         recv.connect(60.0)
-        assert _child_report(cmd_parent, 60.0) == ("ready",)
+        assert child_report(cmd_parent, 60.0) == ("ready",)
 
         # 1. Delivery across processes, bytes identical to what the child built.
         recv.receive("p1", 10.0, num_tokens=10)
         cmd_parent.send(("send", "p1", 11, 10.0))
-        (ev,) = _wait_events(recv, 1)
+        (ev,) = wait_events(recv, 1)
         assert ev.kind is EventKind.RECEIVED
         assert_same_handoff(make_handoff(lay, "p1", 11), ev.handoff)
-        assert _child_report(cmd_parent) == ("event", "p1", "sent", None)
+        assert child_report(cmd_parent) == ("event", "p1", "sent", None)
 
         # 2. Cancel reaches the child; its offer arrives late and is ignored.
         recv.receive("p2", 10.0)
@@ -551,10 +538,10 @@ def test_shm_across_a_spawned_process():
         while name not in list_segments(child_id) and time.monotonic() < end:
             time.sleep(0.002)
         assert recv.cancel("p2") is CancelResult.SAFE
-        assert _child_report(cmd_parent) == ("event", "p2", "failed", "peer_cancelled")
+        assert child_report(cmd_parent) == ("event", "p2", "failed", "peer_cancelled")
         late_events, end = [], time.monotonic() + 10
         while recv.stats().late == 0 and time.monotonic() < end:
-            late_events += _wait_events(recv, 1, timeout_s=0.01)
+            late_events += wait_events(recv, 1, timeout_s=0.01)
         assert late_events == [] and recv.stats().late == 1
 
         # 3. The child dies after creating the segment, before offering it: we fail at our deadline.
@@ -567,7 +554,7 @@ def test_shm_across_a_spawned_process():
         assert name in list_segments(child_id)
         proc.kill()
         proc.join(10)
-        (ev,) = _wait_events(recv, 1)
+        (ev,) = wait_events(recv, 1)
         assert (ev.request_id, ev.kind, ev.reason) == ("p3", EventKind.FAILED, FailReason.XFER_TIMEOUT)
         assert 0.9 < time.monotonic() - started < 8
         assert list_segments(child_id) == []  # the receiver freed the dead sender's segment by its derived name
@@ -576,7 +563,7 @@ def test_shm_across_a_spawned_process():
         # Once the channel does show EOF, the link itself goes down with PEER_DIED.
         kv_child.close()
         recv.receive("p4", 10.0)
-        assert kinds(_wait_events(recv, 1)) == [("p4", EventKind.FAILED, FailReason.PEER_DIED)]
+        assert kinds(wait_events(recv, 1)) == [("p4", EventKind.FAILED, FailReason.PEER_DIED)]
     finally:
         if proc.is_alive():
             proc.kill()

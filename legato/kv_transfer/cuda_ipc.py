@@ -31,6 +31,7 @@ from legato.kv_transfer.handoff import (
     Handoff,
     HandoffFormatError,
     KVLayout,
+    copy_regions,
     handoff_from_parts,
     handoff_header,
     handoff_tensors,
@@ -132,11 +133,7 @@ class CudaIpcCarrier(Carrier):
         total = pack_offsets(specs, 0)
         device = handoff.kv.device if handoff.kv.device.type == self.device.type else self.device
         arena = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-        for name, t in tensors.items():
-            spec = specs[name]
-            if spec["nbytes"]:
-                region = arena[spec["offset"]: spec["offset"] + spec["nbytes"]]
-                region.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        copy_regions(arena, tensors, specs)
         # Exported after the copies are queued: the handle's event orders the peer's read after them.
         locator = {"header": handoff_header(handoff), "tensors": specs, "nbytes": total,
                    "ipc": self.ipc.export(arena)}

@@ -333,13 +333,17 @@ def write_handoff(h: Handoff, buf: memoryview | bytearray) -> int:
         raise ValueError(f"buffer of {len(view)} bytes is smaller than the {total}-byte handoff")
     view[:_PREAMBLE.size] = _PREAMBLE.pack(_MAGIC, h.version, len(blob))
     view[_PREAMBLE.size:_PREAMBLE.size + len(blob)] = blob
+    copy_regions(torch.frombuffer(view, dtype=torch.uint8, count=total), tensors, specs)
+    return total
+
+
+def copy_regions(dst: torch.Tensor, tensors: dict[str, torch.Tensor], specs: dict[str, dict]) -> None:
+    """Copies each tensor's bytes into the uint8 buffer `dst` (host or device) at its spec's offset."""
     for name, t in tensors.items():
         spec = specs[name]
-        if spec["nbytes"] == 0:
-            continue
-        dst = torch.frombuffer(view, dtype=torch.uint8, count=spec["nbytes"], offset=spec["offset"])
-        dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-    return total
+        if spec["nbytes"]:
+            region = dst[spec["offset"]: spec["offset"] + spec["nbytes"]]
+            region.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def encode_handoff(h: Handoff) -> bytes:
