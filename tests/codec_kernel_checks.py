@@ -1,0 +1,139 @@
+"""Each Triton kernel of the streaming codec against its PyTorch twin, on fresh random inputs.
+
+`run_checks(device, dtype)` is shared by the GPU tests (CUDA, bf16) and by a CPU test that runs this file in
+a subprocess under Triton's interpreter (`TRITON_INTERPRET=1`, fp32: the interpreter mishandles bf16). Shapes
+are small and deliberately ragged (channels not multiples of 16, odd lengths, several phases, dilations,
+slots in any order with reused and fresh ones), and every output is poisoned first so an unwritten element
+shows. `python tests/codec_kernel_checks.py [cuda|cpu]` prints one line per check.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Triton 3.6's interpreter turns a scalar kernel argument used as a loop bound into an index with
+    # `int(array)`, which numpy >= 2.4 refuses for a one-element 1-D array: read its element instead.
+    import triton.runtime.interpreter as _interp
+
+    _patch = _interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = _patch_lang_tensor
+
+from legato.layers import causal_conv as cc
+from legato.layers import rows as rw
+from legato.layers import window_attention as wa
+
+
+def _rand(*shape, gen, device, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def _bank(slots, h, c, gen, device, dtype):
+    hist = _rand(slots, 2, h, c, gen=gen, device=device, dtype=dtype)
+    calls = torch.randint(0, 5, (slots,), generator=gen).to(device)
+    pos = torch.randint(0, 4, (slots,), generator=gen).to(device)
+    pos[0] = 0  # a fresh slot: its history reads as zeros
+    return hist, calls, pos
+
+
+def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
+    """Relative L2 error of every kernel against its twin (outputs and in-place state both)."""
+    gen = torch.Generator().manual_seed(0)
+    errors: dict[str, float] = {}
+    slots = torch.tensor([3, 0, 2], device=device)
+
+    # stage: history rows + SnakeBeta'd rows, and the next history
+    for h, length, c, rate in ((18, 5, 12, 4), (6, 40, 24, 32), (1, 3, 40, 160)):
+        x = _rand(3, length, c, gen=gen, device=device, dtype=dtype)
+        hist, calls, pos = _bank(4, h, c, gen, device, dtype)
+        snake = (_rand(c, gen=gen, device=device).exp(), _rand(c, gen=gen, device=device).exp())
+        outs = []
+        for kernel in (True, False):
+            hh = hist.clone()
+            outs.append((cc.stage(x, hh, calls, pos, slots, rate, snake, kernel=kernel), hh))
+        errors[f"stage h={h} L={length} C={c}"] = max(_err(outs[0][0], outs[1][0]), _err(outs[0][1], outs[1][1]))
+
+    # codebook lookup + history
+    tables = _rand(16, 64, 8, gen=gen, device=device, dtype=dtype)
+    codes = torch.randint(0, 64, (3, 5, 16), generator=gen).to(device)
+    hist, calls, pos = _bank(4, 2, 16, gen, device, dtype)
+    outs = []
+    for kernel in (True, False):
+        hh = hist.clone()
+        outs.append((cc.codebook_stage(codes, tables, 1, hh, calls, pos, slots, kernel=kernel), hh))
+    errors["codebook"] = max(_err(outs[0][0], outs[1][0]), _err(outs[0][1], outs[1][1]))
+
+    # the conv GEMM: dense convs with dilation, a 1x1 with a residual, transposed convs as phases
+    cases = [(7, 3, 1, 24, 20, 9, "snake"), (7, 1, 1, 48, 16, 4, "none"), (1, 1, 1, 32, 32, 11, "residual"),
+             (2, 1, 5, 20, 12, 3, "none"), (1, 1, 2, 64, 64, 3, "gelu"), (7, 1, 1, 12, 1, 6, "clamp"),
+             (3, 1, 1, 64, 96, 2, "none")]
+    for taps, dil, phases, cin, cout, length, epi in cases:
+        h = (taps - 1) * dil + 2  # more history than needed: the conv must read only its last rows
+        p = _rand(3, h + length, cin, gen=gen, device=device, dtype=dtype)
+        w = _rand(taps * cin, phases * cout, gen=gen, device=device, dtype=dtype, scale=cin ** -0.5)
+        b = _rand(phases * cout, gen=gen, device=device, dtype=dtype, scale=0.1)
+        e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
+        base = _rand(3 * length * phases, cout, gen=gen, device=device, dtype=dtype)
+        outs = []
+        for kernel in (True, False):
+            out = base.clone() if epi == "residual" else torch.full_like(base, float("nan"))
+            outs.append(cc.conv_gemm(p, w, b, length, taps, dil, phases, epi, e, out=out, kernel=kernel))
+        errors[f"conv taps={taps} dil={dil} phases={phases} {cin}->{cout} {epi}"] = _err(outs[0], outs[1])
+
+    # depthwise conv + LayerNorm
+    p = _rand(3, 6 + 7, 24, gen=gen, device=device, dtype=dtype)
+    w, b = _rand(24, 7, gen=gen, device=device, dtype=dtype), _rand(24, gen=gen, device=device, dtype=dtype)
+    errors["depthwise+layernorm"] = _err(cc.depthwise_layernorm(p, w, b, 7, 1e-6, kernel=True),
+                                         cc.depthwise_layernorm(p, w, b, 7, 1e-6, kernel=False))
+
+    # window attention over rings, frames 1 and 5, positions before and past the window
+    heads, kv_heads, dim, window = 4, 2, 16, 8
+    for frames in (1, 5):
+        ring = window - 1 + frames + 2
+        qkv = _rand(3 * frames, (heads + 2 * kv_heads) * dim, gen=gen, device=device, dtype=dtype)
+        keys = _rand(4, ring, kv_heads, dim, gen=gen, device=device, dtype=dtype)
+        values = _rand(4, ring, kv_heads, dim, gen=gen, device=device, dtype=dtype)
+        pos = torch.tensor([0, 9, 3, 30], device=device)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device).float() / dim))
+        outs = []
+        for kernel in (True, False):
+            k2, v2 = keys.clone(), values.clone()
+            o = wa.window_attention(qkv, k2, v2, pos, slots, frames, heads, window, inv_freq, kernel=kernel)
+            outs.append((o, k2, v2))
+        errors[f"window attention T={frames}"] = max(_err(a, b) for a, b in zip(*outs, strict=True))
+
+    x = _rand(7, 40, gen=gen, device=device, dtype=dtype)
+    errors["rms"] = _err(rw.rms_normalize(x, 1e-5, kernel=True), rw.rms_normalize(x, 1e-5, kernel=False))
+    gu = _rand(7, 2 * 24, gen=gen, device=device, dtype=dtype)
+    errors["silu*mul"] = _err(rw.silu_mul_packed(gu, kernel=True), rw.silu_mul_packed(gu, kernel=False))
+    return errors
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+if __name__ == "__main__":
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    dt = torch.float32 if dev == "cpu" else torch.bfloat16
+    errs = run_checks(dev, dt)
+    for name, err in errs.items():
+        print(f"{name}: {err:.3g}")
+    bad = [n for n, e in errs.items() if not e <= tolerance(dt)]
+    print("FAILED: " + ", ".join(bad) if bad else "ALL OK")
+    sys.exit(1 if bad else 0)
