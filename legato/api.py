@@ -47,6 +47,7 @@ class SpeechResult:
 class TTS:
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
+        self._streamer = None  # the streaming codec decoder of `decode`, built on first use
 
     @classmethod
     def load(
@@ -161,18 +162,27 @@ class TTS:
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, ref_code: torch.Tensor | None = None) -> np.ndarray:
-        """Codes [T, 16] -> float32 audio. With in-context cloning the reference codes are decoded in
-        front (as the official wrapper does) and their share of the samples is cut off."""
-        decoder = self.loaded.speech_tokenizer.decoder
+        """Codes [T, 16] -> float32 audio, through the engine's streaming decoder (its codec dtype and the
+        reference's 300-frame decode windows). With in-context cloning the reference codes run first (as the
+        official wrapper decodes them in front) and only the generated frames' audio is returned."""
         if codes.shape[0] == 0:
             return np.zeros(0, dtype=np.float32)
-        device = next(decoder.parameters()).device
-        full = codes if ref_code is None else torch.cat([ref_code.to(codes.device), codes], dim=0)
-        wav = decoder.decode(full.unsqueeze(0).to(device))[0].float().cpu().numpy()
-        if ref_code is not None:
-            cut = int(ref_code.shape[0] / full.shape[0] * len(wav))
-            wav = wav[cut:]
-        return wav
+        if self._streamer is None:
+            from legato.engine.codec_streamer import CodecStreamer, StreamSchedule
+            from legato.engine.config import codec_dtype_name
+
+            decoder = self.loaded.speech_tokenizer.decoder
+            device = next(decoder.parameters()).device
+            self._streamer = CodecStreamer(decoder, StreamSchedule(decode_every_step=False), capacity=1,
+                                           dtype=getattr(torch, codec_dtype_name("auto", device.type)))
+        streamer = self._streamer
+        streamer.open("decode", ref_code)
+        for frame in codes.to(torch.long):
+            streamer.push("decode", frame)
+        audio, failed = streamer.flush({"decode"})
+        if failed:
+            raise RuntimeError(failed["decode"])
+        return audio.get("decode", np.zeros(0, dtype=np.float32))
 
     def _is_default(self) -> bool:
         return self.loaded.path.name.startswith("legato-tiny")

@@ -323,7 +323,7 @@ def test_a_failing_codec_decode_fails_its_streams_not_the_engine(root, monkeypat
     def boom(*args, **kw):
         raise RuntimeError("injected decoder fault")
 
-    monkeypatch.setattr(engine.codec.decoder, "stream_step", boom)
+    monkeypatch.setattr(engine.codec.codec, "step", boom)
     got = run_all(engine, [EngineRequest("audio", spec, greedy(6)),
                            EngineRequest("codes", spec, greedy(6), stream_audio=False)])
     assert got.finished["audio"] == "error" and "injected decoder fault" in got.errors["audio"]
@@ -353,7 +353,7 @@ def test_a_codec_fault_in_a_batched_decode_fails_only_the_stream_that_raises(roo
 
     def flaky(rows, codes, final=False):
         bad = streamer.streams.get("bad")
-        if bad is not None and bad.row in rows:
+        if bad is not None and bad.slot in rows:
             batched_faults.append(len(rows))
             raise RuntimeError("injected codec fault")
         return real(rows, codes, final)

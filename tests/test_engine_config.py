@@ -42,6 +42,17 @@ def test_dtype_and_device():
     assert dataclasses.replace(cfg, num_kv_blocks=20).num_kv_blocks == 20
 
 
+def test_codec_dtype_is_bf16_on_cuda_by_default_and_float32_stays_the_exact_path():
+    from legato.engine.config import codec_dtype_name
+
+    assert EngineConfig().codec_dtype == "auto"
+    assert codec_dtype_name("auto", "cuda:1") == "bfloat16" and codec_dtype_name("auto", "cpu") == "float32"
+    assert codec_dtype_name("float32", "cuda") == "float32"
+    for bad in ("float16", "fp8", "half"):  # float16 has no fidelity report
+        with pytest.raises(ValueError, match="codec_dtype"):
+            EngineConfig(codec_dtype=bad)
+
+
 def test_block_size_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         EngineConfig(block_size=12)

@@ -186,7 +186,7 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, every_step):
 
     def flaky(rows, codes, final=False):
         bad = streamer.streams.get("f2")
-        if bad is not None and bad.row in rows:
+        if bad is not None and bad.slot in rows:
             raise RuntimeError("injected codec fault")
         return real(rows, codes, final)
 

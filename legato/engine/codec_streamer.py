@@ -1,35 +1,35 @@
-"""Streams codec frames into PCM chunks, batching the decode of every stream in one call per chunk size.
+"""Streams codec frames into PCM chunks, batching the decode of every stream in one call.
 
-Each stream owns a row of one preallocated state bank (conv tails, transposed-conv overhangs, the
-attention window's keys and values, its frame position), so the chunks concatenate to the decode of the
-whole utterance. A call gathers the rows of the streams it decodes, runs the decoder, and scatters the new
-state back: no per-call concatenation or splitting of per-stream states. On CUDA the decoder runs on a
-stream of its own, so a flush overlaps the talker step the engine has in flight, and the common chunk sizes
-run as CUDA graphs per batch bucket.
+The decoder is `StreamingCodecDecoder`: each stream owns a slot of its bank (conv histories, attention keys
+and values, frame position) that the decoder reads and writes in place, so the chunks concatenate to the
+decode of the whole utterance and a call moves no state around. On CUDA the decoder runs on a stream of its
+own, so a call overlaps the talker step the engine has in flight, and it runs as CUDA graphs per row-count
+bucket and frame count (`codec_graphs.py`).
 
 The chunk schedule is `first_chunk_frames` (time to first audio), then chunks that double the audio already
 sent (with `chunk_ramp`) up to `chunk_frames`; the tail goes out when the request finishes. The ramp is
 what keeps a real-time player fed: after E frames (E x 80 ms of audio) the next chunk is E frames, which
 the engine makes in far less than E x 80 ms, whereas a jump from 1 frame straight to 25 leaves the player
 80 ms of audio to cover 25 frames of generation. In-context clones first run their reference codes through
-their row (output dropped), batched with every clone opened since the last flush whose reference has the
+their slot (output dropped), batched with every clone opened since the last call whose reference has the
 same length; that equals the reference's decode-with-prefix-then-cut without re-decoding it.
 
 Long utterances follow the reference's windowed decode (`CodecDecoder.decode`): windows of `window_frames`
 frames (300), each decoded from a fresh state that starts `window_context` frames (25) before the window,
-whose output is dropped. Streaming keeps that exactly with a second state per stream: it starts, fresh, at
-the last `window_context` frames of the current window (fed the same codes, output dropped) and takes over
-at the window's end. Positions count the reference frames of an in-context clone, as the reference decodes
-reference and generated codes as one sequence. Chunks that touch a window's edge run stream by stream;
-`window_frames=None` streams with full context instead (the whole-utterance `forward`), which differs from
-the reference past 300 frames.
+whose output is dropped. Streaming keeps that exactly with a second slot per stream: fresh at the last
+`window_context` frames of the current window, it is fed the same codes as a second row of the same call
+(output dropped) and takes over at the window's end. Positions count the reference frames of an in-context
+clone, as the reference decodes reference and generated codes as one sequence. `window_frames=None` streams
+with full context instead (the whole-utterance `forward`), which differs from the reference past 300 frames.
 
 By default (`decode_every_step`) each call of `queue` decodes every frame that has arrived, one batched
 call for all streams (one frame each, in the engine), and holds the PCM on the host until the stream's
 next chunk is complete: the client sees the schedule's chunks, while the device runs one codec call per
-engine step instead of one per chunk size due. On an H200 at 64 streams the chunk schedule alone made
-five to seven small calls a step, whose launches and fixed costs took the GPU time of the talker's step
-from 10 to 16 ms. Off, each chunk is decoded when it is due (the decode then waits for its frames).
+engine step instead of one per chunk size due. Off, each chunk is decoded when it is due.
+
+A call that raises leaves every slot as it was: positions and history copies move on only at its end, and
+the keys it wrote sit at positions the slot has not reached. So a batch that raises is retried stream by
+stream and fails only the streams that raise alone.
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from legato.engine.codec_graphs import CodecGraphs, store_rows
+from legato.engine.codec_graphs import CodecGraphs
 from legato.engine.codec_schedule import HeldAudio, StreamSchedule, next_chunk_frames
 from legato.layers.host import upload
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
-from legato.models.qwen3_tts.codec_streaming import CodecStreamState
+from legato.models.qwen3_tts.streaming_codec import StreamingCodecDecoder
 
 log = logging.getLogger(__name__)
+
+SCRATCH = 0  # the slot that padded rows of a graph replay read and write (never a stream's)
 
 
 @dataclass
@@ -69,29 +71,29 @@ class _Readback:
 
 @dataclass
 class _Stream:
-    row: int  # this stream's row of the state bank
+    slot: int  # this stream's slot in the decoder's bank
     first_chunk_frames: int
     pending: list[torch.Tensor] = field(default_factory=list)  # [16] frames not decoded yet
     emitted_frames: int = 0
     position: int = 0  # frames run through the decoder, reference frames included
-    prime: torch.Tensor | None = None  # reference codes [T, 16] still to run through the row
-    next_window: CodecStreamState | None = None  # primed on the next window's left context
+    prime: torch.Tensor | None = None  # reference codes [T, 16] still to run through the slot
+    next_slot: int | None = None  # fresh at the next window's left context, fed the same frames
     held: HeldAudio | None = None  # with `decode_every_step`
 
 
 class CodecStreamer:
     def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None, capacity: int = 64,
-                 graphs: bool = False) -> None:
+                 graphs: bool = False, dtype: torch.dtype | None = None) -> None:
+        """Streams through a `StreamingCodecDecoder` folded from `decoder`, in `dtype` (default: the decoder's),
+        with slots for `capacity` streams (two each, for the window handover) before its bank grows."""
         self.decoder = decoder
         self.schedule = schedule or StreamSchedule()
         self.streams: dict[str, _Stream] = {}
-        weight = next(decoder.parameters())
-        self.device = weight.device
         self.capacity = capacity
-        # One row per stream, plus a scratch row that the padded rows of a graph replay read and write.
-        self.bank = decoder.new_stream_state(capacity + 1)
-        self._free_rows = list(range(capacity))
-        self._fresh: list[int] = []  # rows to zero before their first use
+        self.codec = StreamingCodecDecoder(decoder, 2 * capacity + 1, dtype=dtype)
+        self.device = self.codec.device
+        self._free_slots = list(range(1, self.codec.slots))
+        self._fresh: list[int] = []  # slots to reset before their first use
         self._readbacks: collections.deque[_Readback] = collections.deque()  # audio on its way to the host
         self._backlog: dict[str, HeldAudio] = {}  # held streams with a complete chunk not delivered yet
         self.cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -99,36 +101,28 @@ class CodecStreamer:
         if graphs and self.cuda_stream is not None:
             self._capture_graphs()
 
-    @property
-    def scratch_row(self) -> int:
-        return self.capacity
-
     def open(
         self, request_id: str, ref_code: torch.Tensor | None = None, first_chunk_frames: int | None = None
     ) -> None:
-        """Starts a stream on a fresh row; an in-context clone's reference codes run at the next flush."""
-        if not self._free_rows:
-            self._grow()
-        row = heapq.heappop(self._free_rows)
-        self._fresh.append(row)
+        """Starts a stream on a fresh slot; an in-context clone's reference codes run at the next call."""
         prime = ref_code.to(torch.long) if ref_code is not None and ref_code.shape[0] > 0 else None
         first = first_chunk_frames or self.schedule.first_chunk_frames
         held = HeldAudio(first) if self.schedule.decode_every_step else None
-        self.streams[request_id] = _Stream(row, first, prime=prime, held=held)
+        self.streams[request_id] = _Stream(self._take_slot(), first, prime=prime, held=held)
 
     def push(self, request_id: str, frame: torch.Tensor) -> None:
         self.streams[request_id].pending.append(frame)
 
     def close(self, request_id: str, keep_audio: bool = False) -> None:
-        """Frees the stream's row; its audio still on the way is dropped unless `keep_audio` (a finished
+        """Frees the stream's slots; its audio still on the way is dropped unless `keep_audio` (a finished
         stream, whose last audio goes out with its closing mark)."""
         s = self.streams.pop(request_id, None)
         if s is not None:
             if s.held is not None and not keep_audio:
                 s.held.dropped = True
-            if s.row in self._fresh:
-                self._fresh.remove(s.row)
-            heapq.heappush(self._free_rows, s.row)
+            self._give_slot(s.slot)
+            if s.next_slot is not None:
+                self._give_slot(s.next_slot)
 
     @torch.inference_mode()
     def flush(self, finished: set[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -147,11 +141,11 @@ class CodecStreamer:
         the audio comes back through `ready`. Returns the failures by request, each closed at once."""
         failed: dict[str, str] = {}
         with self._on_stream():
-            self._reset_fresh_rows()
+            self._reset_fresh_slots()
             self._prime(failed)
             sched = self.schedule
             groups: dict[int, list[str]] = defaultdict(list)  # chunk frames -> streams, batched per size
-            windowed: list[tuple[str, int]] = []  # chunks that reach a window's left context: one call each
+            windowed: list[tuple[str, int]] = []  # chunks that cross a window's context start or end: one call each
             for rid, s in self.streams.items():
                 if rid in failed:
                     continue
@@ -165,11 +159,9 @@ class CodecStreamer:
                     if not (rid in finished and n) and n < need:
                         continue
                     n = n if rid in finished else need
-                (groups[n].append(rid) if self._in_one_window(s, n) else windowed.append((rid, n)))
-            most = self.graphs.max_batch or len(self.streams)
+                (groups[n].append(rid) if self._uncut(s, n) else windowed.append((rid, n)))
             for n, rids in groups.items():
-                for i in range(0, len(rids), most):  # one decoder call (or graph replay) each
-                    self._decode_group(rids[i: i + most], n, finished, failed)
+                self._decode_group(rids, n, finished, failed)
             for rid, n in windowed:
                 st = self.streams[rid]
                 try:
@@ -179,7 +171,7 @@ class CodecStreamer:
                     continue
                 self._queue_readback([rid], n, wav[None], finished)
             for rid in finished & self.streams.keys():
-                # Closed now (its row is free again; work queued later on this stream runs after its own);
+                # Closed now (its slots are free again; work queued later on this stream runs after its own);
                 # reported closed once everything it has queued has come back.
                 self._readbacks.append(_Readback([], 0, None, None, {rid: self.streams[rid].held}))
                 self.close(rid, keep_audio=True)
@@ -241,17 +233,37 @@ class CodecStreamer:
         event.record(self.cuda_stream)
         self._readbacks.append(_Readback(rids, n, pcm, event, holds=holds))
 
-    # --- decoding rows of the bank ----------------------------------------------------------------------
+    # --- decoding rows ------------------------------------------------------------------------------------
+
+    def _rows_of(self, s: _Stream) -> list[int]:
+        """The slots a stream's next frames go through: its own, and the next window's while it is primed."""
+        return [s.slot] if s.next_slot is None else [s.slot, s.next_slot]
 
     def _decode_group(self, rids: list[str], n: int, finished: set[str], failed: dict[str, str]) -> None:
-        """Decodes the next `n` frames of `rids` in one call. If that call raises, each stream is retried
-        alone, so a fault fails only the streams that raise by themselves. That is sound because a call that
-        raised left every row as it was: the eager call stores the new state after it returns, and a graph
-        replay only raises on a device fault, which no retry survives anyway."""
+        """Decodes the next `n` frames of `rids` (none crossing a window's context start or end) in one call,
+        or several when they need more rows than the largest graph. If a call raises, each stream is retried
+        alone, so a fault fails only the streams that raise by themselves (a call that raised changed no
+        slot: see the module doc)."""
         streams = [self.streams[r] for r in rids]
         try:
+            for s in streams:
+                self._enter_window_context(s)
             codes = upload(torch.stack([torch.stack(s.pending[:n]) for s in streams]), self.device)
-            wav = self._decode_rows([s.row for s in streams], codes, final=finished.issuperset(rids))
+            slots, index = [], []
+            for i, s in enumerate(streams):
+                for slot in self._rows_of(s):
+                    slots.append(slot)
+                    index.append(i)
+            if len(index) != len(streams):
+                codes = codes[torch.tensor(index, device=codes.device)]
+            most = self.graphs.max_batch or len(slots)
+            # Each stream's own slot comes first among its rows: its audio is at its first row.
+            first_row = [index.index(i) for i in range(len(streams))]
+            wavs = [self._decode_rows(slots[i: i + most], codes[i: i + most], final=finished.issuperset(rids))
+                    for i in range(0, len(slots), most)]
+            wav = wavs[0] if len(wavs) == 1 else torch.cat(wavs)
+            if len(index) != len(streams):
+                wav = wav[torch.tensor(first_row, device=wav.device)]
         except Exception as e:
             if len(rids) == 1:
                 self._fail(rids, e, failed)
@@ -261,28 +273,28 @@ class CodecStreamer:
                 self._decode_group([rid], n, finished, failed)
             return
         for st in streams:
-            st.position += n
-        self._queue_readback(rids, n, wav[:, 0], finished)
+            self._advance(st, n)
+        self._queue_readback(rids, n, wav, finished)
 
-    def _decode_rows(self, rows: list[int], codes: torch.Tensor, final: bool = False) -> torch.Tensor:
-        """codes [B, n, 16] through the bank rows `rows` (each advanced by n frames) -> wav [B, 1, n * spf].
+    def _decode_rows(self, slots: list[int], codes: torch.Tensor, final: bool = False) -> torch.Tensor:
+        """codes [B, n, 16] through `slots` (each advanced by n frames) -> wav [B, n * spf].
 
         `final`: these are the streams' last frames. Their state is never read again, so a tail of any length
         can replay the graph of a longer chunk, padded: every layer is causal, so the padding changes only
         samples past the tail, which are cut off."""
         b, n = codes.shape[0], codes.shape[1]
         most = self.graphs.max_batch
-        if most and b > most:  # more streams than the largest graph: several replays of it
-            return torch.cat([self._decode_rows(rows[i: i + most], codes[i: i + most], final).clone()
+        if most and b > most:  # more rows than the largest graph: several replays of it
+            return torch.cat([self._decode_rows(slots[i: i + most], codes[i: i + most], final).clone()
                               for i in range(0, b, most)])
         graph = self.graphs.exact(b, n)
         if graph is not None:
-            return graph.replay(rows, codes)[:b]
+            return graph.replay(slots, codes)[:b]
         longer = self.graphs.longer(b, n) if final else None
         if longer is not None:
-            padded = torch.zeros(b, longer.frames, 16, dtype=codes.dtype, device=codes.device)
+            padded = torch.zeros(b, longer.frames, codes.shape[2], dtype=codes.dtype, device=codes.device)
             padded[:, :n] = codes
-            return longer.replay(rows, padded)[:b, :, : n * self.decoder.samples_per_frame]
+            return longer.replay(slots, padded)[:b, : n * self.codec.samples_per_frame]
         pieces = self.graphs.pieces(b, n)
         if pieces:
             # A length no graph has (in-context priming of a whole reference, mostly) as several graph replays
@@ -290,28 +302,20 @@ class CodecStreamer:
             # give what n frames in one call give. Each piece is copied out before a replay can reuse its buffer.
             wavs, at = [], 0
             for m in pieces:
-                wavs.append(self.graphs.exact(b, m).replay(rows, codes[:, at: at + m])[:b].clone())
+                wavs.append(self.graphs.exact(b, m).replay(slots, codes[:, at: at + m])[:b].clone())
                 at += m
             return torch.cat(wavs, dim=-1)
-        index = upload(np.array(rows, dtype=np.int64), self.device)
-        wav, new = self.decoder.stream_step(codes, self.bank.select(index))
-        self._store(index, new)
-        return wav
+        index = upload(np.array(slots, dtype=np.int64), self.device)
+        return self.codec.step(index, codes)
 
-    def _store(self, index: torch.Tensor, state: CodecStreamState) -> None:
-        store_rows(self.bank, index, state)
-
-    def _reset_fresh_rows(self) -> None:
+    def _reset_fresh_slots(self) -> None:
         if not self._fresh:
             return
-        index = upload(np.array(self._fresh, dtype=np.int64), self.device)
-        self.bank.position.index_fill_(0, index, 0)
-        for buf in self.bank.buffers.values():
-            buf.index_fill_(0, index, 0)
+        self.codec.reset(upload(np.array(self._fresh, dtype=np.int64), self.device))
         self._fresh = []
 
     def _prime(self, failed: dict[str, str]) -> None:
-        """Runs the reference codes of streams opened since the last flush, batched by reference length."""
+        """Runs the reference codes of streams opened since the last call, batched by reference length."""
         by_length: dict[int, list[str]] = defaultdict(list)
         for rid, s in self.streams.items():
             if s.prime is not None:
@@ -319,12 +323,12 @@ class CodecStreamer:
         for n, rids in by_length.items():
             streams = [self.streams[r] for r in rids]
             try:
-                if self._in_one_window(streams[0], n):
+                if self._uncut(streams[0], n):
                     primes = upload(torch.stack([s.prime for s in streams]), self.device)
-                    self._decode_rows([s.row for s in streams], primes)
+                    self._decode_rows([s.slot for s in streams], primes)
                     for s in streams:
-                        s.position += n
-                else:  # a reference longer than the first window: stream by stream, window by window
+                        self._advance(s, n)
+                else:  # a reference that reaches the first window's context: stream by stream, piece by piece
                     for s in streams:
                         self._decode_windowed(s, upload(s.prime, self.device))
             except Exception as e:
@@ -333,44 +337,55 @@ class CodecStreamer:
             for s in streams:
                 s.prime = None
 
-    def _in_one_window(self, s: _Stream, n: int) -> bool:
-        """True when `n` more frames touch neither the next window's left context nor its start."""
+    def _uncut(self, s: _Stream, n: int) -> bool:
+        """True when `n` more frames lie on one side of the next window's context start, and end by its end."""
         window = self.schedule.window_frames
         if window is None:
             return True
         boundary = (s.position // window + 1) * window
-        # The last frame must lie before the next window's left context, and before the window's end
-        # itself (where the state is swapped) when there is no context.
-        return s.position + n <= min(boundary - self.schedule.window_context, boundary - 1)
+        start = boundary - self.schedule.window_context
+        return s.position + n <= start or (s.position >= start and s.position + n <= boundary)
+
+    def _enter_window_context(self, s: _Stream) -> None:
+        """At the next window's context start, takes a fresh slot that the frames from here on go through too."""
+        window, context = self.schedule.window_frames, self.schedule.window_context
+        if window is None or not context or s.next_slot is not None:
+            return
+        if s.position >= (s.position // window + 1) * window - context:
+            s.next_slot = self._take_slot()
+            self._reset_fresh_slots()
+
+    def _advance(self, s: _Stream, n: int) -> None:
+        """Counts `n` decoded frames; at a window's end the next window's slot (or a fresh one) takes over."""
+        s.position += n
+        window = self.schedule.window_frames
+        if window is not None and s.position % window == 0:
+            old = s.slot
+            if s.next_slot is not None:
+                s.slot, s.next_slot = s.next_slot, None
+            else:  # no left context: the next window starts from nothing
+                s.slot = self._take_slot()
+                self._reset_fresh_slots()
+            self._give_slot(old)
 
     def _decode_windowed(self, s: _Stream, codes: torch.Tensor) -> torch.Tensor:
-        """Runs frames [n, 16] through one stream's state(s), window by window; returns its PCM [n * spf]."""
-        index = upload(np.array([s.row], dtype=np.int64), self.device)
-        state = self.bank.select(index)
-        window, context = self.schedule.window_frames, self.schedule.window_context
-        if window is None:
-            wav, state = self.decoder.stream_step(codes[None], state)
-            s.position += codes.shape[0]
-            self._store(index, state)
-            return wav[0, 0]
+        """Runs frames [n, 16] through one stream, cut at each window's context start and end; returns its
+        PCM [n * spf]."""
         pieces, i, n = [], 0, codes.shape[0]
+        window, context = self.schedule.window_frames, self.schedule.window_context
         while i < n:
-            boundary = (s.position // window + 1) * window
-            context_start = boundary - context
-            if s.position < context_start:
-                m = min(n - i, context_start - s.position)
-            else:  # inside the next window's left context: its state sees these frames too
-                m = min(n - i, boundary - s.position)
-                if s.next_window is None:
-                    s.next_window = self.decoder.new_stream_state(1)
-                _, s.next_window = self.decoder.stream_step(codes[None, i : i + m], s.next_window)
-            wav, state = self.decoder.stream_step(codes[None, i : i + m], state)
-            pieces.append(wav[0, 0])
-            s.position += m
+            if window is None:
+                m = n - i
+            else:
+                boundary = (s.position // window + 1) * window
+                start = boundary - context
+                m = min(n - i, (start if s.position < start else boundary) - s.position)
+            self._enter_window_context(s)
+            rows = self._rows_of(s)
+            piece = codes[None, i: i + m].expand(len(rows), -1, -1)
+            pieces.append(self._decode_rows(rows, piece)[0].clone())
+            self._advance(s, m)
             i += m
-            if s.position == boundary:
-                state, s.next_window = s.next_window or self.decoder.new_stream_state(1), None
-        self._store(index, state)
         return torch.cat(pieces)
 
     # --- bookkeeping ------------------------------------------------------------------------------------
@@ -382,18 +397,27 @@ class CodecStreamer:
         # talker's stream, so the codec runs beside the step the engine has in flight.
         return torch.cuda.stream(self.cuda_stream)
 
+    def _take_slot(self) -> int:
+        if not self._free_slots:
+            self._grow()
+        slot = heapq.heappop(self._free_slots)
+        self._fresh.append(slot)
+        return slot
+
+    def _give_slot(self, slot: int) -> None:
+        if slot in self._fresh:
+            self._fresh.remove(slot)
+        heapq.heappush(self._free_slots, slot)
+
     def _grow(self) -> None:
-        """Doubles the bank when more streams are open than it has rows (graphs keep the old scratch row)."""
-        old, rows = self.bank, self.capacity
-        self.capacity *= 2
+        """Doubles the bank when every slot is taken (the captured graphs point at the old one: dropped)."""
+        old = self.codec.slots
         with self._on_stream(), torch.inference_mode():  # where every other use of the bank runs
-            self.bank = self.decoder.new_stream_state(self.capacity + 1)
-            index = torch.arange(rows + 1, device=self.device)
-            self._store(index, old.select(index))
-        self._free_rows = list(range(rows + 1, self.capacity))
-        heapq.heappush(self._free_rows, rows)  # the old scratch row is an ordinary row now
-        self.graphs.clear()  # they point at the old bank
-        log.info("codec state bank grown to %d streams (CUDA graphs of the codec dropped)", self.capacity)
+            self.codec.resize(2 * old - 1)
+        self._free_slots = list(range(old, self.codec.slots))
+        self.capacity = (self.codec.slots - 1) // 2
+        self.graphs.clear()
+        log.info("codec slot bank grown to %d streams (CUDA graphs of the codec dropped)", self.capacity)
 
     def _fail(self, rids: list[str], e: Exception, failed: dict[str, str]) -> None:
         log.exception("codec decode failed for %d streams", len(rids))
@@ -402,14 +426,10 @@ class CodecStreamer:
             self.close(rid)
 
     def _capture_graphs(self) -> None:
-        sizes = set(self.schedule.chunk_sizes())
-        if self.schedule.decode_every_step:
-            sizes.add(1)  # what every step decodes
-        self.graphs.capture(self.decoder, self.bank, self.scratch_row, self.capacity, sorted(sizes), self.cuda_stream)
-        if self.graphs:
-            with self._on_stream(), torch.inference_mode():
-                self._reset_rows(range(self.capacity + 1))  # the captures wrote the scratch row: start clean
-
-    def _reset_rows(self, rows) -> None:
-        self._fresh = list(rows)
-        self._reset_fresh_rows()
+        sizes = set(self.schedule.chunk_sizes()) if not self.schedule.decode_every_step else set()
+        m = 1
+        while m <= self.codec.max_call_frames:  # every step's frame, and pieces of any longer run
+            sizes.add(m)
+            m *= 2
+        sizes = {n for n in sizes if n <= self.codec.max_call_frames}
+        self.graphs.capture(self.codec, SCRATCH, self.capacity, sorted(sizes), self.cuda_stream)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _DTYPES = ("bfloat16", "float16", "float32")
+_CODEC_DTYPES = ("auto", "bfloat16", "float32")
 
 
 def _is_positive_int(value: object) -> bool:
@@ -99,8 +100,9 @@ class EngineConfig:
     """Frames added to the text-derived cap, so that very short inputs ("Hi.") keep room for a pause."""
     device: str = "cuda"
     dtype: str = "bfloat16"
-    codec_dtype: str = "float32"
-    """The codec decoder's dtype (the reference runs it in fp32)."""
+    codec_dtype: str = "auto"
+    """The streaming codec decoder's dtype: "auto" is bfloat16 on CUDA (docs/benchmarks.md has its fidelity
+    against fp32) and float32 on the CPU; "float32" is the exact path (the reference runs the codec in fp32)."""
     emit_audio: bool = True
     """Decode audio in this engine. False: a talker-only engine (`split`) that never runs the codec decoder
     and streams each step's codes with empty audio; a codec worker turns them into PCM."""
@@ -135,9 +137,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        for name in ("dtype", "codec_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"EngineConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.codec_dtype not in _CODEC_DTYPES:  # float16 has no fidelity report: not offered
+            raise ValueError(f"EngineConfig.codec_dtype must be one of {_CODEC_DTYPES}, got {self.codec_dtype!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"EngineConfig.batch_invariant must be a bool, got {self.batch_invariant!r}")
         if self.batch_invariant and self.max_num_batched_tokens <= self.max_num_seqs:
@@ -173,3 +176,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.frame_cap_margin must be an int >= 0, got {self.frame_cap_margin!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"EngineConfig.device must be a non-empty string, got {self.device!r}")
+
+
+def codec_dtype_name(codec_dtype: str, device: str) -> str:
+    """The codec decoder's dtype for a device: "auto" is bfloat16 on CUDA and float32 elsewhere."""
+    if codec_dtype != "auto":
+        return codec_dtype
+    return "bfloat16" if str(device).startswith("cuda") else "float32"

@@ -19,7 +19,7 @@ import torch
 
 from legato.engine.block_manager import BlockManager
 from legato.engine.codec_streamer import CodecStreamer, StreamSchedule
-from legato.engine.config import EngineConfig
+from legato.engine.config import EngineConfig, codec_dtype_name
 from legato.engine.disagg import make_handoff, model_hash, receive_handoff
 from legato.engine.kv_cache import profile_kv_blocks
 from legato.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
@@ -118,8 +118,9 @@ class Engine:
         self.runner = ModelRunner(talker, config, num_blocks, tts_pad)
         # A talker-only engine (`split`) has no codec streamer: its codes go to a codec worker.
         graphs = talker.codec_head.weight.is_cuda and not config.enforce_eager
+        codec_dtype = getattr(torch, codec_dtype_name(config.codec_dtype, config.device))
         self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, StreamSchedule.of(config), config.max_num_seqs,
-                                    graphs=graphs)
+                                    graphs=graphs, dtype=codec_dtype)
                       if config.emit_audio else None)
         self.live: dict[str, _Live] = {}
         self._done: list[RequestOutput] = []

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from legato.engine.config import EngineConfig
+from legato.engine.config import EngineConfig, codec_dtype_name
 from legato.layers.packed_prefill import PackedPrefill, packed_prefill_attention
 from legato.layers.paged_attention import decode_attention, write_kv
 from legato.models.qwen3_tts.decoder_layer import KVCache, packed_bytes
 from legato.models.qwen3_tts.loader import LoadedModel
+from legato.models.qwen3_tts.streaming_codec import slot_bytes
 
 
 @dataclass
@@ -83,6 +84,9 @@ def profile_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
     # Activations of the largest step, CUDA graphs, codec streaming state. With mtp_replicas = K there are K
     # graph pools, but each group's buckets stop at ceil(batch / K), so together they hold about one pool.
     reserve = 4 << 30
+    if config.emit_audio:  # the streaming codec's slot bank: two slots a stream (window handover) and a scratch
+        codec_dtype = getattr(torch, codec_dtype_name(config.codec_dtype, config.device))
+        reserve += (2 * config.max_num_seqs + 1) * slot_bytes(loaded.speech_config.decoder_config, codec_dtype)
     budget = min(int(total * config.gpu_memory_utilization) - own - reserve, free - reserve)
     if budget < per_block * 16:
         raise RuntimeError(f"not enough device memory for a KV cache (budget {budget / 2**30:.2f} GiB)")

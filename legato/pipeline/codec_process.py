@@ -26,7 +26,14 @@ from legato.engine.codec_schedule import StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.pipeline import messages as m
 from legato.pipeline.client import EngineStats, RequestRejected, StreamChunk
-from legato.pipeline.codec_worker import CodecChunk, CodecError, CodecStats, LocalCodecClient, load_codec_decoder
+from legato.pipeline.codec_worker import (
+    CodecChunk,
+    CodecError,
+    CodecStats,
+    LocalCodecClient,
+    codec_engine_options,
+    load_codec_decoder,
+)
 from legato.pipeline.process_client import ProcessEngineClient, model_info
 from legato.pipeline.worker import WorkerSpec, drain, handle_safely, heartbeats, incoming
 
@@ -215,8 +222,9 @@ def _end(reason: str, error: str, frames: int) -> StreamChunk:
 async def serve_codec(spec: WorkerSpec, config: EngineConfig, out: zmq.asyncio.Socket,
                       cmd: zmq.asyncio.Socket) -> None:
     """The codec worker's life: load the decoder, say Ready, serve until Shutdown (or the server is gone)."""
-    decoder = load_codec_decoder(spec.model_path, config.device, getattr(torch, config.codec_dtype))
-    codec = LocalCodecClient(decoder, StreamSchedule.of(config), name=f"{spec.name}-codec")
+    decoder = load_codec_decoder(spec.model_path, config.device)
+    codec = LocalCodecClient(decoder, StreamSchedule.of(config), name=f"{spec.name}-codec",
+                             **codec_engine_options(config))
     await codec.start()
     worker = _CodecWorker(spec, codec, out)
     await worker.send(m.Ready(model_info(spec.model_path, spec.name), os.getpid(), {}))

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from legato.engine.codec_streamer import CodecStreamer, StreamSchedule
+from legato.engine.config import codec_dtype_name
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.config import load_speech_tokenizer_config
 from legato.models.qwen3_tts.loader import load_into, read_safetensors
@@ -42,7 +43,8 @@ _EMPTY = np.zeros(0, np.float32)
 
 def load_codec_decoder(model_dir: str | Path, device: str, dtype: torch.dtype = torch.float32) -> CodecDecoder:
     """Only the codec decoder of a model directory (`speech_tokenizer/`: config and `decoder.*` weights), for
-    a codec worker that needs neither the talker nor the codec encoder."""
+    a codec worker that needs neither the talker nor the codec encoder. Keep it in fp32: the streamer folds
+    its serving copy from it in the serving dtype."""
     path = Path(model_dir)
     decoder = CodecDecoder(load_speech_tokenizer_config(path).decoder_config)
     source = path / "speech_tokenizer" / "model.safetensors"
@@ -66,8 +68,10 @@ class CodecOutput:
 class CodecEngine:
     """Streams of code frames -> PCM chunks. Not thread-safe: one thread owns it."""
 
-    def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None) -> None:
-        self.streamer = CodecStreamer(decoder, schedule)
+    def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None, capacity: int = 64,
+                 dtype: torch.dtype | None = None, graphs: bool = False) -> None:
+        """`capacity`, `dtype` and `graphs` are the `CodecStreamer`'s (as the engine's: CUDA graphs on CUDA)."""
+        self.streamer = CodecStreamer(decoder, schedule, capacity, graphs=graphs, dtype=dtype)
         self._pushed: dict[str, int] = {}  # frames received per open stream
         self._ended: set[str] = set()
         self.frames_decoded = 0
@@ -185,8 +189,9 @@ class _Sink:
 class LocalCodecClient:
     """A `CodecEngine` on a dedicated thread of this process. Call its methods from one event loop."""
 
-    def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None, name: str = "codec") -> None:
-        self.engine = CodecEngine(decoder, schedule)
+    def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None, name: str = "codec",
+                 **engine_options) -> None:
+        self.engine = CodecEngine(decoder, schedule, **engine_options)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # codec thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -375,3 +380,11 @@ def _put(sink: _Sink, item: object) -> None:
         sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
     except RuntimeError:  # that event loop is closed: nobody is left to tell
         pass
+
+
+def codec_engine_options(config) -> dict:
+    """A codec worker's `CodecEngine` options from an `EngineConfig`: the engine's stream capacity, codec dtype
+    and CUDA graphs, so `split` decodes as `single` does."""
+    dtype = getattr(torch, codec_dtype_name(config.codec_dtype, config.device))
+    return dict(capacity=config.max_num_seqs, dtype=dtype,
+                graphs=config.device.startswith("cuda") and not config.enforce_eager)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from legato.engine.codec_schedule import StreamSchedule
 from legato.engine.config import EngineConfig
@@ -30,7 +29,7 @@ from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.inputs import VoiceFeatures
 from legato.models.qwen3_tts.loader import LoadedModel
 from legato.pipeline.client import EngineClient, EngineStats, RequestRejected, StreamChunk, SynthesisRequest
-from legato.pipeline.codec_worker import CodecError, LocalCodecClient, load_codec_decoder
+from legato.pipeline.codec_worker import CodecError, LocalCodecClient, codec_engine_options, load_codec_decoder
 from legato.pipeline.launchers import Launcher, WorkerPlan
 
 if TYPE_CHECKING:
@@ -175,9 +174,9 @@ def build_split_client(
       `workers="process"` in its own worker process (`ProcessEngineClient`) that loads `model_path` itself.
     - the codec worker, on `devices[-1]`: with `workers="thread"` a thread of this process (the server's),
       which shares the talker's decoder weights on one device and otherwise loads only the codec decoder
-      (`load_codec(device)`, by default the `speech_tokenizer` decoder weights of the model directory in
-      `config.codec_dtype`); with `workers="process"` a process of its own (`ProcessCodecClient`) that
-      loads only the codec decoder itself.
+      (`load_codec(device)`, by default the `speech_tokenizer` decoder weights of the model directory; it
+      decodes in `config.codec_dtype`, with the engine's CUDA graphs on CUDA); with `workers="process"` a
+      process of its own (`ProcessCodecClient`) that loads only the codec decoder itself.
 
     `memory_shares` ([talker] or [talker, codec]) sets the talker's `gpu_memory_utilization`; the codec
     worker has no KV cache and sizes nothing up front (its activations fit in the reserve the talker's
@@ -217,8 +216,9 @@ def build_split_client(
     decoder = loaded.speech_tokenizer.decoder if len(devices) == 1 else None
     if decoder is None:
         decoder = (load_codec(codec_device) if load_codec is not None else
-                   load_codec_decoder(loaded.path, codec_device, getattr(torch, config.codec_dtype)))
-    local_codec = LocalCodecClient(decoder, StreamSchedule.of(config), name=f"{name}-codec")
+                   load_codec_decoder(loaded.path, codec_device))
+    local_codec = LocalCodecClient(decoder, StreamSchedule.of(config), name=f"{name}-codec",
+                                   **codec_engine_options(dataclasses.replace(config, device=codec_device)))
     return SplitClient(local_talker, local_codec)
 
 

@@ -234,8 +234,7 @@ async def run(spec: WorkerSpec) -> int:
 
             await serve_codec(spec, config, out, cmd)
             return 0
-        loaded = load_model(spec.model_path, device=config.device, dtype=getattr(torch, config.dtype),
-                            codec_dtype=getattr(torch, config.codec_dtype))
+        loaded = load_model(spec.model_path, device=config.device, dtype=getattr(torch, config.dtype))
         client = LocalEngineClient(loaded, config, name=spec.name)
         await client.start()
         worker = _Worker(spec, client, out)

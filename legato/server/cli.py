@@ -36,6 +36,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     m.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="talker dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    m.add_argument("--codec-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="codec decoder dtype (auto: bfloat16 on CUDA, whose fidelity against float32 is in "
+                        "docs/benchmarks.md, and float32 on CPU; float32 is the exact path)")
     h = p.add_argument_group("http")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on")
     h.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -290,7 +293,7 @@ def serve(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
             mtp_replicas=args.mtp_replicas, chunk_ramp=args.chunk_ramp, voice_cache_size=args.voice_cache_size,
-            codec_decode_every_step=args.codec_decode_every_step,
+            codec_decode_every_step=args.codec_decode_every_step, codec_dtype=args.codec_dtype,
             batch_invariant=args.batch_invariant, invariant_rows=args.invariant_rows,
             frames_per_text_token=args.frames_per_text_token if args.frames_per_text_token > 0 else None,
             frame_cap_margin=args.frame_cap_margin,

@@ -142,7 +142,9 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     codec_dtype: torch.dtype = torch.float32,
 ) -> LoadedModel:
-    """Loads a Qwen3-TTS model directory (or hub id). The talker runs in `dtype`, the codec in `codec_dtype`."""
+    """Loads a Qwen3-TTS model directory (or hub id). The talker runs in `dtype`, the codec's encoder in
+    `codec_dtype`; its decoder stays fp32, the source that the streaming decoder folds its serving copy from
+    (in the engine's codec dtype)."""
     path = resolve_model_dir(model)
     config = load_model_config(path)
     speech_config = load_speech_tokenizer_config(path)
@@ -156,6 +158,7 @@ def load_model(
     load_into(codec, read_safetensors(path / "speech_tokenizer"), path / "speech_tokenizer" / "model.safetensors")
     tts = tts.to(device=device, dtype=dtype).eval()
     codec = codec.to(device=device, dtype=codec_dtype).eval()
+    codec.decoder.float()
     log.info("loaded %s (%s, %s) on %s", path, config.tts_model_type, config.tts_model_size, device)
     return LoadedModel(
         path=path,
