@@ -126,19 +126,18 @@ def run(lm, args, variant: str) -> dict:
     """One engine for `variant`: default | no-audio (codec off) | sync (no step in flight), with flags after
     `+`: `trace` profiles a window of steps (the profiler's overhead then inflates the run's own timers),
     `prio` runs the talker on a high-priority CUDA stream (the codec's stays at the default priority),
-    `codec-bf16` runs the codec decoder in bfloat16, `chunked` decodes each chunk when due
-    (`codec_decode_every_step=False`)."""
+    `codec-bf16` / `codec-fp32` run the codec decoder in that dtype (default: the engine's, bf16 on CUDA),
+    `chunked` decodes each chunk when due (`codec_decode_every_step=False`)."""
     name = variant
     variant, *flags = variant.split("+")
     traced = "trace" in flags and args.trace_steps > 0
-    decoder = lm.speech_tokenizer.decoder
-    decoder.to(torch.bfloat16 if "codec-bf16" in flags else torch.float32)
+    codec_dtype = "bfloat16" if "codec-bf16" in flags else "float32" if "codec-fp32" in flags else "auto"
     if "prio" in flags:
         torch.cuda.set_stream(torch.cuda.Stream(priority=-100))  # clamped to the device's highest
     cfg = EngineConfig(device=args.device, dtype="bfloat16" if args.size != "tiny" else "float32",
                        max_num_seqs=args.max_num_seqs,
                        gpu_memory_utilization=0.6, async_scheduling=variant != "sync",
-                       codec_decode_every_step="chunked" not in flags)
+                       codec_decode_every_step="chunked" not in flags, codec_dtype=codec_dtype)
     engine = Engine(lm, cfg)
     engine.warm_up()
     audio_on = variant != "no-audio"

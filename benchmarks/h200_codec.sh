@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The codec issue's device calls (docs/benchmarks.md, "The codec at GEMM speed"), one part per call:
+#   benchmarks/h200_codec.sh check   # import check, the codec's GPU tests, codec_step.py (old vs new, fidelity)
+#   benchmarks/h200_codec.sh tune    # the codec's GPU tests, then codec_tune.py (tile sizes per conv)
+#   benchmarks/h200_codec.sh loop    # engine_loop.py at c=64 and c=256, 8c76ab2 (.base/) vs this tree
+# Needs: the server's wheels in .whl/ (see docs/benchmarks.md), the tree of 8c76ab2 in .base/ for `loop`,
+# OUT a results folder. Random weights throughout; lengths fixed (EOS ignored).
+set -uo pipefail
+PART=${1:-check}
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONUNBUFFERED=1 LEGATO_COMMIT=${LEGATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
+python3 -c "import torch, triton, fastapi, zmq, soundfile; print('torch', torch.__version__, 'triton', \
+triton.__version__, torch.cuda.get_device_name())" || exit 1
+case "$PART" in
+  check)
+    PYTHONPATH=.:tests:$PYTHONPATH timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "${TESTS:-codec or snake}" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30
+    PYTHONPATH=.:$PYTHONPATH timeout 330 python3 benchmarks/codec_step.py --out "$OUT/codec_step.json" \
+      2>&1 | grep -v '^{' ;;
+  tune)
+    PYTHONPATH=.:tests:$PYTHONPATH timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "streaming_codec" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30
+    PYTHONPATH=.:$PYTHONPATH timeout 400 python3 benchmarks/codec_tune.py --out "$OUT/codec_tune.json" 2>&1 ;;
+  loop)
+    for c in 64 256; do
+      (cd .base && PYTHONPATH=.:$PYTHONPATH LEGATO_COMMIT=8c76ab2 timeout 150 python3 benchmarks/engine_loop.py \
+        --concurrency $c --max-num-seqs $c --requests $((4 * c)) --variants default --out "$OUT/loop-base-c$c.json") \
+        2>&1 | grep '^{' | cut -c1-400
+      PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/engine_loop.py --concurrency $c --max-num-seqs $c \
+        --requests $((4 * c)) --variants ${VARIANTS:-default,no-audio} --out "$OUT/loop-new-c$c.json" \
+        2>&1 | grep '^{' | cut -c1-400
+    done ;;
+esac
