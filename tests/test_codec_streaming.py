@@ -8,12 +8,11 @@ import random
 import numpy as np
 import pytest
 import torch
-from codec_helpers import randomize_codec_weights_
+from codec_helpers import random_codes, randomize_codec_weights_, tiny_codec_decoder
 
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.codec_streaming import ChunkSchedule, CodecStreamState, decode_chunks
 from legato.models.qwen3_tts.config import CodecDecoderConfig
-from legato.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
 
 TOL = 1e-5
 SPF = 1920
@@ -21,11 +20,7 @@ SPF = 1920
 
 @pytest.fixture(scope="module")
 def decoder() -> CodecDecoder:
-    return randomize_codec_weights_(CodecDecoder(tiny_speech_tokenizer_config().decoder_config).eval(), seed=3)
-
-
-def _codes(batch: int, frames: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 2048, (batch, frames, 16), generator=torch.Generator().manual_seed(seed))
+    return tiny_codec_decoder(seed=3)
 
 
 def _whole(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
@@ -57,7 +52,7 @@ def test_chunk_schedule():
 @pytest.mark.parametrize("frames", [1, 5, 30, 73, 150])
 def test_engine_schedule_matches_whole_forward(decoder, frames):
     """First chunk 1 frame, then 4, then 25 at a time."""
-    codes = _codes(2, frames, seed=frames)
+    codes = random_codes(2, frames, seed=frames)
     want = _whole(decoder, codes)
     assert want.std() > 0.01
     got = _stream(decoder, codes, ChunkSchedule(first=1, ramp=(4,), steady=25).split(frames))
@@ -68,7 +63,7 @@ def test_random_schedules_match_whole_forward(decoder):
     rng = random.Random(0)
     for trial in range(3):
         frames = rng.randint(1, 150)
-        codes = _codes(2, frames, seed=100 + trial)
+        codes = random_codes(2, frames, seed=100 + trial)
         schedule, left = [], frames
         while left:
             schedule.append(min(left, rng.randint(1, 40)))
@@ -80,7 +75,7 @@ def test_random_schedules_match_whole_forward(decoder):
 def test_stream_is_exact_in_float64(decoder):
     """In fp64 the streamed and whole waveforms agree to rounding: the streaming is exact, not approximate."""
     dec64 = copy.deepcopy(decoder).double()
-    codes = _codes(1, 100, seed=9)
+    codes = random_codes(1, 100, seed=9)
     got = _stream(dec64, codes, [1, 4, 25, 3, 67])
     assert got.dtype == torch.float64
     assert (got - _whole(dec64, codes)).abs().max().item() < 1e-11
@@ -91,7 +86,7 @@ def test_batch_with_unequal_chunks_and_histories(decoder):
     rng = random.Random(1)
     totals = [40, 97, 150]
     joins = [0, 2, 5]  # step at which each request sends its first chunk
-    codes = [_codes(1, t, seed=200 + i)[0] for i, t in enumerate(totals)]
+    codes = [random_codes(1, t, seed=200 + i)[0] for i, t in enumerate(totals)]
     states = [decoder.new_stream_state() for _ in totals]
     done = [0, 0, 0]
     pieces: list[list[torch.Tensor]] = [[], [], []]
@@ -117,11 +112,11 @@ def test_batch_with_unequal_chunks_and_histories(decoder):
 
 def test_padding_never_reaches_the_state(decoder):
     """The frames past a request's `lengths` may hold any codes: outputs and state are unaffected."""
-    history = _codes(2, 9, seed=11)
+    history = random_codes(2, 9, seed=11)
     _, state = decoder.stream_step(history, decoder.new_stream_state(2))
-    chunk = _codes(2, 6, seed=12)
+    chunk = random_codes(2, 6, seed=12)
     other = chunk.clone()
-    other[1, 2:] = _codes(1, 4, seed=13)[0]
+    other[1, 2:] = random_codes(1, 4, seed=13)[0]
     lengths = torch.tensor([6, 2])
     wav_a, state_a = decoder.stream_step(chunk, state, lengths)
     wav_b, state_b = decoder.stream_step(other, state, lengths)
@@ -136,8 +131,8 @@ def test_padding_never_reaches_the_state(decoder):
 
 
 def test_requests_are_independent_and_state_resets(decoder):
-    codes_a = _codes(1, 30, seed=21)
-    codes_b = _codes(1, 30, seed=22)
+    codes_a = random_codes(1, 30, seed=21)
+    codes_b = random_codes(1, 30, seed=22)
     want_a = _whole(decoder, codes_a)
     # B has a history of 17 frames, A none; then both decode together.
     _, state_b = decoder.stream_step(codes_b[:, :17], decoder.new_stream_state())
@@ -179,7 +174,7 @@ def test_state_layout(decoder):
 @pytest.mark.slow
 def test_full_size_stream_matches_whole_forward():
     dec = randomize_codec_weights_(CodecDecoder(CodecDecoderConfig()).eval(), seed=4)
-    codes = _codes(1, 3, seed=31)
+    codes = random_codes(1, 3, seed=31)
     want = _whole(dec, codes)
     assert want.std() > 0.01
     got = _stream(dec, codes, [1, 2])
@@ -232,7 +227,7 @@ def test_streamer_follows_the_windowed_decode(decoder, window, context, ref_fram
 
     rng = random.Random(window + context + ref_frames)
     total = 3 * window + 7
-    codes = _codes(1, ref_frames + total, seed=40 + ref_frames)[0]
+    codes = random_codes(1, ref_frames + total, seed=40 + ref_frames)[0]
     ref, gen = (codes[:ref_frames], codes[ref_frames:]) if ref_frames else (None, codes)
     want = decoder.decode(codes[None], chunk_size=window, left_context=context)[0][ref_frames * SPF :].numpy()
     bursts, left = [], total
@@ -270,11 +265,11 @@ def test_the_state_bank_serves_streams_that_come_and_go(decoder):
     rng = random.Random(7)
     streamer = CodecStreamer(decoder, StreamSchedule(first_chunk_frames=1, chunk_frames=5, chunk_ramp=True,
                                                      window_frames=None), capacity=2)
-    shared_ref = _codes(1, 6, seed=50)[0]
+    shared_ref = random_codes(1, 6, seed=50)[0]
     plans = {}
     for i in range(7):
-        ref = shared_ref if i % 3 == 0 else (_codes(1, 4, seed=60 + i)[0] if i % 3 == 1 else None)
-        plans[f"s{i}"] = (ref, _codes(1, rng.randint(3, 23), seed=70 + i)[0], i // 2)  # joins at step i // 2
+        ref = shared_ref if i % 3 == 0 else (random_codes(1, 4, seed=60 + i)[0] if i % 3 == 1 else None)
+        plans[f"s{i}"] = (ref, random_codes(1, rng.randint(3, 23), seed=70 + i)[0], i // 2)  # joins at step i // 2
     got = {rid: [] for rid in plans}
     done, step, fed = set(), 0, {rid: 0 for rid in plans}
     while len(done) < len(plans):

@@ -8,12 +8,11 @@ import random
 
 import pytest
 import torch
-from codec_helpers import randomize_codec_weights_
+from codec_helpers import random_codes, randomize_codec_weights_, tiny_codec_decoder
 
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.config import CodecDecoderConfig
 from legato.models.qwen3_tts.streaming_codec import StreamingCodecDecoder
-from legato.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
 
 TOL = 1e-5
 SPF = 1920
@@ -21,11 +20,7 @@ SPF = 1920
 
 @pytest.fixture(scope="module")
 def decoder() -> CodecDecoder:
-    return randomize_codec_weights_(CodecDecoder(tiny_speech_tokenizer_config().decoder_config).eval(), seed=5)
-
-
-def _codes(batch: int, frames: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 2048, (batch, frames, 16), generator=torch.Generator().manual_seed(seed))
+    return tiny_codec_decoder(seed=5)
 
 
 def _whole(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
@@ -34,7 +29,7 @@ def _whole(decoder: CodecDecoder, codes: torch.Tensor) -> torch.Tensor:
 
 
 def test_one_call_equals_the_whole_forward(decoder):
-    codes = _codes(3, 9, seed=1)
+    codes = random_codes(3, 9, seed=1)
     fast = StreamingCodecDecoder(decoder, slots=4)
     slots = torch.tensor([2, 0, 3])
     fast.reset(slots)
@@ -49,7 +44,7 @@ def test_random_chunkings_equal_the_whole_forward(decoder, seed):
     """Chunks of 1..40 frames (past the 72-frame attention window and the 32-frame call limit)."""
     rng = random.Random(seed)
     total = 150
-    codes = _codes(2, total, seed=10 + seed)
+    codes = random_codes(2, total, seed=10 + seed)
     fast = StreamingCodecDecoder(decoder, slots=3)
     slots = torch.tensor([1, 2])
     fast.reset(slots)
@@ -66,7 +61,7 @@ def test_streams_join_and_leave_mid_run_and_slots_are_reused(decoder):
     stream's slot goes to a new stream after a reset (its old contents must not leak into the new one)."""
     rng = random.Random(4)
     fast = StreamingCodecDecoder(decoder, slots=4)
-    plans = {f"s{i}": (_codes(1, rng.randint(5, 90), seed=30 + i)[0], rng.randint(0, 40)) for i in range(6)}
+    plans = {f"s{i}": (random_codes(1, rng.randint(5, 90), seed=30 + i)[0], rng.randint(0, 40)) for i in range(6)}
     free, slot_of, fed, got = [0, 1, 2, 3], {}, {}, {rid: [] for rid in plans}
     for step in range(400):
         for rid, (_codes_of, join) in plans.items():
@@ -99,7 +94,7 @@ def test_a_slot_reset_ignores_what_the_slot_held(decoder):
     fast.bank.calls.fill_(7)
     slot = torch.tensor([1])
     fast.reset(slot)
-    codes = _codes(1, 80, seed=3)
+    codes = random_codes(1, 80, seed=3)
     wav = torch.cat([fast.step(slot, codes[:, i: i + 8]) for i in range(0, 80, 8)], dim=1)
     assert torch.isfinite(wav).all() and (wav - _whole(decoder, codes)).abs().max() < TOL
 
@@ -113,7 +108,7 @@ def test_bad_codes_are_refused(decoder):
 
 
 def test_resize_keeps_the_state(decoder):
-    codes = _codes(1, 20, seed=8)
+    codes = random_codes(1, 20, seed=8)
     fast = StreamingCodecDecoder(decoder, slots=2)
     slot = torch.tensor([1])
     fast.reset(slot)
@@ -128,7 +123,7 @@ def test_resize_keeps_the_state(decoder):
 def test_full_size_stream_matches_whole_forward():
     """The released shapes (16 heads of 64, 8 layers, 1536 -> 96 channels), chunks of 1, 4 and 7 frames."""
     dec = randomize_codec_weights_(CodecDecoder(CodecDecoderConfig()).eval(), seed=2)
-    codes = _codes(2, 12, seed=9)
+    codes = random_codes(2, 12, seed=9)
     fast = StreamingCodecDecoder(dec, slots=2)
     slots = torch.tensor([0, 1])
     fast.reset(slots)
