@@ -11,11 +11,14 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
-from legato.server.encoding import STREAMABLE
+from legato.server.encoding import MEDIA_TYPES, STREAMABLE, UNSUPPORTED
 from legato.server.text import check_unicode
 
-# OpenAI's formats; aac is accepted here and refused by the speech service with the reason (encoding.py).
+# OpenAI's formats, so the schema clients read is OpenAI's; aac passes here and is refused by the speech
+# service with the reason (encoding.py). Any other value is refused by `_known_format`, whose message lists only
+# the formats that work (pydantic's own would list aac among them).
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 TaskType = Literal["Base", "CustomVoice", "VoiceDesign"]
 
@@ -88,6 +91,15 @@ class SpeechRequest(BaseModel):
         if not value.strip():
             raise ValueError("input is blank")
         return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _known_format(cls, value: object) -> object:
+        if isinstance(value, str) and (value in MEDIA_TYPES or value in UNSUPPORTED):
+            return value
+        shown = repr(value)[:40]
+        raise PydanticCustomError("unsupported_format", "{given} is not a format; use one of {formats}",
+                                  {"given": shown, "formats": ", ".join(MEDIA_TYPES)})
 
     @field_validator("model", "input", "voice", "instructions", "language", "ref_audio", "ref_text")
     @classmethod
