@@ -57,6 +57,8 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         log.info("serving %s (%s) at %d Hz", service.model_name, service.task_type, client.info.sample_rate)
+        if aliases := service.alias_table():
+            log.info("voice aliases: %s", ", ".join(f"{a}={v}" for a, v in aliases.items()))
         try:
             yield
         finally:

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.pipeline.client import EngineClient, SynthesisRequest
+from legato.server.aliases import resolve_alias
 from legato.server.encoding import MEDIA_TYPES, STREAMABLE, format_problem
 from legato.server.errors import ApiError, ErrorResponse
 from legato.server.media import MediaError, MediaPolicy, resolve_ref_audio
@@ -161,6 +162,15 @@ class SpeechService:
                            "instructions")
         return SpeechInput(**common, **await self._clone_fields(body))
 
+    def alias_table(self) -> dict[str, str]:
+        """Each voice alias -> the preset it speaks with on the served CustomVoice model (stand-ins included;
+        logged at start, so which voice answers `alloy` is never a guess). Empty for other model types."""
+        if self.client.info.model_type != "custom_voice":
+            return {}
+        by_lower = {s.lower(): s for s in self.client.info.speakers}
+        resolved = {a: resolve_alias(a, self.voice_aliases, by_lower) for a in self.voice_aliases}
+        return {a: by_lower[v] for a, v in resolved.items() if v is not None}
+
     def _language(self, language: str | None) -> str:
         if language is None:
             return "auto"
@@ -177,9 +187,9 @@ class SpeechService:
             raise ApiError(400, f"voice is required: a preset speaker, one of {speakers}", "missing_voice", "voice")
         name = voice.lower()
         if name not in by_lower:
-            name = self.voice_aliases.get(name, name)
+            name = resolve_alias(name, self.voice_aliases, by_lower) or name
         if name not in by_lower:
-            aliases = sorted(a for a, target in self.voice_aliases.items() if target in by_lower)
+            aliases = sorted(a for a in self.voice_aliases if resolve_alias(a, self.voice_aliases, by_lower))
             raise ApiError(400, f"unknown voice {voice!r}; available: {speakers}"
                                 + (f", or an alias: {aliases}" if aliases else ""), "unknown_voice", "voice")
         return by_lower[name]

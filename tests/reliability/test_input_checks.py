@@ -43,3 +43,60 @@ def test_aac_is_refused_with_its_reason():
     with app() as c:
         assert_error(c.post("/v1/audio/speech", json={**SPEECH, "response_format": "aac"}), 400,
                      "unsupported_format", "no AAC encoder")
+
+
+# ---- OpenAI's voice names -------------------------------------------------------------------------------
+
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
+                 "marin", "cedar")
+TINY = ["serena", "ryan", "eric", "dylan"]  # the embedded tiny model's presets
+RELEASED = ["serena", "vivian", "uncle_fu", "ryan", "aiden", "ono_anna", "sohee", "eric", "dylan"]
+
+
+def speaker_of(c: TestClient, voice: str, spoken: list) -> str:
+    resp = c.post("/v1/audio/speech", json={**SPEECH, "voice": voice})
+    assert resp.status_code == 200, resp.text
+    return spoken[-1]
+
+
+@pytest.mark.parametrize("speakers", [TINY, RELEASED, ["Zed", "amy"]], ids=["tiny", "released", "custom"])
+def test_every_openai_voice_maps_on_every_custom_voice_model(speakers):
+    spoken: list[str] = []
+
+    def record(req):
+        spoken.append(req.input.speaker)
+        return one_frame(req)
+
+    client = FakeClient(record)
+    client.info.speakers = speakers
+    with app(client=client) as c:
+        got = {voice: speaker_of(c, voice, spoken) for voice in OPENAI_VOICES}
+        again = {voice: speaker_of(c, voice.upper(), spoken) for voice in OPENAI_VOICES}
+    assert got == again and set(got.values()) <= set(speakers)
+    if speakers == RELEASED:  # the model has every first choice: the documented table, unchanged
+        assert got == {"alloy": "serena", "ash": "aiden", "ballad": "ryan", "coral": "vivian", "echo": "ryan",
+                       "fable": "aiden", "nova": "serena", "onyx": "ryan", "sage": "vivian", "shimmer": "serena",
+                       "verse": "aiden", "marin": "vivian", "cedar": "ryan"}
+    if speakers == TINY:  # a female voice stands in for a female one, a male for a male
+        assert got["coral"] == got["sage"] == got["marin"] == "serena"
+        assert got["ash"] == got["fable"] == got["verse"] == "ryan"
+
+
+def test_an_operator_alias_is_kept_as_given():
+    client = FakeClient(one_frame)
+    client.info.speakers = TINY
+    aliases = {"alloy": "aiden", "coral": "eric", "mine": "nobody"}  # alloy set to a voice the model lacks
+    with app(client=client, voice_aliases=aliases) as c:
+        assert c.post("/v1/audio/speech", json={**SPEECH, "voice": "coral"}).status_code == 200
+        for voice in ("alloy", "mine", "nova"):  # set elsewhere, unknown target, dropped from the table
+            assert_error(c.post("/v1/audio/speech", json={**SPEECH, "voice": voice}), 400, "unknown_voice",
+                         f"unknown voice {voice!r}")
+
+
+def test_the_alias_table_is_logged_at_start(caplog):
+    client = FakeClient(one_frame)
+    client.info.speakers = TINY
+    with caplog.at_level("INFO", logger="legato.server.app"), app(client=client):
+        pass
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("voice aliases: "))
+    assert "alloy=serena" in line and "coral=serena" in line and "ash=ryan" in line
