@@ -7,8 +7,9 @@ Three pure-ASGI checks, each answering in the OpenAI error shape:
 - `OriginCheck`: a request from a web page carries `Origin`. Unless that origin is the server's own or one
   the operator allows (`--allowed-origins`, which also turns CORS on), it is refused (403). Form posts need
   no CORS preflight, so without this any page could create voices on a local server.
-- `ApiKeyAuth`: with `--api-key`, every route but `/health` needs `Authorization: Bearer <key>` (what the
-  OpenAI SDK's `api_key=` sends); a missing or wrong key gets 401. Keys are compared in constant time.
+- `ApiKeyAuth`: with `--api-key`, every route but `/health` and `/metrics` needs `Authorization: Bearer <key>`
+  (what the OpenAI SDK's `api_key=` sends); a missing or wrong key gets 401. Keys are compared in constant
+  time. `/metrics` stays open as vLLM leaves it (Prometheus scrapers send no key) unless `--protect-metrics`.
 Clients that are not browsers send no Origin and are not affected by `OriginCheck`.
 """
 
@@ -25,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from legato.server.errors import error_body
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+METRICS_PATH = "/metrics"  # open too unless protected: scrapers expect it so, as vLLM serves it
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
 
@@ -130,11 +132,13 @@ class OriginCheck:
 
 
 class ApiKeyAuth:
-    """Requires `Authorization: Bearer <one of keys>` on every path but OPEN_PATHS."""
+    """Requires `Authorization: Bearer <one of keys>` on every path but OPEN_PATHS, and /metrics unless
+    `protect_metrics`."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Iterable[str], protect_metrics: bool = False) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | {METRICS_PATH}
 
     def _valid(self, given: str | None) -> bool:
         scheme, _, token = (given or "").strip().partition(" ")
@@ -145,7 +149,7 @@ class ApiKeyAuth:
         return sum(hmac.compare_digest(token_bytes, k) for k in self.keys) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = scope_header(scope, b"authorization")
             if not self._valid(given):
                 message = ("missing API key: send Authorization: Bearer <key>" if given is None

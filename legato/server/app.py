@@ -121,7 +121,7 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
 def _add_access_checks(app: FastAPI, settings: ServerSettings) -> None:
     """Outermost first: Host, then CORS (it answers preflights, which carry no credentials), Origin, key."""
     if settings.api_keys:
-        app.add_middleware(ApiKeyAuth, keys=settings.api_keys)
+        app.add_middleware(ApiKeyAuth, keys=settings.api_keys, protect_metrics=settings.protect_metrics)
     app.add_middleware(OriginCheck, allowed=settings.allowed_origins)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),

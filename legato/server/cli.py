@@ -50,8 +50,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="most concurrent connections; a request on one more gets 503")
     a = p.add_argument_group("access")
     a.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require Authorization: Bearer KEY on every route but /health (repeatable; also "
-                        "$LEGATO_API_KEY); a missing or wrong key gets 401")
+                   help="require Authorization: Bearer KEY on every route but /health and /metrics (repeatable; "
+                        "also $LEGATO_API_KEY); a missing or wrong key gets 401")
+    a.add_argument("--protect-metrics", action="store_true",
+                   help="require the API key on /metrics too (by default it stays open with --api-key, as vLLM's "
+                        "does, so Prometheus scrapers need no key)")
     a.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="a file of API keys, one per line (# comments), on top of --api-key")
     a.add_argument("--allowed-origins", default="", metavar="ORIGINS",
@@ -193,7 +196,8 @@ def access_settings(args: argparse.Namespace) -> dict:
         hosts = (*LOOPBACK_HOSTS, args.host)
     else:
         hosts = None
-    return {"api_keys": keys, "allowed_origins": origins, "allowed_hosts": hosts}
+    return {"api_keys": keys, "allowed_origins": origins, "allowed_hosts": hosts,
+            "protect_metrics": bool(getattr(args, "protect_metrics", False))}
 
 
 def resolve_workers(workers: str, devices: list[str]) -> str:

@@ -59,7 +59,9 @@ class ServerSettings:
     """Voice names a request may use for another voice (OpenAI's `alloy`, `nova`, ... by default); a real
     voice of that name wins over an alias."""
     api_keys: tuple[str, ...] = ()
-    """Bearer tokens, one of which every route but /health requires; empty: no authentication."""
+    """Bearer tokens, one of which every route but /health and /metrics requires; empty: no authentication."""
+    protect_metrics: bool = False
+    """Require the API key on /metrics too (by default it stays open, as vLLM's does, for scrapers)."""
     allowed_origins: tuple[str, ...] = ()
     """Web origins (scheme://host[:port], or "*") whose pages may call the server; CORS is answered for them
     and requests from any other origin are refused with 403. Empty: no cross-origin calls at all."""
