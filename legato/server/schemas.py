@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from legato.server.encoding import MEDIA_TYPES, STREAMABLE, UNSUPPORTED
-from legato.server.text import check_unicode
+from legato.server.text import check_unicode, is_blank
 
 # OpenAI's formats, so the schema clients read is OpenAI's; aac passes here and is refused by the speech
 # service with the reason (encoding.py). Any other value is refused by `_known_format`, whose message lists only
@@ -88,8 +88,8 @@ class SpeechRequest(BaseModel):
     @field_validator("input")
     @classmethod
     def _input_not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("input is blank")
+        if is_blank(value):
+            raise ValueError("input is blank (only spaces, control or invisible characters)")
         return value
 
     @field_validator("response_format", mode="before")

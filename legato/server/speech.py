@@ -24,6 +24,7 @@ from legato.server.prompt_limit import PromptLimit
 from legato.server.schemas import SpeechRequest
 from legato.server.settings import ServerSettings
 from legato.server.streaming import SpeechResponder
+from legato.server.text import is_blank
 from legato.server.voices import VoiceStore, parse_speaker_embedding
 
 SPEECH_PATH = "/v1/audio/speech"
@@ -153,7 +154,7 @@ class SpeechService:
             if body.voice_name is not None:
                 raise ApiError(400, "a VoiceDesign model has no voices: describe the voice in instructions",
                                "unsupported_field", "voice")
-            if not body.instructions or not body.instructions.strip():
+            if not body.instructions or is_blank(body.instructions):
                 raise ApiError(400, "a VoiceDesign model needs instructions describing the voice",
                                "missing_instructions", "instructions")
             return SpeechInput(instructions=body.instructions, **common)
@@ -212,7 +213,7 @@ class SpeechService:
                 raise ApiError(400, "ref_text needs ref_audio: a speaker_embedding clones from the x-vector "
                                     "alone", "unsupported_field", "ref_text")
             return {"speaker_embedding": self._embedding(body.speaker_embedding), "x_vector_only": True}
-        if not body.x_vector_only_mode and not (body.ref_text and body.ref_text.strip()):
+        if not body.x_vector_only_mode and not (body.ref_text and not is_blank(body.ref_text)):
             raise ApiError(400, "in-context cloning needs ref_text (the transcript of ref_audio); or set "
                                 "x_vector_only_mode", "missing_ref_text", "ref_text")
         try:

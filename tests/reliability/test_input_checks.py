@@ -100,3 +100,22 @@ def test_the_alias_table_is_logged_at_start(caplog):
         pass
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("voice aliases: "))
     assert "alloy=serena" in line and "coral=serena" in line and "ash=ryan" in line
+
+
+# ---- blank input ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["\u200b" * 100, "".join(map(chr, range(1, 32))), "\ufeff\u2060\u200d \u00ad",
+                                  "\u202e\u202c" * 10, "\u0301\u0302", "\u3000\u00a0\u2028", "\x7f\x85\x9f",
+                                  "\ue000\U000f0000", "\U000e0001\U000e0041"])
+def test_an_input_of_invisible_or_control_characters_is_blank(text):
+    reached = []
+    with app(lambda req: reached.append(req) or one_frame(req)) as c:
+        err = assert_error(c.post("/v1/audio/speech", json={**SPEECH, "input": text}), 400, "invalid_request",
+                           "input is blank")
+    assert err["param"] == "input" and reached == []
+
+
+@pytest.mark.parametrize("text", ["a", "\u200bHi\u200b", "\u0e01\u0e34", "e\u0301", "\U0001f600", "\u4f60", "1"])
+def test_text_with_anything_speakable_is_not_blank(text):
+    with app() as c:
+        assert c.post("/v1/audio/speech", json={**SPEECH, "input": text}).status_code == 200
