@@ -248,7 +248,7 @@ class SpeechService:
             raise ApiError(400, str(e), "invalid_speaker_embedding", "speaker_embedding") from e
 
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 429, 500, 503, 504)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 415, 429, 500, 503, 504)}
 _AUDIO = {"content": {t: {"schema": {"type": "string", "format": "binary"}}
                       for t in (*MEDIA_TYPES.values(), "text/event-stream")},
           "description": "The audio (file or stream) or an SSE event stream."}

@@ -5,6 +5,9 @@ refused on a model without their target voices, and /metrics hidden behind the A
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 from server_helpers import FakeClient, frames_chunk, server_settings
@@ -119,3 +122,23 @@ def test_an_input_of_invisible_or_control_characters_is_blank(text):
 def test_text_with_anything_speakable_is_not_blank(text):
     with app() as c:
         assert c.post("/v1/audio/speech", json={**SPEECH, "input": text}).status_code == 200
+
+
+# ---- content codings --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("coding", ["gzip", "GZIP", "br", "deflate", "identity, gzip", "x-custom"])
+@pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/audio/voices"])
+def test_a_compressed_body_is_415_not_parsed_as_plain_text(coding, path):
+    body = gzip.compress(json.dumps(SPEECH).encode())
+    reached = []
+    with app(lambda req: reached.append(req) or one_frame(req)) as c:
+        resp = c.post(path, content=body, headers={"Content-Type": "application/json", "Content-Encoding": coding})
+        err = assert_error(resp, 415, "unsupported_content_encoding", "not supported", "uncompressed")
+    assert err["param"] == "Content-Encoding" and reached == []
+
+
+def test_identity_is_no_content_coding():
+    with app() as c:
+        resp = c.post("/v1/audio/speech", content=json.dumps(SPEECH).encode(),
+                      headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert resp.status_code == 200
