@@ -16,6 +16,8 @@ Clients that are not browsers send no Origin and are not affected by `OriginChec
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -29,6 +31,10 @@ OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentia
 METRICS_PATH = "/metrics"  # open too unless protected: scrapers expect it so, as vLLM serves it
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
+# A Host's name (letters, digits, '-', '_', '.': DNS names and IPv4 addresses) and its port part (":digits",
+# the digits optional as RFC 3986 allows them; at most 65535).
+_REG_NAME = re.compile(r"[a-z0-9_.-]{1,253}")
+_PORT = re.compile(r"(:(0|[1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])?)?")
 
 
 def load_api_keys(keys: Iterable[str], key_file: str | None = None) -> tuple[str, ...]:
@@ -55,12 +61,27 @@ def scope_header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _host_name(host: str) -> str:
-    """`Host` header -> the host without its port ("[::1]:8000" -> "::1")."""
+def host_name(host: str) -> str | None:
+    """A `Host` header's host, lower-case and without its port ("[::1]:8000" -> "::1"), or None when the
+    value is not an RFC 3986 authority without userinfo: `host [":" port]`, the host a DNS name, a dotted
+    IPv4 address or a bracketed IPv6 address (in its one compressed spelling), the port digits up to 65535.
+    Cutting the port off at a colon read `localhost:1@evil.example` as the host `localhost`; anything but this
+    exact shape is refused."""
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
+        literal, bracket, port = host[1:].partition("]")
+        try:
+            name = str(ipaddress.IPv6Address(literal)) if bracket else None  # one spelling: "0::1" is "::1"
+        except ValueError:
+            return None
+    else:
+        name = host.partition(":")[0]
+        port = host[len(name):]
+        if not _REG_NAME.fullmatch(name):
+            return None
+    if name is None or not _PORT.fullmatch(port):
+        return None
+    return name
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
@@ -73,16 +94,28 @@ class HostCheck:
 
     def __init__(self, app: ASGIApp, allowed: Iterable[str]) -> None:
         self.app = app
-        self.allowed = frozenset(h.strip().lower().strip("[]") for h in allowed)
+        self.allowed = frozenset(_canonical(h.strip().lower().strip("[]")) for h in allowed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            host = _host_name(scope_header(scope, b"host") or "")
+            given = scope_header(scope, b"host") or ""
+            host = host_name(given)
+            if host is None:
+                await _refuse(scope, receive, send, 400, f"Host {given[:100]!r} is not a host name with an optional "
+                              "port", "invalid_host")
+                return
             if host not in self.allowed:
                 await _refuse(scope, receive, send, 400, f"Host {host[:100]!r} is not served here (--allowed-hosts)",
                               "invalid_host")
                 return
         await self.app(scope, receive, send)
+
+
+def _canonical(name: str) -> str:
+    try:
+        return str(ipaddress.IPv6Address(name))
+    except ValueError:
+        return name
 
 
 def origin_key(origin: str) -> str | None:

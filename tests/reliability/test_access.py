@@ -179,3 +179,19 @@ def test_metrics_are_open_with_an_api_key_unless_protected():
     args = argparse.Namespace(api_key=[KEY], api_key_file=None, allowed_origins="", allowed_hosts=None,
                               host="127.0.0.1", protect_metrics=True)
     assert access_settings(args)["protect_metrics"] is True
+
+
+@pytest.mark.parametrize("host", ["localhost:1@evil.example", "localhost@evil.example", "user@localhost",
+                                  "localhost:8000:9000", "localhost:99999", "localhost:80x", "localhost evil",
+                                  "[::1", "[::1]x", "[::1]:8000@evil.example", "[evil.example]", "::1",
+                                  "localhost/evil", "localhost%2f", "127.0.0.1:-1", "localhost\\@evil.example"])
+def test_host_check_parses_the_authority(host):
+    with app(allowed_hosts=("localhost", "127.0.0.1", "::1")) as c:
+        assert_error(c.get("/v1/models", headers={"Host": host}), 400, "invalid_host")
+
+
+@pytest.mark.parametrize("host", ["LOCALHOST", "localhost:", "localhost:65535", "127.0.0.1:0", "[::1]", "[::1]:1",
+                                  "[0:0:0:0:0:0:0:1]:8000"])
+def test_host_check_takes_every_spelling_of_an_allowed_authority(host):
+    with app(allowed_hosts=("localhost", "127.0.0.1", "::1")) as c:
+        assert c.get("/v1/models", headers={"Host": host}).status_code == 200
