@@ -140,10 +140,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     # --- prompt-token limit (h-prompt) ---
     r.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="most talker prompt tokens a request may bring (400 prompt_too_long, before the engine). "
-                        "Default: what the largest legitimate request needs, --max-input-chars at one token per "
-                        "character for the input, again for instructions (models that take them) and for ref_text "
-                        "plus --max-ref-audio-seconds x 12.5 frames (Base), + 16 template tokens: 4112 for a "
-                        "0.6B CustomVoice, 8208 for a 1.7B CustomVoice or VoiceDesign, 8958 for a Base model")
+                        "Default: what the largest legitimate request needs, --max-input-chars at 3 tokens per "
+                        "character (the tokenizer's worst case for text in the model's languages) for the input, "
+                        "again for instructions (models that take them) and for ref_text plus "
+                        "--max-ref-audio-seconds x 12.5 frames (Base), + 16 template tokens: 12304 for a 0.6B "
+                        "CustomVoice, 24592 for a 1.7B CustomVoice or VoiceDesign, 25342 for a Base model")
     # --- end prompt-token limit ---
     r.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose files requests may name as file:// ref_audio (default: none)")

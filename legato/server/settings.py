@@ -36,10 +36,11 @@ class ServerSettings:
     """Most talker prompt tokens one request may bring (`--max-prompt-tokens`), checked after tokenising and
     before the engine sees the request (400 `prompt_too_long`): one long prompt holds prefill budget that
     every other request waits on. None sizes it from the model for the largest legitimate request
-    (`prompt_token_limit`): max_input_chars at one token per character (ordinary text in every language the
-    model speaks; emoji cost up to four) for the input, again for instructions (models that take them) and
-    for ref_text plus max_ref_audio_seconds x 12.5 frames (Base), plus 16 template and control tokens.
-    With the defaults: 4112 (0.6B CustomVoice), 8208 (1.7B CustomVoice, VoiceDesign), 8958 (Base)."""
+    (`prompt_token_limit`): max_input_chars at 3 tokens per character (the byte-level tokenizer's worst case
+    for text of every language the model speaks; emoji cost up to four) for the input, again for instructions
+    (models that take them) and for ref_text plus max_ref_audio_seconds x 12.5 frames (Base), plus 16
+    template and control tokens. With the defaults: 12304 (0.6B CustomVoice), 24592 (1.7B CustomVoice,
+    VoiceDesign), 25342 (Base)."""
     # --- end prompt-token limit ---
     allowed_local_media_path: str | None = None
     """`file://` reference audio is read only under this directory; None refuses every `file://`."""
