@@ -128,7 +128,7 @@ def _add_access_checks(app: FastAPI, settings: ServerSettings) -> None:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_credentials=False,
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
-                           expose_headers=["X-Request-Id", "X-Seed", "X-Sample-Rate", "X-Finish-Reason",
+                           expose_headers=["X-Request-Id", "X-Seed", "X-Sample-Rate", "X-Finish-Reason", "X-Length-Cap",
                                            "X-Audio-Seconds", "Retry-After"])
     if settings.allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=settings.allowed_hosts)

@@ -132,9 +132,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "windows (differs from the reference past 300 frames)")
     r = p.add_argument_group("requests")
     r.add_argument("--max-input-chars", type=int, default=4096, help="longest input, instructions and ref_text")
-    r.add_argument("--default-max-new-tokens", type=int, default=2048,
-                   help="max_new_tokens of a request that gives none")
-    r.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens a request may ask")
+    r.add_argument("--default-max-new-tokens", type=int, default=None,
+                   help="max_new_tokens of a request that gives none (default: none, so such a request runs to EOS, "
+                        "its text's frame cap or the room under --max-model-len, whichever comes first; a request cut "
+                        "short says which cap cut it: X-Length-Cap, the SSE done event, the log)")
+    r.add_argument("--max-new-tokens-limit", type=int, default=4096,
+                   help="largest max_new_tokens (and num_frames + 1) a request may ask for")
     r.add_argument("--max-ref-audio-bytes", type=int, default=10 * 1024 * 1024, help="largest reference clip")
     r.add_argument("--max-ref-audio-seconds", type=float, default=60.0, help="longest reference clip")
     # --- prompt-token limit (h-prompt) ---
@@ -257,7 +260,7 @@ def serve(args: argparse.Namespace) -> int:
     from legato.server.logs import configure_logging
     from legato.server.prompt_limit import PromptLimit
     from legato.server.settings import ServerSettings
-    from legato.server.streaming import install_cut_stream_log_filter
+    from legato.server.stream_response import install_cut_stream_log_filter
     from legato.server.voices import VoiceStore
 
     args.worker_memory = None
@@ -313,7 +316,7 @@ def serve(args: argparse.Namespace) -> int:
             max_prompt_tokens=args.max_prompt_tokens, **access_settings(args),
         )
         # The front counts prompt tokens with the tokenizer alone; the engines hold the same limit at admission.
-        prompt_limit = PromptLimit.from_model_dir(resolve_model_dir(model_path), settings)
+        prompt_limit = PromptLimit.from_model_dir(resolve_model_dir(model_path), settings, engine_config)
         engine_config.max_prompt_tokens = prompt_limit.limit
         topology = parse_topology(args.topology)
         devices = args.devices.split(",") if args.devices else None

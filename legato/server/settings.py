@@ -25,8 +25,9 @@ class ServerSettings:
     """Name served in /v1/models and accepted in a request's `model`; None takes the engine client's name."""
     max_input_chars: int = 4096
     """Longest `input` (and `instructions`, `ref_text`) in characters, as OpenAI caps `input`."""
-    default_max_new_tokens: int = 2048
-    """`max_new_tokens` of a request that gives none (capped by `max_new_tokens_limit`)."""
+    default_max_new_tokens: int | None = None
+    """`max_new_tokens` of a request that gives none (capped by `max_new_tokens_limit`). None: no fixed cap;
+    such a request runs to EOS or its text's frame cap (frame_budget.py), whatever its length."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` (and `num_frames` + 1) a request may ask for."""
     max_ref_audio_bytes: int = 10 * MiB
@@ -75,6 +76,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "default_max_new_tokens", "max_new_tokens_limit", "max_ref_audio_bytes"):
             value = getattr(self, name)
+            if value is None and name == "default_max_new_tokens":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerSettings.{name} must be a positive int, got {value!r}")
         if self.max_new_tokens_limit < 2:
@@ -113,7 +116,9 @@ class ServerSettings:
         return default_max_prompt_tokens(model_type, model_size, self.max_input_chars, self.max_ref_audio_seconds)
 
     @property
-    def max_new_tokens_default(self) -> int:
+    def max_new_tokens_default(self) -> int | None:
+        if self.default_max_new_tokens is None:
+            return None
         return min(self.default_max_new_tokens, self.max_new_tokens_limit)
 
 

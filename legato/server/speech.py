@@ -19,6 +19,7 @@ from legato.pipeline.client import EngineClient, SynthesisRequest
 from legato.server.aliases import resolve_alias
 from legato.server.encoding import MEDIA_TYPES, STREAMABLE, format_problem
 from legato.server.errors import ApiError, ErrorResponse
+from legato.server.frame_budget import FrameBudget, LengthAsk
 from legato.server.media import MediaError, MediaPolicy, resolve_ref_audio
 from legato.server.prompt_limit import PromptLimit
 from legato.server.schemas import SpeechRequest
@@ -37,6 +38,7 @@ class PreparedSpeech:
     synthesis: SynthesisRequest
     response_format: str
     mode: str  # file | audio | sse
+    budget: FrameBudget | None = None  # its frame limit and the cap behind it (None: the front has no tokenizer)
 
 
 class SpeechService:
@@ -68,14 +70,26 @@ class SpeechService:
         self._check_request(body)
         sampling, max_frames = self._sampling(body)
         inp = await self._speech_input(body)
+        budget = None
         if self.prompt_limit is not None:
-            self.prompt_limit.check(inp)
+            budget = self.prompt_limit.check(inp, self._length_ask(body))
+        if budget is not None:  # the smallest cap, passed on: the engine's own caps are never smaller
+            sampling.max_new_tokens = budget.frames + 1
+            max_frames = budget.frames if max_frames is not None else None
         mode = body.mode
         synthesis = SynthesisRequest(
             request_id=request_id, input=inp, sampling=sampling, max_frames=max_frames,
             ignore_eos=body.ignore_eos, first_chunk_frames=body.first_chunk_frames,
         )
-        return PreparedSpeech(synthesis, body.response_format, mode)
+        return PreparedSpeech(synthesis, body.response_format, mode, budget)
+
+    def _length_ask(self, body: SpeechRequest) -> LengthAsk:
+        default = self.settings.max_new_tokens_default
+        if body.num_frames is not None:
+            return LengthAsk(body.num_frames, "num_frames", exact=body.ignore_eos)
+        if body.max_new_tokens is not None:
+            return LengthAsk(body.max_new_tokens - 1, "max_new_tokens")
+        return LengthAsk(default_frames=None if default is None else default - 1)
 
     # --- checks that need the model or the limits ------------------------------------------------------
 
@@ -116,7 +130,10 @@ class SpeechService:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
-        max_new_tokens = pick(body.max_new_tokens, self.settings.max_new_tokens_default)
+        # Without a default the request's frame budget sets it (prepare); without a tokenizer in the front to
+        # work that out, the largest ask stands in and the engine's frame cap still holds the request.
+        fallback = self.settings.max_new_tokens_default or self.settings.max_new_tokens_limit
+        max_new_tokens = pick(body.max_new_tokens, fallback)
         max_frames = None
         if body.num_frames is not None:
             max_frames = body.num_frames
@@ -263,7 +280,8 @@ def build_speech_router(service: SpeechService, responder: SpeechResponder) -> A
         responder.claim(rid)
         try:
             prepared = await service.prepare(body, rid)
-            return await responder.respond(prepared.synthesis, prepared.response_format, prepared.mode, request)
+            return await responder.respond(prepared.synthesis, prepared.response_format, prepared.mode, request,
+                                           prepared.budget)
         except BaseException:
             if getattr(request.state, "generation", None) is None:  # a Generation releases its id itself
                 responder.release(rid)
