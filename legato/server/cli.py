@@ -257,6 +257,7 @@ def serve(args: argparse.Namespace) -> int:
     from legato.server.app import build_app
     from legato.server.connections import BodyTimeoutMiddleware, check_limits, guarded_h11
     from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
+    from legato.server.listen import bind_listener
     from legato.server.logs import configure_logging
     from legato.server.prompt_limit import PromptLimit
     from legato.server.settings import ServerSettings
@@ -279,10 +280,13 @@ def serve(args: argparse.Namespace) -> int:
         args.model = args.model_arg
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    listener = None
     try:
         if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
             check_devices([device, *(args.devices.split(",") if args.devices else [])])
         check_limits(args.timeout_header, args.timeout_body, args.max_connections)
+        # Before anything loads: a port in use is one line now, not after the model (bound, not yet listening).
+        listener = bind_listener(args.host, args.port)
         set_gil_switch_interval()  # a bad $LEGATO_GIL_SWITCH_MS is refused here, in one line, not in a worker
         if args.model is None:
             model_path = default_model_dir()
@@ -335,6 +339,8 @@ def serve(args: argparse.Namespace) -> int:
         if args.workers == "process":  # the workers load the model; its generation defaults come from disk
             generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
     except (ConfigError, TopologyError, LauncherError, ValueError) as e:
+        if listener is not None:
+            listener.close()
         print(f"legato serve: error: {e}", file=sys.stderr)
         return 2
     settings.generation_defaults = generation_defaults
@@ -346,10 +352,10 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
                             http=guarded_h11(args.timeout_header), limit_concurrency=args.max_connections + 1,
                             timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
-    log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host, args.port, name,
-             client.info.model_type, dtype, devices or device, topology)
+    log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host,
+             listener.getsockname()[1], name, client.info.model_type, dtype, devices or device, topology)
     try:
-        GracefulServer(config, lifecycle).run()
+        GracefulServer(config, lifecycle).run(sockets=[listener])
     except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers; nothing left to report
         return 130
     return 0
