@@ -1,15 +1,19 @@
-"""`legato serve` starting: a port in use is one line before anything loads (issue 20)."""
+"""`legato serve` starting: a port in use is one line before anything loads, and the fix the CUDA deploy
+error suggests on a CPU machine really starts the deployment (issue 20)."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
-from serve_process import ROOT
+import torch
+from serve_process import ROOT, ServeProcess, speech_body
 
 DEPLOY = ROOT / "deploy"
 
@@ -40,3 +44,20 @@ def test_an_address_this_machine_lacks_is_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "legato serve: error: cannot listen on 192.0.2.1:8000: this machine has no such address; check --host"]
+
+
+@pytest.mark.slow
+def test_the_fix_the_cuda_deploy_error_suggests_starts_the_deployment(tmp_path):
+    fix = ["--device", "cpu"]
+    if not torch.cuda.is_available():  # the refusal names the fix; follow it to the letter
+        refused = serve(tmp_path, "--deploy", str(DEPLOY / "1p1d.yaml"), "--port", "9")
+        assert refused.returncode == 2
+        suggested = re.search(r"\(use (--device \S+),", refused.stderr)
+        assert suggested is not None, refused.stderr
+        fix = suggested.group(1).split()
+    with ServeProcess(tmp_path, "--deploy", str(DEPLOY / "1p1d.yaml"), *fix) as srv:
+        r = httpx.post(f"{srv.url}/v1/audio/speech", json=speech_body(3, stream=False, response_format="wav"),
+                       timeout=120)
+        assert r.status_code == 200 and r.headers["x-usage-output-tokens"] == "3", r.text
+        note = srv.wait_log(lambda x: "overrides the deploy file's devices" in x.get("msg", ""), timeout=5)
+        assert note is not None and note["msg"].endswith("(cuda:0,cuda:0): cpu,cpu"), srv.log_text()[-2000:]

@@ -235,7 +235,7 @@ def check_devices(devices: list[str]) -> None:
             continue
         if not torch.cuda.is_available():
             raise ValueError(f"device {dev!r} is a CUDA device, and this machine has no CUDA device "
-                             "(use --device cpu, or a deploy file without CUDA devices)")
+                             "(use --device cpu, which also puts every worker of a deploy file on the CPU)")
         index = dev.partition(":")[2]
         if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
             raise ValueError(f"device {dev!r} does not exist: this machine has {torch.cuda.device_count()} CUDA "
@@ -265,13 +265,16 @@ def serve(args: argparse.Namespace) -> int:
     from legato.server.voices import VoiceStore
 
     args.worker_memory = None
+    deploy_note = None
     if args.deploy:
         try:
-            apply_deploy(args, load_deploy(args.deploy, args.serve_defaults), args.serve_defaults)
+            deploy_note = apply_deploy(args, load_deploy(args.deploy, args.serve_defaults), args.serve_defaults)
         except DeployError as e:
             print(f"legato serve: error: {e}", file=sys.stderr)
             return 2
     configure_logging(args.log_format, args.log_level)
+    if deploy_note:
+        log.info("%s", deploy_note)
     if args.model_arg is not None:
         if args.model is not None and args.model != args.model_arg:
             print(f"legato serve: error: the model is given twice ({args.model_arg!r} and --model {args.model!r})",
