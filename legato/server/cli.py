@@ -45,9 +45,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--timeout-header", type=float, default=10.0,
                    help="seconds a connection may take to send a request's line and headers; then it is closed")
     h.add_argument("--timeout-body", type=float, default=30.0,
-                   help="seconds a request body may pause between two chunks; then 408")
+                   help="seconds a request body may pause between two chunks, and how far behind --min-body-rate "
+                        "it may fall; then 408")
+    h.add_argument("--min-body-rate", type=float, default=16384.0, metavar="BYTES_PER_S",
+                   help="a request body must arrive at this many bytes a second on average: its deadline is "
+                        "--timeout-body seconds plus one second per BYTES_PER_S bytes received; then 408")
     h.add_argument("--max-connections", type=int, default=1024,
                    help="most concurrent connections; a request on one more gets 503")
+    h.add_argument("--max-slow-connections-per-client", type=int, default=None, metavar="N",
+                   help="connections one client address may hold while they are still sending their request "
+                        "after a second (slow heads and bodies); one more gets 429 and is closed (default: "
+                        "--max-connections / 16, at least 4)")
     a = p.add_argument_group("access")
     a.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require Authorization: Bearer KEY on every route but /health and /metrics (repeatable; "
@@ -255,7 +263,8 @@ def serve(args: argparse.Namespace) -> int:
     from legato.pipeline.local import set_gil_switch_interval
     from legato.pipeline.topology import TopologyError, build_client, parse_topology
     from legato.server.app import build_app
-    from legato.server.connections import BodyTimeoutMiddleware, check_limits, guarded_h11
+    from legato.server.body_deadline import BodyTimeoutMiddleware
+    from legato.server.connections import check_limits, default_slow_share, guarded_h11
     from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
     from legato.server.listen import bind_listener
     from legato.server.logs import configure_logging
@@ -287,7 +296,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
             check_devices([device, *(args.devices.split(",") if args.devices else [])])
-        check_limits(args.timeout_header, args.timeout_body, args.max_connections)
+        check_limits(args.timeout_header, args.timeout_body, args.max_connections, args.min_body_rate,
+                     args.max_slow_connections_per_client)
         # Before anything loads: a port in use is one line now, not after the model (bound, not yet listening).
         listener = bind_listener(args.host, args.port)
         set_gil_switch_interval()  # a bad $LEGATO_GIL_SWITCH_MS is refused here, in one line, not in a worker
@@ -350,10 +360,13 @@ def serve(args: argparse.Namespace) -> int:
     store = VoiceStore(voices_dir, client)  # holds voices only for Base models; lists and refuses otherwise
     lifecycle = Lifecycle(client, settings.shutdown_grace_s)
     install_cut_stream_log_filter()
-    app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle, prompt_limit), args.timeout_body)
+    app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle, prompt_limit), args.timeout_body,
+                                args.min_body_rate)
+    slow_share = args.max_slow_connections_per_client or default_slow_share(args.max_connections)
     # uvicorn's limit counts the connection asking too, so one more lets exactly --max-connections in.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
-                            http=guarded_h11(args.timeout_header), limit_concurrency=args.max_connections + 1,
+                            http=guarded_h11(args.timeout_header, slow_share),
+                            limit_concurrency=args.max_connections + 1,
                             timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
     log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host,
              listener.getsockname()[1], name, client.info.model_type, dtype, devices or device, topology)
