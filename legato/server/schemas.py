@@ -69,6 +69,12 @@ class SpeechRequest(BaseModel):
     speaker_embedding: list[float] | None = Field(
         None, max_length=65536, description="Base: an x-vector of the model's hidden size.")
     non_streaming_mode: bool | None = Field(None, description="Prompt layout: whole text in the prompt.")
+    sample_rate: int | None = Field(None, description="Our extension: the response's sample rate in Hz (default: "
+                                    "the model's, 24000; resampled otherwise): 8000, 11025, 12000, 16000, 22050, "
+                                    "24000, 32000, 44100 or 48000 (opus: 8000, 12000, 16000, 24000, 48000).")
+    mp3_bitrate: int | None = Field(None, description="Our extension: an mp3 response's constant bitrate in kbit/s "
+                                    "(default 80; 64 below 16 kHz), one of the MPEG layer III bitrates for the "
+                                    "sample rate: 32-320 from 32 kHz up, 8-160 at 16-24 kHz, 8-64 below.")
     max_new_tokens: int | None = Field(None, ge=2, description="Cap on codec tokens (frames + 1).")
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     do_sample: bool | None = None

@@ -17,7 +17,14 @@ from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.pipeline.client import EngineClient, SynthesisRequest
 from legato.server.aliases import resolve_alias
-from legato.server.encoding import MEDIA_TYPES, STREAMABLE, format_problem
+from legato.server.encoding import (
+    MEDIA_TYPES,
+    STREAMABLE,
+    AudioFormat,
+    format_problem,
+    mp3_bitrate_problem,
+    sample_rate_problem,
+)
 from legato.server.errors import ApiError, ErrorResponse
 from legato.server.frame_budget import FrameBudget, LengthAsk
 from legato.server.media import MediaError, MediaPolicy, resolve_ref_audio
@@ -36,7 +43,7 @@ _BASE_ONLY = ("ref_audio", "ref_text", "speaker_embedding", "x_vector_only_mode"
 @dataclass
 class PreparedSpeech:
     synthesis: SynthesisRequest
-    response_format: str
+    audio: AudioFormat
     mode: str  # file | audio | sse
     budget: FrameBudget | None = None  # its frame limit and the cap behind it (None: the front has no tokenizer)
 
@@ -81,7 +88,8 @@ class SpeechService:
             request_id=request_id, input=inp, sampling=sampling, max_frames=max_frames,
             ignore_eos=body.ignore_eos, first_chunk_frames=body.first_chunk_frames,
         )
-        return PreparedSpeech(synthesis, body.response_format, mode, budget)
+        audio = AudioFormat(body.response_format, body.sample_rate, body.mp3_bitrate)
+        return PreparedSpeech(synthesis, audio, mode, budget)
 
     def _length_ask(self, body: SpeechRequest) -> LengthAsk:
         default = self.settings.max_new_tokens_default
@@ -103,6 +111,12 @@ class SpeechService:
         problem = format_problem(body.response_format, self.client.info.sample_rate)
         if problem is not None:
             raise ApiError(400, f"response_format {problem}", "unsupported_format", "response_format")
+        if body.sample_rate is not None and (problem := sample_rate_problem(body.response_format, body.sample_rate)):
+            raise ApiError(400, f"sample_rate: {problem}", "unsupported_sample_rate", "sample_rate")
+        rate = body.sample_rate or self.client.info.sample_rate
+        if body.mp3_bitrate is not None and (problem := mp3_bitrate_problem(body.response_format, rate,
+                                                                              body.mp3_bitrate)):
+            raise ApiError(400, f"mp3_bitrate: {problem}", "unsupported_bitrate", "mp3_bitrate")
         if body.task_type is not None and body.task_type != self.task_type:
             raise ApiError(400, f"task_type {body.task_type} does not match the served model, which is a "
                                 f"{self.task_type} model", "task_type_mismatch", "task_type")
@@ -280,7 +294,7 @@ def build_speech_router(service: SpeechService, responder: SpeechResponder) -> A
         responder.claim(rid)
         try:
             prepared = await service.prepare(body, rid)
-            return await responder.respond(prepared.synthesis, prepared.response_format, prepared.mode, request,
+            return await responder.respond(prepared.synthesis, prepared.audio, prepared.mode, request,
                                            prepared.budget)
         except BaseException:
             if getattr(request.state, "generation", None) is None:  # a Generation releases its id itself

@@ -30,10 +30,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk, SynthesisRequest
-from legato.server.encoding import StreamEncoder, encode_file, media_type
+from legato.server.encoding import AudioFormat, StreamEncoder, encode_file, media_type
 from legato.server.errors import ApiError, error_type
 from legato.server.frame_budget import CAPS, FrameBudget
 from legato.server.metrics import ServerMetrics
+from legato.server.resample import StreamResampler, resample_all
 from legato.server.settings import ServerSettings
 from legato.server.stream_response import AudioStreamResponse, ClientGone, StreamCut, until_disconnected
 
@@ -179,15 +180,16 @@ class SpeechResponder:
     def release(self, request_id: str) -> None:
         self._live.discard(request_id)
 
-    async def respond(self, req: SynthesisRequest, fmt: str, mode: str, request: Request,
+    async def respond(self, req: SynthesisRequest, fmt: str | AudioFormat, mode: str, request: Request,
                       budget: FrameBudget | None = None) -> Response:
+        audio = fmt if isinstance(fmt, AudioFormat) else AudioFormat(fmt)
         started = getattr(request.state, "started", time.perf_counter())
         gen = Generation(self.client, req, mode, started, self.settings.request_timeout_s, self.metrics,
                          on_end=self.release, budget=budget)
         request.state.generation = gen  # its outcome is the request's final status (see app.SpeechStatusCounter)
         try:
             if mode == "file":
-                return await until_disconnected(request, self._file(gen, fmt))
+                return await until_disconnected(request, self._file(gen, audio))
             first = await until_disconnected(request, self._first(gen))
         except ClientGone:
             await gen.abandon()
@@ -196,10 +198,10 @@ class SpeechResponder:
             await gen.close()
             raise
         headers = {"X-Request-Id": req.request_id, "X-Seed": str(gen.seed),
-                   "X-Sample-Rate": str(gen.sample_rate), "Cache-Control": "no-cache"}
+                   "X-Sample-Rate": str(audio.sample_rate or gen.sample_rate), "Cache-Control": "no-cache"}
         if mode == "sse":
-            return AudioStreamResponse(self._sse(gen, first, fmt), "text/event-stream", headers, gen.abandon)
-        return AudioStreamResponse(self._raw(gen, first, fmt), media_type(fmt), headers, gen.abandon)
+            return AudioStreamResponse(self._sse(gen, first, audio), "text/event-stream", headers, gen.abandon)
+        return AudioStreamResponse(self._raw(gen, first, audio), media_type(audio.fmt), headers, gen.abandon)
 
     async def _first(self, gen: Generation) -> StreamChunk:
         """The first chunk with audio (or the last chunk), or the request's error as an ApiError when it
@@ -224,7 +226,7 @@ class SpeechResponder:
         message = gen.error or ("aborted: the server is shutting down" if status == 503 else "generation failed")
         raise ApiError(status, message, "shutting_down" if status == 503 else "generation_failed")
 
-    async def _file(self, gen: Generation, fmt: str) -> Response:
+    async def _file(self, gen: Generation, fmt: AudioFormat) -> Response:
         chunk = await self._first(gen)
         parts = [chunk.audio]
         try:
@@ -238,17 +240,18 @@ class SpeechResponder:
             self._raise_failure(gen)
         gen.first_audio()
         audio = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        body = await asyncio.to_thread(encode_file, audio, gen.sample_rate, fmt)
+        rate = fmt.sample_rate or gen.sample_rate
+        body = await asyncio.to_thread(_encode_whole, audio, gen.sample_rate, fmt)
         gen.finish(200)
         usage = gen.usage()
-        return Response(body, media_type=media_type(fmt), headers={
-            "X-Request-Id": gen.req.request_id, "X-Seed": str(gen.seed), "X-Sample-Rate": str(gen.sample_rate),
+        return Response(body, media_type=media_type(fmt.fmt), headers={
+            "X-Request-Id": gen.req.request_id, "X-Seed": str(gen.seed), "X-Sample-Rate": str(rate),
             "X-Usage-Input-Tokens": str(usage["input_tokens"]), "X-Usage-Output-Tokens": str(usage["output_tokens"]),
             "X-Usage-Total-Tokens": str(usage["total_tokens"]), "X-Audio-Seconds": f"{gen.audio_seconds:.6f}",
             "X-Finish-Reason": gen.finish_reason or "", **({"X-Length-Cap": gen.length_cap} if gen.length_cap else {}),
         })
 
-    async def _raw(self, gen: Generation, first: StreamChunk, fmt: str) -> AsyncIterator[bytes]:
+    async def _raw(self, gen: Generation, first: StreamChunk, fmt: AudioFormat) -> AsyncIterator[bytes]:
         encoder = _Encoder(fmt, gen.sample_rate)
         try:
             chunk = first
@@ -279,10 +282,10 @@ class SpeechResponder:
             encoder.close()
             await gen.abandon()  # no-op unless the client left
 
-    async def _sse(self, gen: Generation, first: StreamChunk, fmt: str) -> AsyncIterator[bytes]:
+    async def _sse(self, gen: Generation, first: StreamChunk, audio: AudioFormat) -> AsyncIterator[bytes]:
         # Deltas carry the requested format, which must stream; a WAV header has no place in events: PCM.
-        fmt = "pcm" if fmt == "wav" else fmt
-        encoder = _Encoder(fmt, gen.sample_rate)
+        fmt = "pcm" if audio.fmt == "wav" else audio.fmt
+        encoder = _Encoder(AudioFormat(fmt, audio.sample_rate, audio.mp3_kbps), gen.sample_rate)
         try:
             chunk = first
             gen.first_audio()
@@ -302,7 +305,7 @@ class SpeechResponder:
                 gen.finish(200)
                 yield _event({"type": "speech.audio.done", "usage": gen.usage(), "request_id": gen.req.request_id,
                               "seed": gen.seed, "audio_seconds": round(gen.audio_seconds, 6),
-                              "sample_rate": gen.sample_rate, "finish_reason": gen.finish_reason,
+                              "sample_rate": audio.sample_rate or gen.sample_rate, "finish_reason": gen.finish_reason,
                               "length_cap": gen.length_cap})
                 return
             status = gen.finish_failed()
@@ -328,6 +331,12 @@ def _rejection_code(status: int) -> str:
     return codes.get(status, "internal_error" if status >= 500 else "invalid_request")
 
 
+def _encode_whole(audio: np.ndarray, model_rate: int, fmt: AudioFormat) -> bytes:
+    rate = fmt.sample_rate or model_rate
+    return encode_file(resample_all(audio, model_rate, rate) if rate != model_rate else audio, rate, fmt.fmt,
+                       fmt.mp3_kbps)
+
+
 def _event(data: dict) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
 
@@ -341,9 +350,11 @@ class _Encoder:
     """A `StreamEncoder` whose compressing formats run on a worker thread (LAME and Opus release the GIL),
     so encoding many streams never stalls the event loop; PCM and WAV are cheap enough to stay on it."""
 
-    def __init__(self, fmt: str, sample_rate: int) -> None:
-        self._enc = StreamEncoder(fmt, sample_rate)
-        self._threaded = fmt not in ("pcm", "wav")
+    def __init__(self, fmt: AudioFormat, model_rate: int) -> None:
+        rate = fmt.sample_rate or model_rate
+        self._enc = StreamEncoder(fmt.fmt, rate, fmt.mp3_kbps)
+        self._resampler = StreamResampler(model_rate, rate) if rate != model_rate else None
+        self._threaded = fmt.fmt not in ("pcm", "wav") or self._resampler is not None
 
     async def _call(self, fn, *args) -> bytes:
         return await asyncio.to_thread(fn, *args) if self._threaded else fn(*args)
@@ -352,10 +363,17 @@ class _Encoder:
         return await self._call(self._enc.start)
 
     async def encode(self, audio: np.ndarray) -> bytes:
-        return await self._call(self._enc.encode, audio)
+        return await self._call(self._encode, audio)
 
     async def finish(self) -> bytes:
-        return await self._call(self._enc.finish)
+        return await self._call(self._finish)
+
+    def _encode(self, audio: np.ndarray) -> bytes:
+        return self._enc.encode(audio if self._resampler is None else self._resampler.process(audio))
+
+    def _finish(self) -> bytes:
+        tail = b"" if self._resampler is None else self._enc.encode(self._resampler.flush())
+        return tail + self._enc.finish()
 
     def close(self) -> None:
         self._enc.close()
