@@ -3,7 +3,7 @@
 The outside probe's case: 4,096 emoji (16,394 prompt tokens) stalled a concurrent 2-frame request for 47 s.
 Each cell admits the long prompt, runs one engine step (it is prefilling), admits the short request, and
 steps until both end. It reports the short request's steps and seconds to its end, and the long one's.
-The emoji prompt is what --max-prompt-tokens now refuses (4112 on this model); it is run here with the
+The emoji prompt is what --max-prompt-tokens now refuses (12304 on this model); it is run here with the
 engine's limit off, to show what fairness alone would do. Results are recorded in docs/benchmarks.md.
 
     python benchmarks/prefill_fairness.py                   # the default budget (4096) and 512

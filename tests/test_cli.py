@@ -126,7 +126,7 @@ def test_a_cuda_deploy_file_fails_on_a_cpu_machine_before_anything_starts(tmp_pa
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert errors == ["legato serve: error: device 'cuda:0' is a CUDA device, and this machine has no CUDA device "
-                      "(use --device cpu, or a deploy file without CUDA devices)"]
+                      "(use --device cpu, which also puts every worker of a deploy file on the CPU)"]
     assert "listening" not in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "cache").exists()  # nothing was loaded or written
 

@@ -83,3 +83,18 @@ def test_kuberay_manifests_carry_the_ray_deploy_files(tmp_path, name):
     assert {pin.split("=")[1] for pin in pins} == {next(iter(yaml.safe_load(o))) for o in offered}
     apply_deploy(args, load_deploy(inner, defaults), defaults)
     assert parse_topology(args.topology).num_workers == len(groups)
+
+
+def test_device_on_the_command_line_puts_every_worker_of_the_file_on_it():
+    # `--deploy deploy/1p1d.yaml --device cpu`: the file's `devices: [cuda:0, cuda:0]` used to win, so the fix
+    # the CUDA error suggested did nothing. The command line wins, as for every other option.
+    args = parse(["--device", "cpu"])
+    note = apply_deploy(args, load_deploy(DEPLOY / "1p1d.yaml", args.serve_defaults), args.serve_defaults)
+    assert args.devices == "cpu,cpu" and args.topology == "1p1d"
+    assert note == "--device cpu overrides the deploy file's devices (cuda:0,cuda:0): cpu,cpu"
+    args = parse(["--device", "cpu", "--devices", "cuda:1,cuda:2"])  # explicit devices stay as given
+    assert apply_deploy(args, load_deploy(DEPLOY / "1p1d.yaml", args.serve_defaults), args.serve_defaults) is None
+    assert args.devices == "cuda:1,cuda:2"
+    args = parse([])  # no --device: the file's devices
+    assert apply_deploy(args, load_deploy(DEPLOY / "1p1d.yaml", args.serve_defaults), args.serve_defaults) is None
+    assert args.devices == "cuda:0,cuda:0"

@@ -179,7 +179,7 @@ def test_fixed_length_requests_for_benchmarks(cv):
     ({"voice": None}, 400, ["voice is required", "ryan"], "voice"),
     ({"voice": {"id": "Serena"}, "response_format": "aac"}, 400, ["aac is not supported", "mp3"],
      "response_format"),
-    ({"voice": "ryan", "response_format": "ogg"}, 400, ["'mp3', 'opus', 'aac', 'flac', 'wav' or 'pcm'"],
+    ({"voice": "ryan", "response_format": "ogg"}, 400, ["'ogg' is not a format", "mp3, opus, wav, pcm, flac"],
      "response_format"),
     ({"speed": 1.5}, 400, ["speed 1.5 is not supported", "only supported speed is 1.0"], "speed"),
     ({"speed": 9}, 400, ["speed 9 is not supported"], "speed"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -176,6 +177,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.frame_cap_margin must be an int >= 0, got {self.frame_cap_margin!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"EngineConfig.device must be a non-empty string, got {self.device!r}")
+
+    def frame_cap_for(self, text_tokens: int) -> int | None:
+        """The frame cap of a text of `text_tokens` tokens (`frames_per_text_token`), or None when off. One
+        formula for the engine, which holds requests to it, and the server, which reports which cap cut one."""
+        if self.frames_per_text_token is None:
+            return None
+        return max(1, math.ceil(self.frames_per_text_token * text_tokens) + self.frame_cap_margin)
 
 
 def codec_dtype_name(codec_dtype: str, device: str) -> str:

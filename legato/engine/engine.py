@@ -10,7 +10,6 @@ fails the requests of that step with a reason, and the engine keeps serving.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -178,10 +177,7 @@ class Engine:
 
     def frame_cap(self, spec: PromptSpec) -> int | None:
         """Most frames a request for this text may run (`EngineConfig.frames_per_text_token`), or None."""
-        per_token = self.config.frames_per_text_token
-        if per_token is None:
-            return None
-        return max(1, math.ceil(per_token * target_text_tokens(spec)) + self.config.frame_cap_margin)
+        return self.config.frame_cap_for(target_text_tokens(spec))
 
     def add_handoff(self, h: Handoff, stream_audio: bool = True) -> int:
         """Admits a request prefilled by another engine; it decodes from the handoff's KV and side state.

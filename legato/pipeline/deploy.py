@@ -2,7 +2,9 @@
 
 A deploy file holds `legato serve` options by their long names (dashes or underscores), plus
 `worker_memory`: one `gpu_memory_utilization` share per worker (prefill engines first, then decode). Options
-given on the command line win over the file.
+given on the command line win over the file, and `--device` wins over the file's `devices:` (every worker on
+that device: `--deploy deploy/1p1d.yaml --device cpu` runs the CUDA file's topology on the CPU, as the error
+for a CUDA file on a CPU machine suggests).
 
     topology: 1p1d
     devices: [cuda:0, cuda:0]
@@ -48,10 +50,19 @@ def load_deploy(path: str | Path, known: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def apply_deploy(args: Any, options: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """Sets every option of the file that the command line left at its default."""
+def apply_deploy(args: Any, options: dict[str, Any], defaults: dict[str, Any]) -> str | None:
+    """Sets every option of the file that the command line left at its default. `--device` given on the
+    command line (without `--devices`) puts every worker of the file's `devices:` on that device; the
+    returned line says so (None when nothing was overridden that way)."""
+    device_given = getattr(args, "device", None) != defaults.get("device")
+    devices_given = getattr(args, "devices", None) != defaults.get("devices")
     for name, value in options.items():
         if name in DEPLOY_ONLY_KEYS:
             setattr(args, name, value)
         elif getattr(args, name, None) == defaults.get(name):
             setattr(args, name, value)
+    if not (device_given and not devices_given and options.get("devices")):
+        return None
+    listed = str(options["devices"]).split(",")
+    args.devices = ",".join([args.device] * len(listed))
+    return f"--device {args.device} overrides the deploy file's devices ({options['devices']}): {args.devices}"

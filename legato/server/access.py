@@ -7,14 +7,17 @@ Three pure-ASGI checks, each answering in the OpenAI error shape:
 - `OriginCheck`: a request from a web page carries `Origin`. Unless that origin is the server's own or one
   the operator allows (`--allowed-origins`, which also turns CORS on), it is refused (403). Form posts need
   no CORS preflight, so without this any page could create voices on a local server.
-- `ApiKeyAuth`: with `--api-key`, every route but `/health` needs `Authorization: Bearer <key>` (what the
-  OpenAI SDK's `api_key=` sends); a missing or wrong key gets 401. Keys are compared in constant time.
+- `ApiKeyAuth`: with `--api-key`, every route but `/health` and `/metrics` needs `Authorization: Bearer <key>`
+  (what the OpenAI SDK's `api_key=` sends); a missing or wrong key gets 401. Keys are compared in constant
+  time. `/metrics` stays open as vLLM leaves it (Prometheus scrapers send no key) unless `--protect-metrics`.
 Clients that are not browsers send no Origin and are not affected by `OriginCheck`.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -25,8 +28,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from legato.server.errors import error_body
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+METRICS_PATH = "/metrics"  # open too unless protected: scrapers expect it so, as vLLM serves it
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
+# A Host's name (letters, digits, '-', '_', '.': DNS names and IPv4 addresses) and its port part (":digits",
+# the digits optional as RFC 3986 allows them; at most 65535).
+_REG_NAME = re.compile(r"[a-z0-9_.-]{1,253}")
+_PORT = re.compile(r"(:(0|[1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])?)?")
 
 
 def load_api_keys(keys: Iterable[str], key_file: str | None = None) -> tuple[str, ...]:
@@ -53,12 +61,27 @@ def scope_header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _host_name(host: str) -> str:
-    """`Host` header -> the host without its port ("[::1]:8000" -> "::1")."""
+def host_name(host: str) -> str | None:
+    """A `Host` header's host, lower-case and without its port ("[::1]:8000" -> "::1"), or None when the
+    value is not an RFC 3986 authority without userinfo: `host [":" port]`, the host a DNS name, a dotted
+    IPv4 address or a bracketed IPv6 address (in its one compressed spelling), the port digits up to 65535.
+    Cutting the port off at a colon read `localhost:1@evil.example` as the host `localhost`; anything but this
+    exact shape is refused."""
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
+        literal, bracket, port = host[1:].partition("]")
+        try:
+            name = str(ipaddress.IPv6Address(literal)) if bracket else None  # one spelling: "0::1" is "::1"
+        except ValueError:
+            return None
+    else:
+        name = host.partition(":")[0]
+        port = host[len(name):]
+        if not _REG_NAME.fullmatch(name):
+            return None
+    if name is None or not _PORT.fullmatch(port):
+        return None
+    return name
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
@@ -71,16 +94,28 @@ class HostCheck:
 
     def __init__(self, app: ASGIApp, allowed: Iterable[str]) -> None:
         self.app = app
-        self.allowed = frozenset(h.strip().lower().strip("[]") for h in allowed)
+        self.allowed = frozenset(_canonical(h.strip().lower().strip("[]")) for h in allowed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            host = _host_name(scope_header(scope, b"host") or "")
+            given = scope_header(scope, b"host") or ""
+            host = host_name(given)
+            if host is None:
+                await _refuse(scope, receive, send, 400, f"Host {given[:100]!r} is not a host name with an optional "
+                              "port", "invalid_host")
+                return
             if host not in self.allowed:
                 await _refuse(scope, receive, send, 400, f"Host {host[:100]!r} is not served here (--allowed-hosts)",
                               "invalid_host")
                 return
         await self.app(scope, receive, send)
+
+
+def _canonical(name: str) -> str:
+    try:
+        return str(ipaddress.IPv6Address(name))
+    except ValueError:
+        return name
 
 
 def origin_key(origin: str) -> str | None:
@@ -130,11 +165,13 @@ class OriginCheck:
 
 
 class ApiKeyAuth:
-    """Requires `Authorization: Bearer <one of keys>` on every path but OPEN_PATHS."""
+    """Requires `Authorization: Bearer <one of keys>` on every path but OPEN_PATHS, and /metrics unless
+    `protect_metrics`."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Iterable[str], protect_metrics: bool = False) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | {METRICS_PATH}
 
     def _valid(self, given: str | None) -> bool:
         scheme, _, token = (given or "").strip().partition(" ")
@@ -145,7 +182,7 @@ class ApiKeyAuth:
         return sum(hmac.compare_digest(token_bytes, k) for k in self.keys) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = scope_header(scope, b"authorization")
             if not self._valid(given):
                 message = ("missing API key: send Authorization: Bearer <key>" if given is None

@@ -57,6 +57,8 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         log.info("serving %s (%s) at %d Hz", service.model_name, service.task_type, client.info.sample_rate)
+        if aliases := service.alias_table():
+            log.info("voice aliases: %s", ", ".join(f"{a}={v}" for a, v in aliases.items()))
         try:
             yield
         finally:
@@ -108,6 +110,7 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # innermost: its 503s are counted and carry ids
     app.add_middleware(SpeechStatusCounter, metrics=metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(ContentEncodingCheck)
     _add_access_checks(app, settings)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: even a 413 carries the request id
     app.state.metrics = metrics
@@ -119,13 +122,13 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
 def _add_access_checks(app: FastAPI, settings: ServerSettings) -> None:
     """Outermost first: Host, then CORS (it answers preflights, which carry no credentials), Origin, key."""
     if settings.api_keys:
-        app.add_middleware(ApiKeyAuth, keys=settings.api_keys)
+        app.add_middleware(ApiKeyAuth, keys=settings.api_keys, protect_metrics=settings.protect_metrics)
     app.add_middleware(OriginCheck, allowed=settings.allowed_origins)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_credentials=False,
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
-                           expose_headers=["X-Request-Id", "X-Seed", "X-Sample-Rate", "X-Finish-Reason",
+                           expose_headers=["X-Request-Id", "X-Seed", "X-Sample-Rate", "X-Finish-Reason", "X-Length-Cap",
                                            "X-Audio-Seconds", "Retry-After"])
     if settings.allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=settings.allowed_hosts)
@@ -186,6 +189,26 @@ class RequestIdMiddleware:
                 await JSONResponse(body, status_code=400)(scope, receive, send_with_id)
         finally:
             current_request_id.reset(token)
+
+
+class ContentEncodingCheck:
+    """Refuses a request body sent with a `Content-Encoding` (gzip, br, ...) with 415 before it is read. The
+    server decodes no content coding: parsed as it comes, a gzip body is binary garbage, and inflating one
+    would let a small upload expand past the body limit. `identity` is no coding and passes."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        coding = scope_header(scope, b"content-encoding") if scope["type"] == "http" else None
+        codings = [c.strip().lower() for c in (coding or "").split(",") if c.strip()]
+        if any(c != "identity" for c in codings):
+            message = (f"Content-Encoding {coding[:40]!r} is not supported: send the body uncompressed (this server "
+                       "decodes no content coding)")
+            body = error_body(415, message, "unsupported_content_encoding", "Content-Encoding")
+            await JSONResponse(body, status_code=415, headers={"Accept-Encoding": "identity"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:

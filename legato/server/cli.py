@@ -48,13 +48,24 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--timeout-header", type=float, default=10.0,
                    help="seconds a connection may take to send a request's line and headers; then it is closed")
     h.add_argument("--timeout-body", type=float, default=30.0,
-                   help="seconds a request body may pause between two chunks; then 408")
+                   help="seconds a request body may pause between two chunks, and how far behind --min-body-rate "
+                        "it may fall; then 408")
+    h.add_argument("--min-body-rate", type=float, default=16384.0, metavar="BYTES_PER_S",
+                   help="a request body must arrive at this many bytes a second on average: its deadline is "
+                        "--timeout-body seconds plus one second per BYTES_PER_S bytes received; then 408")
     h.add_argument("--max-connections", type=int, default=1024,
                    help="most concurrent connections; a request on one more gets 503")
+    h.add_argument("--max-slow-connections-per-client", type=int, default=None, metavar="N",
+                   help="connections one client address may hold while they are still sending their request "
+                        "after a second (slow heads and bodies); one more gets 429 and is closed (default: "
+                        "--max-connections / 16, at least 4)")
     a = p.add_argument_group("access")
     a.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require Authorization: Bearer KEY on every route but /health (repeatable; also "
-                        "$LEGATO_API_KEY); a missing or wrong key gets 401")
+                   help="require Authorization: Bearer KEY on every route but /health and /metrics (repeatable; "
+                        "also $LEGATO_API_KEY); a missing or wrong key gets 401")
+    a.add_argument("--protect-metrics", action="store_true",
+                   help="require the API key on /metrics too (by default it stays open with --api-key, as vLLM's "
+                        "does, so Prometheus scrapers need no key)")
     a.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="a file of API keys, one per line (# comments), on top of --api-key")
     a.add_argument("--allowed-origins", default="", metavar="ORIGINS",
@@ -132,18 +143,22 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "windows (differs from the reference past 300 frames)")
     r = p.add_argument_group("requests")
     r.add_argument("--max-input-chars", type=int, default=4096, help="longest input, instructions and ref_text")
-    r.add_argument("--default-max-new-tokens", type=int, default=2048,
-                   help="max_new_tokens of a request that gives none")
-    r.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens a request may ask")
+    r.add_argument("--default-max-new-tokens", type=int, default=None,
+                   help="max_new_tokens of a request that gives none (default: none, so such a request runs to EOS, "
+                        "its text's frame cap or the room under --max-model-len, whichever comes first; a request cut "
+                        "short says which cap cut it: X-Length-Cap, the SSE done event, the log)")
+    r.add_argument("--max-new-tokens-limit", type=int, default=4096,
+                   help="largest max_new_tokens (and num_frames + 1) a request may ask for")
     r.add_argument("--max-ref-audio-bytes", type=int, default=10 * 1024 * 1024, help="largest reference clip")
     r.add_argument("--max-ref-audio-seconds", type=float, default=60.0, help="longest reference clip")
     # --- prompt-token limit (h-prompt) ---
     r.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="most talker prompt tokens a request may bring (400 prompt_too_long, before the engine). "
-                        "Default: what the largest legitimate request needs, --max-input-chars at one token per "
-                        "character for the input, again for instructions (models that take them) and for ref_text "
-                        "plus --max-ref-audio-seconds x 12.5 frames (Base), + 16 template tokens: 4112 for a "
-                        "0.6B CustomVoice, 8208 for a 1.7B CustomVoice or VoiceDesign, 8958 for a Base model")
+                        "Default: what the largest legitimate request needs, --max-input-chars at 3 tokens per "
+                        "character (the tokenizer's worst case for text in the model's languages) for the input, "
+                        "again for instructions (models that take them) and for ref_text plus "
+                        "--max-ref-audio-seconds x 12.5 frames (Base), + 16 template tokens: 12304 for a 0.6B "
+                        "CustomVoice, 24592 for a 1.7B CustomVoice or VoiceDesign, 25342 for a Base model")
     # --- end prompt-token limit ---
     r.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose files requests may name as file:// ref_audio (default: none)")
@@ -196,7 +211,8 @@ def access_settings(args: argparse.Namespace) -> dict:
         hosts = (*LOOPBACK_HOSTS, args.host)
     else:
         hosts = None
-    return {"api_keys": keys, "allowed_origins": origins, "allowed_hosts": hosts}
+    return {"api_keys": keys, "allowed_origins": origins, "allowed_hosts": hosts,
+            "protect_metrics": bool(getattr(args, "protect_metrics", False))}
 
 
 def resolve_workers(workers: str, devices: list[str]) -> str:
@@ -230,7 +246,7 @@ def check_devices(devices: list[str]) -> None:
             continue
         if not torch.cuda.is_available():
             raise ValueError(f"device {dev!r} is a CUDA device, and this machine has no CUDA device "
-                             "(use --device cpu, or a deploy file without CUDA devices)")
+                             "(use --device cpu, which also puts every worker of a deploy file on the CPU)")
         index = dev.partition(":")[2]
         if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
             raise ValueError(f"device {dev!r} does not exist: this machine has {torch.cuda.device_count()} CUDA "
@@ -250,22 +266,27 @@ def serve(args: argparse.Namespace) -> int:
     from legato.pipeline.local import set_gil_switch_interval
     from legato.pipeline.topology import TopologyError, build_client, parse_topology
     from legato.server.app import build_app
-    from legato.server.connections import BodyTimeoutMiddleware, check_limits, guarded_h11
+    from legato.server.body_deadline import BodyTimeoutMiddleware
+    from legato.server.connections import check_limits, default_slow_share, guarded_h11
     from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
+    from legato.server.listen import bind_listener
     from legato.server.logs import configure_logging
     from legato.server.prompt_limit import PromptLimit
     from legato.server.settings import ServerSettings
-    from legato.server.streaming import install_cut_stream_log_filter
+    from legato.server.stream_response import install_cut_stream_log_filter
     from legato.server.voices import VoiceStore
 
     args.worker_memory = None
+    deploy_note = None
     if args.deploy:
         try:
-            apply_deploy(args, load_deploy(args.deploy, args.serve_defaults), args.serve_defaults)
+            deploy_note = apply_deploy(args, load_deploy(args.deploy, args.serve_defaults), args.serve_defaults)
         except DeployError as e:
             print(f"legato serve: error: {e}", file=sys.stderr)
             return 2
     configure_logging(args.log_format, args.log_level)
+    if deploy_note:
+        log.info("%s", deploy_note)
     if args.model_arg is not None:
         if args.model is not None and args.model != args.model_arg:
             print(f"legato serve: error: the model is given twice ({args.model_arg!r} and --model {args.model!r})",
@@ -274,10 +295,14 @@ def serve(args: argparse.Namespace) -> int:
         args.model = args.model_arg
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    listener = None
     try:
         if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
             check_devices([device, *(args.devices.split(",") if args.devices else [])])
-        check_limits(args.timeout_header, args.timeout_body, args.max_connections)
+        check_limits(args.timeout_header, args.timeout_body, args.max_connections, args.min_body_rate,
+                     args.max_slow_connections_per_client)
+        # Before anything loads: a port in use is one line now, not after the model (bound, not yet listening).
+        listener = bind_listener(args.host, args.port)
         set_gil_switch_interval()  # a bad $LEGATO_GIL_SWITCH_MS is refused here, in one line, not in a worker
         if args.model is None:
             model_path = default_model_dir()
@@ -311,7 +336,7 @@ def serve(args: argparse.Namespace) -> int:
             max_prompt_tokens=args.max_prompt_tokens, **access_settings(args),
         )
         # The front counts prompt tokens with the tokenizer alone; the engines hold the same limit at admission.
-        prompt_limit = PromptLimit.from_model_dir(resolve_model_dir(model_path), settings)
+        prompt_limit = PromptLimit.from_model_dir(resolve_model_dir(model_path), settings, engine_config)
         engine_config.max_prompt_tokens = prompt_limit.limit
         topology = parse_topology(args.topology)
         devices = args.devices.split(",") if args.devices else None
@@ -330,21 +355,26 @@ def serve(args: argparse.Namespace) -> int:
         if args.workers == "process":  # the workers load the model; its generation defaults come from disk
             generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
     except (ConfigError, TopologyError, LauncherError, ValueError) as e:
+        if listener is not None:
+            listener.close()
         print(f"legato serve: error: {e}", file=sys.stderr)
         return 2
     settings.generation_defaults = generation_defaults
     store = VoiceStore(voices_dir, client)  # holds voices only for Base models; lists and refuses otherwise
     lifecycle = Lifecycle(client, settings.shutdown_grace_s)
     install_cut_stream_log_filter()
-    app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle, prompt_limit), args.timeout_body)
+    app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle, prompt_limit), args.timeout_body,
+                                args.min_body_rate)
+    slow_share = args.max_slow_connections_per_client or default_slow_share(args.max_connections)
     # uvicorn's limit counts the connection asking too, so one more lets exactly --max-connections in.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
-                            http=guarded_h11(args.timeout_header), limit_concurrency=args.max_connections + 1,
+                            http=guarded_h11(args.timeout_header, slow_share),
+                            limit_concurrency=args.max_connections + 1,
                             timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
-    log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host, args.port, name,
-             client.info.model_type, dtype, devices or device, topology)
+    log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host,
+             listener.getsockname()[1], name, client.info.model_type, dtype, devices or device, topology)
     try:
-        GracefulServer(config, lifecycle).run()
+        GracefulServer(config, lifecycle).run(sockets=[listener])
     except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers; nothing left to report
         return 130
     return 0

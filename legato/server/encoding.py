@@ -1,12 +1,15 @@
 """Audio response formats: whole files and streams, in wav, pcm, flac, mp3 and opus.
 
-Every format carries mono audio at the model's rate. PCM is s16le; WAV is that PCM behind a header (exact
+Every format carries mono audio, at the model's rate unless the request asks for another (`sample_rate`:
+streaming.py resamples before encoding, resample.py). PCM is s16le; WAV is that PCM behind a header (exact
 sizes in a file, sizes left open, 0xFFFFFFFF, in a stream, which streaming players accept); FLAC is
 file-only (soundfile cannot emit it chunk by chunk). MP3 (LAME) and Opus in Ogg come from libsndfile through
 `soundfile`, the library the server already reads audio with: a stream encoder keeps one libsndfile writer
 open per response and sends the bytes each chunk adds, so any prefix of a stream decodes and the whole
-stream decodes to the audio. MP3 is constant-bitrate (80 kbit/s at 24 kHz), so a decoder can size a stream
-from its bytes. A file closes its writer, which lets libsndfile fill in the MP3 header frame (LAME's encoder
+stream decodes to the audio. MP3 is constant-bitrate, so a decoder can size a stream from its bytes: 80 kbit/s
+by default, or any bitrate of the MPEG layer III table for the sample rate (`mp3_bitrates`), which libsndfile
+reaches through its compression level (a linear map onto the table's range, LAME taking the exact value).
+A file closes its writer, which lets libsndfile fill in the MP3 header frame (LAME's encoder
 delay and padding, so decoders trim to the exact sample count); a stream cannot go back to its first bytes,
 so it goes out without that header frame and decodes to the audio plus the encoder's delay and padding
 (under 100 ms). Opus streams decode to the exact sample count. AAC needs an encoder libsndfile does not have
@@ -18,6 +21,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,20 +34,42 @@ MEDIA_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg; codecs=opus", "wav": "au
 STREAMABLE = ("mp3", "opus", "wav", "pcm")
 UNSUPPORTED = {"aac": "aac is not supported: this server's audio library (libsndfile) has no AAC encoder; "
                       "use mp3, opus, wav, flac or pcm"}
-# Sample rates the Opus codec runs at (the Qwen3-TTS codec's 24 kHz is one of them).
+# Sample rates the Opus codec runs at (the Qwen3-TTS codec's 24 kHz is one of them), and those a response of
+# another format may ask for: the MPEG rates LAME encodes (and every rate WAV, PCM and FLAC carry).
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+OUTPUT_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
+# MP3 constant bitrates (kbit/s) by sample rate: MPEG-1 at 32 kHz and up, MPEG-2 at 16-24 kHz, MPEG-2.5 below.
+# libsndfile maps its compression level c linearly onto [top, bottom]: kbit/s = top - c * (top - bottom).
+_MP3_TABLES = ((32000, (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)),
+               (16000, (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160)),
+               (0, (8, 16, 24, 32, 40, 48, 56, 64)))
+MP3_DEFAULT_KBPS = 80  # below 16 kHz, where MPEG-2.5 tops out at 64, the default is 64
 # libsndfile commands (sndfile.h): how much audio an Ogg page may hold before it is written; the encoder's
 # compression level (0 best .. 1 smallest); the MP3 bitrate mode.
 _SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302
 _SFC_SET_COMPRESSION_LEVEL = 0x1301
 _SFC_SET_BITRATE_MODE = 0x1305
 _BITRATE_CONSTANT = 0
-_MP3_COMPRESSION_LEVEL = 0.5  # 80 kbit/s for 24 kHz mono
 _SOUNDFILE = {"mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
+
+
+@dataclass(frozen=True, slots=True)
+class AudioFormat:
+    """How a response carries its audio: the format, the sample rate (None: the model's) and, for mp3, the
+    constant bitrate in kbit/s (None: the default)."""
+
+    fmt: str
+    sample_rate: int | None = None
+    mp3_kbps: int | None = None
 
 
 def media_type(fmt: str) -> str:
     return MEDIA_TYPES[fmt]
+
+
+def mp3_bitrates(sample_rate: int) -> tuple[int, ...]:
+    """The constant MP3 bitrates (kbit/s) at `sample_rate`."""
+    return next(table for floor, table in _MP3_TABLES if sample_rate >= floor)
 
 
 def format_problem(fmt: str, sample_rate: int) -> str | None:
@@ -55,8 +81,26 @@ def format_problem(fmt: str, sample_rate: int) -> str | None:
     return None
 
 
-def encode_file(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
-    """A complete response body in `fmt`."""
+def sample_rate_problem(fmt: str, sample_rate: int) -> str | None:
+    """Why a response in `fmt` cannot be asked for at `sample_rate`, or None."""
+    rates = OPUS_RATES if fmt == "opus" else OUTPUT_RATES
+    if sample_rate not in rates:
+        return f"{sample_rate} Hz is not offered for {fmt}; sample rates: {', '.join(map(str, rates))}"
+    return None
+
+
+def mp3_bitrate_problem(fmt: str, sample_rate: int, kbps: int) -> str | None:
+    """Why an `fmt` response at `sample_rate` cannot have the mp3 bitrate `kbps`, or None."""
+    if fmt != "mp3":
+        return f"mp3_bitrate sets the bitrate of mp3 responses; this one is {fmt}"
+    if kbps not in mp3_bitrates(sample_rate):
+        return (f"mp3 at {sample_rate} Hz has no {kbps} kbit/s; its constant bitrates: "
+                f"{', '.join(map(str, mp3_bitrates(sample_rate)))}")
+    return None
+
+
+def encode_file(samples: np.ndarray, sample_rate: int, fmt: str, mp3_kbps: int | None = None) -> bytes:
+    """A complete response body in `fmt` (mp3 at `mp3_kbps`, default MP3_DEFAULT_KBPS)."""
     if fmt == "wav":
         return encode_wav(samples, sample_rate)
     if fmt == "pcm":
@@ -64,17 +108,18 @@ def encode_file(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     if fmt == "flac":
         return _encode_with_soundfile(samples, sample_rate, "FLAC", "PCM_16")
     if fmt in _SOUNDFILE:
-        return _encode_with_soundfile(samples, sample_rate, *_SOUNDFILE[fmt])
+        return _encode_with_soundfile(samples, sample_rate, *_SOUNDFILE[fmt], mp3_kbps=mp3_kbps)
     raise ValueError(f"unsupported format {fmt!r}; supported: {', '.join(MEDIA_TYPES)}")
 
 
-def _encode_with_soundfile(samples: np.ndarray, sample_rate: int, container: str, subtype: str) -> bytes:
+def _encode_with_soundfile(samples: np.ndarray, sample_rate: int, container: str, subtype: str,
+                           mp3_kbps: int | None = None) -> bytes:
     import soundfile as sf
 
     buf = io.BytesIO()
     with sf.SoundFile(buf, "w", samplerate=sample_rate, channels=1, format=container, subtype=subtype) as f:
         if container == "MP3":
-            _constant_bitrate(f)
+            _constant_bitrate(f, sample_rate, mp3_kbps)
         f.write(_quantised(samples))
     return buf.getvalue()
 
@@ -90,11 +135,12 @@ class StreamEncoder:
     worker threads): a lock makes them one at a time, so `close()` never frees the writer under an `encode`
     still running for a client that left."""
 
-    def __init__(self, fmt: str, sample_rate: int) -> None:
+    def __init__(self, fmt: str, sample_rate: int, mp3_kbps: int | None = None) -> None:
         if fmt not in STREAMABLE:
             raise ValueError(f"{fmt} cannot be streamed; streamable: {', '.join(STREAMABLE)}")
         self.fmt = fmt
         self.sample_rate = sample_rate
+        self.mp3_kbps = mp3_kbps
         self._sink: _AppendOnlySink | None = None
         self._writer = None
         self._head: bytearray | None = None  # MP3: the first bytes, until LAME's header frame is dropped
@@ -136,7 +182,7 @@ class StreamEncoder:
         if self.fmt == "opus":
             _flush_every_ogg_packet(self._writer)
         else:
-            _constant_bitrate(self._writer)
+            _constant_bitrate(self._writer, self.sample_rate, self.mp3_kbps)
             self._head = bytearray()
         return self._taken()
 
@@ -240,9 +286,16 @@ def _mpeg_frame_size(data: bytes | bytearray) -> int | None:
     return (144 if version == 3 else 72) * kbps * 1000 // _MPEG_RATES[version][rate_index] + padding
 
 
-def _constant_bitrate(writer) -> None:
+def _constant_bitrate(writer, sample_rate: int, kbps: int | None) -> None:
+    table = mp3_bitrates(sample_rate)
+    kbps = max(k for k in table if k <= MP3_DEFAULT_KBPS) if kbps is None else kbps
+    if kbps not in table:
+        raise ValueError(f"mp3 at {sample_rate} Hz has no {kbps} kbit/s (constant bitrates: {table})")
+    top, bottom = table[-1], table[0]
+    # libsndfile truncates top - level * (top - bottom) to an int: aim half a kbit/s above, never below.
+    level = min(1.0, max(0.0, (top - kbps - 0.5) / (top - bottom)))
     _command(writer, _SFC_SET_BITRATE_MODE, "int", _BITRATE_CONSTANT, success=0)
-    _command(writer, _SFC_SET_COMPRESSION_LEVEL, "double", _MP3_COMPRESSION_LEVEL, success=1)
+    _command(writer, _SFC_SET_COMPRESSION_LEVEL, "double", level, success=1)
 
 
 def _command(writer, command: int, ctype: str, value, success: int) -> None:

@@ -4,7 +4,8 @@ The input limit counts characters, and a character can cost several tokens (an e
 one request of 4096 emoji is a 16k-token prompt whose prefill every other request waits behind. The count
 is the engine's own (`prompt_length`, equal to `build_prompt`'s length) from the model's text tokenizer
 alone, so a front whose engines run in worker processes loads only the tokenizer. The engines hold the same
-limit at admission (`EngineConfig.max_prompt_tokens`), exactly, for callers that skip this front.
+limit at admission (`EngineConfig.max_prompt_tokens`), exactly, for callers that skip this front. Given the
+engines' config, it also works out each request's frame limit and the cap behind it (frame_budget.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.config import Qwen3TTSConfig, load_model_config
 from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.prompt import (
@@ -21,34 +23,47 @@ from legato.models.qwen3_tts.prompt import (
     ref_text_ids,
     target_text_ids,
     target_text_ids_of,
+    target_text_tokens,
 )
 from legato.models.qwen3_tts.text_tokenizer import TextTokenizer
 from legato.server.errors import ApiError
+from legato.server.frame_budget import FrameBudget, LengthAsk, frame_budget
 from legato.server.settings import ServerSettings
 
 CODEC_FRAME_RATE = 12.5  # Qwen3-TTS 12 Hz codec: one frame per 1920 samples at 24 kHz
 
 
 class PromptLimit:
-    """Counts a request's prompt tokens and refuses it (400 `prompt_too_long`) over `limit`."""
+    """Counts a request's prompt tokens and refuses it (400 `prompt_too_long`) over `limit`. With `engine`
+    (the engines' config) it also sets each request's frame limit (`budget`)."""
 
-    def __init__(self, tokenizer: TextTokenizer, config: Qwen3TTSConfig, limit: int) -> None:
+    def __init__(self, tokenizer: TextTokenizer, config: Qwen3TTSConfig, limit: int,
+                 engine: EngineConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.limit = limit
+        self.engine = engine
 
     @classmethod
-    def for_model(cls, tokenizer: TextTokenizer, config: Qwen3TTSConfig, settings: ServerSettings) -> PromptLimit:
-        return cls(tokenizer, config, settings.prompt_token_limit(config.tts_model_type, config.tts_model_size))
+    def for_model(cls, tokenizer: TextTokenizer, config: Qwen3TTSConfig, settings: ServerSettings,
+                  engine: EngineConfig | None = None) -> PromptLimit:
+        return cls(tokenizer, config, settings.prompt_token_limit(config.tts_model_type, config.tts_model_size),
+                   engine)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, settings: ServerSettings) -> PromptLimit:
+    def from_model_dir(cls, model_dir: str | Path, settings: ServerSettings,
+                       engine: EngineConfig | None = None) -> PromptLimit:
         """The tokenizer and config files only: no weights are read."""
-        return cls.for_model(TextTokenizer.from_dir(model_dir), load_model_config(Path(model_dir)), settings)
+        return cls.for_model(TextTokenizer.from_dir(model_dir), load_model_config(Path(model_dir)), settings,
+                             engine)
 
     def count(self, inp: SpeechInput) -> int:
         """Prompt tokens of `inp` as the engine will build it (`build_spec` + `build_prompt`). Reference audio
         not encoded yet counts its frames from its duration, which can differ from the encoder's by one."""
+        return self.sizes(inp)[0]
+
+    def sizes(self, inp: SpeechInput) -> tuple[int, int]:
+        """(prompt tokens, tokens of the text to speak) of `inp`: `count`, and what the frame cap counts."""
         tok, kind = self.tokenizer, self.config.tts_model_type
         text_ids = (target_text_ids_of(tok, list(inp.text_ids)) if inp.text_ids is not None
                     else target_text_ids(tok, inp.text))
@@ -60,13 +75,17 @@ class PromptLimit:
             ref_ids=ref_text_ids(tok, inp.ref_text) if icl and inp.ref_text else None,
             x_vector_only=not icl, non_streaming_mode=non_streaming,
         )
-        return prompt_length(spec, self.config, _ref_frames(inp) if icl else 0)
+        return prompt_length(spec, self.config, _ref_frames(inp) if icl else 0), target_text_tokens(spec)
 
-    def check(self, inp: SpeechInput) -> None:
-        n = self.count(inp)
+    def check(self, inp: SpeechInput, ask: LengthAsk | None = None) -> FrameBudget | None:
+        """Refuses `inp` over the limit; returns its frame limit under `ask` (None without `engine`)."""
+        n, text_tokens = self.sizes(inp)
         if n > self.limit:
             raise ApiError(400, f"prompt is {n} tokens; the limit is {self.limit} (--max-prompt-tokens)",
                            "prompt_too_long", "input")
+        if self.engine is None:
+            return None
+        return frame_budget(self.engine, n, text_tokens, ask or LengthAsk())
 
 
 def _ref_frames(inp: SpeechInput) -> int:

@@ -11,11 +11,14 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
-from legato.server.encoding import STREAMABLE
-from legato.server.text import check_unicode
+from legato.server.encoding import MEDIA_TYPES, STREAMABLE, UNSUPPORTED
+from legato.server.text import check_unicode, is_blank
 
-# OpenAI's formats; aac is accepted here and refused by the speech service with the reason (encoding.py).
+# OpenAI's formats, so the schema clients read is OpenAI's; aac passes here and is refused by the speech
+# service with the reason (encoding.py). Any other value is refused by `_known_format`, whose message lists only
+# the formats that work (pydantic's own would list aac among them).
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 TaskType = Literal["Base", "CustomVoice", "VoiceDesign"]
 
@@ -66,6 +69,12 @@ class SpeechRequest(BaseModel):
     speaker_embedding: list[float] | None = Field(
         None, max_length=65536, description="Base: an x-vector of the model's hidden size.")
     non_streaming_mode: bool | None = Field(None, description="Prompt layout: whole text in the prompt.")
+    sample_rate: int | None = Field(None, description="Our extension: the response's sample rate in Hz (default: "
+                                    "the model's, 24000; resampled otherwise): 8000, 11025, 12000, 16000, 22050, "
+                                    "24000, 32000, 44100 or 48000 (opus: 8000, 12000, 16000, 24000, 48000).")
+    mp3_bitrate: int | None = Field(None, description="Our extension: an mp3 response's constant bitrate in kbit/s "
+                                    "(default 80; 64 below 16 kHz), one of the MPEG layer III bitrates for the "
+                                    "sample rate: 32-320 from 32 kHz up, 8-160 at 16-24 kHz, 8-64 below.")
     max_new_tokens: int | None = Field(None, ge=2, description="Cap on codec tokens (frames + 1).")
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     do_sample: bool | None = None
@@ -85,9 +94,18 @@ class SpeechRequest(BaseModel):
     @field_validator("input")
     @classmethod
     def _input_not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("input is blank")
+        if is_blank(value):
+            raise ValueError("input is blank (only spaces, control or invisible characters)")
         return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _known_format(cls, value: object) -> object:
+        if isinstance(value, str) and (value in MEDIA_TYPES or value in UNSUPPORTED):
+            return value
+        shown = repr(value)[:40]
+        raise PydanticCustomError("unsupported_format", "{given} is not a format; use one of {formats}",
+                                  {"given": shown, "formats": ", ".join(MEDIA_TYPES)})
 
     @field_validator("model", "input", "voice", "instructions", "language", "ref_audio", "ref_text")
     @classmethod

@@ -25,8 +25,9 @@ class ServerSettings:
     """Name served in /v1/models and accepted in a request's `model`; None takes the engine client's name."""
     max_input_chars: int = 4096
     """Longest `input` (and `instructions`, `ref_text`) in characters, as OpenAI caps `input`."""
-    default_max_new_tokens: int = 2048
-    """`max_new_tokens` of a request that gives none (capped by `max_new_tokens_limit`)."""
+    default_max_new_tokens: int | None = None
+    """`max_new_tokens` of a request that gives none (capped by `max_new_tokens_limit`). None: no fixed cap;
+    such a request runs to EOS or its text's frame cap (frame_budget.py), whatever its length."""
     max_new_tokens_limit: int = 4096
     """Largest `max_new_tokens` (and `num_frames` + 1) a request may ask for."""
     max_ref_audio_bytes: int = 10 * MiB
@@ -36,10 +37,11 @@ class ServerSettings:
     """Most talker prompt tokens one request may bring (`--max-prompt-tokens`), checked after tokenising and
     before the engine sees the request (400 `prompt_too_long`): one long prompt holds prefill budget that
     every other request waits on. None sizes it from the model for the largest legitimate request
-    (`prompt_token_limit`): max_input_chars at one token per character (ordinary text in every language the
-    model speaks; emoji cost up to four) for the input, again for instructions (models that take them) and
-    for ref_text plus max_ref_audio_seconds x 12.5 frames (Base), plus 16 template and control tokens.
-    With the defaults: 4112 (0.6B CustomVoice), 8208 (1.7B CustomVoice, VoiceDesign), 8958 (Base)."""
+    (`prompt_token_limit`): max_input_chars at 3 tokens per character (the byte-level tokenizer's worst case
+    for text of every language the model speaks; emoji cost up to four) for the input, again for instructions
+    (models that take them) and for ref_text plus max_ref_audio_seconds x 12.5 frames (Base), plus 16
+    template and control tokens. With the defaults: 12304 (0.6B CustomVoice), 24592 (1.7B CustomVoice,
+    VoiceDesign), 25342 (Base)."""
     # --- end prompt-token limit ---
     allowed_local_media_path: str | None = None
     """`file://` reference audio is read only under this directory; None refuses every `file://`."""
@@ -59,7 +61,9 @@ class ServerSettings:
     """Voice names a request may use for another voice (OpenAI's `alloy`, `nova`, ... by default); a real
     voice of that name wins over an alias."""
     api_keys: tuple[str, ...] = ()
-    """Bearer tokens, one of which every route but /health requires; empty: no authentication."""
+    """Bearer tokens, one of which every route but /health and /metrics requires; empty: no authentication."""
+    protect_metrics: bool = False
+    """Require the API key on /metrics too (by default it stays open, as vLLM's does, for scrapers)."""
     allowed_origins: tuple[str, ...] = ()
     """Web origins (scheme://host[:port], or "*") whose pages may call the server; CORS is answered for them
     and requests from any other origin are refused with 403. Empty: no cross-origin calls at all."""
@@ -72,6 +76,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "default_max_new_tokens", "max_new_tokens_limit", "max_ref_audio_bytes"):
             value = getattr(self, name)
+            if value is None and name == "default_max_new_tokens":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerSettings.{name} must be a positive int, got {value!r}")
         if self.max_new_tokens_limit < 2:
@@ -110,7 +116,9 @@ class ServerSettings:
         return default_max_prompt_tokens(model_type, model_size, self.max_input_chars, self.max_ref_audio_seconds)
 
     @property
-    def max_new_tokens_default(self) -> int:
+    def max_new_tokens_default(self) -> int | None:
+        if self.default_max_new_tokens is None:
+            return None
         return min(self.default_max_new_tokens, self.max_new_tokens_limit)
 
 

@@ -16,13 +16,23 @@ from fastapi.responses import Response
 from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.pipeline.client import EngineClient, SynthesisRequest
-from legato.server.encoding import MEDIA_TYPES, STREAMABLE, format_problem
+from legato.server.aliases import resolve_alias
+from legato.server.encoding import (
+    MEDIA_TYPES,
+    STREAMABLE,
+    AudioFormat,
+    format_problem,
+    mp3_bitrate_problem,
+    sample_rate_problem,
+)
 from legato.server.errors import ApiError, ErrorResponse
+from legato.server.frame_budget import FrameBudget, LengthAsk
 from legato.server.media import MediaError, MediaPolicy, resolve_ref_audio
 from legato.server.prompt_limit import PromptLimit
 from legato.server.schemas import SpeechRequest
 from legato.server.settings import ServerSettings
 from legato.server.streaming import SpeechResponder
+from legato.server.text import is_blank
 from legato.server.voices import VoiceStore, parse_speaker_embedding
 
 SPEECH_PATH = "/v1/audio/speech"
@@ -33,8 +43,9 @@ _BASE_ONLY = ("ref_audio", "ref_text", "speaker_embedding", "x_vector_only_mode"
 @dataclass
 class PreparedSpeech:
     synthesis: SynthesisRequest
-    response_format: str
+    audio: AudioFormat
     mode: str  # file | audio | sse
+    budget: FrameBudget | None = None  # its frame limit and the cap behind it (None: the front has no tokenizer)
 
 
 class SpeechService:
@@ -66,14 +77,27 @@ class SpeechService:
         self._check_request(body)
         sampling, max_frames = self._sampling(body)
         inp = await self._speech_input(body)
+        budget = None
         if self.prompt_limit is not None:
-            self.prompt_limit.check(inp)
+            budget = self.prompt_limit.check(inp, self._length_ask(body))
+        if budget is not None:  # the smallest cap, passed on: the engine's own caps are never smaller
+            sampling.max_new_tokens = budget.frames + 1
+            max_frames = budget.frames if max_frames is not None else None
         mode = body.mode
         synthesis = SynthesisRequest(
             request_id=request_id, input=inp, sampling=sampling, max_frames=max_frames,
             ignore_eos=body.ignore_eos, first_chunk_frames=body.first_chunk_frames,
         )
-        return PreparedSpeech(synthesis, body.response_format, mode)
+        audio = AudioFormat(body.response_format, body.sample_rate, body.mp3_bitrate)
+        return PreparedSpeech(synthesis, audio, mode, budget)
+
+    def _length_ask(self, body: SpeechRequest) -> LengthAsk:
+        default = self.settings.max_new_tokens_default
+        if body.num_frames is not None:
+            return LengthAsk(body.num_frames, "num_frames", exact=body.ignore_eos)
+        if body.max_new_tokens is not None:
+            return LengthAsk(body.max_new_tokens - 1, "max_new_tokens")
+        return LengthAsk(default_frames=None if default is None else default - 1)
 
     # --- checks that need the model or the limits ------------------------------------------------------
 
@@ -87,6 +111,12 @@ class SpeechService:
         problem = format_problem(body.response_format, self.client.info.sample_rate)
         if problem is not None:
             raise ApiError(400, f"response_format {problem}", "unsupported_format", "response_format")
+        if body.sample_rate is not None and (problem := sample_rate_problem(body.response_format, body.sample_rate)):
+            raise ApiError(400, f"sample_rate: {problem}", "unsupported_sample_rate", "sample_rate")
+        rate = body.sample_rate or self.client.info.sample_rate
+        if body.mp3_bitrate is not None and (problem := mp3_bitrate_problem(body.response_format, rate,
+                                                                              body.mp3_bitrate)):
+            raise ApiError(400, f"mp3_bitrate: {problem}", "unsupported_bitrate", "mp3_bitrate")
         if body.task_type is not None and body.task_type != self.task_type:
             raise ApiError(400, f"task_type {body.task_type} does not match the served model, which is a "
                                 f"{self.task_type} model", "task_type_mismatch", "task_type")
@@ -114,7 +144,10 @@ class SpeechService:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
-        max_new_tokens = pick(body.max_new_tokens, self.settings.max_new_tokens_default)
+        # Without a default the request's frame budget sets it (prepare); without a tokenizer in the front to
+        # work that out, the largest ask stands in and the engine's frame cap still holds the request.
+        fallback = self.settings.max_new_tokens_default or self.settings.max_new_tokens_limit
+        max_new_tokens = pick(body.max_new_tokens, fallback)
         max_frames = None
         if body.num_frames is not None:
             max_frames = body.num_frames
@@ -152,7 +185,7 @@ class SpeechService:
             if body.voice_name is not None:
                 raise ApiError(400, "a VoiceDesign model has no voices: describe the voice in instructions",
                                "unsupported_field", "voice")
-            if not body.instructions or not body.instructions.strip():
+            if not body.instructions or is_blank(body.instructions):
                 raise ApiError(400, "a VoiceDesign model needs instructions describing the voice",
                                "missing_instructions", "instructions")
             return SpeechInput(instructions=body.instructions, **common)
@@ -160,6 +193,15 @@ class SpeechService:
             raise ApiError(400, "a Base (voice clone) model takes no instructions", "unsupported_field",
                            "instructions")
         return SpeechInput(**common, **await self._clone_fields(body))
+
+    def alias_table(self) -> dict[str, str]:
+        """Each voice alias -> the preset it speaks with on the served CustomVoice model (stand-ins included;
+        logged at start, so which voice answers `alloy` is never a guess). Empty for other model types."""
+        if self.client.info.model_type != "custom_voice":
+            return {}
+        by_lower = {s.lower(): s for s in self.client.info.speakers}
+        resolved = {a: resolve_alias(a, self.voice_aliases, by_lower) for a in self.voice_aliases}
+        return {a: by_lower[v] for a, v in resolved.items() if v is not None}
 
     def _language(self, language: str | None) -> str:
         if language is None:
@@ -177,9 +219,9 @@ class SpeechService:
             raise ApiError(400, f"voice is required: a preset speaker, one of {speakers}", "missing_voice", "voice")
         name = voice.lower()
         if name not in by_lower:
-            name = self.voice_aliases.get(name, name)
+            name = resolve_alias(name, self.voice_aliases, by_lower) or name
         if name not in by_lower:
-            aliases = sorted(a for a, target in self.voice_aliases.items() if target in by_lower)
+            aliases = sorted(a for a in self.voice_aliases if resolve_alias(a, self.voice_aliases, by_lower))
             raise ApiError(400, f"unknown voice {voice!r}; available: {speakers}"
                                 + (f", or an alias: {aliases}" if aliases else ""), "unknown_voice", "voice")
         return by_lower[name]
@@ -202,7 +244,7 @@ class SpeechService:
                 raise ApiError(400, "ref_text needs ref_audio: a speaker_embedding clones from the x-vector "
                                     "alone", "unsupported_field", "ref_text")
             return {"speaker_embedding": self._embedding(body.speaker_embedding), "x_vector_only": True}
-        if not body.x_vector_only_mode and not (body.ref_text and body.ref_text.strip()):
+        if not body.x_vector_only_mode and not (body.ref_text and not is_blank(body.ref_text)):
             raise ApiError(400, "in-context cloning needs ref_text (the transcript of ref_audio); or set "
                                 "x_vector_only_mode", "missing_ref_text", "ref_text")
         try:
@@ -237,7 +279,7 @@ class SpeechService:
             raise ApiError(400, str(e), "invalid_speaker_embedding", "speaker_embedding") from e
 
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 429, 500, 503, 504)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 415, 429, 500, 503, 504)}
 _AUDIO = {"content": {t: {"schema": {"type": "string", "format": "binary"}}
                       for t in (*MEDIA_TYPES.values(), "text/event-stream")},
           "description": "The audio (file or stream) or an SSE event stream."}
@@ -252,7 +294,8 @@ def build_speech_router(service: SpeechService, responder: SpeechResponder) -> A
         responder.claim(rid)
         try:
             prepared = await service.prepare(body, rid)
-            return await responder.respond(prepared.synthesis, prepared.response_format, prepared.mode, request)
+            return await responder.respond(prepared.synthesis, prepared.audio, prepared.mode, request,
+                                           prepared.budget)
         except BaseException:
             if getattr(request.state, "generation", None) is None:  # a Generation releases its id itself
                 responder.release(rid)

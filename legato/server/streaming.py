@@ -18,37 +18,30 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextvars
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import anyio
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk, SynthesisRequest
-from legato.server.encoding import StreamEncoder, encode_file, media_type
+from legato.server.encoding import AudioFormat, StreamEncoder, encode_file, media_type
 from legato.server.errors import ApiError, error_type
+from legato.server.frame_budget import CAPS, FrameBudget
 from legato.server.metrics import ServerMetrics
+from legato.server.resample import StreamResampler, resample_all
 from legato.server.settings import ServerSettings
+from legato.server.stream_response import AudioStreamResponse, ClientGone, StreamCut, until_disconnected
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _FAILED = {"error": 500, "abort": 503}
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
-
-
-class StreamCut(Exception):
-    """Raised by a raw stream's body to end the response without its final chunk."""
 
 
 class Generation:
@@ -57,8 +50,9 @@ class Generation:
 
     def __init__(self, client: EngineClient, req: SynthesisRequest, mode: str, started: float,
                  timeout_s: float | None, metrics: ServerMetrics,
-                 on_end: Callable[[str], None] | None = None) -> None:
+                 on_end: Callable[[str], None] | None = None, budget: FrameBudget | None = None) -> None:
         self.req = req
+        self.budget = budget
         self._on_end = on_end
         self.mode = mode
         self.started = started
@@ -103,6 +97,13 @@ class Generation:
     def audio_seconds(self) -> float:
         return self.samples / self.sample_rate
 
+    @property
+    def length_cap(self) -> str | None:
+        """The cap (frame_budget.CAPS) that ended a request `length`, or None (it ended otherwise, or the
+        front could not tell)."""
+        b = self.budget
+        return b.cap if self.finish_reason == "length" and b is not None and self.frames >= b.frames else None
+
     def usage(self) -> dict:
         return {"input_tokens": self.prompt_tokens, "output_tokens": self.frames,
                 "total_tokens": self.prompt_tokens + self.frames}
@@ -132,7 +133,11 @@ class Generation:
             "finish_reason": self.finish_reason, "abort_reason": abort_reason, "error": error or self.error,
             "prompt_tokens": self.prompt_tokens, "frames": self.frames, "audio_s": round(self.audio_seconds, 3),
             "ttfp_s": None if self.ttfp is None else round(self.ttfp, 4), "e2e_s": round(e2e, 4), "seed": self.seed,
+            "length_cap": self.length_cap,
         })
+        if self.length_cap is not None and not self.budget.exact:
+            log.info("request %s ended 'length' at %d frames: cut by %s", self.req.request_id, self.frames,
+                     CAPS[self.length_cap], extra={"request_id": self.req.request_id, "length_cap": self.length_cap})
 
     def finish_failed(self) -> int:
         """Records a request the engine failed (500) or aborted while shutting down (503)."""
@@ -175,14 +180,16 @@ class SpeechResponder:
     def release(self, request_id: str) -> None:
         self._live.discard(request_id)
 
-    async def respond(self, req: SynthesisRequest, fmt: str, mode: str, request: Request) -> Response:
+    async def respond(self, req: SynthesisRequest, fmt: str | AudioFormat, mode: str, request: Request,
+                      budget: FrameBudget | None = None) -> Response:
+        audio = fmt if isinstance(fmt, AudioFormat) else AudioFormat(fmt)
         started = getattr(request.state, "started", time.perf_counter())
         gen = Generation(self.client, req, mode, started, self.settings.request_timeout_s, self.metrics,
-                         on_end=self.release)
+                         on_end=self.release, budget=budget)
         request.state.generation = gen  # its outcome is the request's final status (see app.SpeechStatusCounter)
         try:
             if mode == "file":
-                return await until_disconnected(request, self._file(gen, fmt))
+                return await until_disconnected(request, self._file(gen, audio))
             first = await until_disconnected(request, self._first(gen))
         except ClientGone:
             await gen.abandon()
@@ -191,10 +198,10 @@ class SpeechResponder:
             await gen.close()
             raise
         headers = {"X-Request-Id": req.request_id, "X-Seed": str(gen.seed),
-                   "X-Sample-Rate": str(gen.sample_rate), "Cache-Control": "no-cache"}
+                   "X-Sample-Rate": str(audio.sample_rate or gen.sample_rate), "Cache-Control": "no-cache"}
         if mode == "sse":
-            return AudioStreamResponse(self._sse(gen, first, fmt), "text/event-stream", headers, gen.abandon)
-        return AudioStreamResponse(self._raw(gen, first, fmt), media_type(fmt), headers, gen.abandon)
+            return AudioStreamResponse(self._sse(gen, first, audio), "text/event-stream", headers, gen.abandon)
+        return AudioStreamResponse(self._raw(gen, first, audio), media_type(audio.fmt), headers, gen.abandon)
 
     async def _first(self, gen: Generation) -> StreamChunk:
         """The first chunk with audio (or the last chunk), or the request's error as an ApiError when it
@@ -219,7 +226,7 @@ class SpeechResponder:
         message = gen.error or ("aborted: the server is shutting down" if status == 503 else "generation failed")
         raise ApiError(status, message, "shutting_down" if status == 503 else "generation_failed")
 
-    async def _file(self, gen: Generation, fmt: str) -> Response:
+    async def _file(self, gen: Generation, fmt: AudioFormat) -> Response:
         chunk = await self._first(gen)
         parts = [chunk.audio]
         try:
@@ -233,17 +240,18 @@ class SpeechResponder:
             self._raise_failure(gen)
         gen.first_audio()
         audio = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        body = await asyncio.to_thread(encode_file, audio, gen.sample_rate, fmt)
+        rate = fmt.sample_rate or gen.sample_rate
+        body = await asyncio.to_thread(_encode_whole, audio, gen.sample_rate, fmt)
         gen.finish(200)
         usage = gen.usage()
-        return Response(body, media_type=media_type(fmt), headers={
-            "X-Request-Id": gen.req.request_id, "X-Seed": str(gen.seed), "X-Sample-Rate": str(gen.sample_rate),
+        return Response(body, media_type=media_type(fmt.fmt), headers={
+            "X-Request-Id": gen.req.request_id, "X-Seed": str(gen.seed), "X-Sample-Rate": str(rate),
             "X-Usage-Input-Tokens": str(usage["input_tokens"]), "X-Usage-Output-Tokens": str(usage["output_tokens"]),
             "X-Usage-Total-Tokens": str(usage["total_tokens"]), "X-Audio-Seconds": f"{gen.audio_seconds:.6f}",
-            "X-Finish-Reason": gen.finish_reason or "",
+            "X-Finish-Reason": gen.finish_reason or "", **({"X-Length-Cap": gen.length_cap} if gen.length_cap else {}),
         })
 
-    async def _raw(self, gen: Generation, first: StreamChunk, fmt: str) -> AsyncIterator[bytes]:
+    async def _raw(self, gen: Generation, first: StreamChunk, fmt: AudioFormat) -> AsyncIterator[bytes]:
         encoder = _Encoder(fmt, gen.sample_rate)
         try:
             chunk = first
@@ -274,10 +282,10 @@ class SpeechResponder:
             encoder.close()
             await gen.abandon()  # no-op unless the client left
 
-    async def _sse(self, gen: Generation, first: StreamChunk, fmt: str) -> AsyncIterator[bytes]:
+    async def _sse(self, gen: Generation, first: StreamChunk, audio: AudioFormat) -> AsyncIterator[bytes]:
         # Deltas carry the requested format, which must stream; a WAV header has no place in events: PCM.
-        fmt = "pcm" if fmt == "wav" else fmt
-        encoder = _Encoder(fmt, gen.sample_rate)
+        fmt = "pcm" if audio.fmt == "wav" else audio.fmt
+        encoder = _Encoder(AudioFormat(fmt, audio.sample_rate, audio.mp3_kbps), gen.sample_rate)
         try:
             chunk = first
             gen.first_audio()
@@ -297,7 +305,8 @@ class SpeechResponder:
                 gen.finish(200)
                 yield _event({"type": "speech.audio.done", "usage": gen.usage(), "request_id": gen.req.request_id,
                               "seed": gen.seed, "audio_seconds": round(gen.audio_seconds, 6),
-                              "sample_rate": gen.sample_rate, "finish_reason": gen.finish_reason})
+                              "sample_rate": audio.sample_rate or gen.sample_rate, "finish_reason": gen.finish_reason,
+                              "length_cap": gen.length_cap})
                 return
             status = gen.finish_failed()
             message = gen.error or "generation failed"
@@ -322,6 +331,12 @@ def _rejection_code(status: int) -> str:
     return codes.get(status, "internal_error" if status >= 500 else "invalid_request")
 
 
+def _encode_whole(audio: np.ndarray, model_rate: int, fmt: AudioFormat) -> bytes:
+    rate = fmt.sample_rate or model_rate
+    return encode_file(resample_all(audio, model_rate, rate) if rate != model_rate else audio, rate, fmt.fmt,
+                       fmt.mp3_kbps)
+
+
 def _event(data: dict) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
 
@@ -335,9 +350,11 @@ class _Encoder:
     """A `StreamEncoder` whose compressing formats run on a worker thread (LAME and Opus release the GIL),
     so encoding many streams never stalls the event loop; PCM and WAV are cheap enough to stay on it."""
 
-    def __init__(self, fmt: str, sample_rate: int) -> None:
-        self._enc = StreamEncoder(fmt, sample_rate)
-        self._threaded = fmt not in ("pcm", "wav")
+    def __init__(self, fmt: AudioFormat, model_rate: int) -> None:
+        rate = fmt.sample_rate or model_rate
+        self._enc = StreamEncoder(fmt.fmt, rate, fmt.mp3_kbps)
+        self._resampler = StreamResampler(model_rate, rate) if rate != model_rate else None
+        self._threaded = fmt.fmt not in ("pcm", "wav") or self._resampler is not None
 
     async def _call(self, fn, *args) -> bytes:
         return await asyncio.to_thread(fn, *args) if self._threaded else fn(*args)
@@ -346,101 +363,17 @@ class _Encoder:
         return await self._call(self._enc.start)
 
     async def encode(self, audio: np.ndarray) -> bytes:
-        return await self._call(self._enc.encode, audio)
+        return await self._call(self._encode, audio)
 
     async def finish(self) -> bytes:
-        return await self._call(self._enc.finish)
+        return await self._call(self._finish)
+
+    def _encode(self, audio: np.ndarray) -> bytes:
+        return self._enc.encode(audio if self._resampler is None else self._resampler.process(audio))
+
+    def _finish(self) -> bytes:
+        tail = b"" if self._resampler is None else self._enc.encode(self._resampler.flush())
+        return tail + self._enc.finish()
 
     def close(self) -> None:
         self._enc.close()
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Runs `work` while watching the connection; a disconnect cancels it and raises ClientGone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        gone = not task.done()
-        if gone:  # the client left, or we were cancelled ourselves
-            # Wait for the work to unwind: until it has, the engine stream it pulls from cannot be closed.
-            task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(task, return_exceptions=True)
-    if gone:
-        raise ClientGone
-    return task.result()
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-# Set in the task of a request whose raw stream was cut on purpose; the context is the task's, so it is
-# still set when uvicorn, in that same task, notices the incomplete response.
-_cut_here: contextvars.ContextVar[bool] = contextvars.ContextVar("legato_stream_cut", default=False)
-_UVICORN_INCOMPLETE = "ASGI callable returned without completing response."
-
-
-class CutStreamLogFilter(logging.Filter):
-    """Drops uvicorn's error line for a response left incomplete when that was a deliberate `StreamCut`,
-    already logged with its reason: one line per cut stream. Other incomplete responses still log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == _UVICORN_INCOMPLETE and _cut_here.get())
-
-
-def install_cut_stream_log_filter() -> None:
-    """Adds `CutStreamLogFilter` to uvicorn's error logger, once."""
-    logger = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, CutStreamLogFilter) for f in logger.filters):
-        logger.addFilter(CutStreamLogFilter())
-
-
-class AudioStreamResponse(Response):
-    """A streamed body that (a) watches for the client leaving and cancels the body at once, whatever
-    the ASGI spec version (Starlette's StreamingResponse only notices on the next write with spec 2.4),
-    (b) lets the body end the response without its final chunk by raising `StreamCut`, and (c) always
-    awaits `on_close` at the end: a body that never started (the client left first) skips its own
-    `finally`, so the request it streams must be ended from here."""
-
-    def __init__(self, body: AsyncIterator[bytes], media_type: str, headers: dict[str, str],
-                 on_close: Callable[[], Awaitable[None]]) -> None:
-        self.body_iterator = body
-        self.on_close = on_close
-        self.status_code = 200
-        self.media_type = media_type
-        self.background = None
-        self.init_headers(headers)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                await _wait_disconnect(receive)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                await self._stream(send)
-            finally:
-                tg.cancel_scope.cancel()
-
-    async def _stream(self, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except StreamCut as e:
-            log.warning("cutting the audio stream: %s", e)  # the server closes the connection mid-body
-            _cut_here.set(True)  # uvicorn is about to log the same cut again, without its reason
-        except OSError:
-            pass  # the client is gone (a write failed); the body's finally aborts the request
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self.on_close()

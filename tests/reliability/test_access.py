@@ -34,10 +34,11 @@ def assert_error(resp, status: int, code: str) -> None:
     assert err["code"] == code and err["message"] and err["type"], err
 
 
-def test_api_key_on_every_route_but_health():
+def test_api_key_on_every_route_but_health_and_metrics():
     with app(api_keys=(KEY, "sk-second")) as c:
         assert c.get("/health").status_code == 200
-        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/audio/speech"),
+        assert c.get("/metrics").status_code == 200  # as vLLM: scrapers send no key (--protect-metrics closes it)
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/audio/speech"),
                              ("GET", "/v1/audio/voices"), ("GET", "/docs"), ("GET", "/nowhere")):
             resp = c.request(method, path, json=SPEECH if method == "POST" else None)
             assert_error(resp, 401, "invalid_api_key")
@@ -165,3 +166,32 @@ def test_the_bench_client_sends_its_api_key():
             cfg = ClientConfig(base_url=srv.url, progress=False, api_key=key)
             (rec,) = asyncio.run(run_benchmark(cfg, reqs)).records
             assert rec.status == status and rec.ok == (status == 200), rec.error
+
+
+def test_metrics_are_open_with_an_api_key_unless_protected():
+    with app(api_keys=(KEY,)) as c:
+        scraped = c.get("/metrics")
+        assert scraped.status_code == 200 and "vllm:num_requests_running" in scraped.text
+        assert_error(c.get("/metrics/", headers={}), 401, "invalid_api_key")  # only the exact path is open
+    with app(api_keys=(KEY,), protect_metrics=True) as c:
+        assert_error(c.get("/metrics"), 401, "invalid_api_key")
+        assert c.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    args = argparse.Namespace(api_key=[KEY], api_key_file=None, allowed_origins="", allowed_hosts=None,
+                              host="127.0.0.1", protect_metrics=True)
+    assert access_settings(args)["protect_metrics"] is True
+
+
+@pytest.mark.parametrize("host", ["localhost:1@evil.example", "localhost@evil.example", "user@localhost",
+                                  "localhost:8000:9000", "localhost:99999", "localhost:80x", "localhost evil",
+                                  "[::1", "[::1]x", "[::1]:8000@evil.example", "[evil.example]", "::1",
+                                  "localhost/evil", "localhost%2f", "127.0.0.1:-1", "localhost\\@evil.example"])
+def test_host_check_parses_the_authority(host):
+    with app(allowed_hosts=("localhost", "127.0.0.1", "::1")) as c:
+        assert_error(c.get("/v1/models", headers={"Host": host}), 400, "invalid_host")
+
+
+@pytest.mark.parametrize("host", ["LOCALHOST", "localhost:", "localhost:65535", "127.0.0.1:0", "[::1]", "[::1]:1",
+                                  "[0:0:0:0:0:0:0:1]:8000"])
+def test_host_check_takes_every_spelling_of_an_allowed_authority(host):
+    with app(allowed_hosts=("localhost", "127.0.0.1", "::1")) as c:
+        assert c.get("/v1/models", headers={"Host": host}).status_code == 200

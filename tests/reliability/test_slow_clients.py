@@ -6,7 +6,9 @@ how fast the server reacted."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import select
 import socket
 import time
 
@@ -112,3 +114,82 @@ def test_connections_beyond_the_cap_get_503(tmp_path):
         while not srv.healthy():  # the cap frees up once the server has noticed the clients leave
             assert time.monotonic() < deadline, "connections stayed counted after their clients left"
             time.sleep(0.1)
+
+
+# ---- a body with no overall deadline, and one client filling --max-connections (issue 20) ----------------
+
+def _answer(sock: socket.socket, timeout: float) -> bytes | None:
+    """What the server sent before closing, once it has closed (None: still open after `timeout`)."""
+    ready, _, _ = select.select([sock], [], [], timeout)
+    if not ready:
+        return None
+    sock.settimeout(HANG_GUARD)
+    try:
+        return read_to_eof(sock)
+    except ConnectionResetError:
+        return b""
+
+
+def test_a_body_dribbled_inside_the_pause_limit_is_cut_by_its_overall_deadline(tmp_path):
+    # One byte every 0.2 s never pauses for --timeout-body (1 s), so only the overall deadline (1 s plus one
+    # second per 50 bytes received) can end it; before, such a client was never cut.
+    with ServeProcess(tmp_path, "--timeout-body", "1", "--min-body-rate", "50") as srv, _connect(srv.port) as sock:
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10000\r\n\r\n")
+        answer, sent, guard = None, 0, time.monotonic() + HANG_GUARD
+        while answer is None and time.monotonic() < guard and sent < 10000:
+            sock.sendall(b" ")
+            sent += 1
+            answer = _answer(sock, 0.2)
+        assert answer is not None, f"still open after {sent} bytes"
+        status = int(answer.split(b" ", 2)[1])
+        error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+        assert status == 408 and error["code"] == "request_timeout", answer
+        assert "too slow" in error["message"] and "50 bytes/s" in error["message"]
+        assert sent < 200  # cut long before the body could end (10,000 bytes at 5 a second)
+        assert srv.healthy()
+
+
+def test_one_client_cannot_fill_max_connections_with_slow_requests(tmp_path):
+    # --max-connections 6: six connections that never finish their request (three heads, three bodies) used
+    # to hold every slot, and the next request got 503. The client may hold 2 slow ones; the rest get 429.
+    flags = ("--max-connections", "6", "--max-slow-connections-per-client", "2", "--timeout-header", "60",
+             "--timeout-body", "60")
+    with ServeProcess(tmp_path, *flags) as srv:
+        slow = [_connect(srv.port) for _ in range(6)]
+        try:
+            for i, sock in enumerate(slow):
+                if i % 2:
+                    sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 500\r\n\r\n{")
+                else:
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            answers: dict[int, bytes] = {}
+            guard = time.monotonic() + HANG_GUARD
+            while len(answers) < 4 and time.monotonic() < guard:
+                for i, sock in enumerate(slow):
+                    if i not in answers and (answer := _answer(sock, 0.05)) is not None:
+                        answers[i] = answer
+            assert len(answers) == 4, f"{len(answers)} of the 6 slow connections were refused"
+            for answer in answers.values():
+                assert answer.startswith(b"HTTP/1.1 429 "), answer
+                error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+                assert error["code"] == "too_many_slow_connections" and error["type"] == "rate_limit_error"
+            held = [sock for i, sock in enumerate(slow) if i not in answers]
+            assert all(_answer(sock, 0) is None for sock in held)  # its share stays open
+            r = httpx.get(f"{srv.url}/health", timeout=HANG_GUARD)  # and a request of the same client still runs
+            assert r.status_code == 200
+        finally:
+            for sock in slow:
+                sock.close()
+    refused = [line for line in srv.log_lines() if "--max-slow-connections-per-client" in line.get("msg", "")]
+    assert len(refused) == 4
+
+
+def test_fast_requests_in_parallel_never_count_as_slow(tmp_path):
+    with ServeProcess(tmp_path, "--max-slow-connections-per-client", "1") as srv:
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=HANG_GUARD, limits=httpx.Limits(max_connections=16)) as c:
+                return [r.status_code for r in await asyncio.gather(*(c.get(f"{srv.url}/v1/models")
+                                                                      for _ in range(32)))]
+
+        assert asyncio.run(burst()) == [200] * 32

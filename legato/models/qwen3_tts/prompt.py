@@ -112,10 +112,14 @@ def target_text_tokens(spec: PromptSpec) -> int:
 # (<|im_start|>user\n ... <|im_end|>\n, 5), the role (3), the codec control prefix (think, think_bos,
 # language, think_eos, speaker slot, pad: 6) and the body's closing eos + codec_bos (2).
 PROMPT_OVERHEAD = 16
-# Ordinary text is at most about one token per character under the Qwen2 vocabulary (Chinese, Japanese and
-# Korean come close to one; English runs near a quarter), so a limit sized at one token per character takes
-# any real text at the character limit, while symbols that cost several tokens each (emoji) do not fit.
-TOKENS_PER_CHAR = 1.0
+# The tokenizer's real worst case for text in the model's languages. The Qwen2 tokenizer is a byte-level BPE:
+# it starts from a text's UTF-8 bytes and only merges, so a text never has more tokens than bytes, and every
+# script the model speaks (Latin, Cyrillic, CJK, kana, Hangul) is in the Basic Multilingual Plane, 3 bytes a
+# character at most. Text without merges in the vocabulary comes close: 'Привет' repeated is 2 tokens a
+# character, Hangul syllables up to 3 (measured on the embedded tiny model's vocabulary). A limit of one token
+# per character refused such text inside the character limit; at 3 nothing of these scripts is refused, and
+# what can still exceed it is characters of 4 bytes (emoji and other symbols) making most of the input.
+TOKENS_PER_CHAR = 3.0
 
 
 def takes_instructions(model_type: str, model_size: str) -> bool:

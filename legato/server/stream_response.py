@@ -1,0 +1,118 @@
+"""The HTTP side of a streamed response: a body that watches for its client leaving and may be cut on
+purpose (`StreamCut`), work raced against a disconnect (`until_disconnected`), and the log filter that keeps
+a deliberate cut to one line. streaming.py decides what to send; this module only sends it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("legato.server.streaming")  # the name these lines always had: log filters key on it
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+class StreamCut(Exception):
+    """Raised by a raw stream's body to end the response without its final chunk."""
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work` while watching the connection; a disconnect cancels it and raises ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        gone = not task.done()
+        if gone:  # the client left, or we were cancelled ourselves
+            # Wait for the work to unwind: until it has, the engine stream it pulls from cannot be closed.
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+    if gone:
+        raise ClientGone
+    return task.result()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+# Set in the task of a request whose raw stream was cut on purpose; the context is the task's, so it is
+# still set when uvicorn, in that same task, notices the incomplete response.
+_cut_here: contextvars.ContextVar[bool] = contextvars.ContextVar("legato_stream_cut", default=False)
+_UVICORN_INCOMPLETE = "ASGI callable returned without completing response."
+
+
+class CutStreamLogFilter(logging.Filter):
+    """Drops uvicorn's error line for a response left incomplete when that was a deliberate `StreamCut`,
+    already logged with its reason: one line per cut stream. Other incomplete responses still log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _UVICORN_INCOMPLETE and _cut_here.get())
+
+
+def install_cut_stream_log_filter() -> None:
+    """Adds `CutStreamLogFilter` to uvicorn's error logger, once."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, CutStreamLogFilter) for f in logger.filters):
+        logger.addFilter(CutStreamLogFilter())
+
+
+class AudioStreamResponse(Response):
+    """A streamed body that (a) watches for the client leaving and cancels the body at once, whatever
+    the ASGI spec version (Starlette's StreamingResponse only notices on the next write with spec 2.4),
+    (b) lets the body end the response without its final chunk by raising `StreamCut`, and (c) always
+    awaits `on_close` at the end: a body that never started (the client left first) skips its own
+    `finally`, so the request it streams must be ended from here."""
+
+    def __init__(self, body: AsyncIterator[bytes], media_type: str, headers: dict[str, str],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        self.body_iterator = body
+        self.on_close = on_close
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await _wait_disconnect(receive)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await self._stream(send)
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _stream(self, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except StreamCut as e:
+            log.warning("cutting the audio stream: %s", e)  # the server closes the connection mid-body
+            _cut_here.set(True)  # uvicorn is about to log the same cut again, without its reason
+        except OSError:
+            pass  # the client is gone (a write failed); the body's finally aborts the request
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self.on_close()
