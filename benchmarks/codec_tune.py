@@ -1,5 +1,5 @@
 """Tile sizes of the codec's conv GEMM kernel, measured per conv of a step: the data behind
-`legato.layers.causal_conv.conv_blocks`.
+`legato.layers.conv_tiles` (TUNED_CONFIGS).
 
 Records every conv GEMM of one `StreamingCodecDecoder.step` (full-size, bf16) at each cell (streams x frames),
 then times each heavy one (more than `--min-gflop`) with each candidate config, beside the same conv as a

@@ -405,7 +405,7 @@ def test_decoding_every_step_delivers_the_chunks_of_decoding_when_due(tmp_path):
         assert [a.size for a in every.audio[rid]] == [a.size for a in due.audio[rid]], rid
         assert every.pcm(rid).size == (9 + 3 * i) * 1920
         assert np.abs(every.pcm(rid) - due.pcm(rid)).max() < 1e-5, rid
-    assert not engine.codec.streams and not engine.codec._backlog
+    assert not engine.codec.streams and not engine.codec.pending
     engine.add_request(EngineRequest("gone", specs[0], SamplingParams(seed=1, max_new_tokens=40), max_frames=20,
                                      ignore_eos=True))
     for _ in range(6):
@@ -413,4 +413,4 @@ def test_decoding_every_step_delivers_the_chunks_of_decoding_when_due(tmp_path):
     assert engine.abort("gone")
     while engine.has_unfinished():
         engine.step()
-    assert not engine.codec.streams and not engine.codec._backlog and not engine.codec.pending
+    assert not engine.codec.streams and not engine.codec.pending

@@ -34,7 +34,6 @@ stream and fails only the streams that raise alone.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import heapq
 import logging
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 
 from legato.engine.codec_graphs import CodecGraphs
+from legato.engine.codec_readback import AudioReadback
 from legato.engine.codec_schedule import HeldAudio, StreamSchedule, next_chunk_frames
 from legato.layers.host import upload
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
@@ -53,20 +53,6 @@ from legato.models.qwen3_tts.streaming_codec import StreamingCodecDecoder
 log = logging.getLogger(__name__)
 
 SCRATCH = 0  # the slot that padded rows of a graph replay read and write (never a stream's)
-
-
-@dataclass
-class _Readback:
-    """Decoded audio on its way to the host (`pcm` is complete once `event` has fired), or, with no rows, the
-    mark that the streams in `closing` have nothing more coming (each with its held audio, or None).
-    `holds` (one per row, or None) are where held streams collect their PCM."""
-
-    rids: list[str]
-    n: int
-    pcm: torch.Tensor | None  # [B, n * spf] float32 on the host
-    event: torch.cuda.Event | None
-    closing: dict[str, HeldAudio | None] = field(default_factory=dict)
-    holds: list[HeldAudio] | None = None
 
 
 @dataclass
@@ -94,9 +80,8 @@ class CodecStreamer:
         self.device = self.codec.device
         self._free_slots = list(range(1, self.codec.slots))
         self._fresh: list[int] = []  # slots to reset before their first use
-        self._readbacks: collections.deque[_Readback] = collections.deque()  # audio on its way to the host
-        self._backlog: dict[str, HeldAudio] = {}  # held streams with a complete chunk not delivered yet
         self.cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.readback = AudioReadback(self.schedule, decoder.samples_per_frame, self.cuda_stream)
         self.graphs = CodecGraphs()
         if graphs and self.cuda_stream is not None:
             self._capture_graphs()
@@ -169,69 +154,32 @@ class CodecStreamer:
                 except Exception as e:
                     self._fail([rid], e, failed)
                     continue
-                self._queue_readback([rid], n, wav[None], finished)
+                self._queue_readback([rid], n, wav[None])
             for rid in finished & self.streams.keys():
                 # Closed now (its slots are free again; work queued later on this stream runs after its own);
                 # reported closed once everything it has queued has come back.
-                self._readbacks.append(_Readback([], 0, None, None, {rid: self.streams[rid].held}))
+                self.readback.close(rid, self.streams[rid].held)
                 self.close(rid, keep_audio=True)
         return failed
 
     def ready(self, wait: bool = False) -> tuple[dict[str, np.ndarray], set[str]]:
         """The audio that has come back, in order (waiting for all of it with `wait`), and the streams whose
         last audio is in it. Never blocks without `wait`."""
-        audio: dict[str, list[np.ndarray]] = defaultdict(list)
-        closed: set[str] = set()
-        touched: dict[str, HeldAudio] = {}
-        while self._readbacks:
-            rb = self._readbacks[0]
-            if rb.event is not None and not wait and not rb.event.query():
-                break
-            if rb.event is not None:
-                rb.event.synchronize()
-            self._readbacks.popleft()
-            if rb.pcm is not None:
-                pcm = rb.pcm.numpy()
-                for i, (rid, w) in enumerate(zip(rb.rids, pcm, strict=True)):
-                    held = rb.holds[i] if rb.holds is not None else None
-                    if held is None:
-                        audio[rid].append(w)
-                    elif not held.dropped:
-                        held.parts.append(w.copy())  # a view would keep the whole pinned buffer alive
-                        held.frames += rb.n
-                        touched[rid] = held
-            touched.update((rid, held) for rid, held in rb.closing.items() if held is not None)
-            closed |= rb.closing.keys()
-        # One chunk per stream per call, as when each chunk was decoded when due; the rest waits in the backlog.
-        for rid, held in {**self._backlog, **touched}.items():
-            self._backlog.pop(rid, None)
-            if held.dropped:
-                continue
-            if (part := held.take(self.schedule, self.decoder.samples_per_frame, everything=rid in closed)) is not None:
-                audio[rid].append(part)
-            if rid not in closed and held.due(self.schedule) > 0:
-                self._backlog[rid] = held
-        return {rid: np.concatenate(parts) if len(parts) > 1 else parts[0] for rid, parts in audio.items()}, closed
+        return self.readback.take(wait)
 
     @property
     def pending(self) -> bool:
         """Audio queued that has not come back through `ready`."""
-        return bool(self._readbacks or self._backlog)
+        return self.readback.pending
 
-    def _queue_readback(self, rids: list[str], n: int, wav: torch.Tensor, finished: set[str]) -> None:
+    def _queue_readback(self, rids: list[str], n: int, wav: torch.Tensor) -> None:
         """Counts `n` frames of each stream as emitted and queues their PCM [B, n * spf] to the host."""
         holds = [self.streams[rid].held for rid in rids] if self.schedule.decode_every_step else None
         for rid in rids:
             st = self.streams[rid]
             del st.pending[:n]
             st.emitted_frames += n
-        if self.cuda_stream is None:
-            self._readbacks.append(_Readback(rids, n, wav.float(), None, holds=holds))
-            return
-        pcm = wav.float().to("cpu", non_blocking=True)  # into pinned memory, filled when the event fires
-        event = torch.cuda.Event()
-        event.record(self.cuda_stream)
-        self._readbacks.append(_Readback(rids, n, pcm, event, holds=holds))
+        self.readback.send(rids, n, wav, holds)
 
     # --- decoding rows ------------------------------------------------------------------------------------
 
@@ -274,7 +222,7 @@ class CodecStreamer:
             return
         for st in streams:
             self._advance(st, n)
-        self._queue_readback(rids, n, wav, finished)
+        self._queue_readback(rids, n, wav)
 
     def _decode_rows(self, slots: list[int], codes: torch.Tensor, final: bool = False) -> torch.Tensor:
         """codes [B, n, 16] through `slots` (each advanced by n frames) -> wav [B, n * spf].

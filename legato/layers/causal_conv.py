@@ -26,6 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from legato.layers.conv_tiles import conv_blocks, pow2_at_least
+
 try:
     import triton
     import triton.language as tl
@@ -170,10 +172,6 @@ def depthwise_layernorm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 # --- Triton kernels ---------------------------------------------------------------------------------------
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << (max(1, n) - 1).bit_length())
 
 
 if triton is not None:
@@ -333,8 +331,8 @@ if triton is not None:
 
 
 def _stage_blocks(rows: int, c: int) -> tuple[int, int]:
-    block_c = min(_pow2(c), 128)
-    block_r = max(1, min(_pow2(rows, 1), 4096 // block_c))
+    block_c = min(pow2_at_least(c), 128)
+    block_r = max(1, min(pow2_at_least(rows, 1), 4096 // block_c))
     return block_r, block_c
 
 
@@ -358,50 +356,6 @@ def _launch_codebook_stage(codes, tables, first, hist, calls, positions, slots, 
                            FIRST=first, BLOCK_R=block_r, BLOCK_C=block_c)
 
 
-# Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) measured per conv of the full-size decoder in bf16 on
-# an H200 (benchmarks/codec_tune.py; docs/benchmarks.md): rows are (taps > 1, lowest Cout, highest Cout, fewest
-# rows m) -> config, the first match wins. Shapes they do not cover use `_fitted_blocks`.
-TUNED_CONFIGS: list[tuple[bool, int, int, int, tuple[int, int, int, int, int]]] = [
-    (True, 64, 128, 0, (256, 128, 64, 8, 3)),  # 96 channels (the last block)
-    (True, 129, 256, 262144, (128, 256, 64, 8, 3)),
-    (True, 129, 256, 0, (128, 64, 64, 4, 3)),  # 192 channels
-    (True, 257, 512, 0, (256, 128, 64, 8, 3)),  # 384 channels
-    (True, 513, 2048, 16384, (128, 256, 64, 8, 3)),  # 768-1536 channels
-    (True, 513, 2048, 0, (128, 128, 64, 8, 4)),
-    (False, 64, 128, 0, (64, 128, 64, 4, 3)),  # the residual units' 1x1 convs
-    (False, 129, 256, 0, (128, 64, 64, 4, 3)),
-    (False, 257, 512, 0, (64, 128, 64, 4, 3)),
-    (False, 513, 1024, 16384, (128, 256, 64, 8, 3)),
-    (False, 2048, 8192, 2048, (128, 256, 64, 8, 3)),  # ConvNeXt's 4x expansion
-    (False, 2048, 8192, 0, (128, 128, 64, 8, 4)),
-]
-
-
-def conv_blocks(m: int, cin: int, cout: int, taps: int = 1, phases: int = 1) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a conv GEMM of m rows, cin -> cout."""
-    if cin % 64 == 0:
-        for wide, lo, hi, rows, config in TUNED_CONFIGS:
-            if wide == (taps > 1) and lo <= cout <= hi and m >= rows:
-                return config
-    return _fitted_blocks(m, cin, cout, phases)
-
-
-def _fitted_blocks(m: int, cin: int, cout: int, phases: int, programs: int = 132) -> tuple[int, int, int, int, int]:
-    """The largest tiles that still give about `programs` (one per SM of an H100/H200) programs, down to 32 x 32."""
-    block_n = min(_pow2(cout), 128)
-    block_k = 64 if cin % 64 == 0 else (32 if cin % 32 == 0 else min(_pow2(cin), 64))
-    block_m = 128 if m >= 4096 else 64
-
-    def tiles() -> int:
-        return -(-m // block_m) * -(-cout // block_n) * phases
-
-    while tiles() < programs and block_n > 32:
-        block_n //= 2
-    while tiles() < programs and block_m > 32:
-        block_m //= 2
-    return block_m, block_n, block_k, 8 if block_m * block_n >= 128 * 128 else 4, 3
-
-
 def _launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None):
     """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), else `conv_blocks`' choice and 3 stages."""
     b, rows, cin = p.shape
@@ -420,7 +374,7 @@ def _launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out,
 
 def _launch_dwln(p, weight, bias, length, eps, out):
     b, rows, c = p.shape
-    block_c = _pow2(c)
+    block_c = pow2_at_least(c)
     block_t = max(1, min(16, 8192 // block_c))
     grid = (b, triton.cdiv(length, block_t))
     _dwln_kernel[grid](p, weight, bias, out, length, rows, c, eps, TAPS=weight.shape[1],
