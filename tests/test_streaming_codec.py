@@ -107,6 +107,12 @@ def test_bad_codes_are_refused(decoder):
         fast.step(torch.tensor([0, 1]), torch.zeros(1, 3, 16, dtype=torch.long))
 
 
+def test_the_kernels_are_refused_off_cuda(decoder, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="CUDA device|Triton is not installed"):
+        StreamingCodecDecoder(decoder, slots=2, kernels=True)
+
+
 def test_resize_keeps_the_state(decoder):
     codes = random_codes(1, 20, seed=8)
     fast = StreamingCodecDecoder(decoder, slots=2)

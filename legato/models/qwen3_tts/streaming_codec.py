@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from legato.layers import causal_conv
 from legato.layers.causal_conv import conv_gemm
 
 from .codec_decoder import CodecDecoder
@@ -60,6 +61,9 @@ class StreamingCodecDecoder:
         self.dtype = dtype or ref.dtype
         if kernels is None:
             kernels = self.device.type == "cuda" and self.dtype != torch.float32
+        if kernels and causal_conv.triton is None:
+            raise ValueError(f"the streaming codec in {self.dtype} on {self.device} runs Triton kernels, and Triton is "
+                             "not installed: pip install triton, or use --codec-dtype float32")
         if kernels and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the streaming codec's Triton kernels need a CUDA device")
         self.kernels = kernels
