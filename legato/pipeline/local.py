@@ -100,7 +100,11 @@ class LocalEngineClient(EngineClient):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._aborted: Counter[str] = Counter()
-        self._stats = EngineStats(num_kv_blocks=config.num_kv_blocks or 0)
+        self._loop_other_s = 0.0  # engine thread: host time outside engine.step() while work runs
+        # A snapshot read from any thread; the engine thread renews it whenever what it reports changes. Taken
+        # now, before the thread runs: a read before the first step must see the idle engine, every block free
+        # (a router or a worker's heartbeat would take a zeroed snapshot for a full replica).
+        self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
         self._stopped = threading.Event()
@@ -108,7 +112,6 @@ class LocalEngineClient(EngineClient):
         self._inbox_lock = threading.Lock()
         self._deadline: float | None = None  # engine thread: when shutdown aborts what is still running
         self._drain_rate = DrainRate()  # engine thread: finishes per second, for a 429's Retry-After
-        self._loop_other_s = 0.0  # engine thread: host time outside engine.step() while work runs
 
     # --- server side ----------------------------------------------------------------------------------
 
@@ -230,13 +233,15 @@ class LocalEngineClient(EngineClient):
                 if deadline is not None and (not self.engine.has_unfinished() or time.monotonic() > deadline):
                     for rid in list(self._streams):
                         self.engine.abort(rid, "server shutting down")
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
                     self._refresh_stats()
+                    self._deliver(outputs)
                     return
                 outputs = self.engine.step()
                 started = time.perf_counter()
-                self._deliver(outputs)
+                # Stats first: whoever sees a request's last chunk must see the blocks it gave back.
                 self._refresh_stats()
+                self._deliver(outputs)
                 self._loop_other_s += time.perf_counter() - started
         except Exception:  # the loop itself failing is fatal for this worker: fail every stream loudly
             log.exception("engine loop crashed")
@@ -283,6 +288,7 @@ class LocalEngineClient(EngineClient):
             _, rid, reason = cmd
             if self.engine.abort(rid, reason):
                 self._aborted[reason] += 1
+                self._refresh_stats()  # its blocks are free now, not after the next step
         elif kind == "stop":
             self._stopping = True
             if self._deadline is None:
@@ -300,6 +306,7 @@ class LocalEngineClient(EngineClient):
             _settle(admitted, error=rejection(e, retry_after=wait))
             return
         self._streams[req.request_id] = stream
+        self._refresh_stats()  # a caller told it is admitted sees it counted
         _settle(admitted, result=seed)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -329,10 +336,14 @@ class LocalEngineClient(EngineClient):
                 pass
 
     def _refresh_stats(self) -> None:
+        self._stats = self._snapshot()
+
+    def _snapshot(self) -> EngineStats:
+        """The engine's stats as they are now: called by the engine thread, or before it runs."""
         sched, bm, times = self.engine.scheduler, self.engine.block_manager, self.engine.times
-        self._stats = EngineStats(
+        return EngineStats(
             waiting=sched.num_waiting, running=sched.num_running, kv_usage=bm.usage,
-            num_kv_blocks=self.engine.config.num_kv_blocks or 0, free_kv_blocks=bm.num_free_blocks,
+            num_kv_blocks=bm.num_blocks, free_kv_blocks=bm.num_free_blocks,
             aborted=dict(self._aborted), steps=times.steps, step_host_s=times.host_s, step_gpu_s=times.gpu_s,
             step_gap_s=times.gap_s, loop_other_s=self._loop_other_s,
         )
