@@ -165,3 +165,29 @@ def test_bench_serve_from_a_fresh_clone_needs_no_dataset_and_follows_the_model(t
     assert result["aggregates"]["completed"] == 3 and result["aggregates"]["failed"] == 0
     assert result["config"]["request"]["mode"] == "voice" and result["config"]["request"]["voice"] == "ryan"
     assert result["config"]["dataset"]["path"].endswith("legato/bench/data/en/meta.lst")
+
+
+def test_summarize_takes_the_output_of_bench_serve(tmp_path, capsys):
+    """`bench serve` records `server_args: null` (it did not start the server), and an uncapped run no
+    concurrency: summarize read both as a sweep's and crashed (issue 20, item 5)."""
+    port = free_port()
+    proc = _fake_server_proc(port)
+    try:
+        root = write_prompt_dir(tmp_path / "prompts", n=3)
+        common = ["bench", "serve", "--dataset-path", str(root), "--num-prompts", "3", "--voice", "ryan",
+                  "--fixed-length", "--frames-per-char", "0.1", "--min-frames", "2", "--max-frames", "3",
+                  "--base-url", f"http://127.0.0.1:{port}", "--num-warmups", "0", "--no-progress",
+                  "--result-dir", str(tmp_path / "res")]
+        assert main([*common, "--label", "a", "--max-concurrency", "2"]) == 0
+        assert main([*common, "--label", "a"]) == 0  # the fake server gives no limit: uncapped
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    runs = sorted(str(p) for p in (tmp_path / "res").glob("a-server-*.json"))
+    assert [Path(r).name for r in runs] == ["a-server-c2.json", "a-server-cinf.json"]
+    assert json.loads(Path(runs[0]).read_text())["config"]["server_args"] is None
+    capsys.readouterr()
+    assert main(["bench", "summarize", *runs, "--out-dir", str(tmp_path / "sum")]) == 0
+    summary = json.loads((tmp_path / "sum" / "summary.json").read_text())
+    assert sorted(c["concurrency"] for c in summary["cells"]) == [2, 3]  # uncapped: all 3 requests in flight
+    assert "| server | 1 | 3 | 3/3 |" in (tmp_path / "sum" / "SUMMARY.md").read_text()

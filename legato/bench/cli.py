@@ -338,12 +338,15 @@ def _summarize(args: argparse.Namespace) -> int:
         r = load_result(path)
         cfg = r["config"]
         gpus = cfg.get("num_gpus") or 1
+        # An uncapped run (`bench serve` without a cap from the flag or the server) had every request in flight.
+        concurrency = cfg["client"]["max_concurrency"] or len(r["requests"])
         cells.append({"topology": cfg.get("topology", "server"), "gpus": gpus,
-                      "concurrency": cfg["client"]["max_concurrency"], "control": control_for(gpus),
+                      "concurrency": concurrency, "control": control_for(gpus),
                       "aggregates": r["aggregates"], "error": None, "result": str(Path(path))})
     first = load_result(args.runs[0])["config"]
     fixed = first["request"].get("fixed_length")
-    meta = {"model": parse_flag(first.get("server_args", []), "--model") or "(server default)",
+    # `bench serve` records `server_args: null`: it ran against a server it did not start.
+    meta = {"model": parse_flag(first.get("server_args") or [], "--model") or "(server default)",
             "dataset": first["dataset"]["path"], "mode": first["request"]["mode"],
             "fixed_length": fixed["rule"] if fixed else None, "max_num_seqs": first.get("max_num_seqs"),
             "server_args": first.get("server_args"), "slo": first.get("slo"),
