@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from collections import Counter
@@ -44,28 +42,9 @@ from legato.pipeline.client import (
     SynthesisRequest,
 )
 from legato.pipeline.drain import DrainRate
+from legato.pipeline.threads import ENGINE_THREAD_NAME, set_gil_switch_interval
 
 log = logging.getLogger(__name__)
-
-
-# The engine thread releases the GIL while it waits for the GPU and must win it back from the event loop and
-# the admission thread, which hold it for up to Python's switch interval (5 ms by default) at a time: at a
-# ~12 ms step that wait is a large share of the GPU's idle gap. A shorter interval bounds it.
-# $LEGATO_GIL_SWITCH_MS overrides it (0: leave the interpreter's own).
-DEFAULT_GIL_SWITCH_MS = 1.0
-
-
-def set_gil_switch_interval() -> None:
-    """Applies $LEGATO_GIL_SWITCH_MS (or the default); raises ValueError naming it when it is not a number >= 0."""
-    raw = os.environ.get("LEGATO_GIL_SWITCH_MS", str(DEFAULT_GIL_SWITCH_MS))
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = float("nan")
-    if not ms >= 0 or ms == float("inf"):
-        raise ValueError(f"LEGATO_GIL_SWITCH_MS must be a number of milliseconds >= 0 (0: Python's own), got {raw!r}")
-    if ms > 0:
-        sys.setswitchinterval(ms / 1000.0)
 
 
 @dataclass
@@ -105,7 +84,7 @@ class LocalEngineClient(EngineClient):
         # now, before the thread runs: a read before the first step must see the idle engine, every block free
         # (a router or a worker's heartbeat would take a zeroed snapshot for a full replica).
         self._stats = self._snapshot()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._stopping = False
         self._stopped = threading.Event()
         self._closed = False  # the engine thread has exited: the inbox takes nothing more
