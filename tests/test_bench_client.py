@@ -191,3 +191,22 @@ def test_summarize_takes_the_output_of_bench_serve(tmp_path, capsys):
     summary = json.loads((tmp_path / "sum" / "summary.json").read_text())
     assert sorted(c["concurrency"] for c in summary["cells"]) == [2, 3]  # uncapped: all 3 requests in flight
     assert "| server | 1 | 3 | 3/3 |" in (tmp_path / "sum" / "SUMMARY.md").read_text()
+
+
+def test_bench_serve_takes_its_concurrency_from_the_server(tmp_path):
+    """`legato serve --topology replicas:2 --max-num-seqs 4` decodes 8 requests at once and says so on
+    /v1/models; `bench serve` without --max-concurrency then runs 8 at a time (issue 20, item 4: unbounded, 48
+    requests at once timed out on a CPU server)."""
+    import httpx
+    from serve_process import ServeProcess
+
+    with ServeProcess(tmp_path, "--topology", "replicas:2") as srv:
+        card = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]
+        rc = main(["bench", "serve", "--base-url", srv.url, "--num-prompts", "3", "--fixed-length",
+                   "--frames-per-char", "0.05", "--min-frames", "2", "--max-frames", "3", "--num-warmups", "0",
+                   "--no-progress", "--result-dir", str(tmp_path / "res"), "--label", "slots"])
+    assert card["max_num_seqs"] == 4 and card["decode_slots"] == 8
+    assert rc == 0
+    result = json.loads((tmp_path / "res" / "slots-server-c8.json").read_text())
+    assert result["config"]["client"]["max_concurrency"] == 8 and result["config"]["max_num_seqs"] == 4
+    assert result["aggregates"]["completed"] == 3 and result["warnings"] == []
