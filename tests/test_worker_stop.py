@@ -87,3 +87,42 @@ def test_a_worker_that_stops_answering_is_found_dead_and_killed(tiny_checkpoint)
     reason, alive = asyncio.run(main())
     assert reason == "worker died (no heartbeat for 1 s)" and not alive
     assert client.proc.returncode == -signal.SIGKILL
+
+
+def test_a_stopped_worker_reads_idle_even_when_its_last_stats_go_unread(tiny_checkpoint):
+    """The worker's final Stats can arrive after the server stopped reading; a worker that has exited holds
+    nothing all the same, so its stats must not keep the request it was running when it stopped."""
+    from client_helpers import EMB
+
+    from legato.models.qwen3_tts.inputs import SpeechInput
+    from legato.models.qwen3_tts.sampling import SamplingParams
+    from legato.pipeline.client import SynthesisRequest
+
+    client = _client(tiny_checkpoint)
+    dispatch = client._dispatch
+
+    def drop_stats_once_stopping(msg):
+        if not (client._stopping and isinstance(msg, m.Stats)):
+            dispatch(msg)
+
+    client._dispatch = drop_stats_once_stopping
+    req = SynthesisRequest("long", SpeechInput("A long one.", language="english", speaker_embedding=EMB,
+                                               x_vector_only=True),
+                           SamplingParams(seed=1, max_new_tokens=2000), ignore_eos=True)
+
+    async def main():
+        await client.start()
+        stream = client.generate(req)
+        first = await stream.__anext__()
+        deadline = time.monotonic() + 30.0
+        while client.stats().running == 0 and time.monotonic() < deadline:  # a heartbeat that counts it
+            await asyncio.sleep(0.05)
+        running = client.stats().running
+        await client.stop(grace_s=0.0)
+        rest = [c async for c in stream]
+        return first, running, rest[-1] if rest else first
+
+    first, running, last = asyncio.run(main())
+    assert running == 1 and last.finished and last.finish_reason in ("abort", "error")
+    stats = client.stats()
+    assert stats.running == stats.waiting == 0 and stats.free_kv_blocks == stats.num_kv_blocks == 32

@@ -212,6 +212,7 @@ class ProcessEngineClient(EngineClient):
         self._closing.set()
         for t in self._threads:
             await loop.run_in_executor(None, t.join, 10.0)
+        self._holds_nothing()  # its final Stats may be unread, and it is gone either way
         self._fail_all("worker stopped")
         with self._lock:
             for sock in (self._cmd, self._out):
@@ -386,10 +387,13 @@ class ProcessEngineClient(EngineClient):
     def _died(self, reason: str) -> None:
         log.error("engine worker %s: %s", self.label, reason)
         self.dead_reason = reason
-        # Its last heartbeat is stale: everything it ran has failed, and it holds nothing any more.
+        self._holds_nothing()  # its last heartbeat is stale: everything it ran has failed
+        self._fail_all(reason)
+
+    def _holds_nothing(self) -> None:
+        """The stats of a worker that is gone: no request, every block free (its counters as last reported)."""
         blocks = self._stats.num_kv_blocks
         self._stats = dataclasses.replace(self._stats, waiting=0, running=0, kv_usage=0.0, free_kv_blocks=blocks)
-        self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
