@@ -45,8 +45,8 @@ class ClientConfig:
             raise ValueError("max_concurrency must be >= 1")
         if not self.request_rate > 0:
             raise ValueError("request_rate must be > 0 (inf: all at once)")
-        if self.timeout_s <= 0 or self.num_warmups < 0:
-            raise ValueError("timeout_s must be > 0 and num_warmups >= 0")
+        if self.timeout_s <= 0 or self.num_warmups < 0 or self.tick_s <= 0:
+            raise ValueError("timeout_s and tick_s must be > 0 and num_warmups >= 0")
 
 
 @dataclass

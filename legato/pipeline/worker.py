@@ -155,7 +155,12 @@ class _Worker:
                 await self.finish(rid, final or _end("error", "prefill ended without a handoff"))
                 return
             if self.links.spec.send_delay_s > 0 and rid.startswith(self.links.spec.delay_prefix):
+                # Fault injection: the lines let a test act while the handoff is held, and after, without
+                # guessing how long a busy machine takes to get there.
+                log.info("holding the handoff of %s for %.1f s (injected send delay)", rid,
+                         self.links.spec.send_delay_s)
                 await asyncio.sleep(self.links.spec.send_delay_s)
+                log.info("releasing the handoff of %s", rid)
             if rid in self.cancelled:
                 await self.finish(rid, _end("abort", "aborted before its handoff was sent"))
                 return
