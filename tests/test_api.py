@@ -94,3 +94,55 @@ def test_the_embedded_default_stops_by_itself_after_a_length_that_follows_the_te
         lengths.append(frames)
     assert lengths[1] > 2 * lengths[0]
     assert lengths[0] <= 50  # "Hello there." (7 tokens of the tiny tokenizer): under 4 s of audio
+
+
+def test_generate_steps_the_engine_with_the_servers_thread_settings(tiny_checkpoint, monkeypatch):
+    """Not a timing test: the settings under which every engine step runs, offline and in the server's engine
+    client, must be the same: a thread of its own named "engine" (not the caller's, whose OpenMP team would
+    spin at full count beside other processes: issue 20, item 6), the server's GIL switch interval and torch's
+    thread count. The caller's switch interval is its own again afterwards."""
+    import asyncio
+    import sys
+    import threading
+
+    from client_helpers import EMB
+
+    from legato.engine.engine import Engine
+    from legato.models.qwen3_tts.inputs import SpeechInput
+    from legato.pipeline.client import SynthesisRequest
+    from legato.pipeline.local import LocalEngineClient
+
+    monkeypatch.delenv("LEGATO_GIL_SWITCH_MS", raising=False)
+    seen: list[tuple] = []
+    real_step = Engine.step
+
+    def step(self):
+        me = threading.current_thread()
+        seen.append((me.name, me is threading.main_thread(), sys.getswitchinterval(), torch.get_num_threads()))
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    tts = TTS.load(tiny_checkpoint)
+    kw = dict(speaker_embedding=EMB, x_vector_only=True, language="english")
+    before = sys.getswitchinterval()
+    try:
+        tts.generate("Offline words.", sampling=SamplingParams(seed=1, max_new_tokens=4), **kw)
+        offline, after = set(seen), sys.getswitchinterval()
+        seen.clear()
+
+        async def served():
+            client = LocalEngineClient(tts.loaded, tts._engine_config(1))
+            await client.start()
+            try:
+                req = SynthesisRequest("s", SpeechInput("Served words.", **kw),
+                                       SamplingParams(seed=1, max_new_tokens=4))
+                return [c async for c in client.generate(req)]
+            finally:
+                await client.stop()
+
+        assert asyncio.run(served())[-1].finished
+        server = set(seen)
+    finally:
+        sys.setswitchinterval(before)  # the server's client sets it for the life of the process
+    assert offline == server == {("engine", False, 0.001, torch.get_num_threads())}, (offline, server)
+    assert after == before

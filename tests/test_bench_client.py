@@ -165,3 +165,48 @@ def test_bench_serve_from_a_fresh_clone_needs_no_dataset_and_follows_the_model(t
     assert result["aggregates"]["completed"] == 3 and result["aggregates"]["failed"] == 0
     assert result["config"]["request"]["mode"] == "voice" and result["config"]["request"]["voice"] == "ryan"
     assert result["config"]["dataset"]["path"].endswith("legato/bench/data/en/meta.lst")
+
+
+def test_summarize_takes_the_output_of_bench_serve(tmp_path, capsys):
+    """`bench serve` records `server_args: null` (it did not start the server), and an uncapped run no
+    concurrency: summarize read both as a sweep's and crashed (issue 20, item 5)."""
+    port = free_port()
+    proc = _fake_server_proc(port)
+    try:
+        root = write_prompt_dir(tmp_path / "prompts", n=3)
+        common = ["bench", "serve", "--dataset-path", str(root), "--num-prompts", "3", "--voice", "ryan",
+                  "--fixed-length", "--frames-per-char", "0.1", "--min-frames", "2", "--max-frames", "3",
+                  "--base-url", f"http://127.0.0.1:{port}", "--num-warmups", "0", "--no-progress",
+                  "--result-dir", str(tmp_path / "res")]
+        assert main([*common, "--label", "a", "--max-concurrency", "2"]) == 0
+        assert main([*common, "--label", "a"]) == 0  # the fake server gives no limit: uncapped
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    runs = sorted(str(p) for p in (tmp_path / "res").glob("a-server-*.json"))
+    assert [Path(r).name for r in runs] == ["a-server-c2.json", "a-server-cinf.json"]
+    assert json.loads(Path(runs[0]).read_text())["config"]["server_args"] is None
+    capsys.readouterr()
+    assert main(["bench", "summarize", *runs, "--out-dir", str(tmp_path / "sum")]) == 0
+    summary = json.loads((tmp_path / "sum" / "summary.json").read_text())
+    assert sorted(c["concurrency"] for c in summary["cells"]) == [2, 3]  # uncapped: all 3 requests in flight
+    assert "| server | 1 | 3 | 3/3 |" in (tmp_path / "sum" / "SUMMARY.md").read_text()
+
+
+def test_bench_serve_takes_its_concurrency_from_the_server(tmp_path):
+    """`legato serve --topology replicas:2 --max-num-seqs 4` decodes 8 requests at once and says so on
+    /v1/models; `bench serve` without --max-concurrency then runs 8 at a time (issue 20, item 4: unbounded, 48
+    requests at once timed out on a CPU server)."""
+    import httpx
+    from serve_process import ServeProcess
+
+    with ServeProcess(tmp_path, "--topology", "replicas:2") as srv:
+        card = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]
+        rc = main(["bench", "serve", "--base-url", srv.url, "--num-prompts", "3", "--fixed-length",
+                   "--frames-per-char", "0.05", "--min-frames", "2", "--max-frames", "3", "--num-warmups", "0",
+                   "--no-progress", "--result-dir", str(tmp_path / "res"), "--label", "slots"])
+    assert card["max_num_seqs"] == 4 and card["decode_slots"] == 8
+    assert rc == 0
+    result = json.loads((tmp_path / "res" / "slots-server-c8.json").read_text())
+    assert result["config"]["client"]["max_concurrency"] == 8 and result["config"]["max_num_seqs"] == 4
+    assert result["aggregates"]["completed"] == 3 and result["warnings"] == []

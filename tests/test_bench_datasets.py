@@ -138,16 +138,16 @@ def test_the_bench_mode_follows_the_model(tmp_path, monkeypatch):
     model clone requests; `bench serve` asks the running server (`/v1/models`)."""
     import argparse
 
-    from legato.bench.cli import _mode_of_model
+    from legato.bench.served import mode_of_model
     from legato.models.qwen3_tts.testing import write_checkpoint
     from legato.models.qwen3_tts.tiny import tiny_config
 
     monkeypatch.setenv("LEGATO_CACHE", str(tmp_path / "cache"))
-    assert _mode_of_model(argparse.Namespace(server_args="--max-num-seqs 4")) == ("voice", "ryan")
+    assert mode_of_model(argparse.Namespace(server_args="--max-num-seqs 4")) == ("voice", "ryan")
     base = write_checkpoint(tmp_path / "base", tiny_config("base"))
-    assert _mode_of_model(argparse.Namespace(server_args=f"--model {base}")) == ("clone", None)
-    assert _mode_of_model(argparse.Namespace(server_args=str(base))) == ("clone", None)  # positional model
+    assert mode_of_model(argparse.Namespace(server_args=f"--model {base}")) == ("clone", None)
+    assert mode_of_model(argparse.Namespace(server_args=str(base))) == ("clone", None)  # positional model
     design = write_checkpoint(tmp_path / "design", tiny_config("voice_design"))
-    assert _mode_of_model(argparse.Namespace(server_args=str(design))) == ("design", None)
+    assert mode_of_model(argparse.Namespace(server_args=str(design))) == ("design", None)
     with pytest.raises(ValueError, match="cannot read the server's model"):
-        _mode_of_model(argparse.Namespace(base_url="http://127.0.0.1:9"))
+        mode_of_model(argparse.Namespace(base_url="http://127.0.0.1:9"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -132,7 +133,10 @@ def test_stop_finishes_running_requests_then_refuses(loaded):
         client = make_client(loaded)
         await client.start()
         task = asyncio.create_task(collect(client, request("s", frames=5)))
-        await asyncio.sleep(0.05)
+        # Admitted before the stop, which refuses what is not in yet (a fixed 50 ms is a guess a busy box can miss).
+        deadline = time.monotonic() + 30.0
+        while client.stats().waiting + client.stats().running == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         await client.stop(grace_s=30)
         chunks, _ = await task
         with pytest.raises(RequestRejected) as err:
@@ -332,8 +336,6 @@ def test_stats_count_steps_and_the_loop_time_around_them(loaded):
 
 
 def _wait_for(cond, timeout: float) -> bool:
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():

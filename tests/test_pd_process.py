@@ -28,7 +28,6 @@ from legato.pipeline.topology import TopologyError, build_client, parse_topology
 
 BLOCKS = 128
 OPTS = {"torch_threads": 1, "start_timeout_s": 90}
-HEARTBEATS = 1.2  # link counters reach the server with each worker heartbeat (every 0.5 s): wait two
 
 
 def _config(**kw) -> EngineConfig:
@@ -63,6 +62,36 @@ def _pd(path, topology: str, kv_backend: str = "shm", instance_id: str | None = 
 
 def _workers(router) -> list[ProcessEngineClient]:
     return [*router.prefill.replicas, *router.decode]
+
+
+async def _until(cond, timeout_s: float = 15.0) -> None:
+    """Polls `cond` until it holds or the deadline passes (the assertions after it then say what was seen).
+    Link counters and states reach the server with the workers' heartbeats: a fixed wait for "two heartbeats"
+    read stale counters whenever a busy machine delayed one."""
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def _logged(worker: ProcessEngineClient, text: str) -> bool:
+    return any(text in line for line in list(worker._log_tail))
+
+
+async def _held(worker: ProcessEngineClient, rid: str) -> None:
+    """Until the prefill worker holds `rid`'s handoff (the injected send delay): its log says so."""
+    await _until(lambda: _logged(worker, f"holding the handoff of {rid} "), timeout_s=60.0)
+    assert _logged(worker, f"holding the handoff of {rid} "), f"{rid}'s handoff was never held"
+
+
+async def _released(worker: ProcessEngineClient, rid: str) -> None:
+    """Until the injected delay of `rid`'s handoff is over (the worker then sends it, or drops it if aborted)."""
+    await _until(lambda: _logged(worker, f"releasing the handoff of {rid}"), timeout_s=60.0)
+    assert _logged(worker, f"releasing the handoff of {rid}"), f"{rid}'s handoff was never released"
+
+
+def _count(client, peer: int, key: str) -> int:
+    status = client.links.get(peer)
+    return status.counters.get(key, 0) if status is not None else 0
 
 
 async def _settled(router, timeout_s: float = 15.0) -> None:
@@ -105,7 +134,8 @@ def test_process_pd_gives_the_codes_of_single(tiny_checkpoint, want, topology, b
         try:
             got = {c: await _gather(router, _requests(8, prefix=f"c{c}-"), c) for c in (1, 8)}
             await _settled(router)
-            await asyncio.sleep(HEARTBEATS)  # fresh link counters
+            await _until(lambda: sum(s.counters.get("sent", 0) for w in router.prefill.replicas
+                                     for s in w.links.values()) >= 16)
             return got, [s for w in router.prefill.replicas for s in w.links.values()]
         finally:
             await router.stop()
@@ -171,11 +201,11 @@ def test_transfer_deadline_fails_that_request_only(tiny_checkpoint):
         try:
             slow, fast = await asyncio.gather(_gather(router, [_long("slow-1", 5)], 1),
                                               _gather(router, _requests(3, prefix="ok"), 3))
-            await asyncio.sleep(2.0)  # the held handoff is offered late, and declined
+            await _released(router.prefill.replicas[0], "slow-1")  # then dropped: the router aborted it
             after = await _gather(router, _requests(2, prefix="after"), 2)
             await _settled(router)
-            await asyncio.sleep(HEARTBEATS)
             prefill, decode = router.prefill.replicas[0], router.decode[0]
+            await _until(lambda: _count(decode, 0, "timeouts") == 1 and _count(prefill, 0, "sent") == 5)
             return slow[0], fast, after, prefill.links[0].counters, decode.links[0].counters
         finally:
             await router.stop()
@@ -188,23 +218,24 @@ def test_transfer_deadline_fails_that_request_only(tiny_checkpoint):
 
 
 def test_abort_while_the_handoff_is_held(tiny_checkpoint):
-    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 0.6, "delay_prefix": "slow"})
+    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 3.0, "delay_prefix": "slow"})
 
     async def run():
         await router.start()
         try:
             gen = router.generate(_long("slow-a"))
             task = asyncio.create_task(anext(gen))
-            await asyncio.sleep(0.3)  # prefill done, handoff held by the injected delay
+            await _held(router.prefill.replicas[0], "slow-a")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             await gen.aclose()  # the client went away: both sides are aborted
-            await asyncio.sleep(1.0)
+            await _released(router.prefill.replicas[0], "slow-a")
             ok = await _gather(router, _requests(2, prefix="ok"), 2)
             await _settled(router)
-            await asyncio.sleep(HEARTBEATS)
-            return ok, router.prefill.replicas[0].links[0].counters, router.decode[0].links[0].counters
+            prefill, decode = router.prefill.replicas[0], router.decode[0]
+            await _until(lambda: _count(prefill, 0, "sent") == 2 and _count(decode, 0, "received") == 2)
+            return ok, prefill.links[0].counters, decode.links[0].counters
         finally:
             await router.stop()
 
@@ -216,7 +247,7 @@ def test_abort_while_the_handoff_is_held(tiny_checkpoint):
 def test_late_handoff_for_a_request_the_decode_side_aborted(tiny_checkpoint):
     """The decode side gives the request up while the prefill worker still holds its handoff; the handoff
     is sent anyway and must be refused and counted, with nothing leaked on either side."""
-    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 0.8, "delay_prefix": "slow"})
+    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 3.0, "delay_prefix": "slow"})
 
     async def run():
         await router.start()
@@ -226,13 +257,14 @@ def test_late_handoff_for_a_request_the_decode_side_aborted(tiny_checkpoint):
             decoded = decode.await_handoff(req.request_id, 0, 30.0)
             sent = asyncio.ensure_future(_gather(prefill, [dataclasses.replace(req, handoff_only=True,
                                                                                handoff_to=0)], 1))
-            await asyncio.sleep(0.3)
+            await _held(prefill, req.request_id)
             await decode.abort(req.request_id, "client disconnected")  # only the decode side hears it
             dec = [c async for c in decoded]
             pre = (await sent)[0]
             ok = await _gather(router, _requests(2, prefix="ok"), 2)
             await _settled(router)
-            await asyncio.sleep(HEARTBEATS)
+            await _until(lambda: _count(prefill, 0, "failed") == 1 and _count(decode, 0, "cancelled") == 1
+                         and _count(prefill, 0, "sent") == 2 and _count(decode, 0, "received") == 2)
             return dec, pre, ok, prefill.links[0].counters, decode.links[0].counters
         finally:
             await router.stop()
@@ -254,14 +286,15 @@ def test_killed_prefill_worker_fails_its_requests_and_the_rest_serve(tiny_checkp
         try:
             victim = router.prefill.replicas[0]
             doomed = asyncio.ensure_future(_gather(router, [_long("slow-k", 5)], 1))  # placed on prefill 0
-            await asyncio.sleep(0.1)
+            await _until(lambda: router.prefill.in_flight[0] == 1)
             survivors = asyncio.ensure_future(_gather(router, [_long("s-long", 30)], 1))  # on prefill 1
-            await asyncio.sleep(0.5)  # the doomed handoff is held; the decode side is armed for it
+            await _held(victim, "slow-k")  # the decode side is armed for it
             os.kill(victim.pid, signal.SIGKILL)
             doomed, survivors = await doomed, await survivors
             after = await _gather(router, _requests(2, prefix="after"), 2)
             await _settled(router)
-            await asyncio.sleep(HEARTBEATS)
+            links = router.decode[0].links
+            await _until(lambda: 0 in links and links[0].state == "failed" and 1 in links and links[1].state == "ready")
             # A copy: the worker's shutdown reports its other links closing after this returns.
             return doomed[0], survivors, after, dict(router.decode[0].links)
         finally:
@@ -286,9 +319,9 @@ def test_recompute_policy_reruns_a_request_whose_handoff_timed_out(tiny_checkpoi
         try:
             slow, ref = await asyncio.gather(_gather(router, [_long("slow-r", 6)], 1),
                                              _gather(router, [_long("ref-r", 6)], 1))
-            await asyncio.sleep(1.5)  # the held handoff is offered late, and declined
+            await _released(router.prefill.replicas[0], "slow-r")  # then dropped: the router aborted it
             await _settled(router)
-            await asyncio.sleep(HEARTBEATS)
+            await _until(lambda: _count(router.decode[0], 0, "timeouts") == 1)
             return slow[0], ref[0], router.stats(), router.decode[0].links[0].counters
         finally:
             await router.stop()
@@ -307,7 +340,7 @@ def test_recompute_policy_survives_a_killed_prefill_worker(tiny_checkpoint):
         await router.start()
         try:
             doomed = asyncio.ensure_future(_gather(router, [_long("slow-k", 5)], 1))  # placed on prefill 0
-            await asyncio.sleep(0.5)  # prefilled; its handoff held by the injected delay
+            await _held(router.prefill.replicas[0], "slow-k")
             os.kill(router.prefill.replicas[0].pid, signal.SIGKILL)
             doomed = (await doomed)[0]
             ref = (await _gather(router, [_long("ref-k", 5)], 1))[0]  # prefill 1 is the one left
@@ -330,7 +363,7 @@ def test_stop_drains_in_order_so_a_held_handoff_still_lands(tiny_checkpoint):
     async def run():
         await router.start()
         stream = asyncio.ensure_future(_gather(router, [_long("slow-s", 8)], 1))
-        await asyncio.sleep(0.4)  # prefilled; the handoff is held by the injected delay
+        await _held(router.prefill.replicas[0], "slow-s")
         await router.stop(10.0)
         return (await stream)[0]
 

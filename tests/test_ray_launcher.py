@@ -310,9 +310,10 @@ def test_a_killed_decode_actor_fails_its_stream_recomputes_its_handoff_and_the_o
             firsts = [await s.__anext__() for s in streams]  # both streaming: long0 on decode0, long1 on decode1
             assert router.decode_in_flight == [1, 1] and not any(c.finished for c in firsts)
             ref = asyncio.ensure_future(gather_streams(router, [_long("ref-x", 6)], 1))  # turn 2: decode0
-            await asyncio.sleep(0.2)
-            slow = asyncio.ensure_future(gather_streams(router, [_long("slow-x", 6)], 1))  # turn 3: decode1, held
             deadline = time.monotonic() + 30
+            while router.decode_in_flight[0] < 2 and time.monotonic() < deadline:  # ref has taken its turn
+                await asyncio.sleep(0.05)
+            slow = asyncio.ensure_future(gather_streams(router, [_long("slow-x", 6)], 1))  # turn 3: decode1, held
             while router.decode_in_flight[1] < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert router.decode_in_flight[1] == 2

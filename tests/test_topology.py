@@ -26,6 +26,8 @@ def test_parse():
     assert parse_topology("1p1d") == Topology("pd", 1, 1) and str(parse_topology("3P1D")) == "3p1d"
     assert parse_topology("2p3d").num_workers == 5
     assert parse_topology("split") == Topology("split") and parse_topology("split").num_workers == 2
+    # Engines decoding side by side: what /v1/models multiplies --max-num-seqs by (decode_slots).
+    assert [parse_topology(t).decode_engines for t in ("single", "split", "replicas:3", "2p3d")] == [1, 1, 3, 3]
     for bad, match in [("0p1d", "1 <= M"), ("mtp:2", "--mtp-replicas"), ("replicas:0", "1 <= N"),
                        ("ring", "unknown")]:
         with pytest.raises(TopologyError, match=match):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from legato.cli_help import DefaultsFormatter
+
+from .served import api_key, concurrency_of_server, mode_of_model, served_model, server_card
 
 
 def _rate(value: str) -> float:
@@ -88,7 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
     p.add_argument("--api-key", default=None,
                    help="bearer token of a server run with --api-key (default: $LEGATO_API_KEY when set)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: unbounded)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight (default: the requests the server decodes at once, from its "
+                        "/v1/models; unbounded when it does not say)")
     p.add_argument("--result-dir", default="bench-results", help="where the run's JSON and check WAV go")
     p.add_argument("--topology", default="server", help="recorded in the result (and the file names)")
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs the server uses: enables per-GPU figures")
@@ -195,9 +198,9 @@ def _prepare(args: argparse.Namespace):
         raise ValueError("--extra-body must be a JSON object")
     mode, voice = args.mode, args.voice
     if mode is None:
-        mode, voice = ("voice", voice) if voice else _mode_of_model(args)
+        mode, voice = ("voice", voice) if voice else mode_of_model(args)
     elif mode == "voice" and voice is None:
-        voice = _mode_of_model(args)[1]
+        voice = mode_of_model(args)[1]
     spec = RequestSpec(mode, voice, args.language, fixed, args.max_new_tokens, args.request_seed, extra)
     dataset = args.dataset_path or DEFAULT_DATASET
     num_prompts = args.num_prompts if args.num_prompts is not None else (100 if args.dataset_path else None)
@@ -210,7 +213,7 @@ def _prepare(args: argparse.Namespace):
                         model=args.model, max_concurrency=getattr(args, "max_concurrency", None),
                         request_rate=args.request_rate, num_warmups=args.num_warmups, timeout_s=args.timeout,
                         seed=args.seed, sample_rate=args.sample_rate, progress=not args.no_progress,
-                        api_key=getattr(args, "api_key", None) or os.environ.get("LEGATO_API_KEY"))
+                        api_key=api_key(args))
     request_cfg = {k: v for k, v in asdict(spec).items() if k != "fixed_length"}
     request_cfg["fixed_length"] = {**asdict(fixed), "rule": fixed.describe()} if fixed else None
     config = {
@@ -228,56 +231,17 @@ def _prepare(args: argparse.Namespace):
     return requests, ccfg, slo, config
 
 
-_MODE_OF_TYPE = {"base": "clone", "custom_voice": "voice", "voice_design": "design"}
-_TYPE_OF_TASK = {"Base": "base", "CustomVoice": "custom_voice", "VoiceDesign": "voice_design"}
-
-
-def _served_model(server_args: str) -> str | None:
-    """The model `legato serve SERVER_ARGS` loads (None: the embedded default)."""
-    from legato.cli import build_parser
-
-    try:
-        served = build_parser().parse_args(["serve", *shlex.split(server_args)])
-    except SystemExit as e:
-        raise ValueError(f"--server-args {server_args!r} are not `legato serve` arguments") from e
-    return served.model or served.model_arg
-
-
-def _mode_of_model(args: argparse.Namespace) -> tuple[str, str | None]:
-    """(mode, preset voice) that fit the model the bench runs against: a running server's `/v1/models` for
-    `bench serve`; for `bench sweep` the config files of the model its servers will load."""
-    if hasattr(args, "base_url"):
-        import httpx
-
-        try:
-            card = httpx.get(f"{args.base_url}/v1/models", timeout=10.0).raise_for_status().json()["data"][0]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"cannot read the server's model from {args.base_url}/v1/models ({e}); give --mode") \
-                from e
-        model_type, voices = _TYPE_OF_TASK.get(card.get("task_type"), "base"), card.get("voices") or []
-    else:
-        from legato.models.qwen3_tts.default import default_model_dir
-        from legato.pipeline.process_client import model_info
-
-        info = model_info(_served_model(args.server_args) or default_model_dir(), "bench")
-        model_type, voices = info.model_type, info.speakers
-    mode = _MODE_OF_TYPE.get(model_type, "clone")
-    voice = None
-    if mode == "voice":
-        if not voices:
-            raise ValueError("the server's CustomVoice model lists no voices; give --voice")
-        voice = "ryan" if "ryan" in [v.lower() for v in voices] else voices[0]
-    print(f"legato bench: the model is a {model_type} model: mode {mode}" + (f", voice {voice}" if voice else ""),
-          file=sys.stderr)
-    return mode, voice
-
-
 def _serve(args: argparse.Namespace) -> int:
     from .client import run
     from .report import build_result, run_stem, run_table, save_run
 
+    if args.max_concurrency is None:
+        args.max_concurrency = concurrency_of_server(args)
+    card = server_card(args)
+    served_seqs = card.get("max_num_seqs") if isinstance(card, dict) else None
     requests, ccfg, slo, config = _prepare(args)
-    config.update(topology=args.topology, num_gpus=args.num_gpus, max_num_seqs=args.max_num_seqs, server_args=None)
+    config.update(topology=args.topology, num_gpus=args.num_gpus, max_num_seqs=args.max_num_seqs or served_seqs,
+                  server_args=None)
     out = run(ccfg, requests)
     result = build_result(config, out, slo, args.num_gpus)
     paths = save_run(result, out, Path(args.result_dir), run_stem(args.label, args.topology, ccfg.max_concurrency),
@@ -311,7 +275,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.server_cmd:
         scfg.server_cmd = shlex.split(args.server_cmd)
     fixed = config["request"]["fixed_length"]
-    meta = {"model": args.model or "(server default)", "model_path": _served_model(args.server_args)
+    meta = {"model": args.model or "(server default)", "model_path": served_model(args.server_args)
             or "embedded tiny default (random weights)", "dataset": config["dataset"]["path"],
             "mode": config["request"]["mode"], "fixed_length": fixed["rule"] if fixed else None,
             "max_num_seqs": parse_flag(scfg.server_args, "--max-num-seqs"), "max_new_tokens": args.max_new_tokens,
@@ -338,12 +302,15 @@ def _summarize(args: argparse.Namespace) -> int:
         r = load_result(path)
         cfg = r["config"]
         gpus = cfg.get("num_gpus") or 1
+        # An uncapped run (`bench serve` without a cap from the flag or the server) had every request in flight.
+        concurrency = cfg["client"]["max_concurrency"] or len(r["requests"])
         cells.append({"topology": cfg.get("topology", "server"), "gpus": gpus,
-                      "concurrency": cfg["client"]["max_concurrency"], "control": control_for(gpus),
+                      "concurrency": concurrency, "control": control_for(gpus),
                       "aggregates": r["aggregates"], "error": None, "result": str(Path(path))})
     first = load_result(args.runs[0])["config"]
     fixed = first["request"].get("fixed_length")
-    meta = {"model": parse_flag(first.get("server_args", []), "--model") or "(server default)",
+    # `bench serve` records `server_args: null`: it ran against a server it did not start.
+    meta = {"model": parse_flag(first.get("server_args") or [], "--model") or "(server default)",
             "dataset": first["dataset"]["path"], "mode": first["request"]["mode"],
             "fixed_length": fixed["rule"] if fixed else None, "max_num_seqs": first.get("max_num_seqs"),
             "server_args": first.get("server_args"), "slo": first.get("slo"),

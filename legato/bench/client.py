@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import httpx
@@ -21,6 +22,7 @@ import httpx
 from . import MissingExtraError
 from .datasets import BenchRequest
 from .metrics import RequestRecord
+from .pace import Pace, frames_per_char
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,15 @@ class ClientConfig:
     sample_rate: int = 24000
     progress: bool = True
     api_key: str | None = None  # sent as `Authorization: Bearer` (a server run with --api-key)
+    tick_s: float = 0.5  # how often the progress line and the pace check (pace.py) are brought up to date
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         if not self.request_rate > 0:
             raise ValueError("request_rate must be > 0 (inf: all at once)")
-        if self.timeout_s <= 0 or self.num_warmups < 0:
-            raise ValueError("timeout_s must be > 0 and num_warmups >= 0")
+        if self.timeout_s <= 0 or self.num_warmups < 0 or self.tick_s <= 0:
+            raise ValueError("timeout_s and tick_s must be > 0 and num_warmups >= 0")
 
 
 @dataclass
@@ -54,6 +57,7 @@ class RunOutput:
     started_at: str
     check_pcm: bytes | None = None  # the audio of one completed request, for a listening check
     check_utt_id: str | None = None
+    warnings: list[dict] = field(default_factory=list)  # {"run", "at_s", "message"}: the pace check's, if any
 
 
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
@@ -74,6 +78,7 @@ class _Runner:
         self.cfg = cfg
         self.check_pcm: bytes | None = None
         self.check_utt_id: str | None = None
+        self.warnings: list[dict] = []
 
     def body(self, req: BenchRequest) -> dict:
         body = {"model": self.cfg.model} if self.cfg.model else {}
@@ -122,10 +127,12 @@ class _Runner:
             rec.end_s = time.perf_counter() - t_sent
 
     async def run_all(self, reqs: list[BenchRequest], records: list[RequestRecord], concurrency: int | None,
-                      capture: bool, desc: str) -> float:
+                      capture: bool, desc: str, pace: Pace | None = None) -> float:
         sem = asyncio.Semaphore(concurrency) if concurrency else None
         bar = _progress(len(reqs), desc, self.cfg.progress)
+        pace = pace or Pace(records, self.cfg.timeout_s, self.cfg.sample_rate)
         t0 = time.perf_counter()
+        ticker = asyncio.create_task(self._tick(bar, pace, t0, desc))
 
         async def one(req: BenchRequest, rec: RequestRecord) -> None:
             delay = t0 + rec.scheduled_s - time.perf_counter()
@@ -141,13 +148,33 @@ class _Runner:
         try:
             await asyncio.gather(*(one(q, r) for q, r in zip(reqs, records, strict=True)))
         finally:
+            ticker.cancel()
             bar.close()
         return time.perf_counter() - t0
+
+    async def _tick(self, bar, pace: Pace, t0: float, run: str) -> None:
+        """Every `tick_s`: the frames received on the progress line, and the pace check, which warns once."""
+        expected = pace.expected_total()
+        while True:
+            await asyncio.sleep(self.cfg.tick_s)
+            got = pace.total_frames()
+            bar.set_postfix_str(f"{got:.0f}/{expected:.0f} frames" if expected else f"{got:.0f} frames")
+            verdict = pace.check(time.perf_counter() - t0)
+            if verdict is not None:
+                at = time.perf_counter() - t0
+                self.warnings.append({"run": run, "at_s": round(at, 3), "message": verdict.message()})
+                bar.write(f"legato bench: warning: {verdict.message()}", file=sys.stderr)
 
 
 class _NoProgress:
     def update(self, n: int) -> None:
         pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def write(self, s: str, file=None) -> None:
+        print(s, file=file or sys.stderr, flush=True)
 
     def close(self) -> None:
         pass
@@ -161,7 +188,7 @@ def _progress(total: int, desc: str, enabled: bool):
     except ImportError as e:
         hint = "the progress bar needs tqdm: pip install 'legato[bench]', or pass --no-progress"
         raise MissingExtraError(hint) from e
-    return tqdm(total=total, desc=desc, unit="req", leave=False)
+    return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr)
 
 
 def _records(reqs: list[BenchRequest], offsets: list[float]) -> list[RequestRecord]:
@@ -185,8 +212,12 @@ async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest]) -> RunO
             await runner.run_all(warm_reqs, warmups, cfg.max_concurrency, capture=False, desc="warm-up")
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         records = _records(requests, arrival_offsets(len(requests), cfg.request_rate, cfg.seed))
-        duration = await runner.run_all(requests, records, cfg.max_concurrency, capture=True, desc="bench")
-    return RunOutput(records, warmups, duration, started_at, runner.check_pcm, runner.check_utt_id)
+        # The warm-ups' lengths tell the pace check how long a request of the model's own length runs.
+        pace = Pace(records, cfg.timeout_s, cfg.sample_rate, frames_per_char(warmups))
+        duration = await runner.run_all(requests, records, cfg.max_concurrency, capture=True, desc="bench",
+                                        pace=pace)
+    return RunOutput(records, warmups, duration, started_at, runner.check_pcm, runner.check_utt_id,
+                     runner.warnings)
 
 
 def run(cfg: ClientConfig, requests: list[BenchRequest]) -> RunOutput:

@@ -45,6 +45,7 @@ def build_result(config: dict, out: RunOutput, slo: SloSpec, num_gpus: int | Non
         "check_audio_utt_id": out.check_utt_id,
         "requests": [r.to_json() for r in out.records],
         "warmups": [r.to_json() for r in out.warmups],
+        "warnings": out.warnings,
     }
 
 

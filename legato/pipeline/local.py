@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from collections import Counter
@@ -44,28 +42,9 @@ from legato.pipeline.client import (
     SynthesisRequest,
 )
 from legato.pipeline.drain import DrainRate
+from legato.pipeline.threads import ENGINE_THREAD_NAME, set_gil_switch_interval
 
 log = logging.getLogger(__name__)
-
-
-# The engine thread releases the GIL while it waits for the GPU and must win it back from the event loop and
-# the admission thread, which hold it for up to Python's switch interval (5 ms by default) at a time: at a
-# ~12 ms step that wait is a large share of the GPU's idle gap. A shorter interval bounds it.
-# $LEGATO_GIL_SWITCH_MS overrides it (0: leave the interpreter's own).
-DEFAULT_GIL_SWITCH_MS = 1.0
-
-
-def set_gil_switch_interval() -> None:
-    """Applies $LEGATO_GIL_SWITCH_MS (or the default); raises ValueError naming it when it is not a number >= 0."""
-    raw = os.environ.get("LEGATO_GIL_SWITCH_MS", str(DEFAULT_GIL_SWITCH_MS))
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = float("nan")
-    if not ms >= 0 or ms == float("inf"):
-        raise ValueError(f"LEGATO_GIL_SWITCH_MS must be a number of milliseconds >= 0 (0: Python's own), got {raw!r}")
-    if ms > 0:
-        sys.setswitchinterval(ms / 1000.0)
 
 
 @dataclass
@@ -100,15 +79,18 @@ class LocalEngineClient(EngineClient):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._aborted: Counter[str] = Counter()
-        self._stats = EngineStats(num_kv_blocks=config.num_kv_blocks or 0)
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._loop_other_s = 0.0  # engine thread: host time outside engine.step() while work runs
+        # A snapshot read from any thread; the engine thread renews it whenever what it reports changes. Taken
+        # now, before the thread runs: a read before the first step must see the idle engine, every block free
+        # (a router or a worker's heartbeat would take a zeroed snapshot for a full replica).
+        self._stats = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._stopping = False
         self._stopped = threading.Event()
         self._closed = False  # the engine thread has exited: the inbox takes nothing more
         self._inbox_lock = threading.Lock()
         self._deadline: float | None = None  # engine thread: when shutdown aborts what is still running
         self._drain_rate = DrainRate()  # engine thread: finishes per second, for a 429's Retry-After
-        self._loop_other_s = 0.0  # engine thread: host time outside engine.step() while work runs
 
     # --- server side ----------------------------------------------------------------------------------
 
@@ -230,13 +212,15 @@ class LocalEngineClient(EngineClient):
                 if deadline is not None and (not self.engine.has_unfinished() or time.monotonic() > deadline):
                     for rid in list(self._streams):
                         self.engine.abort(rid, "server shutting down")
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
                     self._refresh_stats()
+                    self._deliver(outputs)
                     return
                 outputs = self.engine.step()
                 started = time.perf_counter()
-                self._deliver(outputs)
+                # Stats first: whoever sees a request's last chunk must see the blocks it gave back.
                 self._refresh_stats()
+                self._deliver(outputs)
                 self._loop_other_s += time.perf_counter() - started
         except Exception:  # the loop itself failing is fatal for this worker: fail every stream loudly
             log.exception("engine loop crashed")
@@ -283,6 +267,7 @@ class LocalEngineClient(EngineClient):
             _, rid, reason = cmd
             if self.engine.abort(rid, reason):
                 self._aborted[reason] += 1
+                self._refresh_stats()  # its blocks are free now, not after the next step
         elif kind == "stop":
             self._stopping = True
             if self._deadline is None:
@@ -300,6 +285,7 @@ class LocalEngineClient(EngineClient):
             _settle(admitted, error=rejection(e, retry_after=wait))
             return
         self._streams[req.request_id] = stream
+        self._refresh_stats()  # a caller told it is admitted sees it counted
         _settle(admitted, result=seed)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -329,10 +315,14 @@ class LocalEngineClient(EngineClient):
                 pass
 
     def _refresh_stats(self) -> None:
+        self._stats = self._snapshot()
+
+    def _snapshot(self) -> EngineStats:
+        """The engine's stats as they are now: called by the engine thread, or before it runs."""
         sched, bm, times = self.engine.scheduler, self.engine.block_manager, self.engine.times
-        self._stats = EngineStats(
+        return EngineStats(
             waiting=sched.num_waiting, running=sched.num_running, kv_usage=bm.usage,
-            num_kv_blocks=self.engine.config.num_kv_blocks or 0, free_kv_blocks=bm.num_free_blocks,
+            num_kv_blocks=bm.num_blocks, free_kv_blocks=bm.num_free_blocks,
             aborted=dict(self._aborted), steps=times.steps, step_host_s=times.host_s, step_gpu_s=times.gpu_s,
             step_gap_s=times.gap_s, loop_other_s=self._loop_other_s,
         )

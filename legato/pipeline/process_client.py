@@ -45,9 +45,12 @@ from legato.pipeline.client import (
 from legato.pipeline.ipc import zmq_endpoint
 from legato.pipeline.kv_links import KVLinkSpec, socket_path
 from legato.pipeline.launchers import Launcher, LocalLauncher
+from legato.pipeline.liveness import Liveness
 from legato.pipeline.worker import WorkerSpec, receive_limit
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_SEND_S = 5.0  # how long a stop keeps offering a live worker its Shutdown before it terminates it
 
 
 def new_instance_id() -> str:
@@ -118,7 +121,7 @@ class ProcessEngineClient(EngineClient):
         self._ready = threading.Event()
         self._closing = threading.Event()
         self._stopping = False
-        self._last_beat = 0.0
+        self._liveness = Liveness(heartbeat_timeout_s)  # silence as the I/O thread watched it (liveness.py)
         self._log_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._ctx: zmq.Context | None = None
         self._cmd: zmq.Socket | None = None
@@ -194,7 +197,7 @@ class ProcessEngineClient(EngineClient):
     async def _shutdown_process(self, grace_s: float) -> None:
         proc = self.proc
         steps = [(grace_s + 30.0, proc.terminate), (5.0, proc.kill), (5.0, None)]
-        if proc.poll() is None and not (self._ready.is_set() and self._send(m.Shutdown(grace_s))):
+        if proc.poll() is None and not await self._tell_shutdown(grace_s):
             steps = steps[1:]  # it cannot hear a Shutdown (still loading, or gone): terminate at once
             proc.terminate()
         loop = asyncio.get_running_loop()
@@ -209,6 +212,7 @@ class ProcessEngineClient(EngineClient):
         self._closing.set()
         for t in self._threads:
             await loop.run_in_executor(None, t.join, 10.0)
+        self._holds_nothing()  # its final Stats may be unread, and it is gone either way
         self._fail_all("worker stopped")
         with self._lock:
             for sock in (self._cmd, self._out):
@@ -219,6 +223,19 @@ class ProcessEngineClient(EngineClient):
         if self.kv is not None and self.kv.role == "decode":  # a killed decode worker leaves its listener behind
             ipc.remove(socket_path(self.kv.instance_id, self.kv.index))
         await self.launcher.release(self.worker_name)
+
+    async def _tell_shutdown(self, grace_s: float) -> bool:
+        """Sends a ready worker its Shutdown, retrying a send refused for the moment (its command pipe full
+        behind a worker a busy machine slows down) for up to SHUTDOWN_SEND_S: one refusal must not turn an
+        orderly stop into a SIGTERM. False when the worker cannot hear it (still loading, or gone)."""
+        if not self._ready.is_set():
+            return False
+        deadline = time.monotonic() + SHUTDOWN_SEND_S
+        while not self._send(m.Shutdown(grace_s)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -299,8 +316,7 @@ class ProcessEngineClient(EngineClient):
 
     def is_alive(self) -> bool:
         return (self._ready.is_set() and self.dead_reason is None and not self._stopping
-                and self.proc is not None and self.proc.poll() is None
-                and time.monotonic() - self._last_beat < self.heartbeat_timeout_s)
+                and self.proc is not None and self.proc.poll() is None and not self._liveness.expired)
 
     def _unavailable(self) -> str:
         if self.dead_reason:
@@ -364,17 +380,20 @@ class ProcessEngineClient(EngineClient):
         code = self.proc.poll()
         if code is not None:
             self._died(f"worker died ({getattr(self.proc, 'death', None) or f'exit code {code}'})")
-        elif self._ready.is_set() and time.monotonic() - self._last_beat > self.heartbeat_timeout_s:
+        elif self._ready.is_set() and self._liveness.look():
             self._died(f"worker died (no heartbeat for {self.heartbeat_timeout_s:.0f} s)")
             self.proc.kill()
 
     def _died(self, reason: str) -> None:
         log.error("engine worker %s: %s", self.label, reason)
         self.dead_reason = reason
-        # Its last heartbeat is stale: everything it ran has failed, and it holds nothing any more.
+        self._holds_nothing()  # its last heartbeat is stale: everything it ran has failed
+        self._fail_all(reason)
+
+    def _holds_nothing(self) -> None:
+        """The stats of a worker that is gone: no request, every block free (its counters as last reported)."""
         blocks = self._stats.num_kv_blocks
         self._stats = dataclasses.replace(self._stats, waiting=0, running=0, kv_usage=0.0, free_kv_blocks=blocks)
-        self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
@@ -388,9 +407,10 @@ class ProcessEngineClient(EngineClient):
             _settle(fut, error=RequestRejected(503, reason))
 
     def _dispatch(self, msg: m.Message) -> None:
+        self._liveness.heard()  # any message, not only a heartbeat: a worker streaming chunks is alive
         if isinstance(msg, m.Heartbeat):
-            self._last_beat = time.monotonic()
-        elif isinstance(msg, m.Stats):
+            return  # being heard was all it had to say
+        if isinstance(msg, m.Stats):
             self._stats = msg.stats
         elif isinstance(msg, m.LinkStatus):
             self.links[msg.peer] = msg
@@ -417,7 +437,6 @@ class ProcessEngineClient(EngineClient):
         elif isinstance(msg, m.Ready):
             self.info = dataclasses.replace(msg.info, name=self.info.name)
             self.generation_defaults = msg.generation_defaults
-            self._last_beat = time.monotonic()
             self._ready.set()
         else:
             log.error("engine worker %s sent a %s: not a worker -> server message", self.label, type(msg).__name__)

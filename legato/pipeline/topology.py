@@ -38,6 +38,11 @@ class Topology:
     def num_workers(self) -> int:
         return 2 if self.kind == "split" else self.replicas + self.decode
 
+    @property
+    def decode_engines(self) -> int:
+        """Engines that decode requests side by side (`max_num_seqs` requests each)."""
+        return {"pd": self.decode, "replicas": self.replicas}.get(self.kind, 1)
+
     def __str__(self) -> str:
         if self.kind == "pd":
             return f"{self.replicas}p{self.decode}d"

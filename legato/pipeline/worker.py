@@ -114,20 +114,33 @@ class _Worker:
         else:
             log.error("dropping a %s: not a server -> worker message", type(msg).__name__)
 
+    async def finish(self, rid: str, chunk: StreamChunk) -> None:
+        """A request's last chunk, after the Stats that no longer count it: the server reads them in order, so
+        whoever sees a request end sees the blocks it gave back (not those of the last heartbeat)."""
+        await self.send(m.Stats(self.client.stats()))
+        await self.send(m.Chunk(rid, chunk))
+
     async def stream(self, rid: str, chunks) -> None:
+        ended = False
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    await self.send(m.Chunk(rid, chunk))
+                    if chunk.finished:
+                        ended = True
+                        await self.finish(rid, chunk)
+                    else:
+                        await self.send(m.Chunk(rid, chunk))
         except RequestRejected as e:
             await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
         except Exception as e:  # a failure here fails this request, with a reason, not the worker
             log.exception("streaming %s failed", rid)
-            await self.send(m.Chunk(rid, _end("error", f"worker error: {e}")))
+            ended = True
+            await self.finish(rid, _end("error", f"worker error: {e}"))
         finally:
             self.tasks.pop(rid, None)
             self.cancelled.discard(rid)
-        await self.send(m.Stats(self.client.stats()))  # blocks came back: say so without waiting for a beat
+        if not ended:  # refused, or closed early: blocks may have come back all the same
+            await self.send(m.Stats(self.client.stats()))
 
     async def prefill_and_send(self, req) -> None:
         """Prefill worker: run the prefill, then move the handoff over the KV link to decode worker
@@ -139,27 +152,32 @@ class _Worker:
                 async for chunk in cs:
                     final = chunk if chunk.finished else final
             if final is None or final.finish_reason != "handoff" or final.handoff is None:
-                await self.send(m.Chunk(rid, final or _end("error", "prefill ended without a handoff")))
+                await self.finish(rid, final or _end("error", "prefill ended without a handoff"))
                 return
             if self.links.spec.send_delay_s > 0 and rid.startswith(self.links.spec.delay_prefix):
+                # Fault injection: the lines let a test act while the handoff is held, and after, without
+                # guessing how long a busy machine takes to get there.
+                log.info("holding the handoff of %s for %.1f s (injected send delay)", rid,
+                         self.links.spec.send_delay_s)
                 await asyncio.sleep(self.links.spec.send_delay_s)
+                log.info("releasing the handoff of %s", rid)
             if rid in self.cancelled:
-                await self.send(m.Chunk(rid, _end("abort", "aborted before its handoff was sent")))
+                await self.finish(rid, _end("abort", "aborted before its handoff was sent"))
                 return
             ev = await self.links.send(peer, final.handoff)
             if ev.kind is EventKind.SENT:
-                await self.send(m.Chunk(rid, dataclasses.replace(final, handoff=None)))
+                await self.finish(rid, dataclasses.replace(final, handoff=None))
             else:
-                await self.send(m.Chunk(rid, self._transfer_failed(rid, f"to decode worker {peer}", ev)))
+                await self.finish(rid, self._transfer_failed(rid, f"to decode worker {peer}", ev))
         except RequestRejected as e:
             await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
+            await self.send(m.Stats(self.client.stats()))
         except Exception as e:
             log.exception("prefill of %s failed", rid)
-            await self.send(m.Chunk(rid, _end("error", f"worker error: {e}")))
+            await self.finish(rid, _end("error", f"worker error: {e}"))
         finally:
             self.tasks.pop(rid, None)
             self.cancelled.discard(rid)
-        await self.send(m.Stats(self.client.stats()))
 
     async def receive_and_decode(self, msg: m.AwaitHandoff) -> None:
         """Decode worker: wait (bounded) for the handoff from prefill worker `msg.peer`, then decode it."""
@@ -242,6 +260,8 @@ async def run(spec: WorkerSpec) -> int:
             worker.links = KVLinks(KVLinkSpec(**spec.kv), client.engine.kv_layout, worker.link_changed,
                                    device=config.device)
             worker.links.start()
+        # Stats before Ready: the server serves once it reads Ready, and must not serve the stats it assumed.
+        await worker.send(m.Stats(client.stats()))
         await worker.send(m.Ready(client.info, os.getpid(), dict(loaded.generation_defaults)))
         log.info("ready: %s on %s", spec.model_path, config.device)
         await worker.serve(cmd)

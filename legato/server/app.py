@@ -83,7 +83,8 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
         voices = [v.name for v in voice_store.list()] if saved else info.speakers
         return ModelList(data=[ModelCard(
             id=service.model_name, created=created, task_type=service.task_type, sample_rate=info.sample_rate,
-            languages=info.languages, voices=voices,
+            languages=info.languages, voices=voices, max_num_seqs=settings.max_num_seqs,
+            decode_slots=settings.decode_slots,
         )])
 
     @app.get("/health", responses={503: {"description": "The engine has stopped or died, or the server is "

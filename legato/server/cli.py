@@ -339,6 +339,8 @@ def serve(args: argparse.Namespace) -> int:
         prompt_limit = PromptLimit.from_model_dir(resolve_model_dir(model_path), settings, engine_config)
         engine_config.max_prompt_tokens = prompt_limit.limit
         topology = parse_topology(args.topology)
+        settings.max_num_seqs = args.max_num_seqs
+        settings.decode_slots = args.max_num_seqs * topology.decode_engines
         devices = args.devices.split(",") if args.devices else None
         generation_defaults: dict = {}
 

@@ -139,6 +139,10 @@ class ModelCard(BaseModel):
     sample_rate: int
     languages: list[str]
     voices: list[str]
+    # legato's own fields, for load generators (OpenAI clients ignore them): each engine's --max-num-seqs and
+    # the requests the whole deployment decodes at once (that times its decode engines).
+    max_num_seqs: int | None = None
+    decode_slots: int | None = None
 
 
 class ModelList(BaseModel):

@@ -72,6 +72,11 @@ class ServerSettings:
     loopback."""
     generation_defaults: dict[str, Any] = field(default_factory=lambda: dict(GENERATION_DEFAULTS))
     """The model's sampling defaults (`LoadedModel.generation_defaults`); request fields override them."""
+    max_num_seqs: int | None = None
+    """Each engine's --max-num-seqs, reported on /v1/models (None: not reported)."""
+    decode_slots: int | None = None
+    """Requests the deployment decodes at once (max_num_seqs x decode engines), reported on /v1/models so a
+    load generator (`legato bench serve`) sizes its concurrency to it (None: not reported)."""
 
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "default_max_new_tokens", "max_new_tokens_limit", "max_ref_audio_bytes"):

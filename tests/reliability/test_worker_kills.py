@@ -119,8 +119,14 @@ async def _prefill(path) -> Outcome:
         await _until(lambda: len(router.prefill._placement) == len(reqs), "every request placed")
         on_victim = {rid for rid, idx in router.prefill._placement.items() if idx == 0}
         assert len(on_victim) == PER_WORKER, router.prefill._placement
-        await asyncio.sleep(1.0)  # prefilled, handoffs held by the injected delay
-        _kill(router.prefill.replicas[0].pid)
+        victim = router.prefill.replicas[0]
+
+        def held() -> bool:  # the worker logs each handoff its injected delay holds
+            return all(any(f"holding the handoff of {rid} " in line for line in list(victim._log_tail))
+                       for rid in on_victim)
+
+        await _until(held, "the victim holds every handoff it prefilled")
+        _kill(victim.pid)
         results = await running
         after = await _gather(router, [_long(f"after{i}", 5) for i in range(PER_WORKER)])
         await _settled(router)

@@ -1,0 +1,73 @@
+"""The host-thread settings an engine loop runs with, shared by the server (`LocalEngineClient`, in the server
+process or a worker) and the offline API (`TTS.generate`, `legato synth`), so both degrade alike when the
+machine is busy.
+
+1. The loop runs on a thread of its own, never on the caller's. On the CPU, torch's intra-op threads
+   (OpenMP, libgomp) spin-wait between parallel regions; libgomp cuts the spinning short only when its
+   threads outnumber the cores, which two teams (the caller's, from loading the model, and the engine
+   thread's) always do. With the loop on the caller's thread the one team spins at full count, and beside
+   other busy processes the spinning takes the cores the work needs: on a 2-core box at load ~5 a 70-frame
+   utterance took 58-73 s that way and 10-12 s on an engine thread (issue 20; the server took 16-20 s).
+2. The GIL switch interval is shortened (`set_gil_switch_interval`): the engine thread releases the GIL
+   while it waits for the device and must win it back from the event loop and the admission thread.
+3. torch's intra-op thread count is left as torch sets it (a worker applies its `torch_threads` when given).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# The engine thread releases the GIL while it waits for the GPU and must win it back from the event loop and
+# the admission thread, which hold it for up to Python's switch interval (5 ms by default) at a time: at a
+# ~12 ms step that wait is a large share of the GPU's idle gap. A shorter interval bounds it.
+# $LEGATO_GIL_SWITCH_MS overrides it (0: leave the interpreter's own).
+DEFAULT_GIL_SWITCH_MS = 1.0
+ENGINE_THREAD_NAME = "engine"
+
+
+def set_gil_switch_interval() -> None:
+    """Applies $LEGATO_GIL_SWITCH_MS (or the default); raises ValueError naming it when it is not a number >= 0."""
+    raw = os.environ.get("LEGATO_GIL_SWITCH_MS", str(DEFAULT_GIL_SWITCH_MS))
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = float("nan")
+    if not ms >= 0 or ms == float("inf"):
+        raise ValueError(f"LEGATO_GIL_SWITCH_MS must be a number of milliseconds >= 0 (0: Python's own), got {raw!r}")
+    if ms > 0:
+        sys.setswitchinterval(ms / 1000.0)
+
+
+def run_on_engine_thread(loop: Callable[[threading.Event], T]) -> T:
+    """Runs `loop(stop)` on an engine thread with the server's settings and returns what it returns (or raises
+    what it raises). The caller waits; if the wait is interrupted (Ctrl-C), `stop` is set so the loop can end
+    early, and the interruption goes on. The GIL switch interval is the caller's again afterwards."""
+    stop = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = loop(stop)
+        except BaseException as e:  # handed to the caller's thread, which raises it
+            outcome["error"] = e
+
+    previous = sys.getswitchinterval()
+    set_gil_switch_interval()
+    thread = threading.Thread(target=target, name=ENGINE_THREAD_NAME, daemon=True)
+    try:
+        thread.start()
+        thread.join()
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        sys.setswitchinterval(previous)
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["result"]  # type: ignore[return-value]
