@@ -21,7 +21,8 @@ case "$PART" in
   check)
     PYTHONPATH=.:tests:$PYTHONPATH timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       -k "${TESTS:-codec or snake}" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30
-    PYTHONPATH=.:$PYTHONPATH timeout 330 python3 benchmarks/codec_step.py --out "$OUT/codec_step.json" \
+    PYTHONPATH=.:$PYTHONPATH timeout 330 python3 benchmarks/codec_step.py --variants "${VARIANTS:-old,plain,new}" \
+      --out "$OUT/codec_step.json" \
       2>&1 | grep -v '^{' ;;
   tune)
     PYTHONPATH=.:tests:$PYTHONPATH timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \

@@ -28,6 +28,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interp._patch_lang_tensor = _patch_lang_tensor
 
 from legato.layers import causal_conv as cc
+from legato.layers import conv_kernels as ck
 from legato.layers import rows as rw
 from legato.layers import window_attention as wa
 
@@ -94,6 +95,31 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
             out = base.clone() if epi == "residual" else torch.full_like(base, float("nan"))
             outs.append(cc.conv_gemm(p, w, b, length, taps, dil, phases, epi, e, out=out, kernel=kernel))
         errors[f"conv taps={taps} dil={dil} phases={phases} {cin}->{cout} {epi}"] = _err(outs[0], outs[1])
+
+    # split-K: the same convs in K parts, partial sums reduced with the bias and the epilogue
+    for taps, dil, phases, cin, cout, length, epi in cases[:5]:
+        h = (taps - 1) * dil + 1
+        p = _rand(2, h + length, cin, gen=gen, device=device, dtype=dtype)
+        w = _rand(taps * cin, phases * cout, gen=gen, device=device, dtype=dtype, scale=cin ** -0.5)
+        b = _rand(phases * cout, gen=gen, device=device, dtype=dtype, scale=0.1)
+        e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
+        base = _rand(2 * length * phases, cout, gen=gen, device=device, dtype=dtype)
+        ref = cc.conv_gemm(p, w, b, length, taps, dil, phases, epi, e, out=base.clone(), kernel=False)
+        out = base.clone() if epi == "residual" else torch.full_like(base, float("nan"))
+        ck.launch_conv(p, w, b, length, taps, dil, phases, epi, e, out, split=3)
+        errors[f"split-K conv taps={taps} phases={phases} {cin}->{cout} {epi}"] = _err(out, ref)
+
+    # a residual unit as one kernel, against its two GEMMs (channels below and at a power of two)
+    for c, taps, dil, length in ((12, 7, 3, 5), (32, 7, 1, 9), (40, 3, 2, 4)):
+        h = (taps - 1) * dil
+        p = _rand(3, h + length, c, gen=gen, device=device, dtype=dtype)
+        w7 = _rand(taps * c, c, gen=gen, device=device, dtype=dtype, scale=(taps * c) ** -0.5)
+        w1 = _rand(c, c, gen=gen, device=device, dtype=dtype, scale=c ** -0.5)
+        b7, b1 = (_rand(c, gen=gen, device=device, dtype=dtype, scale=0.1) for _ in range(2))
+        e = (_rand(c, gen=gen, device=device).exp(), _rand(c, gen=gen, device=device).exp())
+        x = _rand(3 * length, c, gen=gen, device=device, dtype=dtype)
+        outs = [cc.residual_unit(p, w7, b7, length, taps, dil, e, w1, b1, x.clone(), kernel=k) for k in (True, False)]
+        errors[f"residual unit C={c} taps={taps} dil={dil}"] = _err(outs[0], outs[1])
 
     # depthwise conv + LayerNorm
     p = _rand(3, 6 + 7, 24, gen=gen, device=device, dtype=dtype)

@@ -20,4 +20,20 @@ def test_kernels_equal_their_twins_under_the_interpreter():
     run = subprocess.run([sys.executable, str(HERE / "codec_kernel_checks.py"), "cpu"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    assert run.stdout.count(": ") >= 16  # every check ran and reported
+    assert run.stdout.count(": ") >= 24  # every check ran and reported
+
+
+def test_split_k_fills_one_wave_and_leaves_full_grids_alone():
+    from legato.layers.conv_kernels import split_k
+
+    assert split_k(programs=12, iters=112, sms=132) == 11  # the first conv at one frame: 12 tiles, K = 7 x 16
+    assert split_k(programs=48, iters=84, sms=132) == 2
+    assert split_k(programs=200, iters=84, sms=132) == 1  # already more than a wave
+    assert split_k(programs=70, iters=84, sms=132) == 1  # more than half a wave: a split would add a second
+    assert split_k(programs=4, iters=9, sms=132) == 2  # parts keep >= 4 K steps
+    assert split_k(programs=4, iters=7, sms=132) == 1
+    for programs, iters in ((1, 100), (3, 50), (10, 17), (5, 64)):
+        split = split_k(programs, iters, 132)
+        per = -(-iters // split)
+        assert (split - 1) * per < iters  # no empty part
+        assert programs * split <= 132

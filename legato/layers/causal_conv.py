@@ -21,22 +21,19 @@ Every function has a Triton kernel (CUDA, bf16 or fp32 storage, fp32 math) and a
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from legato.layers.conv_tiles import conv_blocks, pow2_at_least
+from legato.layers.conv_kernels import EPILOGUES, FAST_SIN, UNIT_MAX_CHANNELS, triton
+from legato.layers.conv_kernels import launch_conv as _launch_conv
+from legato.layers.conv_kernels import launch_unit as _launch_unit
+from legato.layers.conv_tiles import pow2_at_least
 
-try:
-    import triton
+if triton is not None:
     import triton.language as tl
-except ImportError:  # pragma: no cover - the CPU build of torch ships no Triton
-    triton = None
 
-EPILOGUES = ("none", "snake", "gelu", "residual", "clamp")
-# The interpreter (TRITON_INTERPRET=1, the CPU tests of the kernels) runs no inline PTX.
-_FAST_SIN = os.environ.get("TRITON_INTERPRET") != "1"
+    from legato.layers.conv_kernels import snake_fn
+
 
 
 def snake_reference(x: torch.Tensor, freq: torch.Tensor, inv_mag: torch.Tensor) -> torch.Tensor:
@@ -155,6 +152,26 @@ def conv_gemm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return out
 
 
+def fused_unit_fits(p: torch.Tensor, kernel: bool | None = None) -> bool:
+    """Whether `residual_unit` runs as one kernel here (else it is the two GEMMs it stands for)."""
+    return (kernel if kernel is not None else use_triton(p)) and p.shape[2] <= UNIT_MAX_CHANNELS
+
+
+def residual_unit(p: torch.Tensor, w7: torch.Tensor, b7: torch.Tensor, length: int, taps: int, dil: int,
+                  epi: tuple[torch.Tensor, torch.Tensor], w1: torch.Tensor, b1: torch.Tensor, x: torch.Tensor,
+                  kernel: bool | None = None) -> torch.Tensor:
+    """x [B * length, C] += conv1x1(snake(conv(P))) in place: the conv of `taps` taps at dilation `dil` over
+    P [B, H + length, C] (`w7 [taps * C, C]`, `b7`), SnakeBeta `epi` = (freq, inv_mag), then `w1 [C, C]`, `b1`.
+    One kernel where `fused_unit_fits`; the intermediate is rounded to P's dtype either way."""
+    if fused_unit_fits(p, kernel):
+        if p.shape[0] * length != x.shape[0] or w7.shape != (taps * p.shape[2], p.shape[2]):
+            raise ValueError(f"residual_unit: P {tuple(p.shape)}, x {tuple(x.shape)}, w7 {tuple(w7.shape)}")
+        _launch_unit(p, w7, b7, length, taps, dil, epi, w1, b1, x)
+        return x
+    h = conv_gemm(p, w7, b7, length, taps, dil, 1, "snake", epi, kernel=kernel)
+    return conv_gemm(h.view(1, x.shape[0], -1), w1, b1, x.shape[0], 1, 1, 1, "residual", out=x, kernel=kernel)
+
+
 def depthwise_layernorm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, length: int, eps: float,
                         kernel: bool | None = None) -> torch.Tensor:
     """Causal depthwise conv over P [B, H + length, C] (`weight [C, taps]`, taps = H + 1) then LayerNorm without
@@ -175,21 +192,6 @@ def depthwise_layernorm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 if triton is not None:
-
-    @triton.jit
-    def _snake(x, freq, inv_mag, FAST_SIN: tl.constexpr):
-        # The argument is first reduced to [-pi, pi], Cody-Waite style (2 pi as a short exact head and a tail),
-        # where the hardware's sin.approx is accurate to ~1e-6 absolute (FAST_SIN, CUDA only); libdevice's sin
-        # otherwise (the interpreter).
-        arg = x * freq
-        k = tl.floor(arg * 0.15915494309189535 + 0.5)
-        arg = (arg - k * 6.28125) - k * 0.0019353071795864769
-        if FAST_SIN:
-            s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [arg], dtype=tl.float32, is_pure=True,
-                                          pack=1)
-        else:
-            s = tl.sin(arg)
-        return x + inv_mag * s * s
 
     @triton.jit
     def _stage_kernel(x_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, freq_ptr, inv_ptr, out_ptr,
@@ -214,7 +216,7 @@ if triton is not None:
         if SNAKE:
             freq = tl.load(freq_ptr + c, mask=cmask, other=0.0)
             inv = tl.load(inv_ptr + c, mask=cmask, other=0.0)
-            new = _snake(new, freq[None, :], inv[None, :], FAST_SIN)
+            new = snake_fn(new, freq[None, :], inv[None, :], FAST_SIN)
         val = tl.where(in_hist[:, None], old.to(tl.float32), new).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + (b * rows + r)[:, None].to(tl.int64) * C + c[None, :], val,
                  mask=valid[:, None] & cmask[None, :])
@@ -260,53 +262,6 @@ if triton is not None:
                  mask=keep[:, None] & cmask[None, :])
 
     @triton.jit
-    def _conv_kernel(p_ptr, w_ptr, b_ptr, out_ptr, f_ptr, i_ptr,
-                     M, L, PL, CIN, COUT, PHASES, OFF0, DIL,
-                     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KT: tl.constexpr,
-                     IEEE: tl.constexpr, FAST_SIN: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        phase = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        mmask = rm < M
-        nmask = rn < COUT
-        prow = (rm // L) * PL + (rm % L) + OFF0  # P row of tap 0
-        wcol = phase * COUT + rn
-        wstride = PHASES * COUT
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for it in range(0, TAPS * KT):
-            tap = it // KT
-            kk = (it - tap * KT) * BLOCK_K + rk
-            kmask = kk < CIN
-            a = tl.load(p_ptr + (prow + tap * DIL)[:, None].to(tl.int64) * CIN + kk[None, :],
-                        mask=mmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptr + (tap * CIN + kk)[:, None].to(tl.int64) * wstride + wcol[None, :],
-                        mask=kmask[:, None] & nmask[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + wcol, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        orow = rm * PHASES + phase
-        optrs = out_ptr + orow[:, None].to(tl.int64) * COUT + rn[None, :]
-        omask = mmask[:, None] & nmask[None, :]
-        if EPILOGUE == 1:  # snake
-            freq = tl.load(f_ptr + rn, mask=nmask, other=0.0)
-            inv = tl.load(i_ptr + rn, mask=nmask, other=0.0)
-            acc = _snake(acc, freq[None, :], inv[None, :], FAST_SIN)
-        elif EPILOGUE == 2:  # exact GELU
-            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-        elif EPILOGUE == 3:  # residual: the output already holds what this adds to
-            acc += tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
-        elif EPILOGUE == 4:
-            acc = tl.minimum(tl.maximum(acc, -1.0), 1.0)
-        tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-
-    @triton.jit
     def _dwln_kernel(p_ptr, w_ptr, b_ptr, out_ptr, L, PL, C, EPS, TAPS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         b = tl.program_id(0)
@@ -343,7 +298,7 @@ def _launch_stage(x, hist, calls, positions, slots, rate, snake, out):
     freq, inv = snake if snake is not None else (out, out)  # never read without SNAKE
     grid = (b, triton.cdiv(h + length, block_r), triton.cdiv(c, block_c))
     _stage_kernel[grid](x.contiguous(), hist, calls, positions, slots, freq, inv, out, length, h, c, rate,
-                        SNAKE=snake is not None, FAST_SIN=_FAST_SIN, BLOCK_R=block_r, BLOCK_C=block_c)
+                        SNAKE=snake is not None, FAST_SIN=FAST_SIN, BLOCK_R=block_r, BLOCK_C=block_c)
 
 
 def _launch_codebook_stage(codes, tables, first, hist, calls, positions, slots, out):
@@ -354,22 +309,6 @@ def _launch_codebook_stage(codes, tables, first, hist, calls, positions, slots, 
     grid = (b, triton.cdiv(h + t, block_r), triton.cdiv(2 * d, block_c))
     _codebook_kernel[grid](codes.contiguous(), tables, hist, calls, positions, slots, out, t, h, d, size, Q=q,
                            FIRST=first, BLOCK_R=block_r, BLOCK_C=block_c)
-
-
-def _launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None):
-    """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), else `conv_blocks`' choice and 3 stages."""
-    b, rows, cin = p.shape
-    cout = weight.shape[1] // phases
-    m = b * length
-    block_m, block_n, block_k, warps, stages = config or conv_blocks(m, cin, cout, taps, phases)
-    kt = triton.cdiv(cin, block_k)
-    freq, inv = epi if epi is not None else (out, out)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(cout, block_n), phases)
-    _conv_kernel[grid](p, weight, bias if bias is not None else out, out, freq, inv,
-                       m, length, rows, cin, cout, phases, rows - length - (taps - 1) * dil, dil,
-                       TAPS=taps, HAS_BIAS=bias is not None, EPILOGUE=EPILOGUES.index(epilogue),
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, KT=kt,
-                       IEEE=p.dtype == torch.float32, FAST_SIN=_FAST_SIN, num_warps=warps, num_stages=stages)
 
 
 def _launch_dwln(p, weight, bias, length, eps, out):

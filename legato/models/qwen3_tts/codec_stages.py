@@ -16,11 +16,22 @@ from dataclasses import dataclass
 
 import torch
 
-from legato.layers.causal_conv import codebook_stage, conv_gemm, depthwise_layernorm, stage
+from legato.layers.causal_conv import (
+    codebook_stage,
+    conv_gemm,
+    depthwise_layernorm,
+    fused_unit_fits,
+    residual_unit,
+    stage,
+)
 from legato.layers.rows import rms_normalize, silu_mul_packed
 from legato.layers.window_attention import window_attention
 
 from .codec_slots import CodecSlots
+
+# A narrow residual unit as one kernel on the GPU (layers/conv_kernels.py); benchmarks/codec_step.py measures
+# without it too.
+FUSE_UNITS = True
 
 
 @dataclass
@@ -68,15 +79,16 @@ class Conv:
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [B, L, Cin] -> [B * L * phases, Cout]."""
-        b, length, _ = x.shape
-        if self.staged:
-            bank = ctx.bank
-            p = stage(x, bank.hist[self.name], bank.calls, bank.position, ctx.slots, self.rate, self.snake_in,
-                      kernel=ctx.kernels)
-        else:
-            p = x
-        return conv_gemm(p, self.weight, self.bias, length, self.taps, self.dil, self.phases, self.epilogue,
-                         self.epi, out=out, out_dtype=out_dtype, kernel=ctx.kernels)
+        return conv_gemm(self.staged_input(x, ctx), self.weight, self.bias, x.shape[1], self.taps, self.dil,
+                         self.phases, self.epilogue, self.epi, out=out, out_dtype=out_dtype, kernel=ctx.kernels)
+
+    def staged_input(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """P: the history rows then x's (through the input SnakeBeta), or x itself for a 1x1 conv without one."""
+        if not self.staged:
+            return x
+        bank = ctx.bank
+        return stage(x, bank.hist[self.name], bank.calls, bank.position, ctx.slots, self.rate, self.snake_in,
+                     kernel=ctx.kernels)
 
 
 def transposed_conv(name: str, module, rate: int, dtype, device, snake_in=None) -> Conv:
@@ -108,9 +120,20 @@ class ResidualUnit:
         self.conv1 = Conv(name + ".conv2", conv_weight(c1.conv.weight), c1.conv.bias, 1, 1, rate, dtype, device,
                           epilogue="residual")
 
+        zeros = lambda conv: torch.zeros(conv.cout, dtype=conv.weight.dtype, device=device)  # noqa: E731
+        self.bias7 = self.conv7.bias if self.conv7.bias is not None else zeros(self.conv7)
+        self.bias1 = self.conv1.bias if self.conv1.bias is not None else zeros(self.conv1)
+
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         b, length, c = x.shape
-        h = self.conv7(x, ctx)
+        p = self.conv7.staged_input(x, ctx)
+        if FUSE_UNITS and fused_unit_fits(p, ctx.kernels):
+            c7 = self.conv7
+            residual_unit(p, c7.weight, self.bias7, length, c7.taps, c7.dil, c7.epi, self.conv1.weight, self.bias1,
+                          x.view(b * length, c), kernel=True)
+            return x
+        h = conv_gemm(p, self.conv7.weight, self.conv7.bias, length, self.conv7.taps, self.conv7.dil, 1, "snake",
+                      self.conv7.epi, kernel=ctx.kernels)
         self.conv1(h.view(1, b * length, c), ctx, out=x.view(b * length, c))
         return x
 

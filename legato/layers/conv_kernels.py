@@ -1,0 +1,244 @@
+"""The Triton kernels of the codec's conv GEMMs (`causal_conv.py` holds the API and the PyTorch twins).
+
+- `_conv_kernel`: one causal conv (taps x dilation, or a transposed conv as phases) as an implicit GEMM over
+  the staged input P, with its epilogue. Where the output has too few tiles to fill the GPU (the decoder's
+  first convs see 64 rows at one frame per call, with K up to 7 x 1024) it runs split-K: each part writes fp32
+  partial sums and `_split_reduce_kernel` adds them, the bias and the epilogue.
+- `_unit_kernel`: a whole residual unit of a narrow block (C <= 256), `x += conv1x1(snake(conv7(P)))`: the
+  7-tap conv's tile covers every channel, so its SnakeBeta'd output stays in registers as the A operand of the
+  1x1 conv, instead of a round trip through memory and a second launch. It rounds that intermediate to the
+  storage dtype first, as the two-kernel path does.
+
+Math is fp32 whatever the storage (bf16 on the GPU, fp32 under the interpreter in the CPU tests).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from legato.layers.conv_tiles import conv_blocks, pow2_at_least
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU build of torch ships no Triton
+    triton = None
+
+EPILOGUES = ("none", "snake", "gelu", "residual", "clamp")
+# The interpreter (TRITON_INTERPRET=1, the CPU tests of the kernels) runs no inline PTX.
+FAST_SIN = os.environ.get("TRITON_INTERPRET") != "1"
+# Widest channel count whose residual unit runs as one kernel: its tiles hold every channel (acc [BM, C] twice).
+UNIT_MAX_CHANNELS = 256
+# Split-K switch (benchmarks/codec_step.py measures with and without it).
+SPLIT_K = True
+
+
+@lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 132  # the interpreter: any count works, this one matches the H100/H200 the tiles were tuned on
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_k(programs: int, iters: int, sms: int) -> int:
+    """How many K parts a conv of `programs` output tiles and `iters` K steps runs in: enough to fill about one
+    wave of `sms` programs, each part keeping >= 4 K steps; 1 when the tiles already fill the GPU."""
+    if not SPLIT_K or programs * 2 > sms:
+        return 1
+    split = min(sms // programs, iters // 4, 16)
+    if split < 2:
+        return 1
+    per = -(-iters // split)
+    return -(-iters // per)  # no empty part
+
+
+if triton is not None:
+
+    @triton.jit
+    def snake_fn(x, freq, inv_mag, FAST_SIN: tl.constexpr):
+        # The argument is first reduced to [-pi, pi], Cody-Waite style (2 pi as a short exact head and a tail),
+        # where the hardware's sin.approx is accurate to ~1e-6 absolute (FAST_SIN, CUDA only); libdevice's sin
+        # otherwise (the interpreter).
+        arg = x * freq
+        k = tl.floor(arg * 0.15915494309189535 + 0.5)
+        arg = (arg - k * 6.28125) - k * 0.0019353071795864769
+        if FAST_SIN:
+            s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [arg], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+        else:
+            s = tl.sin(arg)
+        return x + inv_mag * s * s
+
+    @triton.jit
+    def _finish(acc, rn, nmask, bcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS: tl.constexpr,
+                EPILOGUE: tl.constexpr, FAST_SIN: tl.constexpr):
+        """Bias (column `bcol`), the epilogue, the store."""
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + bcol, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if EPILOGUE == 1:  # snake
+            freq = tl.load(f_ptr + rn, mask=nmask, other=0.0)
+            inv = tl.load(i_ptr + rn, mask=nmask, other=0.0)
+            acc = snake_fn(acc, freq[None, :], inv[None, :], FAST_SIN)
+        elif EPILOGUE == 2:  # exact GELU
+            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+        elif EPILOGUE == 3:  # residual: the output already holds what this adds to
+            acc += tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
+        elif EPILOGUE == 4:
+            acc = tl.minimum(tl.maximum(acc, -1.0), 1.0)
+        tl.store(optrs, acc.to(optrs.dtype.element_ty), mask=omask)
+
+    @triton.jit
+    def _conv_kernel(p_ptr, w_ptr, b_ptr, out_ptr, f_ptr, i_ptr, ws_ptr,
+                     M, L, PL, CIN, COUT, PHASES, OFF0, DIL,
+                     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KT: tl.constexpr,
+                     IEEE: tl.constexpr, FAST_SIN: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        phase = tl.program_id(2) // SPLIT
+        part = tl.program_id(2) % SPLIT
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mmask = rm < M
+        nmask = rn < COUT
+        prow = (rm // L) * PL + (rm % L) + OFF0  # P row of tap 0
+        wcol = phase * COUT + rn
+        wstride = PHASES * COUT
+        per = tl.cdiv(TAPS * KT, SPLIT)
+        lo = part * per
+        hi = tl.minimum(lo + per, TAPS * KT)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for it in range(lo, hi):
+            tap = it // KT
+            kk = (it - tap * KT) * BLOCK_K + rk
+            kmask = kk < CIN
+            a = tl.load(p_ptr + (prow + tap * DIL)[:, None].to(tl.int64) * CIN + kk[None, :],
+                        mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptr + (tap * CIN + kk)[:, None].to(tl.int64) * wstride + wcol[None, :],
+                        mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+        orow = rm * PHASES + phase
+        omask = mmask[:, None] & nmask[None, :]
+        if SPLIT == 1:
+            optrs = out_ptr + orow[:, None].to(tl.int64) * COUT + rn[None, :]
+            _finish(acc, rn, nmask, wcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS, EPILOGUE, FAST_SIN)
+        else:  # partial sums [SPLIT, M * PHASES, COUT] in fp32
+            wptrs = ws_ptr + (part * M * PHASES + orow)[:, None].to(tl.int64) * COUT + rn[None, :]
+            tl.store(wptrs, acc, mask=omask)
+
+    @triton.jit
+    def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, f_ptr, i_ptr, ROWS, COUT, PHASES,
+                             SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FAST_SIN: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        rmask = r < ROWS
+        cmask = c < COUT
+        mask = rmask[:, None] & cmask[None, :]
+        offs = r[:, None].to(tl.int64) * COUT + c[None, :]
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(ws_ptr + s * ROWS * COUT + offs, mask=mask, other=0.0)
+        # The bias is per (phase, cout): a row's phase is its index modulo PHASES (rows are phase-interleaved).
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + (r % PHASES)[:, None] * COUT + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        _finish(acc, c, cmask, c, out_ptr + offs, mask, b_ptr, f_ptr, i_ptr, False, EPILOGUE, FAST_SIN)
+
+    @triton.jit
+    def _unit_kernel(p_ptr, w7_ptr, b7_ptr, f_ptr, i_ptr, w1_ptr, b1_ptr, x_ptr,
+                     M, L, PL, C, OFF0, DIL,
+                     TAPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+                     KT: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, FAST_SIN: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rc = tl.arange(0, BLOCK_C)
+        rk = tl.arange(0, BLOCK_K)
+        mmask = rm < M
+        cmask = rc < C
+        prow = (rm // L) * PL + (rm % L) + OFF0
+        acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+        for it in range(0, TAPS * KT):
+            tap = it // KT
+            kk = (it - tap * KT) * BLOCK_K + rk
+            kmask = kk < C
+            a = tl.load(p_ptr + (prow + tap * DIL)[:, None].to(tl.int64) * C + kk[None, :],
+                        mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w7_ptr + (tap * C + kk)[:, None].to(tl.int64) * C + rc[None, :],
+                        mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+        # Columns past C hold 0 (their weights, bias and SnakeBeta parameters read as 0), so they add nothing
+        # to the 1x1 conv below.
+        acc += tl.load(b7_ptr + rc, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        freq = tl.load(f_ptr + rc, mask=cmask, other=0.0)
+        inv = tl.load(i_ptr + rc, mask=cmask, other=0.0)
+        h = snake_fn(acc, freq[None, :], inv[None, :], FAST_SIN).to(x_ptr.dtype.element_ty)
+        for j in tl.static_range(BLOCK_C // CHUNK):
+            rn = j * CHUNK + tl.arange(0, CHUNK)
+            nmask = rn < C
+            w1 = tl.load(w1_ptr + rc[:, None] * C + rn[None, :], mask=cmask[:, None] & nmask[None, :], other=0.0)
+            if IEEE:
+                y = tl.dot(h, w1, input_precision="ieee")
+            else:
+                y = tl.dot(h, w1)
+            y += tl.load(b1_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            xptrs = x_ptr + rm[:, None].to(tl.int64) * C + rn[None, :]
+            xmask = mmask[:, None] & nmask[None, :]
+            y += tl.load(xptrs, mask=xmask, other=0.0).to(tl.float32)
+            tl.store(xptrs, y.to(x_ptr.dtype.element_ty), mask=xmask)
+
+
+def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None):
+    """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), else `conv_blocks`' choice; `split`: K parts,
+    else `split_k`'s choice."""
+    b, rows, cin = p.shape
+    cout = weight.shape[1] // phases
+    m = b * length
+    block_m, block_n, block_k, warps, stages = config or conv_blocks(m, cin, cout, taps, phases)
+    kt = triton.cdiv(cin, block_k)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(cout, block_n) * phases
+    if split is None:
+        split = split_k(tiles, taps * kt, _sm_count(p.device.index or 0) if p.is_cuda else 132)
+    freq, inv = epi if epi is not None else (out, out)
+    bias_arg = bias if bias is not None else out
+    ws = torch.empty(split, m * phases, cout, dtype=torch.float32, device=p.device) if split > 1 else out
+    code = EPILOGUES.index(epilogue)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(cout, block_n), phases * split)
+    _conv_kernel[grid](p, weight, bias_arg, out, freq, inv, ws,
+                       m, length, rows, cin, cout, phases, rows - length - (taps - 1) * dil, dil,
+                       TAPS=taps, HAS_BIAS=bias is not None, EPILOGUE=code, SPLIT=split,
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, KT=kt,
+                       IEEE=p.dtype == torch.float32, FAST_SIN=FAST_SIN, num_warps=warps, num_stages=stages)
+    if split > 1:
+        block_c = min(pow2_at_least(cout), 128)
+        block_r = max(1, 4096 // block_c)
+        rgrid = (triton.cdiv(m * phases, block_r), triton.cdiv(cout, block_c))
+        _split_reduce_kernel[rgrid](ws, bias_arg, out, freq, inv, m * phases, cout, phases, SPLIT=split,
+                                    HAS_BIAS=bias is not None, EPILOGUE=code, BLOCK_R=block_r, BLOCK_C=block_c,
+                                    FAST_SIN=FAST_SIN)
+
+
+def unit_blocks(c: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_C, BLOCK_K, num_warps, num_stages) of the fused residual unit at `c` channels."""
+    block_c = pow2_at_least(c)
+    block_k = 32 if c % 32 == 0 else min(block_c, 64)
+    return (128 if block_c <= 128 else 64), block_c, block_k, 8, 3
+
+
+def launch_unit(p, w7, b7, length, taps, dil, epi, w1, b1, x, config=None):
+    b, rows, c = p.shape
+    m = b * length
+    block_m, block_c, block_k, warps, stages = config or unit_blocks(c)
+    grid = (triton.cdiv(m, block_m),)
+    _unit_kernel[grid](p, w7, b7, epi[0], epi[1], w1, b1, x, m, length, rows, c, rows - length - (taps - 1) * dil,
+                       dil, TAPS=taps, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
+                       KT=triton.cdiv(c, block_k), CHUNK=min(block_c, 128), IEEE=p.dtype == torch.float32,
+                       FAST_SIN=FAST_SIN, num_warps=warps, num_stages=stages)
