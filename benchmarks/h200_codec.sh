@@ -3,8 +3,10 @@
 #   benchmarks/h200_codec.sh check   # import check, the codec's GPU tests, codec_step.py (old vs new, fidelity)
 #   benchmarks/h200_codec.sh tune    # the codec's GPU tests, then codec_tune.py (tile sizes per conv)
 #   benchmarks/h200_codec.sh loop    # engine_loop.py at c=64 and c=256, 8c76ab2 (.base/) vs this tree
+#   benchmarks/h200_codec.sh unit    # unit_tune.py: one-kernel residual units and split-K against their plain paths
+#   benchmarks/h200_codec.sh serve   # serving_speed.py at c=1/8/64 and 256, both modes, 8c76ab2 vs this tree
 # Needs: the server's wheels in .whl/ (see docs/benchmarks.md), the tree of 8c76ab2 in .base/ for `loop`,
-# OUT a results folder. Random weights throughout; lengths fixed (EOS ignored).
+# prompts in .bench-data/prompts for `serve`, OUT a results folder. Random weights throughout; lengths fixed (EOS ignored).
 set -uo pipefail
 PART=${1:-check}
 OUT=${OUT:-bench-out}
@@ -21,7 +23,7 @@ case "$PART" in
   check)
     PYTHONPATH=.:tests:$PYTHONPATH timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       -k "${TESTS:-codec or snake}" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30
-    PYTHONPATH=.:$PYTHONPATH timeout 330 python3 benchmarks/codec_step.py --variants "${VARIANTS:-old,plain,new}" \
+    PYTHONPATH=.:$PYTHONPATH timeout 330 python3 benchmarks/codec_step.py --variants "${VARIANTS:-old,plain,new,fused}" \
       --out "$OUT/codec_step.json" \
       2>&1 | grep -v '^{' ;;
   tune)
@@ -36,5 +38,20 @@ case "$PART" in
       PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/engine_loop.py --concurrency $c --max-num-seqs $c \
         --requests $((4 * c)) --variants ${VARIANTS:-default,no-audio} --out "$OUT/loop-new-c$c.json" \
         2>&1 | grep '^{' | cut -c1-400
+    done ;;
+  unit)
+    PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/unit_tune.py --out "$OUT/unit_tune.json" 2>&1 \
+      | cut -c1-600 ;;
+  serve)
+    CKPT=/tmp/qwen3tts-0.6b-random
+    [ -f $CKPT/model.safetensors ] || PYTHONPATH=.:$PYTHONPATH python3 -c "import torch; \
+from legato.models.qwen3_tts.config import preset; from legato.models.qwen3_tts.testing import write_checkpoint; \
+write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
+    for run in "1,8,64 64" "256 256"; do
+      set -- $run
+      PYTHONPATH=.:$PYTHONPATH timeout 290 python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts \
+        --variant new=.:legato --variant old=.base:legato --out /tmp/serve-c$2 --concurrency $1 \
+        --modes ${MODES:-xvec,clone} --max-num-seqs $2 --startup-timeout 120 --cell-timeout 120 2>&1 | tail -12
+      cp /tmp/serve-c$2/summary.json "$OUT/serve-c$2.json"
     done ;;
 esac

@@ -29,9 +29,9 @@ from legato.layers.window_attention import window_attention
 
 from .codec_slots import CodecSlots
 
-# A narrow residual unit as one kernel on the GPU (layers/conv_kernels.py); benchmarks/codec_step.py measures
-# without it too.
-FUSE_UNITS = True
+# A narrow residual unit as one kernel on the GPU (layers/conv_kernels.py). Off: on the H200 it measured no
+# faster than its two kernels at one frame per call and slower at 256 x 4 (docs/benchmarks.md).
+FUSE_UNITS = False
 
 
 @dataclass
