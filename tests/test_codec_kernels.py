@@ -26,14 +26,14 @@ def test_kernels_equal_their_twins_under_the_interpreter():
 def test_split_k_fills_one_wave_and_leaves_full_grids_alone():
     from legato.layers.conv_kernels import split_k
 
-    assert split_k(programs=12, iters=112, sms=132) == 11  # the first conv at one frame: 12 tiles, K = 7 x 16
-    assert split_k(programs=48, iters=84, sms=132) == 2
+    assert split_k(programs=24, iters=112, sms=132) == 5  # the 7-tap conv at one frame: 24 tiles, K = 7 x 16
+    assert split_k(programs=16, iters=64, sms=132) == 4  # K = 4096 over 16 tiles
+    assert split_k(programs=32, iters=16, sms=132) == 1  # too short a K: the partial sums cost more
     assert split_k(programs=200, iters=84, sms=132) == 1  # already more than a wave
     assert split_k(programs=70, iters=84, sms=132) == 1  # more than half a wave: a split would add a second
-    assert split_k(programs=4, iters=9, sms=132) == 2  # parts keep >= 4 K steps
-    assert split_k(programs=4, iters=7, sms=132) == 1
-    for programs, iters in ((1, 100), (3, 50), (10, 17), (5, 64)):
+    for programs, iters in ((1, 100), (3, 50), (10, 33), (5, 64), (2, 1000)):
         split = split_k(programs, iters, 132)
         per = -(-iters // split)
         assert (split - 1) * per < iters  # no empty part
-        assert programs * split <= 132
+        assert programs * split <= 132 and split <= 16
+        assert split == 1 or per >= 16

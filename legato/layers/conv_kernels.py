@@ -45,10 +45,12 @@ def _sm_count(device_index: int) -> int:
 
 def split_k(programs: int, iters: int, sms: int) -> int:
     """How many K parts a conv of `programs` output tiles and `iters` K steps runs in: enough to fill about one
-    wave of `sms` programs, each part keeping >= 4 K steps; 1 when the tiles already fill the GPU."""
+    wave of `sms` programs, each part keeping >= 16 K steps; 1 when the tiles already fill half the GPU. On the
+    H200 (benchmarks/unit_tune.py) shorter parts lost more to the fp32 partial sums than they gained: K of 16-24
+    steps ran 1.2-2.6x slower split, K of 64-112 steps 1.3-2.5x faster."""
     if not SPLIT_K or programs * 2 > sms:
         return 1
-    split = min(sms // programs, iters // 4, 16)
+    split = min(sms // programs, iters // 16, 16)
     if split < 2:
         return 1
     per = -(-iters // split)
