@@ -57,18 +57,23 @@ def cublas(c: dict) -> float:
     return triton.testing.do_bench(run, warmup=5, rep=30, return_mode="median")
 
 
+def codecs_per_cell(cells: str):
+    """(cell, streams, frames, a full-size bf16 StreamingCodecDecoder of random weights) per "BxN" cell."""
+    base = randomize_codec_decoder_(CodecDecoder(CodecDecoderConfig()).eval(), seed=1).cuda()
+    for cell in cells.split(","):
+        b, n = (int(v) for v in cell.split("x"))
+        yield cell, b, n, StreamingCodecDecoder(base, b + 1, dtype=torch.bfloat16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="64x1,256x4")
     ap.add_argument("--min-gflop", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    base = randomize_codec_decoder_(CodecDecoder(CodecDecoderConfig()).eval(), seed=1).cuda()
     results = []
     with torch.inference_mode():
-        for cell in args.cells.split(","):
-            b, n = (int(v) for v in cell.split("x"))
-            codec = StreamingCodecDecoder(base, b + 1, dtype=torch.bfloat16)
+        for cell, b, n, codec in codecs_per_cell(args.cells):
             for i, c in enumerate(record(codec, b, n)):
                 m = c["p"].shape[0] * c["length"]
                 cin, cout = c["p"].shape[2], c["weight"].shape[1] // c["phases"]

@@ -16,13 +16,11 @@ import json
 
 import torch
 import triton.testing
+from codec_tune import codecs_per_cell  # benchmarks/ is the script's folder, first on sys.path
 
 from legato.layers import causal_conv as cc
 from legato.layers import conv_kernels as ck
-from legato.models.qwen3_tts.codec_decoder import CodecDecoder
-from legato.models.qwen3_tts.config import CodecDecoderConfig
 from legato.models.qwen3_tts.streaming_codec import StreamingCodecDecoder
-from legato.models.qwen3_tts.testing import randomize_codec_decoder_
 
 UNIT_CONFIGS = [  # (BLOCK_M, BLOCK_C, BLOCK_K, warps, stages); BLOCK_C is the channels' power of two
     (64, 0, 32, 4, 3), (64, 0, 32, 8, 3), (128, 0, 32, 8, 3), (128, 0, 32, 8, 2), (128, 0, 32, 8, 4),
@@ -103,12 +101,9 @@ def main() -> None:
     ap.add_argument("--max-split-rows", type=int, default=4096)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    base = randomize_codec_decoder_(CodecDecoder(CodecDecoderConfig()).eval(), seed=1).cuda()
     results = []
     with torch.inference_mode():
-        for cell in args.cells.split(","):
-            b, n = (int(v) for v in cell.split("x"))
-            codec = StreamingCodecDecoder(base, b + 1, dtype=torch.bfloat16)
+        for cell, b, n, codec in codecs_per_cell(args.cells):
             units, convs = record(codec, b, n, args.max_split_rows)
             for i, u in enumerate(units):
                 row = {"cell": cell, "kind": "unit", "index": i, **tune_unit(u)}

@@ -93,26 +93,11 @@ if triton is not None:
         tl.store(optrs, acc.to(optrs.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _conv_kernel(p_ptr, w_ptr, b_ptr, out_ptr, f_ptr, i_ptr, ws_ptr,
-                     M, L, PL, CIN, COUT, PHASES, OFF0, DIL,
-                     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KT: tl.constexpr,
-                     IEEE: tl.constexpr, FAST_SIN: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        phase = tl.program_id(2) // SPLIT
-        part = tl.program_id(2) % SPLIT
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _implicit_gemm(p_ptr, w_ptr, prow, wcol, mmask, nmask, lo, hi, CIN, DIL, wstride, KT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """K steps [lo, hi) of a causal conv over P: step `it` is tap `it // KT`, input channels of block
+        `it % KT`; tap i reads P rows `prow + i * DIL`. Returns the fp32 [BLOCK_M, BLOCK_N] accumulator."""
         rk = tl.arange(0, BLOCK_K)
-        mmask = rm < M
-        nmask = rn < COUT
-        prow = (rm // L) * PL + (rm % L) + OFF0  # P row of tap 0
-        wcol = phase * COUT + rn
-        wstride = PHASES * COUT
-        per = tl.cdiv(TAPS * KT, SPLIT)
-        lo = part * per
-        hi = tl.minimum(lo + per, TAPS * KT)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for it in range(lo, hi):
             tap = it // KT
@@ -126,6 +111,30 @@ if triton is not None:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
+        return acc
+
+    @triton.jit
+    def _conv_kernel(p_ptr, w_ptr, b_ptr, out_ptr, f_ptr, i_ptr, ws_ptr,
+                     M, L, PL, CIN, COUT, PHASES, OFF0, DIL,
+                     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KT: tl.constexpr,
+                     IEEE: tl.constexpr, FAST_SIN: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        phase = tl.program_id(2) // SPLIT
+        part = tl.program_id(2) % SPLIT
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask = rm < M
+        nmask = rn < COUT
+        prow = (rm // L) * PL + (rm % L) + OFF0  # P row of tap 0
+        wcol = phase * COUT + rn
+        wstride = PHASES * COUT
+        per = tl.cdiv(TAPS * KT, SPLIT)
+        lo = part * per
+        hi = tl.minimum(lo + per, TAPS * KT)
+        acc = _implicit_gemm(p_ptr, w_ptr, prow, wcol, mmask, nmask, lo, hi, CIN, DIL, wstride, KT,
+                             BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
         orow = rm * PHASES + phase
         omask = mmask[:, None] & nmask[None, :]
         if SPLIT == 1:
@@ -160,23 +169,11 @@ if triton is not None:
                      KT: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, FAST_SIN: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rc = tl.arange(0, BLOCK_C)
-        rk = tl.arange(0, BLOCK_K)
         mmask = rm < M
         cmask = rc < C
         prow = (rm // L) * PL + (rm % L) + OFF0
-        acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-        for it in range(0, TAPS * KT):
-            tap = it // KT
-            kk = (it - tap * KT) * BLOCK_K + rk
-            kmask = kk < C
-            a = tl.load(p_ptr + (prow + tap * DIL)[:, None].to(tl.int64) * C + kk[None, :],
-                        mask=mmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w7_ptr + (tap * C + kk)[:, None].to(tl.int64) * C + rc[None, :],
-                        mask=kmask[:, None] & cmask[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
+        acc = _implicit_gemm(p_ptr, w7_ptr, prow, rc, mmask, cmask, 0, TAPS * KT, C, DIL, C, KT,
+                             BLOCK_M, BLOCK_C, BLOCK_K, IEEE)
         # Columns past C hold 0 (their weights, bias and SnakeBeta parameters read as 0), so they add nothing
         # to the 1x1 conv below.
         acc += tl.load(b7_ptr + rc, mask=cmask, other=0.0).to(tl.float32)[None, :]
