@@ -10,10 +10,12 @@ Every failure (non-2xx, timeout, cut stream, connection error, empty audio) is r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -58,6 +60,7 @@ class RunOutput:
     check_pcm: bytes | None = None  # the audio of one completed request, for a listening check
     check_utt_id: str | None = None
     warnings: list[dict] = field(default_factory=list)  # {"run", "at_s", "message"}: the pace check's, if any
+    t0_s: float = 0.0  # time.perf_counter() at the run's start: the clock of `scheduled_s` and `sent_s`
 
 
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
@@ -72,9 +75,42 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+class _Connections:
+    """One httpx client, so one connection, per request in flight; taking one is what caps the concurrency.
+
+    Not one client for the run: httpcore's pool scans every connection whenever a request starts or ends
+    (`_assign_requests_to_connections`, each check going through anyio's typed attributes), so its cost grows
+    with the square of the load; at 64 streams it was 40 % of the client's time (docs/benchmarks.md). The
+    clients share one TLS context: each would otherwise load the CA bundle (50 ms apiece)."""
+
+    def __init__(self, cfg: ClientConfig, slots: int) -> None:
+        import ssl
+
+        tls = ssl.create_default_context()
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+        self._idle: asyncio.Queue[httpx.AsyncClient] = asyncio.Queue()
+        self._all = [httpx.AsyncClient(base_url=cfg.base_url, timeout=httpx.Timeout(cfg.timeout_s), verify=tls,
+                                       limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+                                       headers=headers) for _ in range(slots)]
+        for c in self._all:
+            self._idle.put_nowait(c)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[httpx.AsyncClient]:
+        client = await self._idle.get()
+        try:
+            yield client
+        finally:
+            self._idle.put_nowait(client)
+
+    async def aclose(self) -> None:
+        for c in self._all:
+            await c.aclose()
+
+
 class _Runner:
-    def __init__(self, client: httpx.AsyncClient, cfg: ClientConfig):
-        self.client = client
+    def __init__(self, connections: _Connections, cfg: ClientConfig):
+        self.connections = connections
         self.cfg = cfg
         self.check_pcm: bytes | None = None
         self.check_utt_id: str | None = None
@@ -87,12 +123,13 @@ class _Runner:
         body.update(stream=True, stream_format="audio", response_format="pcm")
         return body
 
-    async def send(self, req: BenchRequest, rec: RequestRecord, t_run0: float, capture: bool) -> None:
+    async def send(self, client: httpx.AsyncClient, req: BenchRequest, rec: RequestRecord, t_run0: float,
+                   capture: bool) -> None:
         t_sent = time.perf_counter()
         rec.sent_s = t_sent - t_run0
         audio = bytearray() if capture and self.check_pcm is None else None
         try:
-            await asyncio.wait_for(self._stream(req, rec, t_sent, audio), self.cfg.timeout_s)
+            await asyncio.wait_for(self._stream(client, req, rec, t_sent, audio), self.cfg.timeout_s)
         except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException):
             rec.fail("timeout", f"no complete response within {self.cfg.timeout_s:g} s")
         except httpx.TransportError as e:
@@ -106,8 +143,9 @@ class _Runner:
         if rec.ok and audio is not None and self.check_pcm is None:
             self.check_pcm, self.check_utt_id = bytes(audio), rec.utt_id
 
-    async def _stream(self, req: BenchRequest, rec: RequestRecord, t_sent: float, audio: bytearray | None) -> None:
-        async with self.client.stream("POST", self.cfg.endpoint, json=self.body(req)) as resp:
+    async def _stream(self, client: httpx.AsyncClient, req: BenchRequest, rec: RequestRecord, t_sent: float,
+                      audio: bytearray | None) -> None:
+        async with client.stream("POST", self.cfg.endpoint, json=self.body(req)) as resp:
             rec.status = resp.status_code
             if not 200 <= resp.status_code < 300:
                 text = (await resp.aread())[:500].decode("utf-8", errors="replace")
@@ -126,9 +164,10 @@ class _Runner:
                         audio += chunk
             rec.end_s = time.perf_counter() - t_sent
 
-    async def run_all(self, reqs: list[BenchRequest], records: list[RequestRecord], concurrency: int | None,
-                      capture: bool, desc: str, pace: Pace | None = None) -> float:
-        sem = asyncio.Semaphore(concurrency) if concurrency else None
+    async def run_all(self, reqs: list[BenchRequest], records: list[RequestRecord], capture: bool, desc: str,
+                      pace: Pace | None = None) -> tuple[float, float]:
+        """Sends every request on its schedule, each once it holds a connection (the cap); returns (the run's
+        start on perf_counter, its duration)."""
         bar = _progress(len(reqs), desc, self.cfg.progress)
         pace = pace or Pace(records, self.cfg.timeout_s, self.cfg.sample_rate)
         t0 = time.perf_counter()
@@ -138,11 +177,8 @@ class _Runner:
             delay = t0 + rec.scheduled_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if sem is None:
-                await self.send(req, rec, t0, capture)
-            else:
-                async with sem:
-                    await self.send(req, rec, t0, capture)
+            async with self.connections.slot() as client:
+                await self.send(client, req, rec, t0, capture)
             bar.update(1)
 
         try:
@@ -150,7 +186,7 @@ class _Runner:
         finally:
             ticker.cancel()
             bar.close()
-        return time.perf_counter() - t0
+        return t0, time.perf_counter() - t0
 
     async def _tick(self, bar, pace: Pace, t0: float, run: str) -> None:
         """Every `tick_s`: the frames received on the progress line, and the pace check, which warns once."""
@@ -196,28 +232,35 @@ def _records(reqs: list[BenchRequest], offsets: list[float]) -> list[RequestReco
             for i, (r, o) in enumerate(zip(reqs, offsets, strict=True))]
 
 
-async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest]) -> RunOutput:
-    """Warm-ups (not measured), then every request once; returns finalized per-request records."""
+async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest], offsets: list[float] | None = None,
+                        start_gate: Callable[[], None] | None = None) -> RunOutput:
+    """Warm-ups (not measured), then every request once; returns finalized per-request records. `offsets`: the
+    planned send times (default: `arrival_offsets` of the config); `start_gate` is called between the warm-ups
+    and the run (a multi-process run waits there for its other processes, `multiproc.py`)."""
     if not requests:
         raise ValueError("no requests to send")
-    # The pool must never be the bottleneck: a request waiting for a connection would count as latency.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_concurrency or len(requests))
-    timeout = httpx.Timeout(cfg.timeout_s)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
-    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits, headers=headers) as client:
-        runner = _Runner(client, cfg)
+    # A connection per request the cap lets in flight, made before the clock starts: a request never waits for
+    # one (that would count as latency), and none is shared (see _Connections).
+    connections = _Connections(cfg, min(cfg.max_concurrency or len(requests), len(requests)))
+    try:
+        runner = _Runner(connections, cfg)
         warm_reqs = [requests[i % len(requests)] for i in range(cfg.num_warmups)]
         warmups = _records(warm_reqs, [0.0] * len(warm_reqs))
         if warm_reqs:
-            await runner.run_all(warm_reqs, warmups, cfg.max_concurrency, capture=False, desc="warm-up")
+            await runner.run_all(warm_reqs, warmups, capture=False, desc="warm-up")
+        if start_gate is not None:
+            await asyncio.to_thread(start_gate)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        records = _records(requests, arrival_offsets(len(requests), cfg.request_rate, cfg.seed))
+        if offsets is None:
+            offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.seed)
+        records = _records(requests, offsets)
         # The warm-ups' lengths tell the pace check how long a request of the model's own length runs.
         pace = Pace(records, cfg.timeout_s, cfg.sample_rate, frames_per_char(warmups))
-        duration = await runner.run_all(requests, records, cfg.max_concurrency, capture=True, desc="bench",
-                                        pace=pace)
+        t0, duration = await runner.run_all(requests, records, capture=True, desc="bench", pace=pace)
+    finally:
+        await connections.aclose()
     return RunOutput(records, warmups, duration, started_at, runner.check_pcm, runner.check_utt_id,
-                     runner.warnings)
+                     runner.warnings, t0)
 
 
 def run(cfg: ClientConfig, requests: list[BenchRequest]) -> RunOutput:
