@@ -19,9 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-import httpx
-
-from . import MissingExtraError
+from . import MissingExtraError, wire
 from .datasets import BenchRequest
 from .metrics import RequestRecord
 from .pace import Pace, frames_per_char
@@ -76,36 +74,34 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
 
 
 class _Connections:
-    """One httpx client, so one connection, per request in flight; taking one is what caps the concurrency.
+    """One connection per request in flight (`wire.Connection`); taking one is what caps the concurrency.
 
-    Not one client for the run: httpcore's pool scans every connection whenever a request starts or ends
-    (`_assign_requests_to_connections`, each check going through anyio's typed attributes), so its cost grows
-    with the square of the load; at 64 streams it was 40 % of the client's time (docs/benchmarks.md). The
-    clients share one TLS context: each would otherwise load the CA bundle (50 ms apiece)."""
+    Not httpx's shared pool: httpcore scans every connection whenever a request starts or ends
+    (`_assign_requests_to_connections`, each check going through anyio's typed attributes), a cost growing with
+    the square of the load (40 % of the client's time at 64 streams), and its stack spent ~2 ms of CPU per
+    request on the event loop that timestamps the chunks (docs/benchmarks.md, "the bench client")."""
 
     def __init__(self, cfg: ClientConfig, slots: int) -> None:
         import ssl
 
-        tls = ssl.create_default_context()
+        tls = ssl.create_default_context()  # one for all: each would otherwise load the CA bundle (50 ms)
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
-        self._idle: asyncio.Queue[httpx.AsyncClient] = asyncio.Queue()
-        self._all = [httpx.AsyncClient(base_url=cfg.base_url, timeout=httpx.Timeout(cfg.timeout_s), verify=tls,
-                                       limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-                                       headers=headers) for _ in range(slots)]
+        self._idle: asyncio.Queue[wire.Connection] = asyncio.Queue()
+        self._all = [wire.Connection(cfg.base_url, headers, tls) for _ in range(slots)]
         for c in self._all:
             self._idle.put_nowait(c)
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[httpx.AsyncClient]:
-        client = await self._idle.get()
+    async def slot(self) -> AsyncIterator[wire.Connection]:
+        conn = await self._idle.get()
         try:
-            yield client
+            yield conn
         finally:
-            self._idle.put_nowait(client)
+            self._idle.put_nowait(conn)
 
     async def aclose(self) -> None:
         for c in self._all:
-            await c.aclose()
+            c.close()
 
 
 class _Runner:
@@ -123,18 +119,18 @@ class _Runner:
         body.update(stream=True, stream_format="audio", response_format="pcm")
         return body
 
-    async def send(self, client: httpx.AsyncClient, req: BenchRequest, rec: RequestRecord, t_run0: float,
+    async def send(self, conn: wire.Connection, req: BenchRequest, rec: RequestRecord, t_run0: float,
                    capture: bool) -> None:
         t_sent = time.perf_counter()
         rec.sent_s = t_sent - t_run0
         audio = bytearray() if capture and self.check_pcm is None else None
         try:
-            await asyncio.wait_for(self._stream(client, req, rec, t_sent, audio), self.cfg.timeout_s)
-        except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException):
+            await asyncio.wait_for(self._stream(conn, req, rec, t_sent, audio), self.cfg.timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
             rec.fail("timeout", f"no complete response within {self.cfg.timeout_s:g} s")
-        except httpx.TransportError as e:
+        except wire.TransportError as e:
             # After the headers a transport error means the audio stream was cut short.
-            rec.fail("stream_cut" if rec.status is not None else "transport", f"{type(e).__name__}: {e}")
+            rec.fail("stream_cut" if rec.status is not None else "transport", str(e))
         except Exception as e:  # recorded as a failure of this request, never silently dropped
             rec.fail("client_error", f"{type(e).__name__}: {e}")
         if rec.end_s is None:
@@ -143,26 +139,32 @@ class _Runner:
         if rec.ok and audio is not None and self.check_pcm is None:
             self.check_pcm, self.check_utt_id = bytes(audio), rec.utt_id
 
-    async def _stream(self, client: httpx.AsyncClient, req: BenchRequest, rec: RequestRecord, t_sent: float,
+    async def _stream(self, conn: wire.Connection, req: BenchRequest, rec: RequestRecord, t_sent: float,
                       audio: bytearray | None) -> None:
-        async with client.stream("POST", self.cfg.endpoint, json=self.body(req)) as resp:
-            rec.status = resp.status_code
-            if not 200 <= resp.status_code < 300:
-                text = (await resp.aread())[:500].decode("utf-8", errors="replace")
-                rec.fail(f"http_{resp.status_code}", text)
-                return
+        resp = wire.Response(rec.chunk_times_s, rec.chunk_bytes, t_sent)  # filled as reads arrive (the pace check)
+        resp.keep = audio is not None
+        complete = False
+        try:
+            done = await conn.post(self.cfg.endpoint, self.body(req), resp)
+            rec.status = resp.status
+            await done
+            complete = True
+        finally:
+            conn.finish(resp, complete)  # a response not read to its end leaves its connection unusable
             ctype = resp.headers.get("content-type", "")
-            if ctype.startswith(("application/json", "text/")):
-                text = (await resp.aread())[:500].decode("utf-8", errors="replace")
-                rec.fail("bad_content_type", f"{ctype}: {text}")
-                return
-            async for chunk in resp.aiter_raw():
-                if chunk:
-                    rec.chunk_times_s.append(time.perf_counter() - t_sent)
-                    rec.chunk_bytes.append(len(chunk))
-                    if audio is not None:
-                        audio += chunk
-            rec.end_s = time.perf_counter() - t_sent
+            text = bytes(resp.body[:500]).decode("utf-8", errors="replace")
+            error = resp.status is not None and not 200 <= resp.status < 300
+            wrong_type = ctype.startswith(("application/json", "text/"))
+            if error or wrong_type:  # a body that is not audio: its reads are no chunks
+                rec.chunk_times_s.clear()
+                rec.chunk_bytes.clear()
+                if complete:
+                    rec.fail(f"http_{resp.status}" if error else "bad_content_type",
+                             text if error else f"{ctype}: {text}")
+            elif complete:
+                rec.end_s = resp.end - t_sent
+                if audio is not None:
+                    audio += resp.body
 
     async def run_all(self, reqs: list[BenchRequest], records: list[RequestRecord], capture: bool, desc: str,
                       pace: Pace | None = None) -> tuple[float, float]:
