@@ -57,7 +57,8 @@ def run_cell(args, bench_cmd: list[str], pythonpath: str, conc: int, procs: int,
         if procs > 1:
             cmd += ["--client-procs", str(procs)]
         started = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+        # Run from the tree itself: `python -m` puts the working directory first on sys.path.
+        done = subprocess.run(cmd, cwd=pythonpath, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": pythonpath})
         wall = time.perf_counter() - started
         health = httpx.get(f"{url}/health", timeout=10).json()["standin"]
