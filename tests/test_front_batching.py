@@ -54,3 +54,52 @@ def test_a_read_pass_is_one_hand_over_keeping_each_streams_chunks_and_order(tiny
     assert isinstance(refusal, RequestRejected) and refusal.status == 429
     assert client._streams == {} and client._pending == {}  # finished and refused streams are gone
 
+
+
+def test_a_steps_chunks_cross_in_one_message_each_whole_and_in_order():
+    chunks = [("a", _chunk(0, last=False)), ("b", StreamChunk(np.zeros(0, np.float32), 3, codes=None)),
+              ("a", _chunk(2, last=True)), ("c", StreamChunk(np.ones(5, np.float32), 1, finished=True,
+                                                             finish_reason="error", error="boom", retryable=True))]
+    [header, audio, codes] = m.encode(m.Chunks(chunks))  # one header for all, one frame per array kind
+    got = m.decode([header, audio, codes])
+    assert isinstance(got, m.Chunks) and [rid for rid, _ in got.chunks] == ["a", "b", "a", "c"]
+    for (_, want), (_, have) in zip(chunks, got.chunks, strict=True):
+        assert have.audio.tolist() == want.audio.tolist() and have.num_frames == want.num_frames
+        assert (have.codes is None) == (want.codes is None)
+        if want.codes is not None:
+            assert have.codes.tolist() == want.codes.tolist()
+        assert (have.finished, have.finish_reason, have.error, have.retryable) == (
+            want.finished, want.finish_reason, want.error, want.retryable)
+
+
+def test_chunks_whose_sizes_do_not_fit_their_arrays_are_refused():
+    header, audio, codes = m.encode(m.Chunks([("a", _chunk(1, last=False)), ("b", _chunk(2, last=False))]))
+    short = np.zeros(4, np.float32).tobytes()  # the entries claim 5 samples
+    for frames in ([header, short, codes], [header.replace(b'"samples": 2', b'"samples": -1'), audio, codes]):
+        try:
+            m.decode(frames)
+        except m.MessageError as e:
+            assert "chunks" in str(e)
+        else:
+            raise AssertionError("a malformed chunks message was accepted")
+
+
+def test_the_front_takes_a_steps_message_like_its_chunks(tiny_checkpoint):
+    client = pc.ProcessEngineClient(tiny_checkpoint, EngineConfig(device="cpu"))
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        streams = {rid: pc._Stream(loop, asyncio.Queue()) for rid in ("a", "b")}
+        client._streams.update(streams)
+
+        def read_pass() -> None:
+            client._receive(m.encode(m.Chunks([("a", _chunk(0, False)), ("b", _chunk(0, False))])))
+            client._receive(m.encode(m.Chunks([("a", _chunk(1, True)), ("b", _chunk(1, True))])))
+            client._flush()
+
+        await asyncio.to_thread(read_pass)
+        return {rid: [await s.queue.get() for _ in range(2)] for rid, s in streams.items()}
+
+    got = asyncio.run(go())
+    assert all([c.num_frames for c in got[rid]] == [1, 2] and got[rid][1].finished for rid in "ab")
+    assert client._streams == {}

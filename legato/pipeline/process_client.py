@@ -423,10 +423,10 @@ class ProcessEngineClient(EngineClient):
         elif isinstance(msg, m.LinkStatus):
             self.links[msg.peer] = msg
         elif isinstance(msg, m.Chunk):
-            with self._lock:
-                stream = (self._streams.pop if msg.chunk.finished else self._streams.get)(msg.request_id, None)
-            if stream is not None:
-                self._deliver(stream, msg.chunk)
+            self._chunk(msg.request_id, msg.chunk)
+        elif isinstance(msg, m.Chunks):
+            for rid, chunk in msg.chunks:
+                self._chunk(rid, chunk)
         elif isinstance(msg, m.Rejected):
             with self._lock:
                 stream = self._streams.pop(msg.request_id, None)
@@ -448,6 +448,12 @@ class ProcessEngineClient(EngineClient):
             self._ready.set()
         else:
             log.error("engine worker %s sent a %s: not a worker -> server message", self.label, type(msg).__name__)
+
+    def _chunk(self, rid: str, chunk: StreamChunk) -> None:
+        with self._lock:
+            stream = (self._streams.pop if chunk.finished else self._streams.get)(rid, None)
+        if stream is not None:
+            self._deliver(stream, chunk)
 
     def _deliver(self, stream: _Stream, item: StreamChunk | RequestRejected) -> None:
         """I/O thread: queues `item` for its stream; `_flush` hands what was read in one pass to each event loop
