@@ -101,13 +101,16 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(tree).resolve()),
                                                                      os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", f"{package}.cli", "serve", "--model", args.ckpt, "--port", str(port),
-           "--max-num-seqs", str(args.max_num_seqs), *args.server_args.split()]
+    cmd = [sys.executable, "-m", f"{package}.cli", "serve", "--model", str(Path(args.ckpt).resolve()),
+           "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), *args.server_args.split()]
     log = open(Path(args.out) / f"server-{name}.log", "w")
     mem = MemorySampler()
     mem.start()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # From the tree itself: `python -m` puts the working directory first on sys.path, so a variant of the same
+    # package name run from here would serve this tree's code.
+    proc = subprocess.Popen(cmd, env=env, cwd=Path(tree).resolve(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     cells = []
     try:
         while True:
@@ -142,7 +145,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                          "--dataset-path", args.data, "--num-prompts", str(n), "--mode", mode, "--fixed-length",
                          "--max-concurrency", str(conc), "--num-warmups", "2", "--no-progress", "--timeout", "300",
                          "--result-dir", str(Path(args.out) / "runs"), "--label", f"{name}-{mode}",
-                         "--topology", "single", "--max-num-seqs", str(args.max_num_seqs), "--num-gpus", "1"]
+                         "--topology", "single", "--max-num-seqs", str(args.max_num_seqs), "--num-gpus", "1",
+                         "--client-procs", str(args.client_procs)]
                 t1 = time.monotonic()
                 spy = None
                 if args.profile == f"{mode}:{conc}":  # a sampling profile of the server during this cell
@@ -241,6 +245,8 @@ def main() -> int:
     p.add_argument("--max-prompts", type=int, default=256)
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--cell-timeout", type=float, default=300)
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="bench client processes (legato bench serve --client-procs): 2 or more at c>=256")
     p.add_argument("--profile", default=None, metavar="MODE:CONC", help="py-spy the server during this cell")
     p.add_argument("--profile-seconds", type=int, default=5)
     args = p.parse_args()

@@ -124,6 +124,7 @@ def _fake_worker() -> tuple[_Worker, list[m.Message]]:
         sent.append(msg)
 
     worker.send = send
+    worker.emit = sent.append  # what the worker sends without waiting (a step's chunks)
     return worker, sent
 
 
@@ -134,10 +135,15 @@ def test_a_worker_sends_the_stats_before_a_requests_last_chunk():
         yield StreamChunk(np.zeros(4, np.float32), 1)
         yield StreamChunk(np.zeros(4, np.float32), 2, finished=True, finish_reason="length")
 
-    asyncio.run(worker.stream("r", chunks()))
+    async def main() -> None:
+        await worker.stream("r", chunks())
+        await asyncio.sleep(0)  # one loop pass: the flush the stream's first chunk scheduled
+
+    asyncio.run(main())
     kinds = [type(x).__name__ for x in sent]
-    assert kinds == ["Chunk", "Stats", "Chunk"], kinds
-    assert sent[2].chunk.finished and sent[1].stats.steps == 1  # read once, once the request had ended
+    # Both chunks came within one pass of the event loop (as a step's do): one message, the stats before it.
+    assert kinds == ["Stats", "Chunks"], kinds
+    assert sent[1].chunks[-1][1].finished and sent[0].stats.steps == 1  # read once, once the request had ended
 
 
 def test_a_worker_that_fails_a_stream_sends_the_stats_first():

@@ -128,3 +128,27 @@ def test_voices_are_extracted_only_on_live_replicas():
         r.alive = False
     with pytest.raises(RequestRejected, match="no engine replica"):
         asyncio.run(router.extract_voice(None, 16000))
+
+
+def test_auto_kv_transfer_is_cuda_ipc_between_gpus_of_one_host_and_shm_otherwise():
+    from legato.pipeline.kv_links import choose_backend
+
+    assert choose_backend("auto", "cuda:0", "cuda:1") == "cuda_ipc"
+    assert choose_backend("auto", "cuda", "cuda") == "cuda_ipc"  # two workers on one GPU
+    assert choose_backend("auto", "cpu", "cuda:0") == "shm"
+    assert choose_backend("auto", "cpu", "cpu") == "shm"
+    assert choose_backend("auto", "cuda:0", "cuda:1", same_host=False) == "mooncake"
+    assert choose_backend("shm", "cuda:0", "cuda:1") == "shm"  # a named backend is taken as given
+
+
+def test_process_pd_gives_each_kv_link_the_backend_of_its_two_devices(tiny_checkpoint):
+    # Built, not started: no worker runs, so no GPU is needed to read the links each would open.
+    def links(kv_backend: str, devices: list[str]) -> list[tuple[str, list[str]]]:
+        router = build_client(parse_topology("1p2d"), None, EngineConfig(), devices=devices, workers="process",
+                              model_path=str(tiny_checkpoint), kv_backend=kv_backend)
+        return [(c.kv.role, c.kv.peer_backends) for c in [*router.prefill.replicas, *router.decode]]
+
+    assert links("auto", ["cuda:0", "cuda:1", "cpu"]) == [
+        ("prefill", ["cuda_ipc", "shm"]), ("decode", ["cuda_ipc"]), ("decode", ["shm"])]
+    assert links("auto", ["cpu"]) == [("prefill", ["shm", "shm"]), ("decode", ["shm"]), ("decode", ["shm"])]
+    assert links("shm", ["cuda:0", "cuda:1", "cuda:1"]) == [("prefill", []), ("decode", []), ("decode", [])]

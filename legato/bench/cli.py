@@ -92,6 +92,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight (default: the requests the server decodes at once, from its "
                         "/v1/models; unbounded when it does not say)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="run the client in this many processes (requests and the concurrency cap split between "
+                        "them, results merged exactly): for loads one process cannot read in time")
     p.add_argument("--result-dir", default="bench-results", help="where the run's JSON and check WAV go")
     p.add_argument("--topology", default="server", help="recorded in the result (and the file names)")
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs the server uses: enables per-GPU figures")
@@ -134,6 +137,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("b", help="run B's JSON")
     p.add_argument("--allow-unfair", action="store_true", help="show runs whose limits differ, flagged")
     p.set_defaults(func=_run(_compare))
+
+    p = bsub.add_parser("standin", help="a server stand-in streaming pre-made audio at a set pace (no model): "
+                                        "what the bench client alone can sustain", formatter_class=DefaultsFormatter)
+    from .standin import add_arguments as standin_arguments
+
+    standin_arguments(p)
+    p.set_defaults(func=_run(_standin))
 
     p = bsub.add_parser(
         "soak", help="long mixed load with random disconnects: latency, RSS and KV leaks over time",
@@ -232,7 +242,7 @@ def _prepare(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .client import run
+    from .multiproc import run_processes
     from .report import build_result, run_stem, run_table, save_run
 
     if args.max_concurrency is None:
@@ -241,8 +251,8 @@ def _serve(args: argparse.Namespace) -> int:
     served_seqs = card.get("max_num_seqs") if isinstance(card, dict) else None
     requests, ccfg, slo, config = _prepare(args)
     config.update(topology=args.topology, num_gpus=args.num_gpus, max_num_seqs=args.max_num_seqs or served_seqs,
-                  server_args=None)
-    out = run(ccfg, requests)
+                  server_args=None, client_procs=args.client_procs)
+    out = run_processes(ccfg, requests, args.client_procs)
     result = build_result(config, out, slo, args.num_gpus)
     paths = save_run(result, out, Path(args.result_dir), run_stem(args.label, args.topology, ccfg.max_concurrency),
                      ccfg.sample_rate)
@@ -363,3 +373,12 @@ def _soak(args: argparse.Namespace) -> int:
     if args.out:
         print(f"wrote {write_result(result, args.out)}")
     return 0 if passed(result) else 1
+
+
+def _standin(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .standin import config_from_args, serve_forever
+
+    asyncio.run(serve_forever(config_from_args(args)))
+    return 0

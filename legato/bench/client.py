@@ -10,16 +10,16 @@ Every failure (non-2xx, timeout, cut stream, connection error, empty audio) is r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-import httpx
-
-from . import MissingExtraError
+from . import MissingExtraError, wire
 from .datasets import BenchRequest
 from .metrics import RequestRecord
 from .pace import Pace, frames_per_char
@@ -58,6 +58,7 @@ class RunOutput:
     check_pcm: bytes | None = None  # the audio of one completed request, for a listening check
     check_utt_id: str | None = None
     warnings: list[dict] = field(default_factory=list)  # {"run", "at_s", "message"}: the pace check's, if any
+    t0_s: float = 0.0  # time.perf_counter() at the run's start: the clock of `scheduled_s` and `sent_s`
 
 
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
@@ -72,9 +73,40 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+class _Connections:
+    """One connection per request in flight (`wire.Connection`); taking one is what caps the concurrency.
+
+    Not httpx's shared pool: httpcore scans every connection whenever a request starts or ends
+    (`_assign_requests_to_connections`, each check going through anyio's typed attributes), a cost growing with
+    the square of the load (40 % of the client's time at 64 streams), and its stack spent ~2 ms of CPU per
+    request on the event loop that timestamps the chunks (docs/benchmarks.md, "the bench client")."""
+
+    def __init__(self, cfg: ClientConfig, slots: int) -> None:
+        import ssl
+
+        tls = ssl.create_default_context()  # one for all: each would otherwise load the CA bundle (50 ms)
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+        self._idle: asyncio.Queue[wire.Connection] = asyncio.Queue()
+        self._all = [wire.Connection(cfg.base_url, headers, tls) for _ in range(slots)]
+        for c in self._all:
+            self._idle.put_nowait(c)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[wire.Connection]:
+        conn = await self._idle.get()
+        try:
+            yield conn
+        finally:
+            self._idle.put_nowait(conn)
+
+    async def aclose(self) -> None:
+        for c in self._all:
+            c.close()
+
+
 class _Runner:
-    def __init__(self, client: httpx.AsyncClient, cfg: ClientConfig):
-        self.client = client
+    def __init__(self, connections: _Connections, cfg: ClientConfig):
+        self.connections = connections
         self.cfg = cfg
         self.check_pcm: bytes | None = None
         self.check_utt_id: str | None = None
@@ -87,17 +119,18 @@ class _Runner:
         body.update(stream=True, stream_format="audio", response_format="pcm")
         return body
 
-    async def send(self, req: BenchRequest, rec: RequestRecord, t_run0: float, capture: bool) -> None:
+    async def send(self, conn: wire.Connection, req: BenchRequest, rec: RequestRecord, t_run0: float,
+                   capture: bool) -> None:
         t_sent = time.perf_counter()
         rec.sent_s = t_sent - t_run0
         audio = bytearray() if capture and self.check_pcm is None else None
         try:
-            await asyncio.wait_for(self._stream(req, rec, t_sent, audio), self.cfg.timeout_s)
-        except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException):
+            await asyncio.wait_for(self._stream(conn, req, rec, t_sent, audio), self.cfg.timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
             rec.fail("timeout", f"no complete response within {self.cfg.timeout_s:g} s")
-        except httpx.TransportError as e:
+        except wire.TransportError as e:
             # After the headers a transport error means the audio stream was cut short.
-            rec.fail("stream_cut" if rec.status is not None else "transport", f"{type(e).__name__}: {e}")
+            rec.fail("stream_cut" if rec.status is not None else "transport", str(e))
         except Exception as e:  # recorded as a failure of this request, never silently dropped
             rec.fail("client_error", f"{type(e).__name__}: {e}")
         if rec.end_s is None:
@@ -106,29 +139,37 @@ class _Runner:
         if rec.ok and audio is not None and self.check_pcm is None:
             self.check_pcm, self.check_utt_id = bytes(audio), rec.utt_id
 
-    async def _stream(self, req: BenchRequest, rec: RequestRecord, t_sent: float, audio: bytearray | None) -> None:
-        async with self.client.stream("POST", self.cfg.endpoint, json=self.body(req)) as resp:
-            rec.status = resp.status_code
-            if not 200 <= resp.status_code < 300:
-                text = (await resp.aread())[:500].decode("utf-8", errors="replace")
-                rec.fail(f"http_{resp.status_code}", text)
-                return
+    async def _stream(self, conn: wire.Connection, req: BenchRequest, rec: RequestRecord, t_sent: float,
+                      audio: bytearray | None) -> None:
+        resp = wire.Response(rec.chunk_times_s, rec.chunk_bytes, t_sent)  # filled as reads arrive (the pace check)
+        resp.keep = audio is not None
+        complete = False
+        try:
+            done = await conn.post(self.cfg.endpoint, self.body(req), resp)
+            rec.status = resp.status
+            await done
+            complete = True
+        finally:
+            conn.finish(resp, complete)  # a response not read to its end leaves its connection unusable
             ctype = resp.headers.get("content-type", "")
-            if ctype.startswith(("application/json", "text/")):
-                text = (await resp.aread())[:500].decode("utf-8", errors="replace")
-                rec.fail("bad_content_type", f"{ctype}: {text}")
-                return
-            async for chunk in resp.aiter_raw():
-                if chunk:
-                    rec.chunk_times_s.append(time.perf_counter() - t_sent)
-                    rec.chunk_bytes.append(len(chunk))
-                    if audio is not None:
-                        audio += chunk
-            rec.end_s = time.perf_counter() - t_sent
+            text = bytes(resp.body[:500]).decode("utf-8", errors="replace")
+            error = resp.status is not None and not 200 <= resp.status < 300
+            wrong_type = ctype.startswith(("application/json", "text/"))
+            if error or wrong_type:  # a body that is not audio: its reads are no chunks
+                rec.chunk_times_s.clear()
+                rec.chunk_bytes.clear()
+                if complete:
+                    rec.fail(f"http_{resp.status}" if error else "bad_content_type",
+                             text if error else f"{ctype}: {text}")
+            elif complete:
+                rec.end_s = resp.end - t_sent
+                if audio is not None:
+                    audio += resp.body
 
-    async def run_all(self, reqs: list[BenchRequest], records: list[RequestRecord], concurrency: int | None,
-                      capture: bool, desc: str, pace: Pace | None = None) -> float:
-        sem = asyncio.Semaphore(concurrency) if concurrency else None
+    async def run_all(self, reqs: list[BenchRequest], records: list[RequestRecord], capture: bool, desc: str,
+                      pace: Pace | None = None) -> tuple[float, float]:
+        """Sends every request on its schedule, each once it holds a connection (the cap); returns (the run's
+        start on perf_counter, its duration)."""
         bar = _progress(len(reqs), desc, self.cfg.progress)
         pace = pace or Pace(records, self.cfg.timeout_s, self.cfg.sample_rate)
         t0 = time.perf_counter()
@@ -138,11 +179,8 @@ class _Runner:
             delay = t0 + rec.scheduled_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if sem is None:
-                await self.send(req, rec, t0, capture)
-            else:
-                async with sem:
-                    await self.send(req, rec, t0, capture)
+            async with self.connections.slot() as client:
+                await self.send(client, req, rec, t0, capture)
             bar.update(1)
 
         try:
@@ -150,7 +188,7 @@ class _Runner:
         finally:
             ticker.cancel()
             bar.close()
-        return time.perf_counter() - t0
+        return t0, time.perf_counter() - t0
 
     async def _tick(self, bar, pace: Pace, t0: float, run: str) -> None:
         """Every `tick_s`: the frames received on the progress line, and the pace check, which warns once."""
@@ -196,28 +234,35 @@ def _records(reqs: list[BenchRequest], offsets: list[float]) -> list[RequestReco
             for i, (r, o) in enumerate(zip(reqs, offsets, strict=True))]
 
 
-async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest]) -> RunOutput:
-    """Warm-ups (not measured), then every request once; returns finalized per-request records."""
+async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest], offsets: list[float] | None = None,
+                        start_gate: Callable[[], None] | None = None) -> RunOutput:
+    """Warm-ups (not measured), then every request once; returns finalized per-request records. `offsets`: the
+    planned send times (default: `arrival_offsets` of the config); `start_gate` is called between the warm-ups
+    and the run (a multi-process run waits there for its other processes, `multiproc.py`)."""
     if not requests:
         raise ValueError("no requests to send")
-    # The pool must never be the bottleneck: a request waiting for a connection would count as latency.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_concurrency or len(requests))
-    timeout = httpx.Timeout(cfg.timeout_s)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
-    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits, headers=headers) as client:
-        runner = _Runner(client, cfg)
+    # A connection per request the cap lets in flight, made before the clock starts: a request never waits for
+    # one (that would count as latency), and none is shared (see _Connections).
+    connections = _Connections(cfg, min(cfg.max_concurrency or len(requests), len(requests)))
+    try:
+        runner = _Runner(connections, cfg)
         warm_reqs = [requests[i % len(requests)] for i in range(cfg.num_warmups)]
         warmups = _records(warm_reqs, [0.0] * len(warm_reqs))
         if warm_reqs:
-            await runner.run_all(warm_reqs, warmups, cfg.max_concurrency, capture=False, desc="warm-up")
+            await runner.run_all(warm_reqs, warmups, capture=False, desc="warm-up")
+        if start_gate is not None:
+            await asyncio.to_thread(start_gate)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        records = _records(requests, arrival_offsets(len(requests), cfg.request_rate, cfg.seed))
+        if offsets is None:
+            offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.seed)
+        records = _records(requests, offsets)
         # The warm-ups' lengths tell the pace check how long a request of the model's own length runs.
         pace = Pace(records, cfg.timeout_s, cfg.sample_rate, frames_per_char(warmups))
-        duration = await runner.run_all(requests, records, cfg.max_concurrency, capture=True, desc="bench",
-                                        pace=pace)
+        t0, duration = await runner.run_all(requests, records, capture=True, desc="bench", pace=pace)
+    finally:
+        await connections.aclose()
     return RunOutput(records, warmups, duration, started_at, runner.check_pcm, runner.check_utt_id,
-                     runner.warnings)
+                     runner.warnings, t0)
 
 
 def run(cfg: ClientConfig, requests: list[BenchRequest]) -> RunOutput:

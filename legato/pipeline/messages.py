@@ -7,8 +7,8 @@ only ever builds the types named here, and any header or frame that does not fit
 does a message over `MAX_MESSAGE_BYTES` (both ends also set ZMQ's MAXMSGSIZE, so a far larger frame is never
 even buffered: its connection is dropped).
 
-Direction: Submit, AwaitHandoff, Abort, ExtractVoice, Shutdown go server -> worker; Ready, Chunk, Rejected,
-VoiceResult, Stats, LinkStatus, Heartbeat go worker -> server. `request_id` doubles as the call id of
+Direction: Submit, AwaitHandoff, Abort, ExtractVoice, Shutdown go server -> worker; Ready, Chunk, Chunks,
+Rejected, VoiceResult, Stats, LinkStatus, Heartbeat go worker -> server. `request_id` doubles as the call id of
 ExtractVoice/VoiceResult. A codec worker (`split`) takes CodecOpen, CodecFrames, Abort and Shutdown, and
 answers with Ready, Chunk (PCM; `num_frames` counts the frames decoded so far), Rejected, Stats, Heartbeat.
 """
@@ -104,6 +104,14 @@ class Chunk:
 
 
 @dataclass
+class Chunks:
+    """Several requests' chunks in one message: what one engine step made for all its streams, so a step costs
+    one header to write and read, not one per stream. Each request's chunks keep their order across messages."""
+
+    chunks: list[tuple[str, StreamChunk]]
+
+
+@dataclass
 class Rejected:
     """The worker refused a request (Submit) or a voice extraction (ExtractVoice) before running it."""
 
@@ -153,8 +161,8 @@ class Heartbeat:
     seq: int
 
 
-Message = (Submit | AwaitHandoff | Abort | Chunk | Rejected | ExtractVoice | VoiceResult | Stats | LinkStatus | Ready
-           | Shutdown | Heartbeat | CodecOpen | CodecFrames)
+Message = (Submit | AwaitHandoff | Abort | Chunk | Chunks | Rejected | ExtractVoice | VoiceResult | Stats | LinkStatus
+           | Ready | Shutdown | Heartbeat | CodecOpen | CodecFrames)
 
 
 # --- encoding -----------------------------------------------------------------------------------------
@@ -359,6 +367,53 @@ def _dec_chunk(b: _Body) -> Chunk:
     ))
 
 
+_CHUNK_FIELDS = ("num_frames", "num_prompt_tokens", "finished", "finish_reason", "error", "seed", "retryable")
+
+
+def _enc_chunks(m: Chunks):
+    """One header listing every chunk's fields and sizes; the audio of all of them in one array, the codes in
+    another (a chunk without codes lists -1 frames)."""
+    listed, audio, codes = [], [], []
+    for rid, c in m.chunks:
+        a = _np(c.audio, "float32")
+        k = _np(c.codes, "int64")
+        listed.append({"request_id": rid, **{f: getattr(c, f) for f in _CHUNK_FIELDS}, "samples": int(a.size),
+                       "frames": -1 if k is None else int(k.shape[0])})
+        audio.append(a.reshape(-1))
+        if k is not None:
+            codes.append(k.reshape(-1, 16))
+    return "chunks", {"chunks": listed}, {
+        "audio": np.concatenate(audio) if audio else np.zeros(0, np.float32),
+        "codes": np.concatenate(codes) if codes else np.zeros((0, 16), np.int64)}
+
+
+def _dec_chunks(b: _Body) -> Chunks:
+    listed = b.get("chunks", list)
+    audio, codes = b.array("audio", "float32", 1), b.array("codes", "int64", 2, width=16)
+    out, at, row = [], 0, 0
+    for i, entry in enumerate(listed):
+        if not isinstance(entry, dict):
+            raise MessageError(f"chunks: entry {i} is not an object")
+        e = _Body(f"chunks[{i}]", entry, {})
+        samples, frames = e.get("samples", int), e.get("frames", int)
+        if samples < 0 or frames < -1 or at + samples > audio.size or row + max(frames, 0) > codes.shape[0]:
+            raise MessageError(f"chunks[{i}]: sizes ({samples} samples, {frames} frames) do not fit the arrays")
+        reason = e.get("finish_reason", str, optional=True)
+        if reason not in (None, "stop", "length", "abort", "error", "handoff"):
+            raise MessageError(f"chunks[{i}]: unknown finish_reason {reason!r}")
+        out.append((e.get("request_id", str), StreamChunk(
+            audio=audio[at:at + samples], num_frames=e.get("num_frames", int),
+            num_prompt_tokens=e.get("num_prompt_tokens", int), finished=e.get("finished", bool),
+            finish_reason=reason, error=e.get("error", str, optional=True), seed=e.get("seed", int),
+            codes=None if frames < 0 else codes[row:row + frames],
+            retryable=e.get("retryable", bool, optional=True, default=False))))
+        at, row = at + samples, row + max(frames, 0)
+    if at != audio.size or row != codes.shape[0]:
+        raise MessageError(f"chunks: the entries cover {at} samples and {row} frames of {audio.size} and "
+                           f"{codes.shape[0]}")
+    return Chunks(out)
+
+
 def _enc_stats(m: Stats):
     s = m.stats
     return "stats", {"waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
@@ -413,6 +468,7 @@ _ENCODERS = {
                                            "counters": m.counters}, {}),
     Abort: lambda m: ("abort", {"request_id": m.request_id, "reason": m.reason}, {}),
     Chunk: _enc_chunk,
+    Chunks: _enc_chunks,
     Rejected: lambda m: ("rejected", {"request_id": m.request_id, "status": m.status, "message": m.message,
                                       "retry_after": m.retry_after}, {}),
     ExtractVoice: lambda m: ("extract_voice", {"request_id": m.request_id, "sample_rate": m.sample_rate},
@@ -436,6 +492,7 @@ _DECODERS = {
     "link_status": _dec_link_status,
     "abort": lambda b: Abort(b.get("request_id", str), b.get("reason", str)),
     "chunk": _dec_chunk,
+    "chunks": _dec_chunks,
     "rejected": lambda b: Rejected(b.get("request_id", str), b.get("status", int), b.get("message", str),
                                    b.get("retry_after", float, optional=True)),
     "extract_voice": lambda b: ExtractVoice(b.get("request_id", str), b.array("samples", "float32", 1),

@@ -4,8 +4,9 @@ The server side binds two ZMQ sockets on IPC paths derived from (instance id, wo
 servers and workers share a host without fixed ports: a PUSH socket for commands (any thread may send,
 under a lock) and a PULL socket for everything the worker says, read by one I/O thread. That thread hands
 each request's chunks to the request's asyncio queue with `call_soon_threadsafe` (as `LocalEngineClient`
-does), so the client works from any event loop, and it watches the worker: a process that exits or stops
-heart-beating is dead, and each of its in-flight requests ends with an error chunk saying so.
+does: one hand-over per event loop for all it read in one pass), so the client works from any event loop,
+and it watches the worker: a process that exits or stops heart-beating is dead, and each of its in-flight
+requests ends with an error chunk saying so.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from legato.pipeline.worker import WorkerSpec, receive_limit
 
 log = logging.getLogger(__name__)
 
+BATCH_ITEMS = 256  # the most chunks the I/O thread holds before handing them over, however busy the socket
 SHUTDOWN_SEND_S = 5.0  # how long a stop keeps offering a live worker its Shutdown before it terminates it
 
 
@@ -127,6 +129,9 @@ class ProcessEngineClient(EngineClient):
         self._cmd: zmq.Socket | None = None
         self._out: zmq.Socket | None = None
         self._threads: list[threading.Thread] = []
+        # I/O thread: chunks read but not yet handed to their event loops (see _deliver), and how many.
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamChunk | RequestRejected]]] = {}
+        self._batched = 0
 
     @property
     def pid(self) -> int | None:
@@ -359,6 +364,9 @@ class ProcessEngineClient(EngineClient):
                     except zmq.Again:
                         break
                     self._receive(frames)
+                    if self._batched >= BATCH_ITEMS:
+                        self._flush()
+                self._flush()
             if self._closing.is_set():
                 return
             self._watch()
@@ -415,17 +423,17 @@ class ProcessEngineClient(EngineClient):
         elif isinstance(msg, m.LinkStatus):
             self.links[msg.peer] = msg
         elif isinstance(msg, m.Chunk):
-            with self._lock:
-                stream = (self._streams.pop if msg.chunk.finished else self._streams.get)(msg.request_id, None)
-            if stream is not None:
-                _call(stream.loop, stream.queue.put_nowait, msg.chunk)
+            self._chunk(msg.request_id, msg.chunk)
+        elif isinstance(msg, m.Chunks):
+            for rid, chunk in msg.chunks:
+                self._chunk(rid, chunk)
         elif isinstance(msg, m.Rejected):
             with self._lock:
                 stream = self._streams.pop(msg.request_id, None)
                 fut = self._calls.pop(msg.request_id, None)
             error = RequestRejected(msg.status, msg.message, msg.retry_after)
             if stream is not None:
-                _call(stream.loop, stream.queue.put_nowait, error)
+                self._deliver(stream, error)
             if fut is not None:
                 _settle(fut, error=error)
         elif isinstance(msg, m.VoiceResult):
@@ -441,6 +449,25 @@ class ProcessEngineClient(EngineClient):
         else:
             log.error("engine worker %s sent a %s: not a worker -> server message", self.label, type(msg).__name__)
 
+    def _chunk(self, rid: str, chunk: StreamChunk) -> None:
+        with self._lock:
+            stream = (self._streams.pop if chunk.finished else self._streams.get)(rid, None)
+        if stream is not None:
+            self._deliver(stream, chunk)
+
+    def _deliver(self, stream: _Stream, item: StreamChunk | RequestRejected) -> None:
+        """I/O thread: queues `item` for its stream; `_flush` hands what was read in one pass to each event loop
+        at once. One cross-thread call per chunk took the loop's lock and wrote its wake-up pipe per chunk, with
+        this thread holding the GIL the event loop needs (as LocalEngineClient._deliver found per step)."""
+        self._pending.setdefault(stream.loop, []).append((stream.queue, item))
+        self._batched += 1
+
+    def _flush(self) -> None:
+        """I/O thread: the chunks read since the last flush, to their streams, in the order they were read."""
+        pending, self._pending, self._batched = self._pending, {}, 0
+        for loop, items in pending.items():
+            _call(loop, _put_all, items)
+
     def _read_log(self) -> None:
         """Keeps the worker's last log lines (for start-up errors) and passes them on to our stderr."""
         for raw in self.proc.stdout:
@@ -448,6 +475,12 @@ class ProcessEngineClient(EngineClient):
             self._log_tail.append(line)
             print(line, file=sys.stderr, flush=True)
         self.proc.stdout.close()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StreamChunk | RequestRejected]]) -> None:
+    """On the event loop: one read pass's chunks into their streams' queues, in order."""
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

@@ -3,9 +3,10 @@
 Supported: `single` (one engine), `split` (a talker engine streaming codes to a codec worker),
 `replicas:N` (N engines behind the least-loaded router) and `MpNd` (M prefill engines handing requests to N
 decode engines), each engine on its own thread or (workers="process") in its own worker process, on its
-device. Process MpNd moves each handoff over a KV link between the two workers (`kv_backend`: shm or
-mooncake). Code-predictor replicas are an engine setting (`EngineConfig.mtp_replicas`), so they combine
-with every topology; MpNd applies them to its decode engines only.
+device. Process MpNd moves each handoff over a KV link between the two workers (`kv_backend`: shm,
+cuda_ipc, mooncake, or auto: each link's from its two devices, `kv_links.choose_backend`). Code-predictor
+replicas are an engine setting (`EngineConfig.mtp_replicas`), so they combine with every topology; MpNd
+applies them to its decode engines only.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def build_client(
                             f"{topology.num_workers}, got {devices}")
     if topology.kind == "pd" and workers == "process":
         from legato.kv_transfer import backend_names
-        from legato.pipeline.kv_links import KVLinkSpec
+        from legato.pipeline.kv_links import KVLinkSpec, choose_backend
 
         if kv_backend not in (*backend_names(), "auto") or kv_backend == "inproc":
             raise TopologyError(f"process MpNd needs a cross-process KV backend (shm, cuda_ipc, mooncake, or auto: "
@@ -162,10 +163,14 @@ def build_client(
             kv = None
             if topology.kind == "pd":
                 prefill = i < topology.replicas
+                peers = range(topology.replicas, topology.num_workers) if prefill else range(topology.replicas)
+                # `auto` per link, from the two workers' devices (all on this host; a Ray launcher re-picks
+                # per node when it places them).
+                backends = [choose_backend(kv_backend, device, devices[p % len(devices)]) for p in peers]
                 kv = KVLinkSpec(role="prefill" if prefill else "decode",
-                                index=i if prefill else i - topology.replicas,
-                                peers=topology.decode if prefill else topology.replicas,
-                                instance_id=instance_id, backend=kv_backend, **(kv_options or {}))
+                                index=i if prefill else i - topology.replicas, peers=len(peers),
+                                instance_id=instance_id, backend=kv_backend,
+                                **{"peer_backends": backends if kv_backend == "auto" else [], **(kv_options or {})})
             clients.append(ProcessEngineClient(model_path, cfg, device, name, instance_id, i,
                                                **(process_options or {}), kv=kv, launcher=launcher,
                                                worker_name=names[i]))

@@ -64,9 +64,38 @@ class _Worker:
         self.stop = asyncio.Event()
         self.grace_s = 0.0
         self.draining = False  # after Shutdown: nothing new is taken, aborts still are
+        self._chunks: list[tuple[str, StreamChunk]] = []  # queued by send_chunk, sent by flush_chunks
 
     async def send(self, msg: m.Message) -> None:
+        self.flush_chunks()  # chunks queued before this message leave before it
         await self.out.send_multipart(m.encode(msg))
+
+    def send_chunk(self, rid: str, chunk: StreamChunk) -> None:
+        """Queues a request's chunk; the chunks that one engine step made for all streams leave in one message.
+        The engine thread hands a step's chunks to their streams in one event-loop callback, so every stream's
+        task runs before a flush scheduled by the first of them."""
+        self._chunks.append((rid, chunk))
+        if len(self._chunks) == 1:
+            asyncio.get_running_loop().call_soon(self.flush_chunks)
+
+    def flush_chunks(self) -> None:
+        """Sends the queued chunks, after fresh Stats when one of them ends its request (whoever reads a request
+        end must see the blocks it gave back, as `finish` promises)."""
+        if not self._chunks:
+            return
+        chunks, self._chunks = self._chunks, []
+        if any(c.finished for _, c in chunks):
+            self.emit(m.Stats(self.client.stats()))
+        self.emit(m.Chunk(*chunks[0]) if len(chunks) == 1 else m.Chunks(chunks))
+
+    def emit(self, msg: m.Message) -> None:
+        """Sends without waiting (the socket keeps sends in order); a failure still reaches the log."""
+
+        def check(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.error("sending a %s failed: %s", type(msg).__name__, f.exception())
+
+        self.out.send_multipart(m.encode(msg)).add_done_callback(check)
 
     async def serve(self, cmd: zmq.asyncio.Socket) -> None:
         beats = asyncio.create_task(self.heartbeat())
@@ -125,11 +154,8 @@ class _Worker:
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    if chunk.finished:
-                        ended = True
-                        await self.finish(rid, chunk)
-                    else:
-                        await self.send(m.Chunk(rid, chunk))
+                    ended = chunk.finished
+                    self.send_chunk(rid, chunk)  # with the step's other chunks; Stats first if it ends a request
         except RequestRejected as e:
             await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
         except Exception as e:  # a failure here fails this request, with a reason, not the worker

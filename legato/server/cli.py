@@ -85,10 +85,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="run each engine on a thread of the server process or in its own worker process (auto: "
                         "a worker process on CUDA, where the engine then holds a GIL of its own, a thread on the "
                         "CPU)")
-    t.add_argument("--kv-transfer", default="shm", choices=["shm", "cuda_ipc", "mooncake", "auto"],
+    t.add_argument("--kv-transfer", default="auto", choices=["shm", "cuda_ipc", "mooncake", "auto"],
                    help="how process MpNd moves each handoff between its prefill and decode workers (cuda_ipc: GPU "
-                        "to GPU on one host, through CUDA IPC handles; auto: shm between workers on one node, "
-                        "mooncake between nodes)")
+                        "to GPU on one host, through CUDA IPC handles; auto, per link: cuda_ipc between two GPU "
+                        "workers on one host, shm for other pairs on one host, mooncake between nodes; under "
+                        "--launcher ray shm within a node)")
     t.add_argument("--pd-pairing", default="least_loaded", choices=["least_loaded", "round_robin"],
                    help="MpNd: how each request's decode engine is picked (least loaded, ties round robin; or round "
                         "robin)")

@@ -1,0 +1,125 @@
+"""`legato serve` with a paced stand-in for the engine: every front-side piece is the real one (LocalEngineClient's
+engine thread, admission thread and hand-over to the event loop, the FastAPI app, the encoders, uvicorn), but
+the engine makes one frame of noise per running request every `--step-ms`, with no model: so on a CPU the
+server's host path can be loaded at 256 streams and profiled, which the tiny model's real engine cannot feed.
+
+    python3 benchmarks/paced_serve.py --step-ms 40 -- --port 8000 --max-num-seqs 256
+
+Arguments after `--` go to `legato serve`; with `--workers process` the workers build the stand-in too
+(`paced/sitecustomize.py`, which Python imports at start-up from PYTHONPATH).
+The tree on PYTHONPATH is the one served, so the same script serves an older tree for a before/after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+
+class PacedEngine:
+    """What LocalEngineClient uses of `Engine`, paced: a step every `step_s`, one frame per running request,
+    audio out on the engine's chunk schedule (first chunk, then the ramp up to `chunk_frames`)."""
+
+    step_s = 0.04
+
+    def __init__(self, loaded, config) -> None:
+        from legato.engine.codec_schedule import next_chunk_frames
+
+        self._next = next_chunk_frames
+        self.config = config
+        self.runner = SimpleNamespace(device=torch.device("cpu"))  # no warm-up: nothing compiles
+        self.codec = None
+        self.live: dict[str, list] = {}  # id -> [request, frames made, frames sent, next chunk's end]
+        self.done: list = []  # aborted: their last output goes out with the next step
+        self.scheduler = SimpleNamespace(num_waiting=0, num_running=0)
+        self.block_manager = SimpleNamespace(usage=0.0, num_blocks=1024, num_free_blocks=1024)
+        self.times = SimpleNamespace(steps=0, host_s=0.0, gpu_s=0.0, gap_s=0.0)
+        self._frame = (np.random.default_rng(0).standard_normal(1920) * 0.05).astype(np.float32)
+        self._next_at = time.perf_counter()
+
+    def prepare_prompt(self, spec):
+        return None
+
+    def add_request(self, er) -> int:
+        if er.request_id in self.live:
+            raise ValueError(f"duplicate request id {er.request_id!r}")
+        frames = er.max_frames or 25
+        self.live[er.request_id] = [er, 0, 0, min(self.config.first_chunk_frames, frames), frames]
+        self.scheduler.num_running = len(self.live)
+        return er.sampling.seed or 1
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        entry = self.live.pop(request_id, None)
+        if entry is not None:
+            self.done.append((request_id, entry[1], reason))
+        self.scheduler.num_running = len(self.live)
+        return entry is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live or self.done)
+
+    def step(self) -> list:
+        from legato.engine.engine import RequestOutput
+
+        delay = self._next_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        started = time.perf_counter()
+        self._next_at = max(self._next_at + self.step_s, started)
+        outs = [RequestOutput(rid, torch.zeros((0, 16), dtype=torch.int64), None, True, reason, num_frames=made)
+                for rid, made, reason in self.done]
+        self.done = []
+        cfg = self.config
+        for rid, e in list(self.live.items()):
+            # Like the engine: a request's output comes when its next chunk of audio is due, with the codes since.
+            e[1] += 1
+            made, total = e[1], e[4]
+            if made < e[3] and made < total:
+                continue
+            n = made - e[2]
+            e[2] = made
+            e[3] = made + self._next(made, cfg.first_chunk_frames, cfg.chunk_frames, cfg.chunk_ramp)
+            last = made >= total
+            outs.append(RequestOutput(rid, torch.zeros((n, 16), dtype=torch.int64), np.tile(self._frame, n), last,
+                                      "length" if last else None, num_prompt_tokens=8, num_frames=made, seed=1))
+            if last:
+                del self.live[rid]
+        self.scheduler.num_running = len(self.live)
+        self.times.steps += 1
+        self.times.host_s += time.perf_counter() - started
+        return outs
+
+
+def install(step_ms: float) -> None:
+    """Makes every LocalEngineClient of this process build a PacedEngine (`paced/sitecustomize.py` calls it in
+    worker processes, which inherit LEGATO_PACED_STEP_MS and PYTHONPATH)."""
+    import legato.pipeline.local as local
+
+    PacedEngine.step_s = step_ms / 1000.0
+    local.Engine = PacedEngine
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--step-ms", type=float, default=40.0, help="one frame per running request this often")
+    args = p.parse_args(argv[:split])
+    here = Path(__file__).resolve().parent
+    os.environ["LEGATO_PACED_STEP_MS"] = str(args.step_ms)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(here / "paced")) if p)
+    install(args.step_ms)
+    from legato.cli import main as legato_main
+
+    return legato_main(["serve", "--device", "cpu", *argv[split + 1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

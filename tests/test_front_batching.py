@@ -1,0 +1,105 @@
+"""The front's side of a worker process: what the I/O thread reads in one pass reaches the event loop in one
+hand-over, and every stream still gets its own chunks, whole and in order (issue 22)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from legato.engine.config import EngineConfig
+from legato.pipeline import messages as m
+from legato.pipeline import process_client as pc
+from legato.pipeline.client import RequestRejected, StreamChunk
+
+
+def _chunk(i: int, last: bool) -> StreamChunk:
+    return StreamChunk(np.full(i + 1, i, np.float32), i + 1, finished=last, finish_reason="stop" if last else None,
+                       codes=np.full((1, 16), i, np.int64))
+
+
+def test_a_read_pass_is_one_hand_over_keeping_each_streams_chunks_and_order(tiny_checkpoint, monkeypatch):
+    client = pc.ProcessEngineClient(tiny_checkpoint, EngineConfig(device="cpu"))  # not started: no worker runs
+    hand_overs = []
+    real_call = pc._call
+
+    def counting(loop, fn, *args):
+        hand_overs.append(fn)
+        real_call(loop, fn, *args)
+
+    monkeypatch.setattr(pc, "_call", counting)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        streams = {rid: pc._Stream(loop, asyncio.Queue()) for rid in ("a", "b", "refused")}
+        client._streams.update(streams)
+
+        def read_pass() -> None:  # what the I/O thread does with the messages one poll found waiting
+            for i in range(3):
+                for rid in ("a", "b"):
+                    client._receive(m.encode(m.Chunk(rid, _chunk(i, last=i == 2))))
+            client._receive(m.encode(m.Rejected("refused", 429, "busy", 1.0)))
+            client._flush()
+
+        await asyncio.to_thread(read_pass)
+        return {rid: [await s.queue.get() for _ in range(3 if rid != "refused" else 1)] for rid, s in streams.items()}
+
+    got = asyncio.run(go())
+    assert hand_overs == [pc._put_all]  # seven items, one cross-thread call
+    for rid in ("a", "b"):
+        assert [c.num_frames for c in got[rid]] == [1, 2, 3] and [c.finished for c in got[rid]] == [False, False, True]
+        assert [c.audio.tolist() for c in got[rid]] == [[0.0], [1.0, 1.0], [2.0, 2.0, 2.0]]
+        assert [c.codes[0, 0] for c in got[rid]] == [0, 1, 2]
+    [refusal] = got["refused"]
+    assert isinstance(refusal, RequestRejected) and refusal.status == 429
+    assert client._streams == {} and client._pending == {}  # finished and refused streams are gone
+
+
+
+def test_a_steps_chunks_cross_in_one_message_each_whole_and_in_order():
+    chunks = [("a", _chunk(0, last=False)), ("b", StreamChunk(np.zeros(0, np.float32), 3, codes=None)),
+              ("a", _chunk(2, last=True)), ("c", StreamChunk(np.ones(5, np.float32), 1, finished=True,
+                                                             finish_reason="error", error="boom", retryable=True))]
+    [header, audio, codes] = m.encode(m.Chunks(chunks))  # one header for all, one frame per array kind
+    got = m.decode([header, audio, codes])
+    assert isinstance(got, m.Chunks) and [rid for rid, _ in got.chunks] == ["a", "b", "a", "c"]
+    for (_, want), (_, have) in zip(chunks, got.chunks, strict=True):
+        assert have.audio.tolist() == want.audio.tolist() and have.num_frames == want.num_frames
+        assert (have.codes is None) == (want.codes is None)
+        if want.codes is not None:
+            assert have.codes.tolist() == want.codes.tolist()
+        assert (have.finished, have.finish_reason, have.error, have.retryable) == (
+            want.finished, want.finish_reason, want.error, want.retryable)
+
+
+def test_chunks_whose_sizes_do_not_fit_their_arrays_are_refused():
+    header, audio, codes = m.encode(m.Chunks([("a", _chunk(1, last=False)), ("b", _chunk(2, last=False))]))
+    short = np.zeros(4, np.float32).tobytes()  # the entries claim 5 samples
+    for frames in ([header, short, codes], [header.replace(b'"samples": 2', b'"samples": -1'), audio, codes]):
+        try:
+            m.decode(frames)
+        except m.MessageError as e:
+            assert "chunks" in str(e)
+        else:
+            raise AssertionError("a malformed chunks message was accepted")
+
+
+def test_the_front_takes_a_steps_message_like_its_chunks(tiny_checkpoint):
+    client = pc.ProcessEngineClient(tiny_checkpoint, EngineConfig(device="cpu"))
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        streams = {rid: pc._Stream(loop, asyncio.Queue()) for rid in ("a", "b")}
+        client._streams.update(streams)
+
+        def read_pass() -> None:
+            client._receive(m.encode(m.Chunks([("a", _chunk(0, False)), ("b", _chunk(0, False))])))
+            client._receive(m.encode(m.Chunks([("a", _chunk(1, True)), ("b", _chunk(1, True))])))
+            client._flush()
+
+        await asyncio.to_thread(read_pass)
+        return {rid: [await s.queue.get() for _ in range(2)] for rid, s in streams.items()}
+
+    got = asyncio.run(go())
+    assert all([c.num_frames for c in got[rid]] == [1, 2] and got[rid][1].finished for rid in "ab")
+    assert client._streams == {}
