@@ -116,6 +116,7 @@ class Engine:
                               device=talker.codec_head.weight.device)
         with torch.inference_mode():
             tts_pad, self._tts_eos = talker.embed_text(pad_id)
+        self.num_waiting_for_text = 0  # running requests that sat out the last step for want of text
         self.text_wait_s = 0.0  # streaming text: seconds requests sat out decode steps waiting for text, summed
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -338,6 +339,7 @@ class Engine:
         """Schedules and queues the next step's device work; the scheduler counts its tokens and frames
         at once (their values arrive when the step is collected)."""
         out = self.scheduler.schedule()
+        self.num_waiting_for_text = len(out.waiting_for_text)
         if out.waiting_for_text:
             now = time.monotonic()
             for req in out.waiting_for_text:
