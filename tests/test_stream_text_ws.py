@@ -63,6 +63,7 @@ def test_streamed_text_speaks_the_audio_of_the_whole_text(loaded):
             deltas = bytearray()
             c.until(lambda m: m["type"] == "response.audio.delta" and deltas.extend(base64.b64decode(m["audio"]))
                     is None and False or m["type"] == "response.audio.done", "context b's audio")
+            c.close_and_wait(http)
         assert bytes(c.audio["a"]) == whole.content
         assert bytes(deltas) == whole.content
         assert done["finish_reason"] == whole.headers["x-finish-reason"]
@@ -98,6 +99,7 @@ def test_cancel_stops_one_context_and_leaves_the_other(loaded):
         while client.stats().free_kv_blocks != client.stats().num_kv_blocks:
             assert time.monotonic() < deadline, "KV blocks not given back"
             time.sleep(0.01)
+        c.close_and_wait(http)
         metrics = http.get("/metrics").text
         assert "legato_ws_cancels_total 1.0" in metrics
         assert 'legato_engine_aborts_total{reason="cancelled"} 1.0' in metrics
@@ -155,6 +157,7 @@ def test_bad_messages_get_errors_and_the_socket_stays_usable(loaded):
         done = {"one", "two"}
         c.until(lambda _: {e.get("context_id") for e in c.events if e["type"] == "response.audio.done"} == done,
                 "both contexts done")
+        c.close_and_wait(http)
         metrics = http.get("/metrics").text
         assert 'legato_ws_refused_messages_total{code="unknown_context"} 3.0' in metrics
 
@@ -172,13 +175,15 @@ def test_access_rules_are_those_of_http(loaded):
             c = WsClient(ws)
             c.send(type="session.update", session={})
             c.event("session.updated")
+            c.close_and_wait(http)
 
 
 def test_an_idle_socket_is_closed(loaded):
     app, _ = make_app(loaded, WsLimits(idle_timeout_s=0.2))
     with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
-        msg = WsClient(ws, timeout_s=30).receive()
-        assert msg == {"type": "close", "code": 1000, "reason": "idle timeout"}
+        c = WsClient(ws, timeout_s=30)
+        assert c.receive() == {"type": "close", "code": 1000, "reason": "idle timeout"}
+        c.close_and_wait(http)
 
 
 def test_a_client_that_stops_reading_is_closed_and_its_requests_freed(loaded):

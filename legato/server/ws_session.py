@@ -41,6 +41,21 @@ from legato.server.ws_protocol import (
 log = logging.getLogger(__name__)
 
 
+async def within(aw: Awaitable, seconds: float):
+    """`aw` with a deadline: TimeoutError past it (`aw` cancelled). Not `asyncio.wait_for`: before Python 3.12 it
+    can swallow a cancel of its caller that lands as `aw` completes, and the writer task then never ends."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except BaseException:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise TimeoutError
+    return task.result()
+
+
 class SlowClient(Exception):
     """The client did not take its messages within `send_timeout_s`."""
 
@@ -100,7 +115,7 @@ class StreamSession:
                 await self._drop(ctx, "client disconnected")
             for task in (writer, watchdog):
                 task.cancel()
-            await asyncio.gather(writer, watchdog, return_exceptions=True)
+            await asyncio.wait({writer, watchdog}, timeout=5.0)  # bounded, whatever they do with the cancel
 
     async def _read(self) -> None:
         while True:
@@ -115,14 +130,14 @@ class StreamSession:
     async def _watch(self) -> None:
         while not self._gone.is_set():
             try:
-                await asyncio.wait_for(self._gone.wait(), max(0.01, self._idle_left()))
+                await within(self._gone.wait(), max(0.01, self._idle_left()))
             except TimeoutError:
                 if self._idle_left() <= 0:
                     self._close_reason = (1000, "idle timeout")
                     self._gone.set()
         if self._close_reason is not None:
             try:
-                await asyncio.wait_for(self._close(*self._close_reason), 2.0)
+                await within(self._close(*self._close_reason), 2.0)
             except Exception:  # the client is gone already: nothing to tell it
                 pass
 
@@ -302,7 +317,7 @@ class StreamSession:
         if self._gone.is_set():
             raise SlowClient()
         try:
-            await asyncio.wait_for(self._outbox.put(out), self.limits.send_timeout_s)
+            await within(self._outbox.put(out), self.limits.send_timeout_s)
         except TimeoutError:
             self._slow()
             raise SlowClient() from None
@@ -324,7 +339,7 @@ class StreamSession:
             try:
                 send = self._send_bytes(out.audio) if out.audio is not None else self._send_text(
                     json.dumps(out.event() if callable(out.event) else out.event))
-                await asyncio.wait_for(send, self.limits.send_timeout_s)
+                await within(send, self.limits.send_timeout_s)
             except TimeoutError:
                 self._slow()
                 return
