@@ -225,3 +225,17 @@ def test_a_client_that_stops_reading_is_closed_and_its_requests_freed(loaded):
     assert closed == [(1008, "client is not reading its messages")]
     assert not session.contexts and session._outbox.qsize() <= 4
     assert np.isfinite(session.limits.send_timeout_s)
+
+
+def test_a_topology_without_text_input_refuses_a_context():
+    from server_helpers import FakeClient
+
+    app = build_app(FakeClient(lambda req: []), server_settings())
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="input_text.append", context_id="a", text="Hello there ")
+        err = c.event("error")
+        assert err["error"]["code"] == "unsupported_topology" and err["context_id"] == "a"
+        c.send(type="input_text.append", context_id="a", text="again ")  # the context is gone: a new one, refused
+        assert c.event("error")["error"]["code"] == "unsupported_topology"
+        c.close_and_wait(http)
