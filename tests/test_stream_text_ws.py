@@ -239,3 +239,12 @@ def test_a_topology_without_text_input_refuses_a_context():
         c.send(type="input_text.append", context_id="a", text="again ")  # the context is gone: a new one, refused
         assert c.event("error")["error"]["code"] == "unsupported_topology"
         c.close_and_wait(http)
+
+
+def test_a_draining_server_refuses_new_sockets(loaded):
+    app, _ = make_app(loaded)
+    with TestClient(app) as http:
+        http.portal.call(app.state.lifecycle.begin_drain)  # on the app's loop, as a signal handler would
+        with pytest.raises(WebSocketDisconnect) as e, http.websocket_connect(STREAM_PATH):
+            pass
+        assert e.value.code == 1013
