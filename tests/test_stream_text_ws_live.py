@@ -87,3 +87,24 @@ def test_a_real_client_streams_text_and_cancels(loaded):
         else:
             raise AssertionError("the socket or its blocks were not given back")
         assert "legato_ws_cancels_total 1.0" in metrics
+
+
+def test_the_example_client_streams_and_cancels(loaded, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "stream_text_client.py"
+    spec = importlib.util.spec_from_file_location("stream_text_client", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    client = local_client(loaded)
+    app = build_app(client, server_settings(loaded, default_max_new_tokens=20, max_new_tokens_limit=512))
+    with LiveServer(app) as server:
+        url = f"ws://127.0.0.1:{server.port}{STREAM_PATH}"
+        out = tmp_path / "out.wav"
+        r = asyncio.run(example.speak(url, TEXT, str(out), client.info.speakers[0], 200.0, None))
+        assert r["end"]["type"] == "response.audio.done" and r["audio_bytes"] > 0 and r["ttfp_s"] is not None
+        assert out.stat().st_size == 44 + r["audio_bytes"]
+        # 2 words a second: the request waits for its text long after the first audio, when the cancel goes
+        r = asyncio.run(example.speak(url, TEXT, str(out), client.info.speakers[0], 2.0, None, cancel_after_s=0.0))
+        assert r["end"]["type"] == "response.cancelled"
