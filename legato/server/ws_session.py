@@ -73,7 +73,6 @@ class Context:
     ended: bool = False  # input_text.end received
     cancelled: bool = False
     samples_sent: int = 0  # model-rate samples of audio handed to the socket
-    started_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
