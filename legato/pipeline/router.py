@@ -56,7 +56,7 @@ class ReplicaRouter(EngineClient):
             idx = self.pick()
         except RequestRejected as e:
             return _refused(e)
-        self.claim(idx, req.request_id)
+        self._placement[req.request_id] = idx  # counted in flight once its stream is read (`_follow`)
         return self._follow(idx, req.request_id, self.replicas[idx].generate(req))
 
     async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
@@ -70,6 +70,8 @@ class ReplicaRouter(EngineClient):
 
     async def _follow(self, idx: int, request_id: str,
                       chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
+        # Claimed here, at the first read, so a stream closed before it is ever read holds no count.
+        self.claim(idx, request_id)
         try:
             async for chunk in chunks:
                 yield chunk
