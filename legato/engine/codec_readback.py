@@ -50,6 +50,11 @@ class AudioReadback:
         """Marks `rid` closed once everything it queued before has come back."""
         self._queue.append(_Readback([], 0, None, None, {rid: held}))
 
+    def release(self, rid: str, held: HeldAudio) -> None:
+        """A stream out of input delivers what it holds at the next `take`, whatever the chunk schedule says."""
+        held.release = True
+        self._backlog[rid] = held
+
     def take(self, wait: bool = False) -> tuple[dict[str, np.ndarray], set[str]]:
         """The audio that has come back, in order (waiting for all of it with `wait`), and the streams whose
         last audio is in it. Never blocks without `wait`."""
@@ -82,7 +87,7 @@ class AudioReadback:
                 continue
             if (part := held.take(self.schedule, self.samples_per_frame, everything=rid in closed)) is not None:
                 audio[rid].append(part)
-            if rid not in closed and held.due(self.schedule) > 0:
+            if rid not in closed and (held.due(self.schedule) > 0 or (held.release and held.frames)):
                 self._backlog[rid] = held
         return {rid: np.concatenate(parts) if len(parts) > 1 else parts[0] for rid, parts in audio.items()}, closed
 

@@ -59,6 +59,7 @@ class HeldAudio:
     frames: int = 0  # frames in `parts`
     delivered: int = 0  # frames delivered so far
     dropped: bool = False  # the stream was closed without its audio (aborted, failed)
+    release: bool = False  # its input ran out (streaming text): what is held goes out now, not at a chunk's end
 
     def due(self, schedule: StreamSchedule) -> int:
         """Frames of the next chunk when it is complete, else 0."""
@@ -67,7 +68,7 @@ class HeldAudio:
 
     def take(self, schedule: StreamSchedule, samples_per_frame: int, everything: bool) -> np.ndarray | None:
         """The PCM of the next chunk if complete (all that is held when the stream has ended), or None."""
-        ready = self.frames if everything else self.due(schedule)
+        ready = self.frames if everything or self.release else self.due(schedule)
         if ready == 0:
             return None
         pcm = np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0]

@@ -65,6 +65,7 @@ class _Stream:
     prime: torch.Tensor | None = None  # reference codes [T, 16] still to run through the slot
     next_slot: int | None = None  # fresh at the next window's left context, fed the same frames
     held: HeldAudio | None = None  # with `decode_every_step`
+    release: bool = False  # out of input (streaming text): frames go out as they come, not in whole chunks
 
 
 class CodecStreamer:
@@ -109,6 +110,19 @@ class CodecStreamer:
             if s.next_slot is not None:
                 self._give_slot(s.next_slot)
 
+    def release(self, request_id: str, on: bool) -> None:
+        """`on`: the request is out of input (its text has not arrived), so the audio of the frames it has goes
+        out now instead of waiting for a chunk that will not fill; off again when its input comes."""
+        s = self.streams.get(request_id)
+        if s is None:
+            return
+        s.release = on
+        if s.held is not None:
+            if on:
+                self.readback.release(request_id, s.held)
+            else:
+                s.held.release = False
+
     @torch.inference_mode()
     def flush(self, finished: set[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """Decodes every due chunk and waits for it; requests in `finished` flush their tail and are closed.
@@ -141,9 +155,9 @@ class CodecStreamer:
                 else:
                     need = next_chunk_frames(s.emitted_frames, s.first_chunk_frames, sched.chunk_frames,
                                              sched.chunk_ramp)
-                    if not (rid in finished and n) and n < need:
+                    if not ((rid in finished or s.release) and n) and n < need:
                         continue
-                    n = n if rid in finished else need
+                    n = n if rid in finished or s.release else need
                 (groups[n].append(rid) if self._uncut(s, n) else windowed.append((rid, n)))
             for n, rids in groups.items():
                 self._decode_group(rids, n, finished, failed)

@@ -80,6 +80,9 @@ class _Live:
     incoming: Handoff | None = None  # a decode worker's request: the prefill it continues from
     outgoing: Handoff | None = None  # a prefill worker's request: what it hands on
     frame_cap: int | None = None  # set when the text-derived frame cap is what bounds this request
+    started: bool = False  # its slot holds its state: appended text goes to the slot, not the prompt
+    text_tokens: int = 0  # streaming text: target-text tokens known so far (the first rides in the prompt)
+    waiting_since: float | None = None  # streaming text: when it last ran out of text
     new_codes: list[torch.Tensor] = field(default_factory=list)
     frames: int = 0  # frames collected (a frame in flight past the request's end is never counted)
     reason: str | None = None  # how it ended, once it has
@@ -109,9 +112,12 @@ class Engine:
             pack_projections(talker)
         num_blocks = config.num_kv_blocks or profile_kv_blocks(loaded, config)
         config.num_kv_blocks = num_blocks
-        pad_id = torch.tensor([loaded.config.tts_pad_token_id], device=talker.codec_head.weight.device)
+        pad_id = torch.tensor([loaded.config.tts_pad_token_id, loaded.config.tts_eos_token_id],
+                              device=talker.codec_head.weight.device)
         with torch.inference_mode():
-            tts_pad = talker.embed_text(pad_id)[0]
+            tts_pad, self._tts_eos = talker.embed_text(pad_id)
+        self.num_waiting_for_text = 0  # running requests that sat out the last step for want of text
+        self.text_wait_s = 0.0  # streaming text: seconds requests sat out decode steps waiting for text, summed
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(talker, config, num_blocks, tts_pad)
@@ -150,7 +156,8 @@ class Engine:
             raise RequestTooLargeError(f"prompt is {prompt.length} tokens; the limit is {limit} "
                                        "(max_prompt_tokens, --max-prompt-tokens)")
         frame_cap = None
-        if not (er.ignore_eos and er.max_frames is not None):  # an exact length is the caller's to choose
+        # An exact length is the caller's to choose; an open text is capped when it closes.
+        if not er.spec.text_open and not (er.ignore_eos and er.max_frames is not None):
             frame_cap = self.frame_cap(er.spec)
             if frame_cap is not None and frame_cap < max_frames:
                 max_frames = frame_cap
@@ -164,10 +171,79 @@ class Engine:
         seed = er.sampling.seed if er.sampling.seed is not None else draw_seed()
         if er.handoff_only or self.codec is None:
             er.stream_audio = False  # the decode worker (or the codec worker) makes this request's audio
+        if er.spec.text_open and er.handoff_only:
+            raise ValueError("a prefill-only request cannot take streaming text (its handoff would not carry it)")
         req = Request(request_id=er.request_id, prompt_len=prompt.length, max_frames=max_frames)
+        live = _Live(req, prompt, er, seed, ref_code=er.spec.ref_code, frame_cap=frame_cap)
+        if er.spec.text_open:
+            req.text_frames = prompt.trailing_text.shape[0]
+            live.text_tokens = target_text_tokens(er.spec)
         self.scheduler.add(req)
-        self.live[er.request_id] = _Live(req, prompt, er, seed, ref_code=er.spec.ref_code, frame_cap=frame_cap)
+        self.live[er.request_id] = live
         return seed
+
+    # --- streaming text -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def append_text(self, request_id: str, ids: list[int], close: bool = False) -> bool:
+        """Adds target-text token ids (no template) to a request whose text is open; `close` ends its text
+        (tts_eos follows), after which it runs and finishes as a request given its whole text at once. Returns
+        False for a request that is not live (finished or unknown: its final output is already out). Raises
+        ValueError for a request whose text is not open; text past `max_text_tokens` fails the request."""
+        live = self.live.get(request_id)
+        if live is None:
+            return False
+        req = live.req
+        if req.text_frames is None:
+            raise ValueError(f"request {request_id!r} takes no more text (its text is closed)")
+        vocab = self.loaded.config.talker_config.text_vocab_size
+        if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab for i in ids):
+            raise ValueError(f"text token ids must be integers in [0, {vocab})")
+        parts = []
+        if ids:
+            device = self.runner.device
+            parts.append(self.loaded.talker.embed_text(torch.tensor(ids, dtype=torch.long).to(device)))
+        if close:
+            parts.append(self._tts_eos.view(1, -1))
+        if not parts:
+            return True
+        embeds = torch.cat(parts)
+        start = req.text_frames
+        if start + embeds.shape[0] > self.config.max_text_tokens:
+            self._done += self._fail([req], f"streamed text exceeds max_text_tokens={self.config.max_text_tokens}")
+            return True
+        if live.started:
+            self.runner.slots.extend_text(req.slot, start, embeds)
+        else:
+            live.prompt.trailing_text = torch.cat([live.prompt.trailing_text, embeds])
+        live.text_tokens += len(ids)
+        req.text_frames = None if close else start + embeds.shape[0]
+        if live.waiting_since is not None:
+            self.text_wait_s += time.monotonic() - live.waiting_since
+            live.waiting_since = None
+            if live.engine_req.stream_audio:
+                self.codec.release(request_id, False)
+        if close:
+            self._cap_closed_text(live)
+        return True
+
+    def _cap_closed_text(self, live: _Live) -> None:
+        """Now that its text is whole, the request gets the frame cap it would have had from the start (never
+        below a frame past what it has already launched: the scheduler counts those)."""
+        er, req = live.engine_req, live.req
+        if er.ignore_eos and er.max_frames is not None:
+            return
+        cap = self.config.frame_cap_for(live.text_tokens)
+        if cap is not None and cap < req.max_frames:
+            req.max_frames = max(cap, req.num_frames + 1)
+            live.frame_cap = req.max_frames
+
+    def waits_for_text_only(self) -> bool:
+        """True when a step could do nothing: every live request is out of text and nothing is in flight
+        (a loop may then wait for a command instead of stepping)."""
+        if self._done or self._tails or self._in_flight is not None or not self.live:
+            return False
+        return all(live.req.waits_for_text for live in self.live.values())
 
     def prepare_prompt(self, spec: PromptSpec) -> TalkerPrompt:
         """The talker prompt of `spec` (embeddings queued on the device). It reads only the weights, so a
@@ -263,6 +339,15 @@ class Engine:
         """Schedules and queues the next step's device work; the scheduler counts its tokens and frames
         at once (their values arrive when the step is collected)."""
         out = self.scheduler.schedule()
+        self.num_waiting_for_text = len(out.waiting_for_text)
+        if out.waiting_for_text:
+            now = time.monotonic()
+            for req in out.waiting_for_text:
+                live = self.live.get(req.request_id)
+                if live is not None and live.waiting_since is None:
+                    live.waiting_since = now
+                    if live.engine_req.stream_audio:
+                        self.codec.release(req.request_id, True)
         launched = _Launched(errors=self._done)
         self._done = []
         self._start(out.new_requests, launched)
@@ -391,6 +476,8 @@ class Engine:
         except Exception as e:
             launched.errors += self._start_failed([req for req, _ in ready], e)
             return
+        for req, _ in ready:
+            self.live[req.request_id].started = True
         for req, _ in ready:
             try:
                 self._open(req)

@@ -83,6 +83,9 @@ class Request:
     kv_handoff: bool = False
     """The prompt KV is computed by a prefill worker and received here; this engine never prefills it."""
     arrival_time: float = field(default_factory=time.monotonic)
+    text_frames: int | None = None
+    """Streaming text input: decode steps whose text-track input is known (frame k reads text token k); the
+    request sits out decode steps once it has made that many frames. None: all of them (the text is closed)."""
 
     # Owned by the scheduler.
     num_computed_tokens: int = field(default=0, init=False)
@@ -136,3 +139,8 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < self.prompt_len
+
+    @property
+    def waits_for_text(self) -> bool:
+        """Past its prompt, it has used every text token it has and its text is not closed."""
+        return self.text_frames is not None and not self.in_prefill and self.num_frames >= self.text_frames

@@ -73,6 +73,8 @@ class SchedulerOutput:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[Request] = field(default_factory=list)
     """One token each, at position ``num_computed_tokens``."""
+    waiting_for_text: list[Request] = field(default_factory=list)
+    """Running, out of text whose close has not come (`Request.waits_for_text`): not decoding this step."""
     new_requests: list[Request] = field(default_factory=list)
     """Admitted this step (a slot was just assigned): the runner resets that slot's per-request state."""
     kv_receives: list[Request] = field(default_factory=list)
@@ -186,6 +188,11 @@ class Scheduler:
         for req in self._running.values():
             if req.in_prefill:
                 partial.append(req)
+                continue
+            if req.waits_for_text:
+                # Its next frame needs a text token that has not arrived: it keeps its blocks and slot and sits
+                # this step out (feeding tts_pad instead would tell the model the text is over).
+                out.waiting_for_text.append(req)
                 continue
             # EngineConfig guarantees max_num_batched_tokens >= max_num_seqs: every decode fits.
             if not bm.append_slot(req):

@@ -112,6 +112,15 @@ class SlotState:
             n = a.trailing_text.shape[0]
             self.trailing[a.slot, :n] = a.trailing_text.to(self.trailing.dtype)
 
+    def extend_text(self, slot: int, start: int, embeds: torch.Tensor) -> None:
+        """Streaming text: `embeds` [n, H] become the slot's trailing text from index `start` on. Only rows no
+        decode step has read yet are written, so a step in flight is unaffected."""
+        end = start + embeds.shape[0]
+        if end > self.max_text:
+            raise ValueError(f"trailing text of {end} tokens exceeds max_text_tokens={self.max_text}")
+        self.trailing[slot, start:end] = embeds.to(self.trailing.dtype)
+        self.trailing_len[slot] = end
+
     def gather_params(self, slots: torch.Tensor, frame: torch.Tensor) -> SamplingTensors:
         """The sampling rows of `slots`, keyed to `frame` [B]."""
         p = self.params

@@ -31,6 +31,9 @@ class SynthesisRequest:
     first_chunk_frames: int | None = None  # None: the engine's default
     handoff_only: bool = False  # prefill workers: stop after prefill, the last chunk carries the Handoff
     handoff_to: int | None = None  # process MpNd: the decode worker whose KV link takes the handoff
+    # Streaming text input: `input.text` is the text's first piece (cut by `TextStream`); the rest comes through
+    # `EngineClient.append_text`, and the request waits for it. Needs a client with `takes_text_input`.
+    text_open: bool = False
 
 
 @dataclass
@@ -80,6 +83,8 @@ class EngineStats:
     # Host time of the engine loop outside its steps while work is running (the inbox, handing outputs to the
     # event loop, stats): with the gaps above, where a step period goes that the step itself does not explain.
     loop_other_s: float = 0.0
+    waiting_for_text: int = 0  # streaming text: running requests out of text at the last step
+    text_wait_s: float = 0.0  # streaming text: seconds requests sat out decode steps waiting for text, summed
 
 
 @dataclass
@@ -118,6 +123,16 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     async def abort(self, request_id: str, reason: str = "aborted") -> None: ...
+
+    # Streaming text input: what serves it overrides both. A topology that cannot carry text to a running
+    # request yet refuses it here, so a client is told at once instead of waiting on a request that never ends.
+    takes_text_input: bool = False
+
+    async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
+        """More text for a `text_open` request (a piece cut by `TextStream`, so it tokenises on its own), in
+        order; `close` ends its text. Text for a request that has finished is dropped (its last chunk is out)."""
+        raise RequestRejected(501, f"streaming text input is not supported by {type(self).__name__} yet; "
+                                   "serve with the single topology")
 
     @abc.abstractmethod
     async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:

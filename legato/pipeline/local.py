@@ -13,6 +13,7 @@ queued and whatever was queued is refused with 503, so no caller waits forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -33,6 +34,7 @@ from legato.models.qwen3_tts.inputs import VoiceCache, VoiceFeatures, build_spec
 from legato.models.qwen3_tts.loader import LoadedModel
 from legato.models.qwen3_tts.prompt import PromptError
 from legato.models.qwen3_tts.sampling import SamplingParamsError
+from legato.models.qwen3_tts.text_stream import segment_ids
 from legato.pipeline.client import (
     EngineClient,
     EngineStats,
@@ -91,6 +93,8 @@ class LocalEngineClient(EngineClient):
         self._inbox_lock = threading.Lock()
         self._deadline: float | None = None  # engine thread: when shutdown aborts what is still running
         self._drain_rate = DrainRate()  # engine thread: finishes per second, for a 429's Retry-After
+        # Streaming text that came while its request was still being admitted: it follows the request's "add".
+        self._early_text: dict[str, list[tuple]] = {}
 
     # --- server side ----------------------------------------------------------------------------------
 
@@ -122,19 +126,47 @@ class LocalEngineClient(EngineClient):
         await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, grace_s + 30.0)
         self._admission.shutdown(wait=False, cancel_futures=True)
 
-    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
-        if self._stopping:
-            raise RequestRejected(503, "server is shutting down")
-        prepared = await self._on_admission_thread(self._engine_request, req)
-        async for chunk in self._stream("add", prepared, req.request_id):
+    def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        # A text_open request takes text from the moment it is asked for, even before its stream is iterated:
+        # what comes before it reaches the engine thread follows it there.
+        owner = req.text_open and req.request_id not in self._early_text
+        if owner:
+            self._early_text[req.request_id] = []
+        return self._generate(req, owner)
+
+    async def _generate(self, req: SynthesisRequest, owner: bool) -> AsyncIterator[StreamChunk]:
+        then: list[tuple] = []
+        try:
+            if req.text_open and not owner:
+                raise RequestRejected(409, f"duplicate request id {req.request_id!r}")
+            if self._stopping:
+                raise RequestRejected(503, "server is shutting down")
+            prepared = await self._on_admission_thread(self._engine_request, req)
+        finally:
+            if owner:
+                then = self._early_text.pop(req.request_id, [])
+        async for chunk in self._stream("add", prepared, req.request_id, then):
             yield chunk
+
+    takes_text_input = True
+
+    async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
+        # Tokenised here, on the caller's loop, so pieces reach the engine thread in the order they came.
+        ids = segment_ids(self.loaded.text_tokenizer, text, first=False) if text else []
+        cmd = ("text", request_id, ids, close)
+        early = self._early_text.get(request_id)
+        if early is not None:
+            early.append(cmd)
+        else:
+            self._submit(cmd)
 
     async def generate_from_handoff(self, handoff: Handoff) -> AsyncIterator[StreamChunk]:
         """Decodes a request prefilled by another engine (prefill-decode disaggregation, same process)."""
         async for chunk in self._stream("handoff", handoff, handoff.request_id):
             yield chunk
 
-    async def _stream(self, kind: str, payload: object, request_id: str) -> AsyncIterator[StreamChunk]:
+    async def _stream(self, kind: str, payload: object, request_id: str,
+                      then: list[tuple] = ()) -> AsyncIterator[StreamChunk]:
         if self._stopping:
             raise RequestRejected(503, "server is shutting down")
         loop = asyncio.get_running_loop()
@@ -142,6 +174,8 @@ class LocalEngineClient(EngineClient):
         stream = _Stream(loop, asyncio.Queue())
         if not self._submit((kind, payload, admitted, stream)):
             raise RequestRejected(503, "the engine is not running")
+        for cmd in then:  # text that came during admission: right behind its request, before anything newer
+            self._submit(cmd)
         finished = False
         try:
             await admitted  # raises RequestRejected
@@ -177,6 +211,8 @@ class LocalEngineClient(EngineClient):
     def _engine_request(self, req: SynthesisRequest) -> EngineRequest:
         """Admission thread: tokenises, encodes the voice and builds the prompt's embeddings."""
         spec = build_spec(self.loaded, req.input, self.voices)
+        if req.text_open:
+            spec = dataclasses.replace(spec, text_open=True)
         return EngineRequest(
             request_id=req.request_id, spec=spec, sampling=req.sampling, max_frames=req.max_frames,
             ignore_eos=req.ignore_eos, first_chunk_frames=req.first_chunk_frames, handoff_only=req.handoff_only,
@@ -202,7 +238,8 @@ class LocalEngineClient(EngineClient):
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.engine.has_unfinished()
+                # Requests that only wait for text leave nothing to step: wait for a command (50 ms at most).
+                idle = not self.engine.has_unfinished() or self.engine.waits_for_text_only()
                 block = idle and self._deadline is None
                 started = time.perf_counter()
                 self._drain(block=block)
@@ -268,6 +305,13 @@ class LocalEngineClient(EngineClient):
             if self.engine.abort(rid, reason):
                 self._aborted[reason] += 1
                 self._refresh_stats()  # its blocks are free now, not after the next step
+        elif kind == "text":
+            _, rid, ids, close = cmd
+            try:
+                self.engine.append_text(rid, ids, close)
+            except ValueError as e:  # more text after the close: the caller broke the contract; end the request
+                log.warning("request %s: text refused: %s", rid, e)
+                self.engine.abort(rid, f"text refused: {e}")
         elif kind == "stop":
             self._stopping = True
             if self._deadline is None:
@@ -324,7 +368,8 @@ class LocalEngineClient(EngineClient):
             waiting=sched.num_waiting, running=sched.num_running, kv_usage=bm.usage,
             num_kv_blocks=bm.num_blocks, free_kv_blocks=bm.num_free_blocks,
             aborted=dict(self._aborted), steps=times.steps, step_host_s=times.host_s, step_gpu_s=times.gpu_s,
-            step_gap_s=times.gap_s, loop_other_s=self._loop_other_s,
+            step_gap_s=times.gap_s, loop_other_s=self._loop_other_s, text_wait_s=self.engine.text_wait_s,
+            waiting_for_text=self.engine.num_waiting_for_text,
         )
 
 

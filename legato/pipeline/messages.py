@@ -7,8 +7,8 @@ only ever builds the types named here, and any header or frame that does not fit
 does a message over `MAX_MESSAGE_BYTES` (both ends also set ZMQ's MAXMSGSIZE, so a far larger frame is never
 even buffered: its connection is dropped).
 
-Direction: Submit, AwaitHandoff, Abort, ExtractVoice, Shutdown go server -> worker; Ready, Chunk, Chunks,
-Rejected, VoiceResult, Stats, LinkStatus, Heartbeat go worker -> server. `request_id` doubles as the call id of
+Direction: Submit, AwaitHandoff, Abort, AppendText, ExtractVoice, Shutdown go server -> worker; Ready, Chunk,
+Chunks, Rejected, VoiceResult, Stats, LinkStatus, Heartbeat go worker -> server. `request_id` doubles as the call id of
 ExtractVoice/VoiceResult. A codec worker (`split`) takes CodecOpen, CodecFrames, Abort and Shutdown, and
 answers with Ready, Chunk (PCM; `num_frames` counts the frames decoded so far), Rejected, Stats, Heartbeat.
 """
@@ -96,6 +96,15 @@ class Abort:
 
 
 @dataclass
+class AppendText:
+    """More text for a `text_open` request (a piece cut by `TextStream`), sent after its Submit; `close` ends it."""
+
+    request_id: str
+    text: str
+    close: bool = False
+
+
+@dataclass
 class Chunk:
     """One `StreamChunk` of a request; the last has `chunk.finished`."""
 
@@ -161,8 +170,8 @@ class Heartbeat:
     seq: int
 
 
-Message = (Submit | AwaitHandoff | Abort | Chunk | Chunks | Rejected | ExtractVoice | VoiceResult | Stats | LinkStatus
-           | Ready | Shutdown | Heartbeat | CodecOpen | CodecFrames)
+Message = (Submit | AwaitHandoff | Abort | AppendText | Chunk | Chunks | Rejected | ExtractVoice | VoiceResult
+           | Stats | LinkStatus | Ready | Shutdown | Heartbeat | CodecOpen | CodecFrames)
 
 
 # --- encoding -----------------------------------------------------------------------------------------
@@ -309,7 +318,7 @@ def _enc_submit(m: Submit):
     r, inp = m.request, m.request.input
     body = {
         "request_id": r.request_id, "max_frames": r.max_frames, "ignore_eos": r.ignore_eos,
-        "first_chunk_frames": r.first_chunk_frames, "handoff_to": r.handoff_to,
+        "first_chunk_frames": r.first_chunk_frames, "handoff_to": r.handoff_to, "text_open": r.text_open,
         "input": {k: getattr(inp, k) for k in _INPUT_FIELDS},
         "sampling": {k: getattr(r.sampling, k) for k in _SAMPLING_FIELDS},
     }
@@ -343,6 +352,7 @@ def _dec_submit(b: _Body) -> Submit:
         max_frames=b.get("max_frames", int, optional=True), ignore_eos=b.get("ignore_eos", bool),
         first_chunk_frames=b.get("first_chunk_frames", int, optional=True),
         handoff_to=b.get("handoff_to", int, optional=True),
+        text_open=bool(b.get("text_open", bool, optional=True, default=False)),
     ))
 
 
@@ -467,6 +477,7 @@ _ENCODERS = {
     LinkStatus: lambda m: ("link_status", {"peer": m.peer, "state": m.state, "error": m.error,
                                            "counters": m.counters}, {}),
     Abort: lambda m: ("abort", {"request_id": m.request_id, "reason": m.reason}, {}),
+    AppendText: lambda m: ("append_text", {"request_id": m.request_id, "text": m.text, "close": m.close}, {}),
     Chunk: _enc_chunk,
     Chunks: _enc_chunks,
     Rejected: lambda m: ("rejected", {"request_id": m.request_id, "status": m.status, "message": m.message,
@@ -491,6 +502,7 @@ _DECODERS = {
     "await_handoff": lambda b: AwaitHandoff(b.get("request_id", str), b.get("peer", int), b.get("deadline_s", float)),
     "link_status": _dec_link_status,
     "abort": lambda b: Abort(b.get("request_id", str), b.get("reason", str)),
+    "append_text": lambda b: AppendText(b.get("request_id", str), b.get("text", str), b.get("close", bool)),
     "chunk": _dec_chunk,
     "chunks": _dec_chunks,
     "rejected": lambda b: Rejected(b.get("request_id", str), b.get("status", int), b.get("message", str),

@@ -244,10 +244,29 @@ class ProcessEngineClient(EngineClient):
 
     # --- requests -------------------------------------------------------------------------------------
 
-    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+    def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        if req.text_open:
+            # Sent now, not at the first iteration: text appended right after this call must follow the Submit.
+            try:
+                return self.stream(req.request_id, m.Submit(req))
+            except RequestRejected as e:
+                return _refused(e)
+        return self._generate(req)
+
+    async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         stream = self._open(req.request_id, m.Submit(req))
         async for chunk in self._read(req.request_id, stream):
             yield chunk
+
+    @property
+    def takes_text_input(self) -> bool:
+        """An engine worker of its own (not a prefill or decode worker of a PD deployment, whose handoff would
+        not carry the text, nor a codec worker)."""
+        return self.role == "engine" and self.kv is None
+
+    async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
+        # Over the same socket as the Submit, so in order; a worker gone ends the request with an error anyway.
+        self._send(m.AppendText(request_id, text, close))
 
     def await_handoff(self, request_id: str, peer: int, deadline_s: float) -> AsyncIterator[StreamChunk]:
         """Process MpNd, decode worker: arm its KV link from prefill worker `peer` now (raises RequestRejected
@@ -481,6 +500,12 @@ def _put_all(items: list[tuple[asyncio.Queue, StreamChunk | RequestRejected]]) -
     """On the event loop: one read pass's chunks into their streams' queues, in order."""
     for q, item in items:
         q.put_nowait(item)
+
+
+async def _refused(e: RequestRejected) -> AsyncIterator[StreamChunk]:
+    """A stream that raises `e` at its first iteration (the contract of `generate`)."""
+    raise e
+    yield  # pragma: no cover - makes this an async generator
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

@@ -48,7 +48,18 @@ class ReplicaRouter(EngineClient):
         self.in_flight[idx] -= 1
         self._placement.pop(request_id, None)
 
-    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+    def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        if not req.text_open:
+            return self._generate(req)
+        # Placed now, not at the first iteration: text appended right after this call goes to its replica.
+        try:
+            idx = self.pick()
+        except RequestRejected as e:
+            return _refused(e)
+        self._placement[req.request_id] = idx  # counted in flight once its stream is read (`_follow`)
+        return self._follow(idx, req.request_id, self.replicas[idx].generate(req))
+
+    async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         idx = self.pick()
         self.claim(idx, req.request_id)
         try:
@@ -56,6 +67,25 @@ class ReplicaRouter(EngineClient):
                 yield chunk
         finally:
             self.release(idx, req.request_id)
+
+    async def _follow(self, idx: int, request_id: str,
+                      chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
+        # Claimed here, at the first read, so a stream closed before it is ever read holds no count.
+        self.claim(idx, request_id)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self.release(idx, request_id)
+
+    @property
+    def takes_text_input(self) -> bool:
+        return all(r.takes_text_input for r in self.replicas)
+
+    async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
+        idx = self._placement.get(request_id)
+        if idx is not None:  # none: it has ended (its last chunk is out)
+            await self.replicas[idx].append_text(request_id, text, close)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
         idx = self._placement.get(request_id)
@@ -100,3 +130,9 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         step_gap_s=sum(p.step_gap_s for p in parts),
         loop_other_s=sum(p.loop_other_s for p in parts),
     )
+
+
+async def _refused(e: RequestRejected) -> AsyncIterator[StreamChunk]:
+    """A stream that raises `e` at its first iteration (the contract of `generate`)."""
+    raise e
+    yield  # pragma: no cover - makes this an async generator

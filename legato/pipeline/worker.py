@@ -134,6 +134,8 @@ class _Worker:
                 if peer is not None:
                     self.links.cancel(peer, rid, msg.reason)
             await self.client.abort(rid, msg.reason)
+        elif isinstance(msg, m.AppendText):
+            await self.client.append_text(msg.request_id, msg.text, msg.close)
         elif isinstance(msg, m.ExtractVoice):
             asyncio.create_task(self.voice(msg))
         elif isinstance(msg, m.Shutdown):

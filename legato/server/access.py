@@ -86,6 +86,13 @@ def host_name(host: str) -> str | None:
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
                   headers: dict[str, str] | None = None) -> None:
+    if scope["type"] == "websocket":
+        # A WebSocket is refused before its handshake completes (the client sees HTTP 403); the close reason
+        # carries the message (a close frame's reason holds 123 bytes).
+        await receive()  # websocket.connect
+        reason = f"{status} {code}: {message}".encode()[:123].decode("utf-8", "ignore")
+        await send({"type": "websocket.close", "code": 1008, "reason": reason})
+        return
     await JSONResponse(error_body(status, message, code), status_code=status, headers=headers)(scope, receive, send)
 
 
@@ -97,7 +104,7 @@ class HostCheck:
         self.allowed = frozenset(_canonical(h.strip().lower().strip("[]")) for h in allowed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             given = scope_header(scope, b"host") or ""
             host = host_name(given)
             if host is None:
@@ -151,11 +158,12 @@ class OriginCheck:
             return False
         if key in self.allowed:
             return True
-        own = origin_key(f"{scope.get('scheme', 'http')}://{scope_header(scope, b'host') or ''}")
+        scheme = {"ws": "http", "wss": "https"}.get(scope.get("scheme", "http"), scope.get("scheme", "http"))
+        own = origin_key(f"{scheme}://{scope_header(scope, b'host') or ''}")  # a WebSocket's page is http(s)
         return key == own  # our own pages (the API docs) post with an Origin too
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             origin = scope_header(scope, b"origin")
             if origin is not None and not self._allows(scope, origin):
                 await _refuse(scope, receive, send, 403, f"requests from origin {origin[:100]!r} are not allowed "
@@ -182,7 +190,7 @@ class ApiKeyAuth:
         return sum(hmac.compare_digest(token_bytes, k) for k in self.keys) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        if scope["type"] in ("http", "websocket") and scope["path"] not in self.open_paths:
             given = scope_header(scope, b"authorization")
             if not self._valid(given):
                 message = ("missing API key: send Authorization: Bearer <key>" if given is None

@@ -36,6 +36,8 @@ from legato.server.settings import ServerSettings
 from legato.server.speech import SPEECH_PATH, SpeechService, build_speech_router
 from legato.server.streaming import SpeechResponder
 from legato.server.voices import VoiceStore
+from legato.server.ws_protocol import WsLimits
+from legato.server.ws_route import build_stream_router
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +45,12 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: `$` wo
 
 
 def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None,
-              lifecycle: Lifecycle | None = None, prompt_limit: PromptLimit | None = None) -> FastAPI:
+              lifecycle: Lifecycle | None = None, prompt_limit: PromptLimit | None = None,
+              ws_limits: WsLimits | None = None) -> FastAPI:
     """The server for one engine client. The app owns the client's lifetime (start/stop in its lifespan);
     `lifecycle` is shared with the server that drains it on a signal (cli.py), else the app makes its own.
-    `prompt_limit` holds requests to --max-prompt-tokens before they reach the client (None: not here)."""
+    `prompt_limit` holds requests to --max-prompt-tokens before they reach the client (None: not here).
+    `ws_limits` bounds the streaming-text WebSocket (None: the defaults, its text per context max_input_chars)."""
     lifecycle = lifecycle or Lifecycle(client, settings.shutdown_grace_s)
     service = SpeechService(client, settings, voice_store, prompt_limit)
     metrics = ServerMetrics(client, service.model_name)
@@ -71,6 +75,8 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
                   description="OpenAI-compatible text-to-speech for Qwen3-TTS models.")
     install_error_handlers(app)
     app.include_router(build_speech_router(service, responder))
+    ws_limits = ws_limits or WsLimits(max_text_chars=settings.max_input_chars)
+    app.include_router(build_stream_router(client, service, metrics, ws_limits, lifecycle))
     if voice_store is not None:
         from legato.server.voices_api import build_voices_router
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -53,6 +53,16 @@ class ServerMetrics:
             registry=self.registry)
         self.audio_seconds = Counter(
             "legato_audio_seconds", "Seconds of audio produced.", registry=self.registry)
+        # The streaming-text WebSocket (ws_session.py).
+        self.ws_sockets = Gauge("legato_ws_open_sockets", "Streaming-text WebSockets open.", registry=self.registry)
+        self.ws_contexts = Gauge("legato_ws_contexts", "Streaming-text contexts open on all sockets.",
+                                 registry=self.registry)
+        self.ws_cancels = Counter("legato_ws_cancels", "Streaming-text contexts cancelled by their client "
+                                  "(response.cancel).", registry=self.registry)
+        self.ws_refused = Counter("legato_ws_refused_messages", "Streaming-text client messages answered with an "
+                                  "error event, by code.", ["code"], registry=self.registry)
+        self.ws_slow_closes = Counter("legato_ws_slow_client_closes", "Streaming-text sockets closed because the "
+                                      "client stopped reading.", registry=self.registry)
         # vLLM's names, for routers (one observation each, beside ours: see the module doc).
         self.vllm_ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first audio (vLLM's name: routers read it).",
@@ -111,6 +121,11 @@ class _EngineCollector(Collector):
              "(inbox, handing outputs to the event loop, stats).", s.loop_other_s),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("legato_num_requests_waiting_for_text", "Running requests whose text has not "
+                                "arrived (streaming text): they hold their state and sit out decode steps.",
+                                value=s.waiting_for_text)
+        yield CounterMetricFamily("legato_text_wait_seconds", "Seconds streaming-text requests sat out decode steps "
+                                  "waiting for text, summed over requests.", value=s.text_wait_s)
         busy = s.step_gpu_s + s.step_gap_s
         yield GaugeMetricFamily("legato_gpu_busy_ratio", "Device time over device time plus the gaps between "
                                 "steps, since start (0 before the first GPU step).",

@@ -73,12 +73,20 @@ class SpeechService:
     def task_type(self) -> str:
         return TASK_TYPES.get(self.client.info.model_type, self.client.info.model_type)
 
-    async def prepare(self, body: SpeechRequest, request_id: str) -> PreparedSpeech:
+    async def prepare(self, body: SpeechRequest, request_id: str, text_open: bool = False) -> PreparedSpeech:
+        """`text_open`: `body.input` is the first piece of a text still arriving (the streaming-text WebSocket):
+        the request takes the streaming-text layout, and its frame budget is left to the engine, which caps it by
+        its whole text when the text closes (the first piece would cap it far too short)."""
         self._check_request(body)
         sampling, max_frames = self._sampling(body)
         inp = await self._speech_input(body)
+        if text_open:
+            if inp.non_streaming_mode:
+                raise ApiError(400, "streaming text input needs non_streaming_mode false (the text is not all "
+                                    "there to put in the prompt)", "unsupported_field", "non_streaming_mode")
+            inp.non_streaming_mode = False
         budget = None
-        if self.prompt_limit is not None:
+        if self.prompt_limit is not None and not text_open:
             budget = self.prompt_limit.check(inp, self._length_ask(body))
         if budget is not None:  # the smallest cap, passed on: the engine's own caps are never smaller
             sampling.max_new_tokens = budget.frames + 1
@@ -86,7 +94,7 @@ class SpeechService:
         mode = body.mode
         synthesis = SynthesisRequest(
             request_id=request_id, input=inp, sampling=sampling, max_frames=max_frames,
-            ignore_eos=body.ignore_eos, first_chunk_frames=body.first_chunk_frames,
+            ignore_eos=body.ignore_eos, first_chunk_frames=body.first_chunk_frames, text_open=text_open,
         )
         audio = AudioFormat(body.response_format, body.sample_rate, body.mp3_bitrate)
         return PreparedSpeech(synthesis, audio, mode, budget)

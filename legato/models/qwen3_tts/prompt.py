@@ -73,6 +73,9 @@ class PromptSpec:
     x_vector_only: Base only: True clones from the x-vector alone; False is ICL and also needs
         ref_ids (templated transcript, `ref_text_ids`) and ref_code (T_ref, 16) codec codes.
     non_streaming_mode: feed the whole text in the prompt instead of one token per decode step.
+    text_open: the text is still arriving (streaming text input): `text_ids` hold what is known so far, the
+        trailing text ends without tts_eos, and the engine appends the rest (`Engine.append_text`) and the
+        eos (`Engine.close_text`). Streaming-text layout only, without a reference (x-vector or presets).
     """
 
     text_ids: Sequence[int] | torch.Tensor
@@ -84,6 +87,7 @@ class PromptSpec:
     speaker_embedding: torch.Tensor | None = None
     x_vector_only: bool = False
     non_streaming_mode: bool = False
+    text_open: bool = False
 
 
 @dataclass
@@ -190,6 +194,11 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
     icl = kind == "base" and not spec.x_vector_only
     if icl:
         ref_ids, ref_code = _icl_inputs(spec, cfg, device)
+    if spec.text_open and (icl or spec.non_streaming_mode):
+        # In-context cloning puts text beside the reference frames inside the prompt, and the non-streaming
+        # layout the whole text: neither prompt exists before the text is complete.
+        raise PromptError("text that is still arriving needs the streaming-text layout without in-context "
+                          "cloning (non_streaming_mode off; a Base model clones from the x-vector only)")
 
     text = talker.embed_text
     codec = talker.embed_codec
@@ -229,7 +238,9 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
     else:
         # One text token rides with codec_bos; the rest trails into the decode steps.
         parts.append(text(text_ids[ROLE_LEN:ROLE_LEN + 1]) + codec_bos)
-        trailing = torch.cat([text(text_ids[ROLE_LEN + 1:-TARGET_TAIL]), eos_t], dim=0)
+        trailing = text(text_ids[ROLE_LEN + 1:-TARGET_TAIL])
+        if not spec.text_open:  # an open text gets its eos when it closes
+            trailing = torch.cat([trailing, eos_t], dim=0)
 
     return TalkerPrompt(embeds=torch.cat(parts, dim=0), trailing_text=trailing, tts_pad=pad_t[0])
 

@@ -1,0 +1,121 @@
+"""Streaming text input through the in-process engine client: pieces appended while the request runs (some
+before it is even admitted) give the codes of the whole text; a waiting request is counted, and an abort frees
+it; topologies that cannot carry text yet refuse it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.loader import load_model
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.models.qwen3_tts.text_stream import TextStream
+from legato.pipeline.client import EngineClient, RequestRejected, SynthesisRequest
+from legato.pipeline.local import LocalEngineClient
+
+EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
+TEXT = "Streaming text arrives word by word, while the voice is already speaking it."
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    torch.set_num_threads(1)
+    return load_model(tiny_checkpoint)
+
+
+def make_client(loaded) -> LocalEngineClient:
+    return LocalEngineClient(loaded, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=128,
+                                                  max_model_len=512, max_num_batched_tokens=256,
+                                                  frames_per_text_token=2.0))
+
+
+def request(rid: str, text: str, text_open: bool) -> SynthesisRequest:
+    inp = SpeechInput(text, language="english", speaker_embedding=EMB, x_vector_only=True)
+    return SynthesisRequest(rid, inp, SamplingParams(seed=5, max_new_tokens=200), text_open=text_open)
+
+
+async def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def drain(gen, sink: list) -> None:
+    async for chunk in gen:
+        sink.append(chunk)
+
+
+def test_appended_text_gives_the_codes_of_the_whole_text(loaded):
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            whole = [c async for c in client.generate(request("whole", TEXT, False))]
+            stream = TextStream()
+            words = [w + " " for w in TEXT.split(" ")[:-1]] + [TEXT.split(" ")[-1]]
+            first = ""
+            while not first:
+                first = stream.append(words.pop(0))
+            chunks: list = []
+            task = asyncio.create_task(drain(client.generate(request("s", first, True)), chunks))
+            # A piece sent while the request is still on the admission thread follows it in order.
+            await client.append_text("s", stream.append(words.pop(0)))
+            await wait_for(lambda: client.stats().waiting_for_text == 1, "the request to run out of text")
+            assert not chunks or not chunks[-1].finished
+            for w in words:
+                piece = stream.append(w)
+                if piece:
+                    await client.append_text("s", piece)
+            await client.append_text("s", stream.close(), close=True)
+            await asyncio.wait_for(task, 120)
+            stats = client.stats()
+        finally:
+            await client.stop()
+        return whole, chunks, stats
+
+    whole, chunks, stats = asyncio.run(main())
+    assert chunks[-1].finished and chunks[-1].finish_reason == whole[-1].finish_reason
+    assert np.array_equal(np.concatenate([c.codes for c in chunks]), np.concatenate([c.codes for c in whole]))
+    assert np.array_equal(np.concatenate([c.audio for c in chunks]), np.concatenate([c.audio for c in whole]))
+    assert stats.text_wait_s > 0 and stats.free_kv_blocks == stats.num_kv_blocks
+
+
+def test_abort_ends_a_request_waiting_for_text(loaded):
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            chunks: list = []
+            task = asyncio.create_task(drain(client.generate(request("w", "Hello there", True)), chunks))
+            await wait_for(lambda: client.stats().waiting_for_text == 1, "the request to run out of text")
+            assert client.stats().free_kv_blocks < client.stats().num_kv_blocks
+            await client.abort("w", "barge-in")
+            await asyncio.wait_for(task, 60)
+            await client.append_text("w", " more words")  # after its end: dropped, nothing breaks
+            await wait_for(lambda: client.stats().free_kv_blocks == client.stats().num_kv_blocks, "blocks back")
+            assert client.is_alive()
+        finally:
+            await client.stop()
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert chunks[-1].finished and chunks[-1].finish_reason == "abort"
+
+
+def test_a_client_without_text_input_refuses_it():
+    class NoText(EngineClient):
+        start = stop = generate = abort = extract_voice = stats = is_alive = None
+
+    client = NoText()
+    assert not client.takes_text_input
+    with pytest.raises(RequestRejected) as e:
+        asyncio.run(client.append_text("r", "hi"))
+    assert e.value.status == 501

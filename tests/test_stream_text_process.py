@@ -1,0 +1,66 @@
+"""Streaming text input across the process boundary and a replica router: the wire carries `text_open` and
+AppendText, and a request streamed to an engine worker process (or through a router of them) gives the codes of
+the whole text."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.models.qwen3_tts.text_stream import TextStream
+from legato.pipeline import messages as m
+from legato.pipeline.client import SynthesisRequest
+from legato.pipeline.topology import build_client, parse_topology
+
+EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
+TEXT = "Text streamed to a worker process, word by word, gives the codes of the whole text."
+
+
+def request(rid: str, text: str, text_open: bool) -> SynthesisRequest:
+    inp = SpeechInput(text, language="english", speaker_embedding=EMB, x_vector_only=True)
+    return SynthesisRequest(rid, inp, SamplingParams(seed=9, max_new_tokens=40), text_open=text_open)
+
+
+def test_append_text_and_text_open_cross_the_wire():
+    msg = m.decode(m.encode(m.AppendText("r1", "wörld, ", close=True)))
+    assert msg == m.AppendText("r1", "wörld, ", close=True)
+    sub = m.decode(m.encode(m.Submit(request("r2", "Hi", True))))
+    assert sub.request.text_open
+    assert not m.decode(m.encode(m.Submit(request("r3", "Hi", False)))).request.text_open
+
+
+@pytest.mark.parametrize("topology", ["single", "replicas:2"])
+def test_streamed_text_through_worker_processes_equals_the_whole_text(tiny_checkpoint, topology):
+    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=128, max_model_len=512,
+                          max_num_batched_tokens=256)
+    client = build_client(parse_topology(topology), None, config, workers="process", model_path=str(tiny_checkpoint),
+                          process_options={"torch_threads": 1, "start_timeout_s": 60})
+    assert client.takes_text_input
+
+    async def main():
+        await client.start()
+        try:
+            whole = [c async for c in client.generate(request("whole", TEXT, False))]
+            stream = TextStream()
+            pieces = [stream.append(w + " ") for w in TEXT.split(" ")[:-1]] + [stream.append(TEXT.split(" ")[-1])]
+            pieces = [p for p in pieces if p]
+            gen = client.generate(request("s", pieces[0], True))
+            for p in pieces[1:]:  # all sent before the first chunk is read: they follow the Submit in order
+                await client.append_text("s", p)
+            await client.append_text("s", stream.close(), close=True)
+            streamed = [c async for c in gen]
+            stats = client.stats()
+        finally:
+            await client.stop()
+        return whole, streamed, stats
+
+    whole, streamed, stats = asyncio.run(asyncio.wait_for(main(), 300))
+    assert streamed[-1].finished and streamed[-1].finish_reason == whole[-1].finish_reason
+    assert np.array_equal(np.concatenate([c.codes for c in streamed]), np.concatenate([c.codes for c in whole]))
+    assert stats.free_kv_blocks == stats.num_kv_blocks

@@ -1,0 +1,250 @@
+"""The streaming-text WebSocket end to end on a tiny model: audio equal to the HTTP request of the whole text,
+concurrent contexts with barge-in cancel, bad messages answered with errors on a socket that stays usable, the
+HTTP access rules, and bounded buffers for a client that stops reading."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from server_helpers import local_client, server_settings, tiny_loaded
+from starlette.websockets import WebSocketDisconnect
+from ws_helpers import WsClient
+
+from legato.server.app import build_app
+from legato.server.ws_protocol import STREAM_PATH, WsLimits
+from legato.server.ws_session import StreamSession
+
+TEXT = "Streaming text arrives word by word, while the voice is already speaking it."
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return tiny_loaded(tmp_path_factory.mktemp("ws-models"), "custom_voice")
+
+
+def make_app(loaded, limits: WsLimits | None = None, **settings):
+    client = local_client(loaded, frames_per_text_token=2.0)
+    settings = {"default_max_new_tokens": 40, "max_new_tokens_limit": 512, **settings}
+    app = build_app(client, server_settings(loaded, **settings), ws_limits=limits)
+    return app, client
+
+
+def words(text: str) -> list[str]:
+    parts = text.split(" ")
+    return [p + " " for p in parts[:-1]] + parts[-1:]
+
+
+def test_streamed_text_speaks_the_audio_of_the_whole_text(loaded):
+    app, client = make_app(loaded)
+    speaker = client.info.speakers[0]
+    with TestClient(app) as http:
+        whole = http.post("/v1/audio/speech", json={"input": TEXT, "voice": speaker, "response_format": "pcm",
+                                                    "seed": 3, "stream": False, "non_streaming_mode": False})
+        assert whole.status_code == 200, whole.text
+        with http.websocket_connect(STREAM_PATH) as ws:
+            c = WsClient(ws)
+            c.send(type="session.update", session={"voice": speaker, "response_format": "pcm", "seed": 3})
+            assert c.event("session.updated")["session"]["audio_transport"] == "binary"
+            for w in words(TEXT):
+                c.send(type="input_text.append", context_id="a", text=w)
+            c.send(type="input_text.end", context_id="a")
+            done = c.event("response.audio.done", "a")
+            # base64 deltas, chosen in the session, carry the same audio
+            c.send(type="session.update", session={"audio_transport": "base64"})
+            c.event("session.updated")
+            c.send(type="input_text.append", context_id="b", text=TEXT)
+            c.send(type="input_text.end", context_id="b")
+            deltas = bytearray()
+            c.until(lambda m: m["type"] == "response.audio.delta" and deltas.extend(base64.b64decode(m["audio"]))
+                    is None and False or m["type"] == "response.audio.done", "context b's audio")
+            c.close_and_wait(http)
+        assert bytes(c.audio["a"]) == whole.content
+        assert bytes(deltas) == whole.content
+        assert done["finish_reason"] == whole.headers["x-finish-reason"]
+        assert done["usage"]["audio_seconds"] == pytest.approx(len(whole.content) / 2 / 24000, abs=1e-3)
+        stats = client.stats()
+        assert stats.free_kv_blocks == stats.num_kv_blocks
+        metrics = http.get("/metrics").text
+        assert "legato_ws_contexts 0.0" in metrics and "legato_ws_open_sockets 0.0" in metrics
+
+
+def test_cancel_stops_one_context_and_leaves_the_other(loaded):
+    app, client = make_app(loaded)
+    speaker = client.info.speakers[0]
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="session.update", session={"voice": speaker, "seed": 1, "max_new_tokens": 400})
+        c.event("session.updated")
+        for cid in ("keep", "stop"):
+            c.send(type="input_text.append", context_id=cid, text="Hello there, this is a long answer ")
+        c.until(lambda m: m["type"] == "audio" and m["context_id"] == "stop", "audio of the context to stop")
+        c.send(type="response.cancel", context_id="stop", event_id="e1")
+        cancelled = c.event("response.cancelled", "stop")
+        sent = len(c.audio["stop"])
+        assert cancelled["audio_ms_sent"] == round(sent / 2 * 1000 / 24000)
+        c.send(type="input_text.append", context_id="keep", text="and it goes on to its end.")
+        c.send(type="input_text.end", context_id="keep")
+        done = c.event("response.audio.done", "keep")
+        assert done["finish_reason"] in ("stop", "length")
+        assert len(c.audio["stop"]) == sent  # nothing of the cancelled context after its reply
+        c.send(type="response.cancel", context_id="stop")  # gone now: an error, the socket stays
+        assert c.event("error")["error"]["code"] == "unknown_context"
+        deadline = time.monotonic() + 30
+        while client.stats().free_kv_blocks != client.stats().num_kv_blocks:
+            assert time.monotonic() < deadline, "KV blocks not given back"
+            time.sleep(0.01)
+        c.close_and_wait(http)
+        metrics = http.get("/metrics").text
+        assert "legato_ws_cancels_total 1.0" in metrics
+        assert 'legato_engine_aborts_total{reason="cancelled"} 1.0' in metrics
+
+
+BAD = [
+    ("not json", "invalid_json"),
+    ("[1, 2]", "invalid_event"),
+    ('{"type": "nope"}', "unknown_event"),
+    ('{"type": "input_text.append", "context_id": "bad id!", "text": "x"}', "invalid_context_id"),
+    ('{"type": "input_text.append", "context_id": "a", "text": ""}', "invalid_event"),
+    ('{"type": "input_text.append", "context_id": "a", "text": "x", "extra": 1}', "invalid_event"),
+    ('{"type": "input_text.flush", "context_id": "never"}', "unknown_context"),
+    ('{"type": "input_text.end", "context_id": "never"}', "unknown_context"),
+    ('{"type": "response.cancel", "context_id": "never"}', "unknown_context"),
+    ('{"type": "session.update", "session": {"temperature": "hot"}}', "invalid_session"),
+    ('{"type": "session.update", "session": {"input": "x"}}', "invalid_session"),
+    ('{"type": "session.update", "session": {"response_format": "flac"}}', "unsupported_format"),
+    ('{"type": "session.update", "session": {"audio_transport": "carrier pigeon"}}', "invalid_session"),
+    ('{"type": "session.update", "session": {"voice": "nobody"}, "event_id": "e"}', None),
+    ('{"type": "input_text.append", "context_id": "big", "text": "' + "x" * 300 + '"}', "text_too_long"),
+    ("x" * 3000, "message_too_large"),
+]
+
+
+def test_bad_messages_get_errors_and_the_socket_stays_usable(loaded):
+    app, client = make_app(loaded, WsLimits(max_message_bytes=2048, max_text_chars=200, max_contexts=2))
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        for raw, code in BAD:
+            ws.send_text(raw)
+            if code is None:  # a session with an unknown voice is taken; its first context says why
+                c.event("session.updated")
+                continue
+            err = c.event("error")
+            assert err["error"]["code"] == code, raw
+            assert set(err["error"]) == {"message", "type", "param", "code"}
+        c.send(type="input_text.append", context_id="v", text="Hello there ", event_id="ev-7")
+        err = c.event("error")
+        assert err["context_id"] == "v" and err["event_id"] == "ev-7" and err["error"]["param"] == "voice"
+        ws.send_bytes(b"\x00\x01")
+        assert c.event("error")["error"]["code"] == "binary_not_accepted"
+        c.send(type="session.update", session={"voice": client.info.speakers[0], "max_new_tokens": 400})
+        c.event("session.updated")
+        c.send(type="input_text.append", context_id="one", text="Hel")
+        c.send(type="input_text.append", context_id="two", text="Hel")
+        c.send(type="input_text.append", context_id="three", text="Hel")
+        assert c.event("error")["error"]["code"] == "too_many_contexts"
+        c.send(type="input_text.end", context_id="two")
+        c.send(type="input_text.append", context_id="two", text="more")
+        assert c.event("error")["error"]["code"] == "context_ended"
+        c.send(type="input_text.append", context_id="one", text="lo " + "y" * 200)
+        assert c.event("error")["error"]["code"] == "text_too_long"
+        c.send(type="input_text.end", context_id="one")
+        done = {"one", "two"}
+        c.until(lambda _: {e.get("context_id") for e in c.events if e["type"] == "response.audio.done"} == done,
+                "both contexts done")
+        c.close_and_wait(http)
+        metrics = http.get("/metrics").text
+        assert 'legato_ws_refused_messages_total{code="unknown_context"} 3.0' in metrics
+
+
+def test_access_rules_are_those_of_http(loaded):
+    app, _ = make_app(loaded, api_keys=("k1",), allowed_origins=("https://app.example",))
+    with TestClient(app) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"},
+                        {"Authorization": "Bearer k1", "Origin": "https://evil.example"}):
+            with pytest.raises(WebSocketDisconnect) as e, http.websocket_connect(STREAM_PATH, headers=headers):
+                pass
+            assert e.value.code == 1008
+        with http.websocket_connect(STREAM_PATH, headers={"Authorization": "Bearer k1",
+                                                          "Origin": "https://app.example"}) as ws:
+            c = WsClient(ws)
+            c.send(type="session.update", session={})
+            c.event("session.updated")
+            c.close_and_wait(http)
+
+
+def test_an_idle_socket_is_closed(loaded):
+    app, _ = make_app(loaded, WsLimits(idle_timeout_s=0.2))
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws, timeout_s=30)
+        assert c.receive() == {"type": "close", "code": 1000, "reason": "idle timeout"}
+        c.close_and_wait(http)
+
+
+def test_a_client_that_stops_reading_is_closed_and_its_requests_freed(loaded):
+    """The outbox holds `send_queue` messages; a client that takes none for `send_timeout_s` is closed (1008)
+    and its contexts aborted: nothing buffers without bound."""
+    _, client = make_app(loaded)
+
+    async def main():
+        await client.start()
+        from legato.server.metrics import ServerMetrics
+        from legato.server.speech import SpeechService
+
+        settings = server_settings(loaded, default_max_new_tokens=400, max_new_tokens_limit=512)
+        inbox: asyncio.Queue = asyncio.Queue()
+        closed: list = []
+        never = asyncio.Event()
+
+        async def stuck_send(_data) -> None:
+            await never.wait()  # a client whose socket buffer is full: the send never completes
+
+        async def close(code, reason) -> None:
+            closed.append((code, reason))
+            await inbox.put({"type": "websocket.disconnect"})
+
+        session = StreamSession(client, SpeechService(client, settings, None), ServerMetrics(client),
+                                WsLimits(send_queue=4, send_timeout_s=0.5), inbox.get, stuck_send, stuck_send, close)
+        for event in ({"type": "session.update", "session": {"voice": client.info.speakers[0]}},
+                      {"type": "input_text.append", "context_id": "a", "text": "Hello there, a long text "}):
+            await inbox.put({"type": "websocket.receive", "text": json.dumps(event)})
+        await asyncio.wait_for(session.run(), 60)
+        deadline = time.monotonic() + 30
+        while client.stats().free_kv_blocks != client.stats().num_kv_blocks or client.stats().running:
+            assert time.monotonic() < deadline, "the slow client's request was not freed"
+            await asyncio.sleep(0.01)
+        await client.stop()
+        return closed, session
+
+    closed, session = asyncio.run(main())
+    assert closed == [(1008, "client is not reading its messages")]
+    assert not session.contexts and session._outbox.qsize() <= 4
+    assert np.isfinite(session.limits.send_timeout_s)
+
+
+def test_a_topology_without_text_input_refuses_a_context():
+    from server_helpers import FakeClient
+
+    app = build_app(FakeClient(lambda req: []), server_settings())
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="input_text.append", context_id="a", text="Hello there ")
+        err = c.event("error")
+        assert err["error"]["code"] == "unsupported_topology" and err["context_id"] == "a"
+        c.send(type="input_text.append", context_id="a", text="again ")  # the context is gone: a new one, refused
+        assert c.event("error")["error"]["code"] == "unsupported_topology"
+        c.close_and_wait(http)
+
+
+def test_a_draining_server_refuses_new_sockets(loaded):
+    app, _ = make_app(loaded)
+    with TestClient(app) as http:
+        http.portal.call(app.state.lifecycle.begin_drain)  # on the app's loop, as a signal handler would
+        with pytest.raises(WebSocketDisconnect) as e, http.websocket_connect(STREAM_PATH):
+            pass
+        assert e.value.code == 1013
