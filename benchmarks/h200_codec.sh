@@ -9,16 +9,7 @@
 # prompts in .bench-data/prompts for `serve`, OUT a results folder. Random weights throughout; lengths fixed (EOS ignored).
 set -uo pipefail
 PART=${1:-check}
-OUT=${OUT:-bench-out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONUNBUFFERED=1 LEGATO_COMMIT=${LEGATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
-python3 -c "import torch, triton, fastapi, zmq, soundfile; print('torch', torch.__version__, 'triton', \
-triton.__version__, torch.cuda.get_device_name())" || exit 1
+. "$(dirname "$0")/h200_env.sh"
 case "$PART" in
   check)
     PYTHONPATH=.:tests:$PYTHONPATH timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \

@@ -8,16 +8,7 @@
 # Needs: the server's wheels in .whl/, 8c76ab2's tree in .base/, prompts in .bench-data/prompts, OUT a results
 # folder. Random weights (a 0.6B Base checkpoint written first); lengths fixed (EOS ignored).
 set -uo pipefail
-OUT=${OUT:-bench-out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONUNBUFFERED=1 LEGATO_COMMIT=${LEGATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
-python3 -c "import torch, triton, fastapi, zmq, soundfile; print('torch', torch.__version__, torch.cuda.get_device_name())" \
-  || exit 1
+. "$(dirname "$0")/h200_env.sh"
 export PYTHONPATH=.:$PYTHONPATH
 CKPT=/tmp/qwen3tts-0.6b-random
 [ -f $CKPT/model.safetensors ] || python3 -c "import torch; from legato.models.qwen3_tts.config import preset; \

@@ -1,0 +1,12 @@
+# Sourced by the h200_*.sh scripts: OUT made, the wheels in .whl/ installed (the device image lacks the server's
+# packages), the commit named for the JSON, and an import check that fails in seconds rather than mid-run.
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONUNBUFFERED=1 LEGATO_COMMIT=${LEGATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
+python3 -c "import torch, triton, fastapi, zmq, soundfile; print('torch', torch.__version__, 'triton', \
+triton.__version__, torch.cuda.get_device_name())" || exit 1
