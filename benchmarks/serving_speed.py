@@ -152,7 +152,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 if args.profile == f"{mode}:{conc}":  # a sampling profile of the server during this cell
                     spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration",
                                             str(args.profile_seconds), "--rate", "100", "--format", "raw",
-                                            "--nonblocking", "--threads", "--output",
+                                            "--nonblocking", "--threads", "--subprocesses", "--output",
                                             str(Path(args.out) / f"profile-{name}-{mode}-c{conc}.txt")],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 done = subprocess.run(bench, env={**os.environ, "PYTHONPATH": os.pathsep.join(

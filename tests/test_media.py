@@ -19,7 +19,17 @@ import pytest
 import soundfile as sf
 
 from legato.models.qwen3_tts.audio import encode_wav, read_audio
-from legato.server.media import MediaError, MediaPolicy, decode_ref_audio, resolve_ref_audio
+from legato.models.qwen3_tts.inputs import voice_key
+from legato.server import media as media_module
+from legato.server.media import (
+    Clip,
+    ClipCache,
+    MediaError,
+    MediaPolicy,
+    decode_ref_audio,
+    resolve_ref_audio,
+    resolve_ref_clip,
+)
 
 CLIP = Path(__file__).parent / "data" / "voice01.wav"
 CLIP_BYTES = CLIP.read_bytes()
@@ -281,3 +291,77 @@ def test_remote_fetch_is_capped_and_timed(http_base):
     slow = refused(f"{http_base}/slow", policy(timeout_s=0.3))
     assert slow.status == 400 and "timed out" in slow.message
     assert time.monotonic() - start < 5  # the endpoint would stall for longer than this
+
+
+# --- the inline clip cache ------------------------------------------------------------------------------
+
+
+def resolve_clip(value: str, cache: ClipCache | None, policy: MediaPolicy | None = None) -> Clip:
+    return asyncio.run(resolve_ref_clip(value, policy or MediaPolicy(), cache))
+
+
+def test_an_inline_clip_is_decoded_once_and_keyed_as_the_voice_cache_keys_it(monkeypatch):
+    decoded = []
+    real = media_module._decode
+    monkeypatch.setattr(media_module, "_decode", lambda data, policy: decoded.append(1) or real(data, policy))
+    cache = ClipCache()
+    url = f"data:audio/wav;base64,{b64(CLIP_BYTES)}"
+    first = resolve_clip(url, cache)
+    again = resolve_clip(" " + url + "\n", cache)  # the same clip, however it is padded
+    bare = resolve_clip(b64(CLIP_BYTES), cache)  # bare base64 is a second entry
+    assert len(decoded) == 2 and len(cache) == 2 and (cache.hits, cache.misses) == (1, 2)
+    assert again is first
+    for clip in (first, bare):
+        assert_is_clip((clip.samples, clip.rate))
+        assert clip.key == voice_key(CLIP_SAMPLES, CLIP_RATE)
+        assert not clip.samples.flags.writeable  # shared by every request that sends it: nobody may change it
+    assert resolve_clip(url, None).samples.flags.writeable  # no cache, nothing shared
+
+
+def test_a_refused_clip_is_not_cached_and_is_refused_again():
+    cache = ClipCache()
+    silent = io.BytesIO()
+    sf.write(silent, np.zeros(24000, np.float32), 24000, format="WAV")
+    for value in ("data:audio/wav;base64,@@@", f"data:audio/wav;base64,{b64(silent.getvalue())}"):
+        for _ in range(2):
+            with pytest.raises(MediaError) as info:
+                resolve_clip(value, cache)
+            assert info.value.status == 400
+    assert len(cache) == 0
+
+
+def test_the_clip_cache_keeps_within_its_entry_and_byte_limits():
+    values = [f"data:audio/wav;base64,{b64(_tone(24000 + i))}" for i in range(4)]
+    by_count = ClipCache(max_entries=2)
+    for v in values:
+        resolve_clip(v, by_count)
+    assert len(by_count) == 2
+    resolve_clip(values[-1], by_count)  # the newest stays
+    assert by_count.hits == 1
+    one = len(values[0]) + 4 * 24001
+    by_bytes = ClipCache(max_bytes=int(2.5 * one))
+    for v in values:
+        resolve_clip(v, by_bytes)
+    assert len(by_bytes) == 2 and by_bytes._bytes <= by_bytes.max_bytes
+    too_big = ClipCache(max_bytes=one // 2)  # a clip larger than the whole cache is served, never stored
+    assert_is_clip_like(resolve_clip(values[0], too_big))
+    assert len(too_big) == 0
+
+
+def test_file_urls_are_not_cached_and_leave_the_key_to_the_engine(tmp_path):
+    path = tmp_path / "voice.wav"
+    path.write_bytes(CLIP_BYTES)
+    cache = ClipCache()
+    clip = resolve_clip(path.as_uri(), cache, MediaPolicy(allowed_local_media_path=str(tmp_path)))
+    assert_is_clip((clip.samples, clip.rate))
+    assert clip.key is None and len(cache) == 0  # the file may change before the next request
+
+
+def _tone(n: int) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, (0.1 * np.sin(np.arange(n) / 9.0)).astype(np.float32), 24000, format="WAV")
+    return buf.getvalue()
+
+
+def assert_is_clip_like(clip: Clip) -> None:
+    assert clip.rate == 24000 and clip.samples.dtype == np.float32 and len(clip.samples) > 0

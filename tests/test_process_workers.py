@@ -57,15 +57,16 @@ def test_messages_round_trip():
     ref = np.linspace(-1, 1, 100, dtype=np.float32)
     code = np.arange(32, dtype=np.int64).reshape(2, 16)
     inp = SpeechInput("hi", language="english", ref_audio=ref, ref_sample_rate=16000, ref_text="ref",
-                      speaker_embedding=EMB, ref_code=torch.from_numpy(code), non_streaming_mode=False)
+                      speaker_embedding=EMB, ref_code=torch.from_numpy(code), non_streaming_mode=False,
+                      ref_audio_key="0123abcd")
     sub = m.Submit(SynthesisRequest("a", inp, SamplingParams(seed=7, temperature=0.5, top_k=3), max_frames=9,
                                     ignore_eos=True, first_chunk_frames=2))
     got = m.decode(m.encode(sub))
     r, gi = got.request, got.request.input
     assert (r.request_id, r.max_frames, r.ignore_eos, r.first_chunk_frames) == ("a", 9, True, 2)
     assert r.sampling == sub.request.sampling
-    assert (gi.text, gi.language, gi.ref_sample_rate, gi.ref_text, gi.non_streaming_mode, gi.speaker) == \
-        ("hi", "english", 16000, "ref", False, None)
+    assert (gi.text, gi.language, gi.ref_sample_rate, gi.ref_text, gi.non_streaming_mode, gi.speaker,
+            gi.ref_audio_key) == ("hi", "english", 16000, "ref", False, None, "0123abcd")
     assert np.array_equal(gi.ref_audio, ref) and torch.equal(gi.speaker_embedding, EMB)
     assert gi.ref_code.dtype == torch.int64 and torch.equal(gi.ref_code, torch.from_numpy(code))
 

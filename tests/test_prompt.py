@@ -135,3 +135,24 @@ def test_instruct_only_reaches_1b7_custom_voice_and_voice_design():
     assert build("custom_voice", "1b7", **kw).length == build("custom_voice", "0b6", **kw).length + 7
     vd = build("voice_design", text_ids=TEXT, instruct_ids=kw["instruct_ids"])
     assert vd.length == build("voice_design", text_ids=TEXT, instruct_ids=[]).length + 7
+
+
+def test_the_special_text_embeddings_follow_the_weights():
+    """tts_bos/eos/pad's text embeddings are computed once per set of weights: the same prompt again reuses
+    them, and weights changed in place (as loading a checkpoint does) are seen at the next prompt."""
+    cfg = tiny_config("base", "0b6")
+    torch.manual_seed(1)
+    talker = Talker(cfg.talker_config).eval()
+    spec = PromptSpec(text_ids=TEXT, speaker_embedding=torch.randn(cfg.talker_config.hidden_size),
+                      x_vector_only=True)
+    first = build_prompt(spec, talker, cfg)
+    cached = talker._special_text_cache[1]
+    again = build_prompt(spec, talker, cfg)
+    assert talker._special_text_cache[1] is cached and torch.equal(first.embeds, again.embeds)
+    specials = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
+    assert torch.equal(first.tts_pad, talker.embed_text(specials)[2])
+    with torch.no_grad():
+        next(talker.text_projection.parameters()).mul_(0.5)
+    changed = build_prompt(spec, talker, cfg)
+    assert not torch.equal(changed.tts_pad, first.tts_pad)
+    assert torch.equal(changed.tts_pad, talker.embed_text(specials)[2])

@@ -131,3 +131,24 @@ def test_speech_ref_audio_obeys_the_local_media_policy(loaded, dirs, encoder_cal
     with server(loaded, no_files) as http:
         r = speak(http, ref_audio=f"file://{media}/clip.wav", x_vector_only_mode=True)
         assert r.status_code == 403 and "allowed-local-media-path" in r.json()["error"]["message"]
+
+
+def test_an_inline_clip_sent_again_is_neither_decoded_nor_hashed_nor_encoded_again(loaded, dirs, encoder_calls,
+                                                                                   monkeypatch):
+    """The server decodes a data URL once and hands the engine the clip's voice key with it, so the engine's
+    voice cache finds the voice without hashing the samples again; both requests give the same audio."""
+    import base64
+
+    hashed = Counter()
+    real_key = inputs.voice_key
+    monkeypatch.setattr(inputs, "voice_key", lambda *a: hashed.update(["engine"]) or real_key(*a))
+    voices_dir, media, _ = dirs
+    url = "data:audio/wav;base64," + base64.b64encode(CLIP.read_bytes()).decode()
+    with server(loaded, ServerSettings(voices_dir=str(voices_dir))) as http:
+        first = speak(http, ref_audio=url, x_vector_only_mode=True)
+        again = speak(http, ref_audio=url, x_vector_only_mode=True)
+        clips = http.app.state.speech.clips
+    assert wav_of(first) == wav_of(again) and first.content == again.content
+    assert encoder_calls["extract_voice"] == 1  # the voice cache's miss; the second request hits it
+    assert hashed["engine"] == 0  # the key came with the request
+    assert (clips.hits, clips.misses) == (1, 1)

@@ -306,7 +306,7 @@ def _np(t: torch.Tensor | np.ndarray | None, dtype: str) -> np.ndarray | None:
 # --- per-message bodies -------------------------------------------------------------------------------
 
 _INPUT_FIELDS = {"text": str, "language": str, "speaker": str, "instructions": str, "ref_sample_rate": int,
-                 "ref_text": str, "x_vector_only": bool, "non_streaming_mode": bool}
+                 "ref_text": str, "x_vector_only": bool, "non_streaming_mode": bool, "ref_audio_key": str}
 _SAMPLING_FIELDS = {"do_sample": bool, "temperature": float, "top_k": int, "top_p": float,
                     "repetition_penalty": float, "min_new_tokens": int, "max_new_tokens": int,
                     "subtalker_do_sample": bool, "subtalker_temperature": float, "subtalker_top_k": int,

@@ -122,6 +122,7 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: even a 413 carries the request id
     app.state.metrics = metrics
     app.state.client = client
+    app.state.speech = service
     app.state.lifecycle = lifecycle
     return app
 

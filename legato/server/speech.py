@@ -27,7 +27,7 @@ from legato.server.encoding import (
 )
 from legato.server.errors import ApiError, ErrorResponse
 from legato.server.frame_budget import FrameBudget, LengthAsk
-from legato.server.media import MediaError, MediaPolicy, resolve_ref_audio
+from legato.server.media import ClipCache, MediaError, MediaPolicy, resolve_ref_clip
 from legato.server.prompt_limit import PromptLimit
 from legato.server.schemas import SpeechRequest
 from legato.server.settings import ServerSettings
@@ -64,6 +64,7 @@ class SpeechService:
             max_bytes=settings.max_ref_audio_bytes, max_seconds=settings.max_ref_audio_seconds,
             timeout_s=settings.media_fetch_timeout_s, allow_remote_networks=settings.remote_media_allow_cidrs,
         )
+        self.clips = ClipCache()  # inline reference clips, decoded once per server however often they come
 
     @property
     def model_name(self) -> str:
@@ -256,11 +257,11 @@ class SpeechService:
             raise ApiError(400, "in-context cloning needs ref_text (the transcript of ref_audio); or set "
                                 "x_vector_only_mode", "missing_ref_text", "ref_text")
         try:
-            samples, rate = await resolve_ref_audio(body.ref_audio, self.media_policy)
+            clip = await resolve_ref_clip(body.ref_audio, self.media_policy, self.clips)
         except MediaError as e:
             raise ApiError(e.status, e.message, "invalid_ref_audio", "ref_audio") from e
-        return {"ref_audio": samples, "ref_sample_rate": rate, "ref_text": body.ref_text,
-                "x_vector_only": body.x_vector_only_mode}
+        return {"ref_audio": clip.samples, "ref_sample_rate": clip.rate, "ref_audio_key": clip.key,
+                "ref_text": body.ref_text, "x_vector_only": body.x_vector_only_mode}
 
     def _saved_voices(self) -> list[str]:
         return [v.name for v in self.voice_store.list()] if self.voice_store is not None else []

@@ -49,6 +49,9 @@ class SpeechInput:
     ref_code: torch.Tensor | None = None
     non_streaming_mode: bool | None = None
     text_ids: Sequence[int] | None = None
+    # `voice_key(ref_audio, ref_sample_rate)` when the caller already has it (the server computes it once per
+    # clip it caches), so the voice cache need not hash the samples again on the admission thread.
+    ref_audio_key: str | None = None
 
 
 @dataclass
@@ -59,13 +62,23 @@ class VoiceFeatures:
     ref_code: torch.Tensor  # [T_ref, 16], int64, CPU
 
 
+def voice_key(samples: np.ndarray, sample_rate: int) -> str:
+    """The voice cache's key of a clip: a digest of its float32 samples and its rate."""
+    arr = np.ascontiguousarray(samples, dtype=np.float32)
+    # Hashed from the array's own buffer (no bytes copy); hashlib lets go of the GIL for large inputs.
+    return hashlib.blake2b(arr, digest_size=16, key=str(int(sample_rate)).encode()).hexdigest()
+
+
 @torch.inference_mode()
-def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
-    """Speaker embedding and reference codes of a mono clip (resampled to the codec rate first)."""
+def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int, key: str | None = None) -> VoiceFeatures:
+    """Speaker embedding and reference codes of a mono clip (resampled to the codec rate first). `key` is
+    unused: the signature is the one `VoiceCache` shares, so `build_spec` can take either."""
     if loaded.model.speaker_encoder is None:
         raise PromptError(f"this is a {loaded.config.tts_model_type} model; reference audio needs a Base model")
     rate = loaded.speech_config.input_sample_rate
     wav = resample(np.asarray(samples, dtype=np.float32), sample_rate, rate)
+    if not wav.flags.writeable:  # a clip the server caches is read-only; torch wants to own a writable one
+        wav = wav.copy()
     if len(wav) < loaded.model.speaker_encoder.min_samples:
         raise AudioError(f"reference audio too short: {len(wav) / rate:.3f} s")
     wav_t = torch.from_numpy(wav)
@@ -83,16 +96,18 @@ class VoiceCache:
 
     def __init__(self, max_entries: int = 256) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[bytes, VoiceFeatures] = OrderedDict()
+        self._entries: OrderedDict[str, VoiceFeatures] = OrderedDict()
         self.hits = self.misses = 0
         self._lock = threading.Lock()
 
-    def __call__(self, loaded: LoadedModel, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
-        """`extract_voice`, remembered (same signature, so `build_spec` can take it as its `extract`)."""
+    def __call__(self, loaded: LoadedModel, samples: np.ndarray, sample_rate: int,
+                 key: str | None = None) -> VoiceFeatures:
+        """`extract_voice`, remembered (same signature, so `build_spec` can take it as its `extract`). `key`:
+        `voice_key(samples, sample_rate)` if the caller has it already."""
         if self.max_entries <= 0:
             return extract_voice(loaded, samples, sample_rate)
         arr = np.ascontiguousarray(samples, dtype=np.float32)
-        key = hashlib.blake2b(arr.tobytes(), digest_size=16, key=str(int(sample_rate)).encode()).digest()
+        key = key or voice_key(arr, sample_rate)
         with self._lock:
             feats = self._entries.get(key)
             if feats is None:
@@ -127,7 +142,7 @@ def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> 
     if inp.ref_audio is not None:
         if embedding is not None:
             raise PromptError("give either ref_audio or speaker_embedding, not both")
-        feats = extract(loaded, inp.ref_audio, inp.ref_sample_rate)
+        feats = extract(loaded, inp.ref_audio, inp.ref_sample_rate, key=inp.ref_audio_key)
         embedding = feats.speaker_embedding
         ref_code = None if inp.x_vector_only else feats.ref_code
     x_vector_only = inp.x_vector_only or (embedding is not None and ref_code is None)

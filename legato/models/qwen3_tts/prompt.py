@@ -201,38 +201,35 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
                           "cloning (non_streaming_mode off; a Base model clones from the x-vector only)")
 
     text = talker.embed_text
-    codec = talker.embed_codec
-
-    def codec_ids(*ids: int) -> torch.Tensor:
-        return codec(upload(torch.tensor(ids, dtype=torch.long), device))
-
-    bos_t, eos_t, pad_t = text(
-        upload(torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]), device)
-    ).chunk(3, dim=0)
+    bos_t, eos_t, pad_t = _special_text(talker, cfg, device).chunk(3, dim=0)
 
     parts = [] if instruct is None else [text(instruct)]
     parts.append(text(text_ids[:ROLE_LEN]))
 
     # Codec control prefix: think/language tags, the optional speaker slot, then pad + bos. Its text
-    # track is tts_pad..., tts_bos, and codec_bos is held back for the body.
+    # track is tts_pad..., tts_bos, and codec_bos is held back for the body. Every codec id of the prompt is
+    # looked up in one gather (exact, however the ids are grouped): tags, pad + bos, and a codec_pad last.
     if language_id is None:
-        tags = codec_ids(tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id)
+        tag_ids = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
     else:
-        tags = codec_ids(tc.codec_think_id, tc.codec_think_bos_id, language_id, tc.codec_think_eos_id)
+        tag_ids = [tc.codec_think_id, tc.codec_think_bos_id, language_id, tc.codec_think_eos_id]
+    ids = upload(torch.tensor([*tag_ids, tc.codec_pad_id, tc.codec_bos_id, tc.codec_pad_id]), device)
+    looked_up = talker.embed_codec(ids)
+    tags, pad_bos, codec_pad = looked_up[:-3], looked_up[-3:-1], looked_up[-1:]
     slot = [] if speaker_slot is None else [speaker_slot.view(1, -1)]
-    control = torch.cat([tags, *slot, codec_ids(tc.codec_pad_id, tc.codec_bos_id)], dim=0)
+    control = torch.cat([tags, *slot, pad_bos], dim=0)
     parts.append(torch.cat([pad_t.expand(control.shape[0] - 2, -1), bos_t], dim=0) + control[:-1])
     codec_bos = control[-1:]
 
     body_text = text_ids[ROLE_LEN:-TARGET_TAIL]
     if icl:
         body, trailing = _icl_body(talker, ref_ids, body_text, ref_code, codec_bos, eos_t, pad_t,
-                                   codec_ids(tc.codec_pad_id), spec.non_streaming_mode)
+                                   codec_pad, spec.non_streaming_mode)
         parts.append(body)
     elif spec.non_streaming_mode:
         # The whole text against codec_pad, then tts_pad + codec_bos starts the audio.
         all_text = torch.cat([text(body_text), eos_t], dim=0)
-        parts.append(all_text + codec_ids(*[tc.codec_pad_id] * all_text.shape[0]))
+        parts.append(all_text + codec_pad.expand(all_text.shape[0], -1))
         parts.append(pad_t + codec_bos)
         trailing = pad_t
     else:
@@ -243,6 +240,22 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
             trailing = torch.cat([trailing, eos_t], dim=0)
 
     return TalkerPrompt(embeds=torch.cat(parts, dim=0), trailing_text=trailing, tts_pad=pad_t[0])
+
+
+def _special_text(talker: Talker, cfg: Qwen3TTSConfig, device: torch.device) -> torch.Tensor:
+    """T(tts_bos), T(tts_eos), T(tts_pad) [3, H]: the same in every prompt, so computed once per set of weights
+    rather than once per request on the admission thread. Keyed by the text embedding's and projection's
+    parameters (storage and version, which loading weights in place bumps), so new weights recompute it.
+    Callers never write into it: every use makes a new tensor."""
+    params = [*talker.model.text_embedding.parameters(), *talker.text_projection.parameters()]
+    key = tuple((p.data_ptr(), p._version) for p in params)
+    cached = getattr(talker, "_special_text_cache", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    ids = upload(torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]), device)
+    value = talker.embed_text(ids)
+    talker._special_text_cache = (key, value)
+    return value
 
 
 def _icl_body(talker: Talker, ref_ids: torch.Tensor, text_ids: torch.Tensor, ref_code: torch.Tensor,

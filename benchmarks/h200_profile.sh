@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Where the host time of a c=256 step goes (issues 21/22), in one call: py-spy (in .whl/) of
+#   1. the engine alone (engine_loop.py, 256 live streams, 6 x 256 requests), 5 s of its measured loop,
+#      plus a torch.profiler window that names the host phase open when the GPU idles;
+#   2. the server and its worker (serving_speed.py, c=256, 1,024 prompts so the cell is long), 8 s.
+# Random 0.6B Base weights, fixed lengths (EOS ignored). OUT: a results folder.
+set -uo pipefail
+. "$(dirname "$0")/h200_env.sh"
+export PATH=/tmp/site/bin:$PATH PYTHONPATH=.:$PYTHONPATH
+py-spy --version || echo "py-spy missing: no profiles"
+CKPT=/tmp/qwen3tts-0.6b-random
+[ -f $CKPT/model.safetensors ] || python3 -c "import torch; from legato.models.qwen3_tts.config import preset; \
+from legato.models.qwen3_tts.testing import write_checkpoint; \
+write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
+C=${C:-256}
+rm -f /tmp/loop-ready
+timeout ${T1:-240} python3 benchmarks/engine_loop.py --concurrency $C --max-num-seqs $C --requests $((6 * C)) \
+  --variants ${LOOP_VARIANTS:-default,default+trace} --trace-steps 40 --trace-after 60 --ready-file /tmp/loop-ready \
+  --out "$OUT/loop-c$C.json" > "$OUT/loop-c$C.log" 2>&1 &
+pid=$!
+for _ in $(seq 480); do [ -f /tmp/loop-ready ] && break; sleep 0.5; done
+[ -f /tmp/loop-ready ] && py-spy record --pid $pid --duration 5 --rate 200 --format raw --threads --nonblocking \
+  --output "$OUT/loop-c$C-pyspy.txt" > /dev/null 2>&1
+wait $pid
+grep '^{' "$OUT/loop-c$C.log" | cut -c1-600
+timeout ${T2:-300} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
+  --client-procs 2 --startup-timeout 200 --cell-timeout 150 --variant new=.:legato --concurrency $C \
+  --max-num-seqs $C --min-prompts $((4 * C)) --max-prompts $((4 * C)) --profile xvec:$C --profile-seconds 8 \
+  --out /tmp/served 2>&1 | grep -v '^{' | tail -6
+cp /tmp/served/summary.json "$OUT/served-c$C.json"
+cp /tmp/served/profile-*.txt "$OUT/" 2>/dev/null
+true
