@@ -136,7 +136,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                       "steady_ttfp_s": steady})
         for mode in args.modes.split(","):
             for conc in [int(c) for c in args.concurrency.split(",")]:
-                n = min(args.max_prompts, max(args.min_prompts, 2 * conc))
+                n = min(args.max_prompts, max(args.min_prompts, args.prompts_per_conc * conc))
                 stem = f"{name}-{mode}-c{conc}"
                 before = step_timers(url)
                 log.flush()
@@ -243,6 +243,9 @@ def main() -> int:
     p.add_argument("--server-args", default="")
     p.add_argument("--min-prompts", type=int, default=16)
     p.add_argument("--max-prompts", type=int, default=256)
+    p.add_argument("--prompts-per-conc", type=int, default=2,
+                   help="prompts per cell = this x concurrency (within --min/--max-prompts); 4 or more keeps the "
+                        "first wave's prefill and the last requests' tail a small part of a cell")
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--cell-timeout", type=float, default=300)
     p.add_argument("--client-procs", type=int, default=1,

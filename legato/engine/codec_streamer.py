@@ -59,7 +59,7 @@ SCRATCH = 0  # the slot that padded rows of a graph replay read and write (never
 class _Stream:
     slot: int  # this stream's slot in the decoder's bank
     first_chunk_frames: int
-    pending: list[torch.Tensor] = field(default_factory=list)  # [16] frames not decoded yet
+    pending: list[np.ndarray] = field(default_factory=list)  # [16] int64 frames not decoded yet
     emitted_frames: int = 0
     position: int = 0  # frames run through the decoder, reference frames included
     prime: torch.Tensor | None = None  # reference codes [T, 16] still to run through the slot
@@ -96,8 +96,12 @@ class CodecStreamer:
         held = HeldAudio(first) if self.schedule.decode_every_step else None
         self.streams[request_id] = _Stream(self._take_slot(), first, prime=prime, held=held)
 
-    def push(self, request_id: str, frame: torch.Tensor) -> None:
-        self.streams[request_id].pending.append(frame)
+    def push(self, request_id: str, frame: np.ndarray | torch.Tensor) -> None:
+        """Queues one frame of codes [16]. Held as a numpy row: a step's frames for hundreds of streams are
+        then stacked for the device in one numpy call instead of a torch op per stream."""
+        if isinstance(frame, torch.Tensor):
+            frame = frame.detach().cpu().numpy()
+        self.streams[request_id].pending.append(np.asarray(frame, dtype=np.int64))
 
     def close(self, request_id: str, keep_audio: bool = False) -> None:
         """Frees the stream's slots; its audio still on the way is dropped unless `keep_audio` (a finished
@@ -164,7 +168,7 @@ class CodecStreamer:
             for rid, n in windowed:
                 st = self.streams[rid]
                 try:
-                    wav = self._decode_windowed(st, upload(torch.stack(st.pending[:n]), self.device))
+                    wav = self._decode_windowed(st, upload(np.stack(st.pending[:n]), self.device))
                 except Exception as e:
                     self._fail([rid], e, failed)
                     continue
@@ -210,7 +214,11 @@ class CodecStreamer:
         try:
             for s in streams:
                 self._enter_window_context(s)
-            codes = upload(torch.stack([torch.stack(s.pending[:n]) for s in streams]), self.device)
+            if n == 1:  # every step's case with `decode_every_step`
+                codes = np.stack([s.pending[0] for s in streams])[:, None]
+            else:
+                codes = np.stack([np.stack(s.pending[:n]) for s in streams])
+            codes = upload(codes, self.device)
             slots, index = [], []
             for i, s in enumerate(streams):
                 for slot in self._rows_of(s):

@@ -83,7 +83,7 @@ class _Live:
     started: bool = False  # its slot holds its state: appended text goes to the slot, not the prompt
     text_tokens: int = 0  # streaming text: target-text tokens known so far (the first rides in the prompt)
     waiting_since: float | None = None  # streaming text: when it last ran out of text
-    new_codes: list[torch.Tensor] = field(default_factory=list)
+    new_codes: list[np.ndarray] = field(default_factory=list)  # [16] int64 frames not yet in an output
     frames: int = 0  # frames collected (a frame in flight past the request's end is never counted)
     reason: str | None = None  # how it ended, once it has
     error: str | None = None
@@ -379,7 +379,9 @@ class Engine:
             return []
         host = launched.copy.wait()
         self.copies.account(launched.copy, self.times)
-        frames = host[:, :16].clone()  # out of the pinned buffer, which a later step reuses
+        # Out of the pinned buffer, which a later step reuses; numpy rows, which cost far less per stream to
+        # index and hand on than torch views (hundreds of streams a step).
+        frames = host[:, :16].numpy().copy()
         eos = (host[:, 16] == self.eos_id).tolist()
         ending = {rid: (req, req.finish_reason) for rid, req in launched.ending.items()}
         touched: list[str] = []
@@ -446,7 +448,7 @@ class Engine:
         return outputs
 
     def _output(self, live: _Live, audio: np.ndarray | None = None, finished: bool = False) -> list[RequestOutput]:
-        codes = torch.stack(live.new_codes) if live.new_codes else torch.zeros(0, 16, dtype=torch.long)
+        codes = torch.from_numpy(np.stack(live.new_codes)) if live.new_codes else torch.zeros(0, 16, dtype=torch.long)
         live.new_codes = []
         if not finished and codes.shape[0] == 0 and audio is None:
             return []
