@@ -248,3 +248,36 @@ def test_a_draining_server_refuses_new_sockets(loaded):
         with pytest.raises(WebSocketDisconnect) as e, http.websocket_connect(STREAM_PATH):
             pass
         assert e.value.code == 1013
+
+
+def test_the_servers_websocket_limits_come_from_its_settings_and_flags(loaded):
+    """`legato serve --ws-*` reach the socket through ServerSettings; out-of-range values are refused naming
+    the flag, before anything loads."""
+    import argparse
+
+    from legato.server.cli import ws_settings
+
+    flags = argparse.Namespace(ws_max_message_bytes=4096, ws_max_contexts=1, ws_idle_timeout=0.3, ws_send_queue=8,
+                               ws_send_timeout=2.0)
+    app, client = make_app(loaded, **ws_settings(flags))
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="session.update", session={"voice": client.info.speakers[0]})
+        c.event("session.updated")
+        c.send(type="input_text.append", context_id="one", text="Hel")
+        c.send(type="input_text.append", context_id="two", text="Hel")
+        assert c.event("error")["error"]["code"] == "too_many_contexts"  # one context at a time
+        c.send(type="input_text.append", context_id="one", text="x" * 5000)
+        assert c.event("error")["error"]["code"] == "message_too_large"
+        c.send(type="response.cancel", context_id="one")
+        # idle 0.3 s once nothing runs: the socket is closed by the server
+        closed = c.until(lambda m: m["type"] == "close", "the idle close")
+        assert closed["reason"] == "idle timeout"
+        c.close_and_wait(http)
+    for name, value in (("ws_max_contexts", 0), ("ws_max_message_bytes", -1), ("ws_send_queue", 0),
+                        ("ws_idle_timeout", 0.0), ("ws_send_timeout", float("inf"))):
+        bad = argparse.Namespace(**{**vars(flags), name: value})
+        with pytest.raises(ValueError, match="--" + name.replace("_", "-")):
+            ws_settings(bad)
+    with pytest.raises(ValueError, match="WebSocket limits"):
+        server_settings(loaded, ws_max_contexts=0)

@@ -75,7 +75,7 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
                   description="OpenAI-compatible text-to-speech for Qwen3-TTS models.")
     install_error_handlers(app)
     app.include_router(build_speech_router(service, responder))
-    ws_limits = ws_limits or WsLimits(max_text_chars=settings.max_input_chars)
+    ws_limits = ws_limits or settings.ws_limits()
     app.include_router(build_stream_router(client, service, metrics, ws_limits, lifecycle))
     if voice_store is not None:
         from legato.server.voices_api import build_voices_router

@@ -18,6 +18,7 @@ import sys
 
 from legato.cli_help import DefaultsFormatter
 from legato.server.aliases import OPENAI_VOICE_ALIASES
+from legato.server.ws_protocol import WS_DEFAULTS
 
 log = logging.getLogger("legato.serve")
 
@@ -59,6 +60,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="connections one client address may hold while they are still sending their request "
                         "after a second (slow heads and bodies); one more gets 429 and is closed (default: "
                         "--max-connections / 16, at least 4)")
+    w = p.add_argument_group("streaming-text WebSocket (/v1/audio/speech/stream, docs/streaming-text.md)")
+    w.add_argument("--ws-max-message-bytes", type=int, default=WS_DEFAULTS.max_message_bytes, metavar="BYTES",
+                   help="largest client message; a larger one gets an error event")
+    w.add_argument("--ws-max-contexts", type=int, default=WS_DEFAULTS.max_contexts, metavar="N",
+                   help="contexts one socket may run at once; one more gets an error event")
+    w.add_argument("--ws-idle-timeout", type=float, default=WS_DEFAULTS.idle_timeout_s, metavar="SECONDS",
+                   help="a socket with no message and no context running this long is closed")
+    w.add_argument("--ws-send-queue", type=int, default=WS_DEFAULTS.send_queue, metavar="N",
+                   help="outgoing messages buffered for a client that reads slowly; then its producers wait")
+    w.add_argument("--ws-send-timeout", type=float, default=WS_DEFAULTS.send_timeout_s, metavar="SECONDS",
+                   help="a full send buffer that does not drain this long: the client is gone, the socket closed")
     a = p.add_argument_group("access")
     a.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require Authorization: Bearer KEY on every route but /health and /metrics (repeatable; "
@@ -191,6 +203,21 @@ def voice_aliases(items: list[str]) -> dict[str, str]:
         else:
             aliases.pop(name.strip().lower(), None)
     return aliases
+
+
+def ws_settings(args: argparse.Namespace) -> dict:
+    """ServerSettings' WebSocket limits from the --ws-* flags (ValueError naming the flag if one is out of range)."""
+    counts = {"--ws-max-message-bytes": args.ws_max_message_bytes, "--ws-max-contexts": args.ws_max_contexts,
+              "--ws-send-queue": args.ws_send_queue}
+    for flag, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--ws-idle-timeout", args.ws_idle_timeout), ("--ws-send-timeout", args.ws_send_timeout)):
+        if not (0 < value < float("inf")):
+            raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
+    return {"ws_max_message_bytes": args.ws_max_message_bytes, "ws_max_contexts": args.ws_max_contexts,
+            "ws_idle_timeout_s": args.ws_idle_timeout, "ws_send_queue": args.ws_send_queue,
+            "ws_send_timeout_s": args.ws_send_timeout}
 
 
 def access_settings(args: argparse.Namespace) -> dict:
@@ -334,7 +361,7 @@ def serve(args: argparse.Namespace) -> int:
             remote_media_allow_cidrs=tuple(args.remote_media_allow_cidr),
             request_timeout_s=args.request_timeout if args.request_timeout > 0 else None,
             shutdown_grace_s=args.shutdown_grace, voices_dir=voices_dir, voice_aliases=voice_aliases(args.voice_alias),
-            max_prompt_tokens=args.max_prompt_tokens, **access_settings(args),
+            max_prompt_tokens=args.max_prompt_tokens, **access_settings(args), **ws_settings(args),
         )
         # The front counts prompt tokens with the tokenizer alone; the engines hold the same limit at admission.
         prompt_limit = PromptLimit.from_model_dir(resolve_model_dir(model_path), settings, engine_config)

@@ -11,6 +11,7 @@ from legato.models.qwen3_tts.loader import GENERATION_DEFAULTS
 from legato.models.qwen3_tts.prompt import default_max_prompt_tokens
 from legato.server.aliases import OPENAI_VOICE_ALIASES
 from legato.server.media import parse_networks
+from legato.server.ws_protocol import WS_DEFAULTS, WsLimits
 
 MiB = 1024 * 1024
 
@@ -74,6 +75,16 @@ class ServerSettings:
     """The model's sampling defaults (`LoadedModel.generation_defaults`); request fields override them."""
     max_num_seqs: int | None = None
     """Each engine's --max-num-seqs, reported on /v1/models (None: not reported)."""
+    ws_max_message_bytes: int = WS_DEFAULTS.max_message_bytes
+    """Largest message a streaming-text WebSocket client may send (`WsLimits`)."""
+    ws_max_contexts: int = WS_DEFAULTS.max_contexts
+    """Contexts one streaming-text socket may run at once."""
+    ws_idle_timeout_s: float = WS_DEFAULTS.idle_timeout_s
+    """A socket with no message and no context running this long is closed."""
+    ws_send_queue: int = WS_DEFAULTS.send_queue
+    """Outgoing messages buffered for a socket whose client reads slowly."""
+    ws_send_timeout_s: float = WS_DEFAULTS.send_timeout_s
+    """A full send buffer that does not drain this long closes the socket."""
     decode_slots: int | None = None
     """Requests the deployment decodes at once (max_num_seqs x decode engines), reported on /v1/models so a
     load generator (`legato bench serve`) sizes its concurrency to it (None: not reported)."""
@@ -105,9 +116,19 @@ class ServerSettings:
             parse_networks(self.remote_media_allow_cidrs)
         except (TypeError, ValueError) as e:
             raise ValueError(f"ServerSettings.remote_media_allow_cidrs: {e}") from e
+        try:
+            self.ws_limits()
+        except ValueError as e:
+            raise ValueError(f"ServerSettings' WebSocket limits: {e}") from e
         missing = [k for k in GENERATION_DEFAULTS if k not in self.generation_defaults]
         if missing:
             raise ValueError(f"ServerSettings.generation_defaults lacks {missing}")
+
+    def ws_limits(self) -> WsLimits:
+        """The streaming-text WebSocket's limits; the text of one context may be as long as one HTTP input."""
+        return WsLimits(max_message_bytes=self.ws_max_message_bytes, max_text_chars=self.max_input_chars,
+                        max_contexts=self.ws_max_contexts, idle_timeout_s=self.ws_idle_timeout_s,
+                        send_queue=self.ws_send_queue, send_timeout_s=self.ws_send_timeout_s)
 
     @property
     def max_request_bytes(self) -> int:

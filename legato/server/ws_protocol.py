@@ -49,6 +49,9 @@ class WsLimits:
             raise ValueError("WsLimits timeouts must be > 0")
 
 
+WS_DEFAULTS = WsLimits()
+
+
 class ProtocolError(Exception):
     """A client message the server refuses: answered with an `error` event, the socket stays open."""
 
