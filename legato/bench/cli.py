@@ -96,6 +96,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the client in this many processes (requests and the concurrency cap split between "
                         "them, results merged exactly): for loads one process cannot read in time")
     p.add_argument("--result-dir", default="bench-results", help="where the run's JSON and check WAV go")
+    t = p.add_argument_group("streaming text (the /v1/audio/speech/stream WebSocket, legato/bench/stream_text.py)")
+    t.add_argument("--stream-text", action="store_true",
+                   help="send each prompt over the streaming-text WebSocket, token by token, as an LLM writes it; "
+                        "TTFP counts from the first text; reports text stalls apart from engine underruns")
+    t.add_argument("--text-rate", type=_rate, default=50.0, metavar="TOKENS_PER_S",
+                   help="tokens a second the text arrives at (inf: all at once)")
+    t.add_argument("--token-chars", type=int, default=4, help="characters per token (LLM tokens average ~4)")
+    t.add_argument("--cancel-after", type=float, default=None, metavar="SECONDS",
+                   help="cancel each context once this much audio has arrived (barge-in): reports cancel latency")
     p.add_argument("--topology", default="server", help="recorded in the result (and the file names)")
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs the server uses: enables per-GPU figures")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the server's limit, recorded for comparisons")
@@ -252,11 +261,35 @@ def _serve(args: argparse.Namespace) -> int:
     requests, ccfg, slo, config = _prepare(args)
     config.update(topology=args.topology, num_gpus=args.num_gpus, max_num_seqs=args.max_num_seqs or served_seqs,
                   server_args=None, client_procs=args.client_procs)
+    if args.stream_text:
+        return _serve_stream_text(args, requests, ccfg, slo, config)
     out = run_processes(ccfg, requests, args.client_procs)
     result = build_result(config, out, slo, args.num_gpus)
     paths = save_run(result, out, Path(args.result_dir), run_stem(args.label, args.topology, ccfg.max_concurrency),
                      ccfg.sample_rate)
     print(run_table(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if result["aggregates"]["completed"] else 1
+
+
+def _serve_stream_text(args: argparse.Namespace, requests, ccfg, slo, config: dict) -> int:
+    import asyncio
+
+    from .report import build_result, run_stem, run_table, save_run
+    from .stream_text import TextFeed, run_stream_text, stream_text_summary, summary_line
+
+    if args.client_procs != 1:
+        raise ValueError("--stream-text runs in one client process (--client-procs 1)")
+    feed = TextFeed(args.text_rate, args.token_chars, args.cancel_after)
+    config["stream_text"] = {"tokens_per_s": feed.tokens_per_s, "token_chars": feed.token_chars,
+                             "cancel_after_s": feed.cancel_after_s}
+    out, extras = asyncio.run(run_stream_text(ccfg, feed, requests))
+    result = build_result(config, out, slo, args.num_gpus)
+    result["stream_text"] = stream_text_summary(feed, out.records, extras)
+    paths = save_run(result, out, Path(args.result_dir),
+                     run_stem(args.label + "-stream-text", args.topology, ccfg.max_concurrency), ccfg.sample_rate)
+    print(run_table(result))
+    print(summary_line(result["stream_text"]))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if result["aggregates"]["completed"] else 1
 

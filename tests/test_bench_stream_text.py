@@ -1,0 +1,106 @@
+"""`legato bench serve --stream-text`: prompts cut into LLM-like tokens, sent over the streaming-text WebSocket at
+a rate, TTFP from the first text, audio gaps told apart by cause (text that had not arrived, or the engine), and
+the latency of a barge-in cancel; against a real uvicorn server on 127.0.0.1 with the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from server_helpers import LiveServer, local_client, server_settings, tiny_loaded
+
+from legato.bench.client import ClientConfig
+from legato.bench.datasets import BenchRequest
+from legato.bench.metrics import RequestRecord
+from legato.bench.stream_text import (
+    StreamTextRecord,
+    TextFeed,
+    run_stream_text,
+    split_stalls,
+    stream_text_summary,
+    text_tokens,
+)
+from legato.server.app import build_app
+
+pytest.importorskip("websockets")
+
+TEXTS = ["Streaming text arrives word by word, while the voice speaks it.", "A second, shorter prompt."]
+
+
+def test_tokens_are_short_pieces_that_join_to_the_text():
+    for text in (*TEXTS, "  spaced  out  ", "Supercalifragilistic!", "", "x"):
+        pieces = text_tokens(text, 4)
+        assert "".join(pieces) == text
+        assert all(len(p.strip()) <= 4 for p in pieces)
+    assert text_tokens("Hello there", 4) == ["Hell", "o", " ther", "e"]
+
+
+def _record(times: list[float], seconds: list[float], sample_rate: int = 1000) -> RequestRecord:
+    rec = RequestRecord(0, "u", 10, chunk_times_s=times, chunk_bytes=[int(2 * sample_rate * s) for s in seconds],
+                        status=200, end_s=times[-1])
+    return rec.finalize(sample_rate)
+
+
+def test_a_gap_is_a_text_stall_when_the_audio_had_covered_the_text_sent():
+    # 4 s of audio for 100 characters; the player starts at 0.5 s with 1 s of audio and runs dry at 1.5 s.
+    rec = _record([0.5, 2.0, 2.5], [1.0, 1.0, 2.0])
+    assert rec.underrun_s == pytest.approx(0.5)
+    waiting = StreamTextRecord([0.0, 1.8], [25, 100])  # at 1.5 s only 25 chars (1 s of audio) had been sent
+    split_stalls(rec, waiting, 1000)
+    assert (waiting.text_stall_s, waiting.engine_underrun_s) == (pytest.approx(0.5), 0.0)
+    fed = StreamTextRecord([0.0, 0.1], [25, 100])  # all the text was there: the engine was late
+    split_stalls(rec, fed, 1000)
+    assert (fed.text_stall_s, fed.engine_underrun_s) == (0.0, pytest.approx(0.5))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    loaded = tiny_loaded(tmp_path_factory.mktemp("bench-st-models"), "custom_voice")
+    client = local_client(loaded, frames_per_text_token=2.0)
+    app = build_app(client, server_settings(loaded, default_max_new_tokens=40, max_new_tokens_limit=512))
+    with LiveServer(app) as live:
+        yield live, client.info.speakers[0]
+
+
+def _requests(voice: str) -> list[BenchRequest]:
+    return [BenchRequest(f"u{i}", {"input": t, "voice": voice, "seed": i, "max_new_tokens": 24}, len(t), None)
+            for i, t in enumerate(TEXTS)]
+
+
+def test_the_bench_streams_text_and_measures_from_the_first_token(server):
+    live, voice = server
+    cfg = ClientConfig(base_url=live.url, max_concurrency=2, num_warmups=1, timeout_s=120, progress=False)
+    feed = TextFeed(tokens_per_s=200.0)
+    out, extras = asyncio.run(run_stream_text(cfg, feed, _requests(voice)))
+    assert [r.ok for r in out.records] == [True, True], [(r.error_kind, r.error) for r in out.records]
+    for rec in out.records:
+        ex = extras[rec.index]
+        assert rec.ttfp_s is not None and rec.ttfp_s > 0 and rec.audio_s > 0
+        assert ex.text_chars[-1] == len(TEXTS[rec.index]) and len(ex.text_times_s) == len(text_tokens(TEXTS[rec.index]))
+        assert ex.text_times_s[-1] >= (len(ex.text_times_s) - 1) / 200.0 - 1e-3  # paced, not sent at once
+        assert ex.text_stall_s + ex.engine_underrun_s == pytest.approx(rec.underrun_s, abs=1e-9)
+    summary = stream_text_summary(feed, out.records, extras)
+    assert summary["completed"] == 2 and summary["cancelled"] == 0
+
+
+def test_a_barge_in_cancel_is_acknowledged_and_timed(server):
+    live, voice = server
+    cfg = ClientConfig(base_url=live.url, max_concurrency=1, timeout_s=120, progress=False)
+    feed = TextFeed(tokens_per_s=math.inf, cancel_after_s=0.0)  # cancel at the first audio
+    out, extras = asyncio.run(run_stream_text(cfg, feed, _requests(voice)))
+    assert all(r.ok for r in out.records), [(r.error_kind, r.error) for r in out.records]
+    summary = stream_text_summary(feed, out.records, extras)
+    assert summary["cancelled"] == 2 and summary["cancel_ack_ms"]["n"] == 2
+    assert all(extras[r.index].cancel_ack_s >= 0 for r in out.records)
+    metrics = __import__("httpx").get(f"{live.url}/metrics", timeout=30).text
+    assert "legato_ws_cancels_total 2.0" in metrics
+
+
+def test_a_refused_session_fails_the_request_with_the_servers_reason(server):
+    live, _ = server
+    cfg = ClientConfig(base_url=live.url, max_concurrency=1, timeout_s=60, progress=False)
+    bad = [BenchRequest("u0", {"input": "Hello there.", "voice": "nobody-by-this-name"}, 12, None)]
+    out, _ = asyncio.run(run_stream_text(cfg, TextFeed(), bad))
+    rec = out.records[0]
+    assert not rec.ok and rec.error_kind.startswith("ws_") and "nobody-by-this-name" in rec.error
