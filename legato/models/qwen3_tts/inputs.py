@@ -142,7 +142,10 @@ def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> 
     if inp.ref_audio is not None:
         if embedding is not None:
             raise PromptError("give either ref_audio or speaker_embedding, not both")
-        feats = extract(loaded, inp.ref_audio, inp.ref_sample_rate, key=inp.ref_audio_key)
+        if inp.ref_audio_key is None:  # any `extract(loaded, samples, rate)` will do
+            feats = extract(loaded, inp.ref_audio, inp.ref_sample_rate)
+        else:
+            feats = extract(loaded, inp.ref_audio, inp.ref_sample_rate, key=inp.ref_audio_key)
         embedding = feats.speaker_embedding
         ref_code = None if inp.x_vector_only else feats.ref_code
     x_vector_only = inp.x_vector_only or (embedding is not None and ref_code is None)
