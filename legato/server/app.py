@@ -11,6 +11,8 @@ ending; uvicorn exits once nothing is in flight, and the lifespan waits for that
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
 import logging
 import re
 import time
@@ -19,7 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -42,6 +44,15 @@ from legato.server.ws_route import build_stream_router
 log = logging.getLogger(__name__)
 
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: `$` would let a final "\n" in
+
+
+DEMO_PATH = "/demo"
+
+
+@functools.cache
+def demo_html() -> str:
+    """The speak-as-you-type page (static/demo.html): a client of the streaming-text WebSocket."""
+    return (importlib.resources.files("legato.server") / "static" / "demo.html").read_text(encoding="utf-8")
 
 
 def build_app(client: EngineClient, settings: ServerSettings, voice_store: VoiceStore | None = None,
@@ -92,6 +103,10 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
             languages=info.languages, voices=voices, max_num_seqs=settings.max_num_seqs,
             decode_slots=settings.decode_slots,
         )])
+
+    @app.get(DEMO_PATH, response_class=HTMLResponse, include_in_schema=False)
+    async def demo_page() -> HTMLResponse:
+        return HTMLResponse(demo_html())
 
     @app.get("/health", responses={503: {"description": "The engine has stopped or died, or the server is "
                                                        "shutting down."}})
