@@ -104,3 +104,13 @@ def test_a_refused_session_fails_the_request_with_the_servers_reason(server):
     out, _ = asyncio.run(run_stream_text(cfg, TextFeed(), bad))
     rec = out.records[0]
     assert not rec.ok and rec.error_kind.startswith("ws_") and "nobody-by-this-name" in rec.error
+
+
+def test_options_the_websocket_cannot_honour_are_refused_before_any_request(capsys):
+    from legato.cli import main
+
+    for extra in (["--fixed-length"], ["--client-procs", "2"]):
+        # port 9 (discard): nothing listens, so reaching the server would fail differently
+        code = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--stream-text", *extra, "--no-progress"])
+        err = capsys.readouterr().err
+        assert code == 2 and "--stream-text" in err and "error" in err, err

@@ -254,6 +254,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .multiproc import run_processes
     from .report import build_result, run_stem, run_table, save_run
 
+    if args.stream_text:  # before the server is asked anything
+        check_stream_text_args(args)
     if args.max_concurrency is None:
         args.max_concurrency = concurrency_of_server(args)
     card = server_card(args)
@@ -272,14 +274,22 @@ def _serve(args: argparse.Namespace) -> int:
     return 0 if result["aggregates"]["completed"] else 1
 
 
+def check_stream_text_args(args: argparse.Namespace) -> None:
+    """ValueError for `bench serve` options that --stream-text cannot honour."""
+    if args.client_procs != 1:
+        raise ValueError("--stream-text runs in one client process (--client-procs 1)")
+    if args.fixed_length:
+        raise ValueError("--fixed-length does not apply to --stream-text: over the WebSocket a request's length "
+                         "follows its text (num_frames and ignore_eos are not session fields); seed the requests "
+                         "(--request-seed) to compare with HTTP at equal lengths")
+
+
 def _serve_stream_text(args: argparse.Namespace, requests, ccfg, slo, config: dict) -> int:
     import asyncio
 
     from .report import build_result, run_stem, run_table, save_run
     from .stream_text import TextFeed, run_stream_text, stream_text_summary, summary_line
 
-    if args.client_procs != 1:
-        raise ValueError("--stream-text runs in one client process (--client-procs 1)")
     feed = TextFeed(args.text_rate, args.token_chars, args.cancel_after)
     config["stream_text"] = {"tokens_per_s": feed.tokens_per_s, "token_chars": feed.token_chars,
                              "cancel_after_s": feed.cancel_after_s}
