@@ -186,7 +186,7 @@ class StreamTextRunner:
                        t_run0: float) -> None:
         ws = await sock.get()
         await ws.send(json.dumps({"type": "session.update", "session": self.session(req)}))
-        await self._until(ws, rec, None, lambda e: e["type"] == "session.updated")
+        await self._until(ws, lambda e: e["type"] == "session.updated")
         cid = f"b{next(self._ids)}"
         tokens = text_tokens(req.body["input"], self.feed.token_chars)
         t_sent = time.perf_counter()
@@ -248,13 +248,14 @@ class StreamTextRunner:
             await ws.send(json.dumps({"type": "input_text.append", "context_id": cid, "text": piece}))
         await ws.send(json.dumps({"type": "input_text.end", "context_id": cid}))
 
-    async def _until(self, ws, rec: RequestRecord, cid: str | None, predicate) -> dict:
+    async def _until(self, ws, predicate) -> dict:
+        """Reads the socket's events until one satisfies `predicate`; a socket-wide error refuses the session."""
         while True:
             msg = await ws.recv()
             if isinstance(msg, bytes):
                 continue
             event = json.loads(msg)
-            if event["type"] == "error" and event.get("context_id") in (cid, None):
+            if event["type"] == "error" and event.get("context_id") is None:
                 err = event.get("error") or {}
                 raise RuntimeError(f"session refused: {err.get('code')}: {err.get('message')}")
             if predicate(event):

@@ -150,17 +150,33 @@ class ClipCache:
 
 
 async def resolve_ref_clip(value: str, policy: MediaPolicy, cache: ClipCache | None = None) -> Clip:
-    """`resolve_ref_audio`, plus the clip's voice key; inline clips (data URLs, bare base64) are decoded,
-    checked and keyed in one worker-thread hop, and remembered in `cache` when one is given."""
+    """Reads one reference clip -> `Clip`; raises MediaError.
+
+    Accepted: `data:audio/...;base64,...`, bare base64, `file://` URLs (only under the allowed local media
+    path) and `http(s)://` URLs (only with `allow_remote`). Plain filesystem paths are refused: a local file
+    must be named as a `file://` URL, so a path can never be mistaken for base64 or vice versa. Inline clips
+    (data URLs, bare base64) are decoded, checked and keyed in one worker-thread hop, and remembered in
+    `cache` when one is given; URLs are read each time (what they name can change) and left unkeyed.
+    """
     if not isinstance(value, str) or not value.strip():
         raise MediaError(400, "ref_audio is empty")
     value = value.strip()
     m = _SCHEME.match(value)
     scheme = m.group(1).lower() if m else None
-    if scheme not in ("data", None):
-        samples, rate = await resolve_ref_audio(value, policy)
-        return Clip(samples, rate)
-    return await asyncio.to_thread(_inline_clip, value, scheme == "data", policy, cache)
+    if scheme in ("data", None):
+        return await asyncio.to_thread(_inline_clip, value, scheme == "data", policy, cache)
+    if scheme == "file":
+        data = await asyncio.to_thread(_read_local, value, policy)
+    elif scheme in ("http", "https"):
+        from legato.server.remote_media import fetch_remote  # imports httpx: only remote fetches need it
+
+        data = await fetch_remote(value, policy)
+    else:
+        # base64 has no ':' so anything with a scheme-like prefix was meant as a URL
+        raise MediaError(400, f"unsupported ref_audio URL scheme {scheme!r}: use a data: URL, base64, "
+                              "file:// or http(s)://")
+    samples, rate = await decode_ref_audio(data, policy)
+    return Clip(samples, rate)
 
 
 def _inline_clip(value: str, is_data_url: bool, policy: MediaPolicy, cache: ClipCache | None) -> Clip:
@@ -177,32 +193,9 @@ def _inline_clip(value: str, is_data_url: bool, policy: MediaPolicy, cache: Clip
 
 
 async def resolve_ref_audio(value: str, policy: MediaPolicy) -> tuple[np.ndarray, int]:
-    """Reads one reference clip -> (mono float32 samples, sample rate); raises MediaError.
-
-    Accepted: `data:audio/...;base64,...`, bare base64, `file://` URLs (only under the allowed local media
-    path) and `http(s)://` URLs (only with `allow_remote`). Plain filesystem paths are refused: a local file
-    must be named as a `file://` URL, so a path can never be mistaken for base64 or vice versa.
-    """
-    if not isinstance(value, str) or not value.strip():
-        raise MediaError(400, "ref_audio is empty")
-    value = value.strip()
-    m = _SCHEME.match(value)
-    scheme = m.group(1).lower() if m else None
-    if scheme == "data":
-        data = await asyncio.to_thread(_decode_data_url, value, policy)
-    elif scheme == "file":
-        data = await asyncio.to_thread(_read_local, value, policy)
-    elif scheme in ("http", "https"):
-        from legato.server.remote_media import fetch_remote  # imports httpx: only remote fetches need it
-
-        data = await fetch_remote(value, policy)
-    elif scheme is not None:
-        # base64 has no ':' so anything with a scheme-like prefix was meant as a URL
-        raise MediaError(400, f"unsupported ref_audio URL scheme {scheme!r}: use a data: URL, base64, "
-                              "file:// or http(s)://")
-    else:
-        data = await asyncio.to_thread(_decode_base64, value, policy)
-    return await decode_ref_audio(data, policy)
+    """`resolve_ref_clip` without a cache: (mono float32 samples, sample rate); raises MediaError."""
+    clip = await resolve_ref_clip(value, policy)
+    return clip.samples, clip.rate
 
 
 async def decode_ref_audio(data: bytes, policy: MediaPolicy) -> tuple[np.ndarray, int]:
