@@ -127,17 +127,24 @@ def main() -> None:
     ap.add_argument("--ref-frames", type=int, default=120)
     ap.add_argument("--modes", default="graphs,eager")
     ap.add_argument("--eager-batch-sizes", default="1,8,64,256")
-    ap.add_argument("--codec-batches", default="1,16,64,128,256")
+    ap.add_argument("--codec-batches", default="1,16,64,128,256", help="'none': skip the old codec's table")
     ap.add_argument("--codec-chunk", type=int, default=25)
     ap.add_argument("--codec-steps", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile-batch", type=int, default=0, help="profile eager decode at this batch size")
+    ap.add_argument("--unfused-attention", action="store_true",
+                    help="decode attention as separate norm, rotary, cache-write and attention kernels (the path "
+                         "before layers/fused_attention.py), to measure the kernel's share")
     ap.add_argument("--profile-out", default=None)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 
+    if args.unfused_attention:
+        from legato.layers import fused_attention
+
+        fused_attention.ENABLED = False
     if args.size == "tiny":  # a CPU smoke run of this script
         from legato.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
 
@@ -152,7 +159,7 @@ def main() -> None:
         # The device copy of the tree has no .git: pass the commit in LEGATO_COMMIT there.
         "commit": os.environ.get("LEGATO_COMMIT")
         or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "engine": {}, "codec": [],
+        "engine": {}, "codec": [], "fused_attention": not args.unfused_attention,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"
@@ -176,7 +183,7 @@ def main() -> None:
             print(profile_decode(engine, lm, args.profile_batch, args.ref_frames, args.profile_out), flush=True)
         del engine
         torch.cuda.empty_cache()
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16) if args.codec_batches != "none" else ():
         result["codec"] += bench_codec(lm, dtype, [int(x) for x in args.codec_batches.split(",")],
                                        args.codec_chunk, args.codec_steps)
     if args.out:

@@ -308,3 +308,14 @@ def test_streaming_codec_graphs_equal_eager_and_bf16_keeps_its_fidelity():
     assert err < 1e-6, err
     snr = snr_db(fp32, bf16)
     assert snr >= SNR_THRESHOLD_DB, snr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_attention_equals_its_contract_and_the_unfused_model(dtype):
+    """The one-kernel decode attention (both cache layouts) against its PyTorch contract, and the tiny talker
+    with it against the talker without it: equal greedy codes in fp32, logits within the parity tolerance."""
+    from attention_kernel_checks import model_checks, run_checks
+
+    errors = {**run_checks("cuda", dtype), **model_checks("cuda", dtype)}
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert all(e <= tol for e in errors.values()), errors

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from legato.engine.config import EngineConfig, codec_dtype_name
+from legato.layers.fused_attention import fused_decode_attention
 from legato.layers.packed_prefill import PackedPrefill, packed_prefill_attention
 from legato.layers.paged_attention import decode_attention, write_kv
 from legato.models.qwen3_tts.decoder_layer import KVCache, packed_bytes
@@ -62,6 +63,16 @@ class PagedKVCache(KVCache):
             write_kv(kc, vc, k[0], v[0], meta.slot_mapping)
             return packed_prefill_attention(q[0], kc, vc, meta, self.scale).unsqueeze(0)
         raise RuntimeError("PagedKVCache used without attention metadata")
+
+    def attend_fused(self, layer: int, qkv: torch.Tensor, attn, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor | None:
+        meta = self.meta
+        if not isinstance(meta, DecodeMeta) or qkv.shape[1] != 1:
+            return None  # packed prefill keeps its own kernels
+        out = fused_decode_attention(qkv[:, 0], attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos[:, 0],
+                                     sin[:, 0], self.k[layer], self.v[layer], attn.heads,
+                                     block_tables=meta.block_tables, context_lens=meta.context_lens)
+        return out.unsqueeze(1)
 
 
 def profile_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:

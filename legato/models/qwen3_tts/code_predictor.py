@@ -52,11 +52,13 @@ class CodePredictor(nn.Module):
     def num_residual_groups(self) -> int:
         return self.config.num_code_groups - 1
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """embeds [B, S, talker_hidden] -> final-normed hidden states [B, S, hidden]."""
-        cos, sin = self.model.rotary(positions)
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """embeds [B, S, talker_hidden] -> final-normed hidden states [B, S, hidden]. `rope`: the (cos, sin) of
+        `positions` when the caller has them already."""
+        cos, sin = rope if rope is not None else self.model.rotary(positions)
         x = self.small_to_mtp_projection(embeds)
-        return self.model.norm(run_layers(self.model.layers, x, cos, sin, cache))
+        return run_layers(self.model.layers, x, cos, sin, cache, self.model.norm)
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> ContiguousKVCache:
         """A static per-frame cache: [talker hidden, codebook 0] plus codebooks 1..14 are fed, so
@@ -85,15 +87,19 @@ class CodePredictor(nn.Module):
             cache = self.new_cache(b, past_hidden.dtype, past_hidden.device)
         else:
             cache.reset()
-        positions = torch.arange(2, device=past_hidden.device).expand(b, 2)
-        hidden = self(torch.stack((past_hidden, first_embed), dim=1), positions, cache)
+        # Every row is at the same position in every pass: the rotary table of a frame's positions is computed
+        # once, and each pass takes a broadcast view of its rows (the same values, elementwise).
+        positions = torch.arange(self.config.num_code_groups, device=past_hidden.device)
+        cos, sin = self.model.rotary(positions)
+        rope = (cos[:2].expand(b, 2, -1), sin[:2].expand(b, 2, -1))
+        hidden = self(torch.stack((past_hidden, first_embed), dim=1), positions[:2].expand(b, 2), cache, rope)
         cache.advance(2)
         code = sample(self.lm_head[0](hidden[:, -1]).float(), 1)
         codes = [code]
         for g in range(1, self.num_residual_groups):
             embed = self.model.codec_embedding[g - 1](code).unsqueeze(1)
-            positions = torch.full((b, 1), g + 1, device=past_hidden.device, dtype=torch.long)
-            hidden = self(embed, positions, cache)
+            rope = (cos[g + 1 : g + 2].expand(b, 1, -1), sin[g + 1 : g + 2].expand(b, 1, -1))
+            hidden = self(embed, positions[g + 1 : g + 2].expand(b, 1), cache, rope)
             cache.advance(1)
             code = sample(self.lm_head[g](hidden[:, -1]).float(), g + 1)
             codes.append(code)

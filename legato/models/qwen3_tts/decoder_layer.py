@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from legato.layers import fused_attention
 from legato.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
+from legato.layers.fused_attention import fused_decode_attention
 from legato.layers.mlp import SwiGLU
 from legato.layers.norm import RMSNorm
 
@@ -35,6 +37,13 @@ class KVCache(abc.ABC):
 
     @abc.abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def attend_fused(self, layer: int, qkv: torch.Tensor, attn: Attention, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor | None:
+        """The whole attention block from the packed projection qkv [B, S, (H + 2 Hkv) * D] in one kernel per
+        new token (`layers/fused_attention.py`) -> [B, S, H * D], or None where this cache cannot (then the
+        layer runs the unfused path). cos/sin [B, S, D]."""
+        return None
 
 
 class ContiguousKVCache(KVCache):
@@ -81,6 +90,18 @@ class ContiguousKVCache(KVCache):
         values = self.v[layer, :, :, :end]
         return causal_attention(q.transpose(1, 2), keys, values, start).transpose(1, 2)
 
+    def attend_fused(self, layer: int, qkv: torch.Tensor, attn: Attention, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor | None:
+        # The S new tokens one launch each: token i attends over everything before it and itself, which is
+        # the causal attention of the S tokens together.
+        b, s, _ = qkv.shape
+        out = torch.empty(b, s, attn.heads * attn.head_dim, dtype=qkv.dtype, device=qkv.device)
+        for i in range(s):
+            fused_decode_attention(qkv[:, i], attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos[:, i],
+                                   sin[:, i], self.k[layer], self.v[layer], attn.heads, position=self.length + i,
+                                   out=out[:, i])
+        return out
+
 
 @cuda_compiled
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
@@ -123,6 +144,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [B, S, hidden]; cos/sin [B, S, head_dim] (fp32) -> [B, S, hidden]."""
         b, s, _ = x.shape
+        if self.qkv_weight is not None and fused_attention.available(x):
+            out = cache.attend_fused(layer, F.linear(x, self.qkv_weight), self, cos, sin)
+            if out is not None:
+                return self.o_proj(out)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
         if self.qkv_weight is not None:
             kv_width = self.kv_heads * self.head_dim
@@ -149,9 +174,25 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
-        x, h = add_rms_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, cache, layer),
+        x, delta = self.residual_step(x, None, cos, sin, cache, layer)
+        return x + delta
+
+    def residual_step(
+        self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with both residual adds moved into the norm after them: `pending` is the previous layer's
+        MLP output, not yet added to `x` (None for the first layer). Returns (x, this layer's MLP output), so
+        the caller adds it inside the next norm. Eagerly this is the same arithmetic in the same order; on
+        CUDA each add shares the norm's kernel."""
+        norm = self.input_layernorm
+        if pending is None:
+            h = norm(x)
+        else:
+            x, h = add_rms_norm(x, pending, norm.weight, norm.eps)
+        x, h = add_rms_norm(x, self.self_attn(h, cos, sin, cache, layer),
                             self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 def build_layers(cfg) -> nn.ModuleList:
@@ -172,11 +213,13 @@ def build_layers(cfg) -> nn.ModuleList:
 
 
 def run_layers(
-    layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
+    layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, final_norm: RMSNorm
 ) -> torch.Tensor:
+    """The decoder layers, then `final_norm` -> normed hidden states; each residual add rides in a norm."""
+    pending = None
     for i, layer in enumerate(layers):
-        x = layer(x, cos, sin, cache, i)
-    return x
+        x, pending = layer.residual_step(x, pending, cos, sin, cache, i)
+    return add_rms_norm(x, pending, final_norm.weight, final_norm.eps)[1]
 
 
 def pack_projections(module: nn.Module) -> None:

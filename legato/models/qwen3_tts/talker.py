@@ -61,8 +61,7 @@ class Talker(nn.Module):
 
         Keys/values of the S tokens are written through `cache`; the caller advances it."""
         cos, sin = self.model.rotary(positions)
-        x = run_layers(self.model.layers, embeds, cos, sin, cache)
-        return self.model.norm(x)
+        return run_layers(self.model.layers, embeds, cos, sin, cache, self.model.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Codebook-0 (plus control-token) logits [..., vocab_size] from final hidden states."""

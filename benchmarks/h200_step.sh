@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 24's device calls (docs/benchmarks.md, "The frame step in fewer kernels"), one part per call:
+#   benchmarks/h200_step.sh check     # import check, tests/test_gpu.py (TESTS selects), the fused kernel's checks
+#   benchmarks/h200_step.sh offline   # offline.py (codec off): .base/ vs this tree vs this tree unfused, 0.6B + 1.7B
+#   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
+#   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
+# Needs: the server's wheels in .whl/, the tree to compare in .base/ (its commit in BASE), OUT a results folder.
+# Random weights throughout; lengths fixed (EOS ignored).
+set -uo pipefail
+PART=${1:-check}
+BASE=${BASE:-366982a}
+. "$(dirname "$0")/h200_env.sh"
+offline() {  # tree tag size batches [flags]
+  (cd "$1" && PYTHONPATH=.:$PYTHONPATH LEGATO_COMMIT=$([ "$1" = . ] && echo "$LEGATO_COMMIT" || echo "$BASE") \
+    timeout ${T:-200} python3 benchmarks/offline.py --size "$3" --batch-sizes "$4" --frames ${FRAMES:-64} \
+    --modes graphs --codec-batches none --out "$OUT/offline-$2-$3.json" ${5:-}) 2>&1 | grep '^\[' | cut -c1-330
+}
+case "$PART" in
+  check)
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T:-300} python3 -m pytest -q -rA -p no:cacheprovider tests/test_gpu.py \
+      -k "${TESTS:-not nothing}" 2>&1 | grep -E "^E |passed|failed|Error|PASS|FAIL" | tail -30
+    PYTHONPATH=.:tests:$PYTHONPATH timeout 120 python3 tests/attention_kernel_checks.py cuda | tail -8 ;;
+  offline)
+    for size in ${SIZES:-0.6B 1.7B}; do
+      offline .base base "$size" "${BATCHES:-1,64,256}"
+      offline . new "$size" "${BATCHES:-1,64,256}"
+      [ -n "${UNFUSED:-1}" ] && offline . unfused "$size" "${BATCHES:-1,64,256}" --unfused-attention
+    done ;;
+  loop)
+    for c in ${CONC:-64 256}; do
+      (cd .base && PYTHONPATH=.:$PYTHONPATH LEGATO_COMMIT=$BASE timeout 200 python3 benchmarks/engine_loop.py \
+        --concurrency $c --max-num-seqs $c --requests $((4 * c)) --variants ${VARIANTS:-default,no-audio} \
+        --out "$OUT/loop-base-c$c.json") 2>&1 | grep '^{' | cut -c1-400
+      PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/engine_loop.py --concurrency $c --max-num-seqs $c \
+        --requests $((4 * c)) --variants ${VARIANTS:-default,no-audio} --out "$OUT/loop-new-c$c.json" \
+        2>&1 | grep '^{' | cut -c1-400
+    done ;;
+  profile)
+    PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager --eager-batch-sizes 64 \
+      --frames 16 --codec-batches none --profile-batch 64 --profile-out "$OUT/profile-c64.txt" 2>&1 | tail -32 ;;
+esac
