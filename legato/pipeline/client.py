@@ -65,6 +65,13 @@ class RequestRejected(Exception):
         self.retry_after = retry_after
 
 
+async def refused_stream(e: RequestRejected) -> AsyncIterator[StreamChunk]:
+    """A stream that raises `e` at its first iteration (the contract of `generate`), for a `generate` that
+    must decide at call time."""
+    raise e
+    yield  # pragma: no cover - makes this an async generator
+
+
 @dataclass
 class EngineStats:
     waiting: int = 0
@@ -132,7 +139,7 @@ class EngineClient(abc.ABC):
         """More text for a `text_open` request (a piece cut by `TextStream`, so it tokenises on its own), in
         order; `close` ends its text. Text for a request that has finished is dropped (its last chunk is out)."""
         raise RequestRejected(501, f"streaming text input is not supported by {type(self).__name__} yet; "
-                                   "serve with the single topology")
+                                   "serve with single, replicas:N or split")
 
     @abc.abstractmethod
     async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:

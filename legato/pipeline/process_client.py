@@ -42,6 +42,7 @@ from legato.pipeline.client import (
     RequestRejected,
     StreamChunk,
     SynthesisRequest,
+    refused_stream,
 )
 from legato.pipeline.ipc import zmq_endpoint
 from legato.pipeline.kv_links import KVLinkSpec, socket_path
@@ -250,7 +251,7 @@ class ProcessEngineClient(EngineClient):
             try:
                 return self.stream(req.request_id, m.Submit(req))
             except RequestRejected as e:
-                return _refused(e)
+                return refused_stream(e)
         return self._generate(req)
 
     async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
@@ -500,12 +501,6 @@ def _put_all(items: list[tuple[asyncio.Queue, StreamChunk | RequestRejected]]) -
     """On the event loop: one read pass's chunks into their streams' queues, in order."""
     for q, item in items:
         q.put_nowait(item)
-
-
-async def _refused(e: RequestRejected) -> AsyncIterator[StreamChunk]:
-    """A stream that raises `e` at its first iteration (the contract of `generate`)."""
-    raise e
-    yield  # pragma: no cover - makes this an async generator
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

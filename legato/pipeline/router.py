@@ -13,7 +13,14 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 
 from legato.models.qwen3_tts.inputs import VoiceFeatures
-from legato.pipeline.client import EngineClient, EngineStats, RequestRejected, StreamChunk, SynthesisRequest
+from legato.pipeline.client import (
+    EngineClient,
+    EngineStats,
+    RequestRejected,
+    StreamChunk,
+    SynthesisRequest,
+    refused_stream,
+)
 
 
 class ReplicaRouter(EngineClient):
@@ -55,7 +62,7 @@ class ReplicaRouter(EngineClient):
         try:
             idx = self.pick()
         except RequestRejected as e:
-            return _refused(e)
+            return refused_stream(e)
         self._placement[req.request_id] = idx  # counted in flight once its stream is read (`_follow`)
         return self._follow(idx, req.request_id, self.replicas[idx].generate(req))
 
@@ -130,9 +137,3 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         step_gap_s=sum(p.step_gap_s for p in parts),
         loop_other_s=sum(p.loop_other_s for p in parts),
     )
-
-
-async def _refused(e: RequestRejected) -> AsyncIterator[StreamChunk]:
-    """A stream that raises `e` at its first iteration (the contract of `generate`)."""
-    raise e
-    yield  # pragma: no cover - makes this an async generator

@@ -28,7 +28,14 @@ from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.inputs import VoiceFeatures
 from legato.models.qwen3_tts.loader import LoadedModel
-from legato.pipeline.client import EngineClient, EngineStats, RequestRejected, StreamChunk, SynthesisRequest
+from legato.pipeline.client import (
+    EngineClient,
+    EngineStats,
+    RequestRejected,
+    StreamChunk,
+    SynthesisRequest,
+    refused_stream,
+)
 from legato.pipeline.codec_worker import CodecError, LocalCodecClient, codec_engine_options, load_codec_decoder
 from legato.pipeline.launchers import Launcher, WorkerPlan
 
@@ -71,6 +78,9 @@ class SplitClient(EngineClient):
     def __init__(self, talker: EngineClient, codec: LocalCodecClient | ProcessCodecClient) -> None:
         self.talker = talker
         self.codec = codec
+        # Streaming text of a text_open request whose talker stream is not open yet (its voice may still be
+        # extracted, or the codec not yet reading): held here in order, handed on when the talker has it.
+        self._held_text: dict[str, list[tuple[str, bool]]] = {}
 
     @property
     def info(self):  # a worker process learns its model info at start-up
@@ -85,7 +95,43 @@ class SplitClient(EngineClient):
         await self.talker.stop(grace_s)
         await self.codec.stop(grace_s)
 
-    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+    @property
+    def takes_text_input(self) -> bool:
+        return self.talker.takes_text_input
+
+    async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
+        held = self._held_text.get(request_id)
+        if held is not None:
+            held.append((text, close))
+        else:  # the talker has the request (or it has ended, and the talker drops the text)
+            await self.talker.append_text(request_id, text, close)
+
+    def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        # A text_open request takes text from this call on, before its stream is read.
+        if req.text_open:
+            if req.request_id in self._held_text:
+                return refused_stream(RequestRejected(409, f"duplicate request id {req.request_id!r}"))
+            self._held_text[req.request_id] = []
+        return self._generate(req)
+
+    async def _talker_stream(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        chunks = self.talker.generate(req)
+        held = self._held_text.get(req.request_id) if req.text_open else None
+        # Hand on what came before, in order; text arriving meanwhile joins the list, so order holds.
+        while held:
+            text, close = held.pop(0)
+            await self.talker.append_text(req.request_id, text, close)
+        self._held_text.pop(req.request_id, None)
+        return chunks
+
+    async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        try:
+            async for chunk in self._generate_audio(req):
+                yield chunk
+        finally:
+            self._held_text.pop(req.request_id, None)  # ended before its talker stream opened
+
+    async def _generate_audio(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         if req.handoff_only:  # a prefill role has no audio: the talker answers it alone
             async with contextlib.aclosing(self.talker.generate(req)) as chunks:
                 async for chunk in chunks:
@@ -99,7 +145,7 @@ class SplitClient(EngineClient):
         progress = _Progress()
 
         async def frames() -> AsyncIterator[np.ndarray]:
-            async with contextlib.aclosing(self.talker.generate(req)) as chunks:
+            async with contextlib.aclosing(await self._talker_stream(req)) as chunks:
                 async for chunk in chunks:
                     progress.last = chunk
                     if chunk.codes is not None and chunk.codes.size:
