@@ -41,6 +41,8 @@ def make_handoff(layout: KVLayout, request_id: str, seed: int, num_tokens: int =
         ignore_eos=True,
         first_chunk_frames=2,
         ref_code=torch.randint(0, 2048, (5, 16), generator=g) if ref else None,
+        text_open=seed % 2 == 1,  # odd seeds: a request whose text is still arriving
+        text_tokens=seed % 17,
     )
 
 

@@ -112,6 +112,7 @@ def test_handoff_wire_round_trip_every_field(dtype):
     back = read_handoff(blob)
     assert_same_handoff(h, back)
     assert back.sampling.temperature == 0.7 and back.sampling.seed == 3 and back.first_chunk_frames == 2
+    assert back.text_open and back.text_tokens == 3
     assert back.kv.data_ptr() != h.kv.data_ptr()
     # Minimal side state: no reference codes, no trailing text, defaults.
     h2 = dataclasses.replace(make_handoff(small_layout(dtype), "r2", seed=4, num_tokens=1, ref=False),
@@ -631,3 +632,14 @@ def test_a_link_whose_backend_cannot_open_fails_that_link_not_the_worker():
     assert state is LinkState.FAILED and "cannot open a cuda_ipc link" in error and "use --kv-transfer shm" in error
     assert ours.closed and links.states()[1] == (LinkState.NOT_READY, None)
     theirs.close()
+
+
+@pytest.mark.parametrize(("field", "value"), [("text_open", "yes"), ("text_tokens", -1), ("text_tokens", 2.5)])
+def test_a_handoff_with_a_malformed_text_state_is_refused(field, value):
+    from legato.kv_transfer.handoff import handoff_from_parts, handoff_header, handoff_tensors
+
+    h = make_handoff(small_layout("float32"), "r", seed=5)
+    header = {**handoff_header(h), field: value}
+    with pytest.raises(HandoffFormatError, match="text_open"):
+        handoff_from_parts(header, handoff_tensors(h))
+    assert handoff_from_parts(handoff_header(h), handoff_tensors(h)).text_open  # the well-formed one reads back

@@ -157,6 +157,45 @@ def test_split_holds_text_until_its_talker_stream_opens(loaded):
     assert held == {}
 
 
+def test_prefill_decode_in_process_hands_the_text_on_with_the_request(loaded):
+    """1p1d in threads: text appended while the prefill engine has the request is held by the router and
+    reaches the decode engine behind the handoff; the codes equal the whole text's, and both engines free
+    everything."""
+    from legato.pipeline.pd import PrefillDecodeRouter
+
+    async def main():
+        router = PrefillDecodeRouter([make_client(loaded)], [make_client(loaded)])
+        await router.start()
+        try:
+            assert router.takes_text_input
+            whole = [c async for c in router.generate(request("whole", TEXT, False))]
+            stream = TextStream()
+            pieces = [p for p in (stream.append(w + " ") for w in TEXT.split(" ")[:-1]) if p]
+            gen = router.generate(request("s", pieces[0], True))
+            for p in pieces[1:4]:  # before anything ran: held by the router
+                await router.append_text("s", p)
+            assert [t for t, _ in router._held_text["s"]] == pieces[1:4]
+            chunks: list = []
+            task = asyncio.create_task(drain(gen, chunks))
+            decode = router.decode[0]
+            await wait_for(lambda: decode.stats().waiting_for_text == 1, "the decode side to run out of text")
+            assert "s" not in router._held_text and router._text_to["s"] is decode
+            for p in pieces[4:]:
+                await router.append_text("s", p)
+            await router.append_text("s", stream.append(TEXT.split(" ")[-1]) + stream.close(), close=True)
+            await asyncio.wait_for(task, 120)
+            stats = [e.stats() for e in (router.prefill.replicas[0], decode)]
+            return whole, chunks, stats, (dict(router._held_text), dict(router._text_to))
+        finally:
+            await router.stop()
+
+    whole, chunks, stats, tables = asyncio.run(main())
+    assert chunks[-1].finished and chunks[-1].finish_reason == whole[-1].finish_reason
+    assert np.array_equal(np.concatenate([c.codes for c in chunks]), np.concatenate([c.codes for c in whole]))
+    assert all(s.free_kv_blocks == s.num_kv_blocks for s in stats)
+    assert tables == ({}, {})
+
+
 def test_a_client_without_text_input_refuses_it():
     class NoText(EngineClient):
         start = stop = generate = abort = extract_voice = stats = is_alive = None

@@ -175,3 +175,44 @@ def test_open_text_needs_the_streaming_layout(root):
     whole = build_prompt(xvec, lm.talker, lm.config)
     assert torch.equal(prompt.embeds, whole.embeds)
     assert torch.equal(prompt.trailing_text, whole.trailing_text[:-1])  # no eos until the close
+
+
+@pytest.mark.parametrize("params", [greedy(), seeded(5)], ids=["greedy", "seeded"])
+def test_an_open_request_handed_from_prefill_to_decode_takes_its_text_there(root, params):
+    """Prefill-decode: the prefill engine hands on a request whose text is open (the handoff says so, with its
+    text tokens so far); the decode engine waits for more text, takes appends (the first before the request is
+    even admitted) and gives the codes of the whole text sent at once to one engine; both sides free
+    everything."""
+    lm = tiny_model(root, "custom_voice")
+    expected = one_shot(lm, params, audio=False, frames_per_text_token=2.0)
+    tok = lm.text_tokenizer
+    stream = TextStream()
+    pieces = [p for p in (stream.append(w) for w in word_pieces(TEXT)) if p] + [stream.close()]
+    prefill = Engine(lm, engine_config(frames_per_text_token=2.0))
+    decode = Engine(lm, engine_config(frames_per_text_token=2.0))
+    spec = build_spec(lm, SpeechInput(pieces[0], language="english", speaker="ryan", non_streaming_mode=False))
+    prefill.add_request(EngineRequest("s", dataclasses.replace(spec, text_open=True), params, handoff_only=True))
+    handoff = None
+    while prefill.has_unfinished():
+        for o in prefill.step():
+            if o.finished:
+                assert o.finish_reason == "handoff", o.error
+                handoff = o.handoff
+    assert handoff is not None and handoff.text_open and handoff.text_tokens == len(spec.text_ids) - 8
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+    decode.add_handoff(handoff, stream_audio=False)
+    out = Collected()
+    decode.append_text("s", segment_ids(tok, pieces[1], first=False))  # before its admission
+    for p in pieces[2:-1]:
+        for _ in range(3):
+            out.take(decode.step())
+        decode.append_text("s", segment_ids(tok, p, first=False))
+    while not decode.waits_for_text_only():  # out of text: it waits, never feeding the end-of-text pad
+        out.take(decode.step())
+    assert "s" not in out.finished
+    decode.append_text("s", segment_ids(tok, pieces[-1], first=False) if pieces[-1] else [], close=True)
+    while decode.has_unfinished():
+        out.take(decode.step())
+    assert torch.equal(out.frames("s"), expected.frames("s"))
+    assert out.finish_count["s"] == 1
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks

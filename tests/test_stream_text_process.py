@@ -1,6 +1,7 @@
-"""Streaming text input across the process boundary, a replica router and split's talker and codec workers: the
-wire carries `text_open` and AppendText, and a request streamed to an engine worker process (through a router of
-them, or to a talker worker whose codes a codec worker decodes) gives the codes and audio of the whole text."""
+"""Streaming text input across the process boundary, a replica router, split's talker and codec workers and a
+prefill-decode pair: the wire carries `text_open` and AppendText, and a request streamed to an engine worker
+process (through a router of them, to a talker worker whose codes a codec worker decodes, or prefilled by one
+worker and decoded by another, its text following the handoff) gives the codes and audio of the whole text."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_append_text_and_text_open_cross_the_wire():
     assert not m.decode(m.encode(m.Submit(request("r3", "Hi", False)))).request.text_open
 
 
-@pytest.mark.parametrize("topology", ["single", "replicas:2", "split"])
+@pytest.mark.parametrize("topology", ["single", "replicas:2", "split", "1p1d"])
 def test_streamed_text_through_worker_processes_equals_the_whole_text(tiny_checkpoint, topology):
     config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=128, max_model_len=512,
                           max_num_batched_tokens=256)

@@ -37,8 +37,10 @@ def make_handoff(
     first_token: int,
     ref_code: torch.Tensor | None,
     layout: KVLayout,
+    text_tokens: int = 0,
 ) -> Handoff:
-    """The handoff of a request whose prefill just ended (call before its blocks are freed)."""
+    """The handoff of a request whose prefill just ended (call before its blocks are freed). A request whose
+    text is still open hands that on, with `text_tokens` (its target-text tokens so far)."""
     return Handoff(
         request_id=req.request_id,
         layout=layout,
@@ -53,6 +55,8 @@ def make_handoff(
         ignore_eos=engine_req.ignore_eos,
         first_chunk_frames=engine_req.first_chunk_frames,
         ref_code=None if ref_code is None else ref_code.to(torch.int64).cpu(),
+        text_open=req.text_frames is not None,
+        text_tokens=text_tokens,
     )
 
 

@@ -171,8 +171,6 @@ class Engine:
         seed = er.sampling.seed if er.sampling.seed is not None else draw_seed()
         if er.handoff_only or self.codec is None:
             er.stream_audio = False  # the decode worker (or the codec worker) makes this request's audio
-        if er.spec.text_open and er.handoff_only:
-            raise ValueError("a prefill-only request cannot take streaming text (its handoff would not carry it)")
         req = Request(request_id=er.request_id, prompt_len=prompt.length, max_frames=max_frames)
         live = _Live(req, prompt, er, seed, ref_code=er.spec.ref_code, frame_cap=frame_cap)
         if er.spec.text_open:
@@ -267,8 +265,12 @@ class Engine:
                            ignore_eos=h.ignore_eos, stream_audio=stream_audio and self.codec is not None,
                            first_chunk_frames=h.first_chunk_frames)
         req = Request(request_id=h.request_id, prompt_len=h.num_tokens, max_frames=h.max_frames, kv_handoff=True)
+        live = _Live(req, prompt, er, h.seed, ref_code=h.ref_code, incoming=h)
+        if h.text_open:  # its text is still arriving: it waits for more, as it would have on the prefill engine
+            req.text_frames = h.trailing_text.shape[0]
+            live.text_tokens = h.text_tokens
         self.scheduler.add(req)
-        self.live[h.request_id] = _Live(req, prompt, er, h.seed, ref_code=h.ref_code, incoming=h)
+        self.live[h.request_id] = live
         return h.seed
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
@@ -534,7 +536,7 @@ class Engine:
             token = first_host[c.request.slot]
             if token != self.eos_id:
                 live.outgoing = make_handoff(self.runner, c.request, live.prompt, live.engine_req, live.seed,
-                                             token, live.ref_code, self.kv_layout)
+                                             token, live.ref_code, self.kv_layout, live.text_tokens)
         # A handed-on request is done here (its blocks are freed, the handoff holds a copy); so is one whose
         # first token is EOS.
         results = [StepResult(c.request.request_id, c.num_tokens, 0, stopped=c in handoffs) for c in chunks]

@@ -32,7 +32,7 @@ import torch
 
 from legato.models.qwen3_tts.sampling import SamplingParams
 
-HANDOFF_VERSION = 1
+HANDOFF_VERSION = 2  # 2: text_open and text_tokens (a request whose text is still arriving)
 _MAGIC = b"VXHF"
 _PREAMBLE = struct.Struct("<4sIQ")
 _ALIGN = 64
@@ -138,6 +138,11 @@ class Handoff:
     ignore_eos: bool = False
     first_chunk_frames: int | None = None
     ref_code: torch.Tensor | None = None  # [T, 16] int64
+    # Streaming text: the request's text is still arriving (the decode side waits for more once the trailing
+    # text is used up, and takes appends); `text_tokens` counts the target-text tokens so far, for the frame
+    # cap its close sets.
+    text_open: bool = False
+    text_tokens: int = 0
     version: int = HANDOFF_VERSION
 
     def __repr__(self) -> str:
@@ -170,6 +175,9 @@ class Handoff:
                              f"got {tuple(self.ref_code.shape)} {self.ref_code.dtype}")
         if self.max_frames < 1:
             raise ValueError(f"handoff {self.request_id!r}: max_frames must be >= 1, got {self.max_frames}")
+        if not isinstance(self.text_open, bool) or not isinstance(self.text_tokens, int) or self.text_tokens < 0:
+            raise ValueError(f"handoff {self.request_id!r}: text_open must be a bool and text_tokens an int >= 0, "
+                             f"got {self.text_open!r}, {self.text_tokens!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,6 +263,8 @@ def handoff_header(h: Handoff) -> dict:
         "max_frames": int(h.max_frames),
         "ignore_eos": bool(h.ignore_eos),
         "first_chunk_frames": h.first_chunk_frames,
+        "text_open": bool(h.text_open),
+        "text_tokens": int(h.text_tokens),
     }
 
 
@@ -276,6 +286,8 @@ def handoff_from_parts(header: dict, tensors: dict[str, torch.Tensor]) -> Handof
             ignore_eos=header["ignore_eos"],
             first_chunk_frames=header["first_chunk_frames"],
             ref_code=tensors.get("ref_code"),
+            text_open=header["text_open"],
+            text_tokens=header["text_tokens"],
             version=header["version"],
         )
         h.validate()

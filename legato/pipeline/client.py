@@ -138,8 +138,7 @@ class EngineClient(abc.ABC):
     async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
         """More text for a `text_open` request (a piece cut by `TextStream`, so it tokenises on its own), in
         order; `close` ends its text. Text for a request that has finished is dropped (its last chunk is out)."""
-        raise RequestRejected(501, f"streaming text input is not supported by {type(self).__name__} yet; "
-                                   "serve with single, replicas:N or split")
+        raise RequestRejected(501, f"streaming text input is not supported by {type(self).__name__}")
 
     @abc.abstractmethod
     async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:

@@ -160,9 +160,21 @@ class LocalEngineClient(EngineClient):
         else:
             self._submit(cmd)
 
-    async def generate_from_handoff(self, handoff: Handoff) -> AsyncIterator[StreamChunk]:
-        """Decodes a request prefilled by another engine (prefill-decode disaggregation, same process)."""
-        async for chunk in self._stream("handoff", handoff, handoff.request_id):
+    def generate_from_handoff(self, handoff: Handoff) -> AsyncIterator[StreamChunk]:
+        """Decodes a request prefilled by another engine (prefill-decode disaggregation). A handoff whose text
+        is open takes text from this call on, as `generate` does."""
+        rid = handoff.request_id
+        owner = handoff.text_open and rid not in self._early_text
+        if owner:
+            self._early_text[rid] = []
+        return self._decode_handoff(handoff, owner)
+
+    async def _decode_handoff(self, handoff: Handoff, owner: bool) -> AsyncIterator[StreamChunk]:
+        rid = handoff.request_id
+        if handoff.text_open and not owner:
+            raise RequestRejected(409, f"duplicate request id {rid!r}")
+        then = self._early_text.pop(rid, []) if owner else []
+        async for chunk in self._stream("handoff", handoff, rid, then):
             yield chunk
 
     async def _stream(self, kind: str, payload: object, request_id: str,

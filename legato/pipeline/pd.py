@@ -14,6 +14,12 @@ A handoff that does not cross (the prefill worker died, the transfer's deadline 
 with the reason (`on_kv_failure="fail"`, the default), or, with `on_kv_failure="recompute"`, runs the whole
 request again on a live decode engine: nothing was streamed yet, and a seeded request gives the same codes
 there. Recomputes are logged and counted (`EngineStats.recomputed`), never silent.
+
+Streaming text (a `text_open` request): the prefill side prefills what text there is and its handoff says the
+text is open; the router holds the text appended meanwhile, in order, and hands it to the decode side as soon
+as that side can take it (in process: its stream of the handoff is open; over links: the decode worker is
+armed, and holds the text until the handoff lands), then passes later text straight on. A text_open request
+whose handoff does not cross is failed, not recomputed: its text went to the decode side.
 """
 
 from __future__ import annotations
@@ -29,7 +35,14 @@ from dataclasses import replace
 import numpy as np
 
 from legato.models.qwen3_tts.inputs import VoiceFeatures
-from legato.pipeline.client import EngineClient, EngineStats, RequestRejected, StreamChunk, SynthesisRequest
+from legato.pipeline.client import (
+    EngineClient,
+    EngineStats,
+    RequestRejected,
+    StreamChunk,
+    SynthesisRequest,
+    refused_stream,
+)
 from legato.pipeline.local import LocalEngineClient
 from legato.pipeline.router import ReplicaRouter, sum_stats
 
@@ -61,6 +74,9 @@ class PrefillDecodeRouter(EngineClient):
         self._turn = itertools.count()
         self._before_decode = 0  # requests no decode engine has taken yet (at prefill, or handing over)
         self._stopping = False
+        # Streaming text: held until the request's decode side can take it, then sent to that side.
+        self._held_text: dict[str, list[tuple[str, bool]]] = {}
+        self._text_to: dict[str, EngineClient] = {}
 
     async def start(self) -> None:
         await asyncio.gather(self.prefill.start(), *(d.start() for d in self.decode))
@@ -85,7 +101,45 @@ class PrefillDecodeRouter(EngineClient):
             return min(alive, key=lambda i: (i - turn) % len(self.decode))
         return min(alive, key=lambda i: (self.decode_in_flight[i], (i - turn) % len(self.decode)))
 
-    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+    takes_text_input = True
+
+    async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
+        held = self._held_text.get(request_id)
+        if held is not None:
+            held.append((text, close))
+        elif (target := self._text_to.get(request_id)) is not None:
+            await target.append_text(request_id, text, close)
+        # else: the request has ended, and its text is dropped
+
+    def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        if req.text_open:  # takes text from this call on
+            if req.request_id in self._held_text or req.request_id in self._text_to:
+                return refused_stream(RequestRejected(409, f"duplicate request id {req.request_id!r}"))
+            self._held_text[req.request_id] = []
+        return self._tracked(req)
+
+    async def _tracked(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        try:
+            async with contextlib.aclosing(self._generate(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._held_text.pop(req.request_id, None)
+            self._text_to.pop(req.request_id, None)
+
+    async def _hand_text(self, request_id: str, decode: EngineClient) -> None:
+        """The decode side can take `request_id`'s text now: what was held goes first, in order (text arriving
+        meanwhile joins the queue), then text goes straight there."""
+        held = self._held_text.get(request_id)
+        if held is None:
+            return
+        self._text_to[request_id] = decode
+        while held:
+            text, close = held.pop(0)
+            await decode.append_text(request_id, text, close)
+        del self._held_text[request_id]
+
+    async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         if self._stopping:
             raise RequestRejected(503, "server is shutting down")
         self._before_decode += 1
@@ -103,7 +157,9 @@ class PrefillDecodeRouter(EngineClient):
                 raise RequestRejected(500, "the prefill engine ended without a handoff")
             idx = self.pick_decode()
             self.decode_in_flight[idx] += 1
-            async for chunk in self.decode[idx].generate_from_handoff(handoff):
+            decoded = self.decode[idx].generate_from_handoff(handoff)  # takes text from here on
+            await self._hand_text(req.request_id, self.decode[idx])
+            async for chunk in decoded:
                 if not taken:  # the decode engine has it: a stop may now take the decode engines down
                     taken = True
                     self._before_decode -= 1
@@ -170,11 +226,12 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
                 raise RuntimeError(f"KV links not ready within {self.link_timeout_s:.0f} s: " + ", ".join(waiting))
             await asyncio.sleep(0.05)
 
-    async def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+    async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         streamed, failed = False, None
+        recompute = self.on_kv_failure == "recompute" and not req.text_open
         async with contextlib.aclosing(self._prefill_then_decode(req)) as chunks:
             async for chunk in chunks:
-                if chunk.finished and chunk.retryable and not streamed and self.on_kv_failure == "recompute":
+                if chunk.finished and chunk.retryable and not streamed and recompute:
                     failed = chunk
                     break
                 streamed = True
@@ -222,6 +279,7 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
                                                                                  handoff_to=d))))
         first = asyncio.ensure_future(anext(decoded))
         try:
+            await self._hand_text(rid, decode)  # the armed decode worker holds it until the handoff lands
             await asyncio.wait({prefilled, first}, return_when=asyncio.FIRST_COMPLETED)
             if not first.done():
                 end = prefilled.result()  # raises RequestRejected: the prefill worker refused it

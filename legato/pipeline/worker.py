@@ -61,6 +61,8 @@ class _Worker:
         self.links: KVLinks | None = None
         self.cancelled: set[str] = set()  # aborted while their handoff was held or in transfer
         self.tasks: dict[str, asyncio.Task] = {}
+        # Decode worker: the streaming text of armed requests whose handoff has not landed yet, in order.
+        self.awaiting_text: dict[str, list[m.AppendText]] = {}
         self.stop = asyncio.Event()
         self.grace_s = 0.0
         self.draining = False  # after Shutdown: nothing new is taken, aborts still are
@@ -124,7 +126,11 @@ class _Worker:
                 job = self.stream(req.request_id, self.client.generate(req))
             self.tasks[req.request_id] = asyncio.create_task(job)
         elif isinstance(msg, m.AwaitHandoff):
-            job = self.receive_and_decode(msg) if self.links is not None else self.no_links(msg.request_id)
+            if self.links is not None:
+                self.awaiting_text[msg.request_id] = []  # its text, until the handoff lands
+                job = self.receive_and_decode(msg)
+            else:
+                job = self.no_links(msg.request_id)
             self.tasks[msg.request_id] = asyncio.create_task(job)
         elif isinstance(msg, m.Abort):
             rid = msg.request_id
@@ -135,7 +141,11 @@ class _Worker:
                     self.links.cancel(peer, rid, msg.reason)
             await self.client.abort(rid, msg.reason)
         elif isinstance(msg, m.AppendText):
-            await self.client.append_text(msg.request_id, msg.text, msg.close)
+            held = self.awaiting_text.get(msg.request_id)
+            if held is not None:
+                held.append(msg)
+            else:
+                await self.client.append_text(msg.request_id, msg.text, msg.close)
         elif isinstance(msg, m.ExtractVoice):
             asyncio.create_task(self.voice(msg))
         elif isinstance(msg, m.Shutdown):
@@ -215,8 +225,15 @@ class _Worker:
         except ValueError as e:  # the same id armed twice: refuse this one
             ev, refused = None, m.Rejected(rid, 400, str(e))
         if ev is not None and ev.kind is EventKind.RECEIVED and rid not in self.cancelled:
-            await self.stream(rid, self.client.generate_from_handoff(ev.handoff))  # cleans up after itself
+            chunks = self.client.generate_from_handoff(ev.handoff)  # an open text's appends are taken from here
+            held = self.awaiting_text.get(rid, [])
+            while held:  # in order; text arriving meanwhile joins the list
+                text = held.pop(0)
+                await self.client.append_text(rid, text.text, text.close)
+            self.awaiting_text.pop(rid, None)
+            await self.stream(rid, chunks)  # cleans up after itself
             return
+        self.awaiting_text.pop(rid, None)
         if ev is None:
             out = refused
         elif ev.kind is EventKind.RECEIVED:  # aborted while the handoff was landing

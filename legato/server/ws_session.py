@@ -227,8 +227,8 @@ class StreamSession:
     async def _start(self, ctx: Context, first: str, close: bool) -> None:
         if not self.client.takes_text_input:
             await self._drop(ctx, None)
-            raise ProtocolError("this deployment cannot take streaming text yet (serve with single, replicas:N or "
-                                "split)", "unsupported_topology", status=501)
+            raise ProtocolError("this deployment's engine client cannot take streaming text",
+                                "unsupported_topology", status=501)
         ctx.request_id = uuid.uuid4().hex
         body = self.config.speech.model_copy(update={"input": first})
         try:
