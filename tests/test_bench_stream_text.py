@@ -84,6 +84,19 @@ def test_the_bench_streams_text_and_measures_from_the_first_token(server):
     assert summary["completed"] == 2 and summary["cancelled"] == 0
 
 
+def test_fixed_lengths_go_in_the_session_and_every_context_runs_exactly_that_long(server):
+    """`num_frames` with `ignore_eos` (what --fixed-length sends over HTTP) are session fields too: each context
+    runs exactly that many frames, past its closed text, so streamed text compares with HTTP at equal lengths."""
+    live, voice = server
+    cfg = ClientConfig(base_url=live.url, max_concurrency=2, timeout_s=120, progress=False)
+    reqs = [BenchRequest(f"f{i}", {"input": t, "voice": voice, "seed": i, "ignore_eos": True, "num_frames": n},
+                         len(t), n) for i, (t, n) in enumerate(zip(TEXTS, (9, 30), strict=True))]
+    out, _ = asyncio.run(run_stream_text(cfg, TextFeed(tokens_per_s=math.inf), reqs))
+    assert [r.ok for r in out.records] == [True, True], [(r.error_kind, r.error) for r in out.records]
+    for rec, n in zip(out.records, (9, 30), strict=True):
+        assert rec.audio_s == pytest.approx(n * 0.08), rec.utt_id
+
+
 def test_a_barge_in_cancel_is_acknowledged_and_timed(server):
     live, voice = server
     cfg = ClientConfig(base_url=live.url, max_concurrency=1, timeout_s=120, progress=False)
@@ -109,7 +122,7 @@ def test_a_refused_session_fails_the_request_with_the_servers_reason(server):
 def test_options_the_websocket_cannot_honour_are_refused_before_any_request(capsys):
     from legato.cli import main
 
-    for extra in (["--fixed-length"], ["--client-procs", "2"]):
+    for extra in (["--client-procs", "2"],):
         # port 9 (discard): nothing listens, so reaching the server would fail differently
         code = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--stream-text", *extra, "--no-progress"])
         err = capsys.readouterr().err

@@ -278,10 +278,6 @@ def check_stream_text_args(args: argparse.Namespace) -> None:
     """ValueError for `bench serve` options that --stream-text cannot honour."""
     if args.client_procs != 1:
         raise ValueError("--stream-text runs in one client process (--client-procs 1)")
-    if args.fixed_length:
-        raise ValueError("--fixed-length does not apply to --stream-text: over the WebSocket a request's length "
-                         "follows its text (num_frames and ignore_eos are not session fields); seed the requests "
-                         "(--request-seed) to compare with HTTP at equal lengths")
 
 
 def _serve_stream_text(args: argparse.Namespace, requests, ccfg, slo, config: dict) -> int:

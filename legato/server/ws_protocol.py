@@ -26,7 +26,9 @@ CONTEXT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,64}")  # fullmatch; fits the binary
 EVENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 EVENT_TYPES = ("session.update", "input_text.append", "input_text.flush", "input_text.end", "response.cancel")
 # Fields of a speech request that make no sense for a session: its text comes in events, its audio in frames.
-_NOT_SESSION = ("input", "stream", "stream_format", "num_frames", "ignore_eos")
+# (`num_frames` and `ignore_eos`, the benchmark fields, are session fields as they are HTTP fields: every context
+# of the session then runs that many frames, speaking past its closed text with the end-of-text padding.)
+_NOT_SESSION = ("input", "stream", "stream_format")
 TRANSPORTS = ("binary", "base64")
 
 
