@@ -196,6 +196,85 @@ def test_prefill_decode_in_process_hands_the_text_on_with_the_request(loaded):
     assert tables == ({}, {})
 
 
+REF = torch.randint(0, 2048, (20, 16), generator=torch.Generator().manual_seed(3))
+
+
+def icl_request(rid: str, text: str, text_open: bool) -> SynthesisRequest:
+    inp = SpeechInput(text, language="english", speaker_embedding=EMB, ref_code=REF, ref_text="The reference.")
+    return SynthesisRequest(rid, inp, SamplingParams(seed=4, max_new_tokens=60), text_open=text_open)
+
+
+@pytest.mark.parametrize("text", [TEXT, "Short one."], ids=["fills-the-reference", "closes-short"])
+def test_an_in_context_clone_takes_streaming_text_once_it_fills_its_prompt(loaded, text):
+    """ICL: the request waits, before admission, until its text fills the reference's positions (or closes
+    short of them, when it gets the short text's padded prompt); then it runs on, taking the rest as it comes.
+    Its codes equal the one-shot request's."""
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            whole = [c async for c in client.generate(icl_request("whole", text, False))]
+            stream = TextStream()
+            words = text.split(" ")
+            pieces = [p for p in (stream.append(w + " ") for w in words[:-1]) if p]
+            pieces.append(stream.append(words[-1]) + stream.close())
+            chunks: list = []
+            task = asyncio.create_task(drain(client.generate(icl_request("s", pieces[0], True)), chunks))
+            await wait_for(lambda: "s" in client._text_waits, "the clone to wait for text")
+            assert client.stats().running == 0 and not chunks  # not in the engine yet
+            for p in pieces[1:-1]:
+                await client.append_text("s", p)
+            await client.append_text("s", pieces[-1], close=True)
+            await asyncio.wait_for(task, 120)
+            return whole, chunks, dict(client._text_waits), dict(client._early_text)
+        finally:
+            await client.stop()
+
+    whole, chunks, waits, early = asyncio.run(main())
+    assert chunks[-1].finished and chunks[-1].finish_reason == whole[-1].finish_reason
+    assert np.array_equal(np.concatenate([c.codes for c in chunks]), np.concatenate([c.codes for c in whole]))
+    assert waits == {} and early == {}
+
+
+def test_an_in_context_clone_waiting_for_text_can_be_aborted(loaded):
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            chunks: list = []
+            task = asyncio.create_task(drain(client.generate(icl_request("w", "Hello", True)), chunks))
+            await wait_for(lambda: "w" in client._text_waits, "the clone to wait for text")
+            await client.abort("w", "barge-in")
+            await asyncio.wait_for(task, 60)
+            stats = client.stats()
+            return chunks, dict(client._text_waits), dict(client._early_text), stats
+        finally:
+            await client.stop()
+
+    chunks, waits, early, stats = asyncio.run(main())
+    assert len(chunks) == 1 and chunks[0].finish_reason == "abort" and chunks[0].error == "barge-in"
+    assert waits == {} and early == {} and stats.free_kv_blocks == stats.num_kv_blocks
+
+
+def test_prefill_decode_refuses_an_in_context_clones_streaming_text(loaded):
+    from legato.pipeline.pd import PrefillDecodeRouter
+
+    async def main():
+        router = PrefillDecodeRouter([make_client(loaded)], [make_client(loaded)])
+        await router.start()
+        try:
+            with pytest.raises(RequestRejected) as e:
+                async for _ in router.generate(icl_request("p", "Hello", True)):
+                    pass
+            return e.value, router.stats()
+        finally:
+            await router.stop()
+
+    err, stats = asyncio.run(main())
+    assert err.status == 400 and "in-context" in err.message
+    assert stats.free_kv_blocks == stats.num_kv_blocks
+
+
 def test_a_client_without_text_input_refuses_it():
     class NoText(EngineClient):
         start = stop = generate = abort = extract_voice = stats = is_alive = None

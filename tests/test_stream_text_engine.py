@@ -164,12 +164,14 @@ def test_abort_and_overflow_free_a_waiting_request(root):
 
 
 def test_open_text_needs_the_streaming_layout(root):
+    """The non-streaming layout holds the whole text: an open text cannot have it. (In-context clones can,
+    once their text fills the reference's positions: the next test.)"""
     lm = tiny_model(root, "base")
     emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
     ref = torch.randint(0, 2048, (5, 16), generator=torch.Generator().manual_seed(1))
     icl = build_spec(lm, SpeechInput("Hi there", speaker_embedding=emb, ref_code=ref, ref_text="Ref."))
     with pytest.raises(PromptError, match="streaming-text layout"):
-        build_prompt(dataclasses.replace(icl, text_open=True), lm.talker, lm.config)
+        build_prompt(dataclasses.replace(icl, text_open=True, non_streaming_mode=True), lm.talker, lm.config)
     xvec = build_spec(lm, SpeechInput("Hi there", speaker_embedding=emb, x_vector_only=True))
     prompt = build_prompt(dataclasses.replace(xvec, text_open=True), lm.talker, lm.config)
     whole = build_prompt(xvec, lm.talker, lm.config)
@@ -216,3 +218,31 @@ def test_an_open_request_handed_from_prefill_to_decode_takes_its_text_there(root
     assert torch.equal(out.frames("s"), expected.frames("s"))
     assert out.finish_count["s"] == 1
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_an_in_context_clones_open_prompt_exists_once_its_text_fills_the_reference(root):
+    """ICL lays reference transcript + target text beside codec_bos + the reference frames: an open text that
+    does not fill those positions has no prompt yet (`open_text_missing` says how many tokens it lacks); once
+    it does, the prompt is the whole text's and its trailing text the whole text's without the eos."""
+    from legato.models.qwen3_tts.prompt import open_text_missing, with_more_text
+
+    lm = tiny_model(root, "base")
+    emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    ref = torch.randint(0, 2048, (20, 16), generator=torch.Generator().manual_seed(1))
+    text = "Hi there, a somewhat longer sentence to fill the reference."
+    whole = build_spec(lm, SpeechInput(text, speaker_embedding=emb, ref_code=ref, ref_text="Ref."))
+    first, rest = "Hi", text[2:]  # a word's leading space rides with it, as TextStream cuts
+    open_spec = dataclasses.replace(build_spec(lm, SpeechInput(first, speaker_embedding=emb, ref_code=ref,
+                                                               ref_text="Ref.")), text_open=True)
+    missing = open_text_missing(open_spec)
+    assert missing > 0 and open_text_missing(whole) == 0
+    with pytest.raises(PromptError, match=f"needs {missing} more"):
+        build_prompt(open_spec, lm.talker, lm.config)
+    ids = segment_ids(lm.text_tokenizer, rest, first=False)
+    full = with_more_text(open_spec, ids, close=False)
+    assert open_text_missing(full) == 0 and full.text_open
+    assert list(full.text_ids) == list(whole.text_ids)  # word-boundary pieces tokenise as the whole text
+    got, want = build_prompt(full, lm.talker, lm.config), build_prompt(whole, lm.talker, lm.config)
+    assert torch.equal(got.embeds, want.embeds)
+    assert torch.equal(got.trailing_text, want.trailing_text[:-1])  # no eos until the close
+    assert not with_more_text(open_spec, [], close=True).text_open

@@ -32,7 +32,7 @@ from legato.kv_transfer.handoff import Handoff, LayoutMismatch
 from legato.models.qwen3_tts.audio import AudioError
 from legato.models.qwen3_tts.inputs import VoiceCache, VoiceFeatures, build_spec, extract_voice
 from legato.models.qwen3_tts.loader import LoadedModel
-from legato.models.qwen3_tts.prompt import PromptError
+from legato.models.qwen3_tts.prompt import PromptError, open_text_missing, with_more_text
 from legato.models.qwen3_tts.sampling import SamplingParamsError
 from legato.models.qwen3_tts.text_stream import segment_ids
 from legato.pipeline.client import (
@@ -95,6 +95,9 @@ class LocalEngineClient(EngineClient):
         self._drain_rate = DrainRate()  # engine thread: finishes per second, for a 429's Retry-After
         # Streaming text that came while its request was still being admitted: it follows the request's "add".
         self._early_text: dict[str, list[tuple]] = {}
+        # In-context clones whose open text does not fill their prompt yet: woken by text (or by an abort, which
+        # puts its reason in place of the event).
+        self._text_waits: dict[str, asyncio.Event | str] = {}
 
     # --- server side ----------------------------------------------------------------------------------
 
@@ -120,6 +123,9 @@ class LocalEngineClient(EngineClient):
 
     async def stop(self, grace_s: float = 10.0) -> None:
         self._stopping = True
+        for waiting in self._text_waits.values():  # requests waiting for text before admission: refused now
+            if isinstance(waiting, asyncio.Event):
+                waiting.set()
         if self._thread.ident is None:  # never started: nothing runs, nothing to wait for
             return
         self._submit(("stop", grace_s))
@@ -142,11 +148,50 @@ class LocalEngineClient(EngineClient):
             if self._stopping:
                 raise RequestRejected(503, "server is shutting down")
             prepared = await self._on_admission_thread(self._engine_request, req)
+            if prepared.prompt is None:  # an in-context clone whose open text does not fill its prompt yet
+                if req.handoff_only:  # its text goes to the decode side, so this side would wait forever
+                    raise RequestRejected(400, "prefill-decode cannot take an in-context clone's streaming text "
+                                               "(its prompt waits for text the decode side receives)")
+                prepared = await self._with_enough_text(prepared)
+                if prepared is None:
+                    yield StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="abort",
+                                      error=self._text_waits.pop(req.request_id, None) or "aborted")
+                    return
         finally:
+            self._text_waits.pop(req.request_id, None)
             if owner:
                 then = self._early_text.pop(req.request_id, [])
         async for chunk in self._stream("add", prepared, req.request_id, then):
             yield chunk
+
+    async def _with_enough_text(self, prepared: EngineRequest) -> EngineRequest | None:
+        """Waits until the text that came (held in `_early_text`) fills an open in-context clone's prompt, or
+        closes; then folds it into the request and builds the prompt. None: aborted while it waited. The
+        wait has no deadline of its own, as a running request waiting for text has none: its caller's limits
+        (a socket's idle time) end it, through `abort`."""
+        rid = prepared.request_id
+        arrived = asyncio.Event()
+        self._text_waits[rid] = arrived
+        spec = prepared.spec
+        while True:
+            held = self._early_text.get(rid, [])
+            taken = 0
+            while taken < len(held) and spec.text_open:  # up to the close: what follows it goes on to the engine
+                _, _, ids, close = held[taken]
+                spec = with_more_text(spec, ids, close)
+                taken += 1
+            del held[:taken]
+            if not spec.text_open or open_text_missing(spec) == 0:
+                break
+            arrived.clear()
+            await arrived.wait()
+            if self._text_waits.get(rid) is not arrived:  # abort() replaced it with its reason
+                return None
+            if self._stopping:
+                raise RequestRejected(503, "server is shutting down")
+        del self._text_waits[rid]
+        prepared = dataclasses.replace(prepared, spec=spec)
+        return dataclasses.replace(prepared, prompt=await self._on_admission_thread(self.engine.prepare_prompt, spec))
 
     takes_text_input = True
 
@@ -157,6 +202,8 @@ class LocalEngineClient(EngineClient):
         early = self._early_text.get(request_id)
         if early is not None:
             early.append(cmd)
+            if (waiting := self._text_waits.get(request_id)) is not None:
+                waiting.set()
         else:
             self._submit(cmd)
 
@@ -204,6 +251,10 @@ class LocalEngineClient(EngineClient):
                 self._submit(("abort", request_id, "client disconnected"))
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        waiting = self._text_waits.get(request_id)
+        if isinstance(waiting, asyncio.Event):  # not in the engine yet: waiting for its text
+            self._text_waits[request_id] = reason
+            waiting.set()
         self._submit(("abort", request_id, reason))
 
     async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
@@ -228,7 +279,7 @@ class LocalEngineClient(EngineClient):
         return EngineRequest(
             request_id=req.request_id, spec=spec, sampling=req.sampling, max_frames=req.max_frames,
             ignore_eos=req.ignore_eos, first_chunk_frames=req.first_chunk_frames, handoff_only=req.handoff_only,
-            prompt=self.engine.prepare_prompt(spec),
+            prompt=None if open_text_missing(spec) else self.engine.prepare_prompt(spec),
         )
 
     def stats(self) -> EngineStats:

@@ -7,6 +7,7 @@ input (then `tts_pad` once they run out). See shared/reference/qwen3-tts-model.m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,7 +76,8 @@ class PromptSpec:
     non_streaming_mode: feed the whole text in the prompt instead of one token per decode step.
     text_open: the text is still arriving (streaming text input): `text_ids` hold what is known so far, the
         trailing text ends without tts_eos, and the engine appends the rest (`Engine.append_text`) and the
-        eos (`Engine.close_text`). Streaming-text layout only, without a reference (x-vector or presets).
+        eos (at the close). Streaming-text layout only; an in-context clone's prompt exists once its text
+        fills the reference's positions (`open_text_missing`).
     """
 
     text_ids: Sequence[int] | torch.Tensor
@@ -110,6 +112,24 @@ class TalkerPrompt:
 def target_text_tokens(spec: PromptSpec) -> int:
     """Tokens of the text to speak (the templated `text_ids` without their template)."""
     return max(0, len(spec.text_ids) - ROLE_LEN - TARGET_TAIL)
+
+
+def open_text_missing(spec: PromptSpec) -> int:
+    """Text tokens an open request still needs before its prompt exists: 0 but for in-context clones. Their
+    prompt lays the reference transcript and the target text beside codec_bos and the reference frames
+    (1 + T_ref positions), and pads a shorter text with "text over": the prompt of an open text that does not
+    yet fill those positions cannot be written until more text comes, or the text closes."""
+    if spec.x_vector_only or spec.ref_code is None or spec.ref_ids is None or not spec.text_open:
+        return 0
+    ref_tokens = max(0, len(spec.ref_ids) - ROLE_LEN - REF_TAIL)
+    return max(0, 1 + int(spec.ref_code.shape[0]) - ref_tokens - target_text_tokens(spec))
+
+
+def with_more_text(spec: PromptSpec, ids: Sequence[int], close: bool) -> PromptSpec:
+    """`spec` with target-text token ids appended (pieces cut as `segment_ids` cuts them); `close` ends the text."""
+    text = [int(i) for i in spec.text_ids]
+    merged = text[:-TARGET_TAIL] + [int(i) for i in ids] + text[-TARGET_TAIL:]
+    return dataclasses.replace(spec, text_ids=merged, text_open=spec.text_open and not close)
 
 
 # Positions a prompt holds beside its texts and reference frames, at most: the instruction's template
@@ -194,11 +214,12 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
     icl = kind == "base" and not spec.x_vector_only
     if icl:
         ref_ids, ref_code = _icl_inputs(spec, cfg, device)
-    if spec.text_open and (icl or spec.non_streaming_mode):
-        # In-context cloning puts text beside the reference frames inside the prompt, and the non-streaming
-        # layout the whole text: neither prompt exists before the text is complete.
-        raise PromptError("text that is still arriving needs the streaming-text layout without in-context "
-                          "cloning (non_streaming_mode off; a Base model clones from the x-vector only)")
+    if spec.text_open and spec.non_streaming_mode:
+        # The non-streaming layout puts the whole text in the prompt: it does not exist before the text does.
+        raise PromptError("text that is still arriving needs the streaming-text layout (non_streaming_mode off)")
+    if spec.text_open and icl and (missing := open_text_missing(spec)) > 0:
+        raise PromptError(f"an in-context clone's open text needs {missing} more text token(s) before its prompt "
+                          "exists (its reference frames carry the text beside them)")
 
     text = talker.embed_text
     bos_t, eos_t, pad_t = _special_text(talker, cfg, device).chunk(3, dim=0)
@@ -224,7 +245,7 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
     body_text = text_ids[ROLE_LEN:-TARGET_TAIL]
     if icl:
         body, trailing = _icl_body(talker, ref_ids, body_text, ref_code, codec_bos, eos_t, pad_t,
-                                   codec_pad, spec.non_streaming_mode)
+                                   codec_pad, spec.non_streaming_mode, spec.text_open)
         parts.append(body)
     elif spec.non_streaming_mode:
         # The whole text against codec_pad, then tts_pad + codec_bos starts the audio.
@@ -260,15 +281,18 @@ def _special_text(talker: Talker, cfg: Qwen3TTSConfig, device: torch.device) -> 
 
 def _icl_body(talker: Talker, ref_ids: torch.Tensor, text_ids: torch.Tensor, ref_code: torch.Tensor,
               codec_bos: torch.Tensor, eos_t: torch.Tensor, pad_t: torch.Tensor, codec_pad: torch.Tensor,
-              non_streaming: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """In-context body: reference + target text against codec_bos + the reference frames."""
-    text = torch.cat([talker.embed_text(torch.cat([ref_ids, text_ids])), eos_t], dim=0)
+              non_streaming: bool, text_open: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-context body: reference + target text against codec_bos + the reference frames. An open text (at
+    least as long as the codec track, `open_text_missing`) trails without its eos, which comes at its close."""
+    text = talker.embed_text(torch.cat([ref_ids, text_ids]))
+    if not text_open:
+        text = torch.cat([text, eos_t], dim=0)
     codec = torch.cat([codec_bos, talker.embed_frame(ref_code)], dim=0)
     if non_streaming:
         return torch.cat([text + codec_pad.expand_as(text), codec + pad_t], dim=0), pad_t
     # Streaming text: align text with the codec track; text beyond the reference trails.
     n = codec.shape[0]
-    if text.shape[0] > n:
+    if text.shape[0] > n or text_open:  # an open text is never shorter here, and trails on (maybe from empty)
         return text[:n] + codec, text[n:]
     text = torch.cat([text, pad_t.expand(n - text.shape[0], -1)], dim=0)
     return text + codec, pad_t
