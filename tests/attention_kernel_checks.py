@@ -15,17 +15,9 @@ import sys
 import torch
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    # As in codec_kernel_checks.py: Triton 3.6's interpreter indexes with `int(array)` on a 1-element array,
-    # which numpy >= 2.4 refuses; read the element instead.
-    import triton.runtime.interpreter as _interp
+    from triton_interpreter import patch_for_numpy
 
-    _patch = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
+    patch_for_numpy()
 
 from legato.layers.fused_attention import fused_decode_attention, fused_decode_attention_reference
 from legato.layers.rotary import RotaryEmbedding

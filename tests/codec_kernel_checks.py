@@ -15,17 +15,9 @@ import sys
 import torch
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    # Triton 3.6's interpreter turns a scalar kernel argument used as a loop bound into an index with
-    # `int(array)`, which numpy >= 2.4 refuses for a one-element 1-D array: read its element instead.
-    import triton.runtime.interpreter as _interp
+    from triton_interpreter import patch_for_numpy
 
-    _patch = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
+    patch_for_numpy()
 
 from legato.layers import causal_conv as cc
 from legato.layers import conv_kernels as ck

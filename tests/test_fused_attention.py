@@ -4,23 +4,14 @@ defined), on CUDA in tests/test_gpu.py. On the CPU the engine itself never takes
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
+from triton_interpreter import run_checks_script
 
 
 def test_fused_decode_attention_equals_its_contract_under_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(HERE / "attention_kernel_checks.py"), "cpu"], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = run_checks_script("attention_kernel_checks.py")
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
     assert run.stdout.count(" ok\n") >= 50  # every layout, shape and position, and the model checks
 
