@@ -4,6 +4,8 @@
 #   benchmarks/h200_step.sh offline   # offline.py (codec off): .base/ vs this tree vs this tree unfused, 0.6B + 1.7B
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
+#   benchmarks/h200_step.sh serve     # serving_speed.py: .base/ vs this tree, x-vector at c=1 and 64, and this
+#                                     # tree's streaming-text WebSocket at c=64 against its HTTP (MODES, CONC)
 # Needs: the server's wheels in .whl/, the tree to compare in .base/ (its commit in BASE), OUT a results folder.
 # Random weights throughout; lengths fixed (EOS ignored).
 set -uo pipefail
@@ -35,6 +37,16 @@ case "$PART" in
         --requests $((4 * c)) --variants ${VARIANTS:-default,no-audio} --out "$OUT/loop-new-c$c.json" \
         2>&1 | grep '^{' | cut -c1-400
     done ;;
+  serve)
+    CKPT=/tmp/qwen3tts-0.6b-random
+    [ -f $CKPT/model.safetensors ] || PYTHONPATH=.:$PYTHONPATH python3 -c "import torch; \
+from legato.models.qwen3_tts.config import preset; from legato.models.qwen3_tts.testing import write_checkpoint; \
+write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
+    PYTHONPATH=.:$PYTHONPATH timeout ${T:-560} python3 benchmarks/serving_speed.py --ckpt $CKPT \
+      --data .bench-data/prompts --variant new=.:legato --variant base=.base:legato --out /tmp/serve \
+      --concurrency ${CONC:-1,64} --modes ${MODES:-xvec,xvec-ws} --max-num-seqs 64 --min-prompts 8 \
+      --prompts-per-conc 4 --startup-timeout 200 --cell-timeout 150 2>&1 | tail -14
+    cp /tmp/serve/summary.json "$OUT/serve.json" ;;
   profile)
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager --eager-batch-sizes 64 \
       --frames 16 --codec-batches none --profile-batch 64 --profile-out "$OUT/profile-c64.txt" 2>&1 | tail -32 ;;

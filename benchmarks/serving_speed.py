@@ -10,6 +10,10 @@ GPU busy and peak memory per cell; everything lands in OUT/summary.json.
         --variant new=.:legato --variant old=.before:voxserve --concurrency 1,8,32,64 --modes xvec,clone
 
 Random weights carry no speech: lengths are fixed from the text (`--fixed-length`, EOS ignored).
+
+A mode ending in `-ws` (`xvec-ws`, `clone-ws`) sends the same prompts over the streaming-text WebSocket
+(`bench serve --stream-text`, `--text-rate` tokens a second, one client process) at the same fixed lengths, so
+its cells compare with the HTTP mode's (issue 23: 64 contexts against HTTP).
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                                                                      os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", f"{package}.cli", "serve", "--model", str(Path(args.ckpt).resolve()),
            "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), *args.server_args.split()]
+    if any(m.endswith("-ws") for m in args.modes.split(",")):  # a session carries the reference clip inline
+        cmd += ["--ws-max-message-bytes", str(8 * 2**20)]
     log = open(Path(args.out) / f"server-{name}.log", "w")
     mem = MemorySampler()
     mem.start()
@@ -141,12 +147,15 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 before = step_timers(url)
                 log.flush()
                 log_at = (Path(args.out) / f"server-{name}.log").stat().st_size
+                prompt_mode, ws = mode.removesuffix("-ws"), mode.endswith("-ws")
                 bench = [sys.executable, "-m", "legato.cli", "bench", "serve", "--base-url", url,
-                         "--dataset-path", args.data, "--num-prompts", str(n), "--mode", mode, "--fixed-length",
-                         "--max-concurrency", str(conc), "--num-warmups", "2", "--no-progress", "--timeout", "300",
-                         "--result-dir", str(Path(args.out) / "runs"), "--label", f"{name}-{mode}",
-                         "--topology", "single", "--max-num-seqs", str(args.max_num_seqs), "--num-gpus", "1",
-                         "--client-procs", str(args.client_procs)]
+                         "--dataset-path", args.data, "--num-prompts", str(n), "--mode", prompt_mode,
+                         "--fixed-length", "--max-concurrency", str(conc), "--num-warmups", "2", "--no-progress",
+                         "--timeout", "300", "--result-dir", str(Path(args.out) / "runs"), "--label",
+                         f"{name}-{mode}", "--topology", "single", "--max-num-seqs", str(args.max_num_seqs),
+                         "--num-gpus", "1", "--client-procs", "1" if ws else str(args.client_procs)]
+                if ws:
+                    bench += ["--stream-text", "--text-rate", args.text_rate]
                 t1 = time.monotonic()
                 spy = None
                 if args.profile == f"{mode}:{conc}":  # a sampling profile of the server during this cell
@@ -162,7 +171,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 served = server_ttfps(Path(args.out) / f"server-{name}.log", log_at)
                 if spy is not None:
                     spy.wait(args.profile_seconds + 30)
-                result_path = Path(args.out) / "runs" / f"{name}-{mode}-single-c{conc}.json"
+                label = f"{name}-{mode}-stream-text" if ws else f"{name}-{mode}"
+                result_path = Path(args.out) / "runs" / f"{label}-single-c{conc}.json"
                 if done.returncode != 0 or not result_path.exists():
                     print(f"[{stem}] bench failed: {done.stderr[-800:]}", flush=True)
                     cells.append({"variant": name, "kind": "cell", "mode": mode, "concurrency": conc,
@@ -252,6 +262,7 @@ def main() -> int:
                    help="bench client processes (legato bench serve --client-procs): 2 or more at c>=256")
     p.add_argument("--profile", default=None, metavar="MODE:CONC", help="py-spy the server during this cell")
     p.add_argument("--profile-seconds", type=int, default=5)
+    p.add_argument("--text-rate", default="inf", help="tokens a second of the -ws modes' text ('inf': at once)")
     args = p.parse_args()
     Path(args.out, "runs").mkdir(parents=True, exist_ok=True)
     cells = []
