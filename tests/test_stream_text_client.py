@@ -275,6 +275,43 @@ def test_prefill_decode_refuses_an_in_context_clones_streaming_text(loaded):
     assert stats.free_kv_blocks == stats.num_kv_blocks
 
 
+def test_a_text_stream_asked_for_and_never_read_is_forgotten_at_its_abort(loaded):
+    """A caller may ask for a text_open stream, send text, and abort before ever reading it (a socket that
+    cancels at once): every client that held the stream's text for it lets it go at the abort."""
+    from legato.pipeline.pd import PrefillDecodeRouter
+    from legato.pipeline.router import ReplicaRouter
+    from legato.pipeline.split import build_split_client
+
+    def held(client) -> list[dict]:
+        tables = [getattr(client, name) for name in ("_early_text", "_held_text", "_text_to", "_placement",
+                                                     "_text_waits") if hasattr(client, name)]
+        for inner in (getattr(client, "replicas", None) or [], [getattr(client, "talker", None)],
+                      getattr(client, "decode", None) or []):
+            tables += [t for c in inner if c is not None for t in held(c)]
+        return tables
+
+    async def main():
+        clients = [make_client(loaded), ReplicaRouter([make_client(loaded), make_client(loaded)]),
+                   build_split_client(lambda device: loaded, engine_config(), ["cpu"]),
+                   PrefillDecodeRouter([make_client(loaded)], [make_client(loaded)])]
+        seen = []
+        for client in clients:
+            await client.start()
+            try:
+                gen = client.generate(request("never-read", "Hello there", True))
+                await client.append_text("never-read", " and more", close=True)
+                assert any("never-read" in t for t in held(client)), type(client).__name__
+                await client.abort("never-read", "cancelled")
+                seen.append((type(client).__name__, [dict(t) for t in held(client) if t]))
+                del gen
+            finally:
+                await client.stop()
+        return seen
+
+    for name, left in asyncio.run(main()):
+        assert left == [], (name, left)
+
+
 def test_a_client_without_text_input_refuses_it():
     class NoText(EngineClient):
         start = stop = generate = abort = extract_voice = stats = is_alive = None

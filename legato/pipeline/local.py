@@ -251,6 +251,8 @@ class LocalEngineClient(EngineClient):
                 self._submit(("abort", request_id, "client disconnected"))
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        # A text_open stream that was asked for and never read holds its early text here: nothing else frees it.
+        self._early_text.pop(request_id, None)
         waiting = self._text_waits.get(request_id)
         if isinstance(waiting, asyncio.Event):  # not in the engine yet: waiting for its text
             self._text_waits[request_id] = reason

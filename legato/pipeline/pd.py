@@ -124,8 +124,12 @@ class PrefillDecodeRouter(EngineClient):
                 async for chunk in chunks:
                     yield chunk
         finally:
-            self._held_text.pop(req.request_id, None)
-            self._text_to.pop(req.request_id, None)
+            self._forget_text(req.request_id)
+
+    def _forget_text(self, request_id: str) -> None:
+        """At the end of its stream, or at its abort (a stream asked for and never read has no end)."""
+        self._held_text.pop(request_id, None)
+        self._text_to.pop(request_id, None)
 
     async def _hand_text(self, request_id: str, decode: EngineClient) -> None:
         """The decode side can take `request_id`'s text now: what was held goes first, in order (text arriving
@@ -171,6 +175,7 @@ class PrefillDecodeRouter(EngineClient):
                 self.decode_in_flight[idx] -= 1
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._forget_text(request_id)
         await self.prefill.abort(request_id, reason)
         await asyncio.gather(*(d.abort(request_id, reason) for d in self.decode))
 
@@ -303,6 +308,7 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
             self.decode_in_flight[d] -= 1
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._forget_text(request_id)
         ids = [request_id, *([self._recomputing[request_id]] if request_id in self._recomputing else [])]
         await asyncio.gather(*(c.abort(i, reason) for c in [*self.prefill.replicas, *self.decode] for i in ids))
 

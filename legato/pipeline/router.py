@@ -95,7 +95,8 @@ class ReplicaRouter(EngineClient):
             await self.replicas[idx].append_text(request_id, text, close)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
-        idx = self._placement.get(request_id)
+        # Popped, not read: a text_open stream asked for and never read has no `_follow` to release it.
+        idx = self._placement.pop(request_id, None)
         if idx is not None:
             await self.replicas[idx].abort(request_id, reason)
 

@@ -179,6 +179,7 @@ class SplitClient(EngineClient):
         return dataclasses.replace(req, input=inp)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._held_text.pop(request_id, None)  # a stream asked for and never read: nothing else frees it
         await self.talker.abort(request_id, reason)
         await self.codec.abort(request_id, reason)
 
