@@ -131,7 +131,7 @@ def test_split_holds_text_until_its_talker_stream_opens(loaded):
             pieces = [p for p in (stream.append(w + " ") for w in TEXT.split(" ")[:-1]) if p]
             gen = client.generate(request("s", pieces[0], True))
             await client.append_text("s", pieces[1])  # held: the talker stream opens at the first read
-            assert client._held_text == {"s": [(pieces[1], False)]}
+            assert client._text.held == {"s": [(pieces[1], False)]}
             with pytest.raises(RequestRejected) as dup:
                 async for _ in client.generate(request("s", "Again.", True)):
                     pass
@@ -139,12 +139,12 @@ def test_split_holds_text_until_its_talker_stream_opens(loaded):
             chunks: list = []
             task = asyncio.create_task(drain(gen, chunks))
             await wait_for(lambda: client.talker.stats().waiting_for_text == 1, "the request to run out of text")
-            assert "s" not in client._held_text
+            assert "s" not in client._text.held
             for p in pieces[2:]:
                 await client.append_text("s", p)
             await client.append_text("s", stream.append(TEXT.split(" ")[-1]) + stream.close(), close=True)
             await asyncio.wait_for(task, 120)
-            return whole, chunks, dict(client._held_text)
+            return whole, chunks, dict(client._text.held)
         finally:
             await client.stop()
 
@@ -174,18 +174,18 @@ def test_prefill_decode_in_process_hands_the_text_on_with_the_request(loaded):
             gen = router.generate(request("s", pieces[0], True))
             for p in pieces[1:4]:  # before anything ran: held by the router
                 await router.append_text("s", p)
-            assert [t for t, _ in router._held_text["s"]] == pieces[1:4]
+            assert [t for t, _ in router._text.held["s"]] == pieces[1:4]
             chunks: list = []
             task = asyncio.create_task(drain(gen, chunks))
             decode = router.decode[0]
             await wait_for(lambda: decode.stats().waiting_for_text == 1, "the decode side to run out of text")
-            assert "s" not in router._held_text and router._text_to["s"] is decode
+            assert "s" not in router._text.held and router._text.routes["s"] is decode
             for p in pieces[4:]:
                 await router.append_text("s", p)
             await router.append_text("s", stream.append(TEXT.split(" ")[-1]) + stream.close(), close=True)
             await asyncio.wait_for(task, 120)
             stats = [e.stats() for e in (router.prefill.replicas[0], decode)]
-            return whole, chunks, stats, (dict(router._held_text), dict(router._text_to))
+            return whole, chunks, stats, (dict(router._text.held), dict(router._text.routes))
         finally:
             await router.stop()
 
@@ -283,8 +283,10 @@ def test_a_text_stream_asked_for_and_never_read_is_forgotten_at_its_abort(loaded
     from legato.pipeline.split import build_split_client
 
     def held(client) -> list[dict]:
-        tables = [getattr(client, name) for name in ("_early_text", "_held_text", "_text_to", "_placement",
-                                                     "_text_waits") if hasattr(client, name)]
+        tables = [getattr(client, name) for name in ("_early_text", "_placement", "_text_waits")
+                  if hasattr(client, name)]
+        if hasattr(client, "_text"):  # HeldText: text held for a next hop, and where it goes
+            tables += [client._text.held, client._text.routes]
         for inner in (getattr(client, "replicas", None) or [], [getattr(client, "talker", None)],
                       getattr(client, "decode", None) or []):
             tables += [t for c in inner if c is not None for t in held(c)]

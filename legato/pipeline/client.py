@@ -150,3 +150,48 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def is_alive(self) -> bool:
         """True while the engine side can serve (its loop runs and it is not shutting down)."""
+
+
+class HeldText:
+    """Streaming text for requests whose next hop cannot take it yet (split's talker stream not open, a PD decode
+    side not armed, a decode worker's handoff not landed): held per request in arrival order, then handed on in
+    that order, after which later text goes straight to the same client."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[tuple[str, bool]]] = {}
+        self.routes: dict[str, EngineClient] = {}
+
+    def hold(self, request_id: str) -> bool:
+        """Starts holding `request_id`'s text; False when it is already held or routed (a duplicate id)."""
+        if request_id in self.held or request_id in self.routes:
+            return False
+        self.held[request_id] = []
+        return True
+
+    async def append(self, request_id: str, text: str, close: bool) -> bool:
+        """Holds or passes on one piece; False when this request is neither held nor routed here."""
+        held = self.held.get(request_id)
+        if held is not None:
+            held.append((text, close))
+        elif (client := self.routes.get(request_id)) is not None:
+            await client.append_text(request_id, text, close)
+        else:
+            return False
+        return True
+
+    async def hand_on(self, request_id: str, client: EngineClient) -> None:
+        """`client` can take the text now: what was held goes first (text arriving meanwhile joins the queue,
+        so order holds), then text goes straight there. Nothing is held for a request not held here."""
+        held = self.held.get(request_id)
+        if held is None:
+            return
+        self.routes[request_id] = client
+        while held:
+            text, close = held.pop(0)
+            await client.append_text(request_id, text, close)
+        del self.held[request_id]
+
+    def forget(self, request_id: str) -> None:
+        """At the end of the request's stream, or at its abort (a stream asked for and never read has no end)."""
+        self.held.pop(request_id, None)
+        self.routes.pop(request_id, None)

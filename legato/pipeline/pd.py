@@ -38,6 +38,7 @@ from legato.models.qwen3_tts.inputs import VoiceFeatures
 from legato.pipeline.client import (
     EngineClient,
     EngineStats,
+    HeldText,
     RequestRejected,
     StreamChunk,
     SynthesisRequest,
@@ -75,8 +76,7 @@ class PrefillDecodeRouter(EngineClient):
         self._before_decode = 0  # requests no decode engine has taken yet (at prefill, or handing over)
         self._stopping = False
         # Streaming text: held until the request's decode side can take it, then sent to that side.
-        self._held_text: dict[str, list[tuple[str, bool]]] = {}
-        self._text_to: dict[str, EngineClient] = {}
+        self._text = HeldText()
 
     async def start(self) -> None:
         await asyncio.gather(self.prefill.start(), *(d.start() for d in self.decode))
@@ -104,18 +104,12 @@ class PrefillDecodeRouter(EngineClient):
     takes_text_input = True
 
     async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
-        held = self._held_text.get(request_id)
-        if held is not None:
-            held.append((text, close))
-        elif (target := self._text_to.get(request_id)) is not None:
-            await target.append_text(request_id, text, close)
-        # else: the request has ended, and its text is dropped
+        await self._text.append(request_id, text, close)  # a request that has ended: its text is dropped
 
     def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
-        if req.text_open:  # takes text from this call on
-            if req.request_id in self._held_text or req.request_id in self._text_to:
-                return refused_stream(RequestRejected(409, f"duplicate request id {req.request_id!r}"))
-            self._held_text[req.request_id] = []
+        # A text_open request takes text from this call on.
+        if req.text_open and not self._text.hold(req.request_id):
+            return refused_stream(RequestRejected(409, f"duplicate request id {req.request_id!r}"))
         return self._tracked(req)
 
     async def _tracked(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
@@ -124,24 +118,7 @@ class PrefillDecodeRouter(EngineClient):
                 async for chunk in chunks:
                     yield chunk
         finally:
-            self._forget_text(req.request_id)
-
-    def _forget_text(self, request_id: str) -> None:
-        """At the end of its stream, or at its abort (a stream asked for and never read has no end)."""
-        self._held_text.pop(request_id, None)
-        self._text_to.pop(request_id, None)
-
-    async def _hand_text(self, request_id: str, decode: EngineClient) -> None:
-        """The decode side can take `request_id`'s text now: what was held goes first, in order (text arriving
-        meanwhile joins the queue), then text goes straight there."""
-        held = self._held_text.get(request_id)
-        if held is None:
-            return
-        self._text_to[request_id] = decode
-        while held:
-            text, close = held.pop(0)
-            await decode.append_text(request_id, text, close)
-        del self._held_text[request_id]
+            self._text.forget(req.request_id)
 
     async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         if self._stopping:
@@ -162,7 +139,7 @@ class PrefillDecodeRouter(EngineClient):
             idx = self.pick_decode()
             self.decode_in_flight[idx] += 1
             decoded = self.decode[idx].generate_from_handoff(handoff)  # takes text from here on
-            await self._hand_text(req.request_id, self.decode[idx])
+            await self._text.hand_on(req.request_id, self.decode[idx])
             async for chunk in decoded:
                 if not taken:  # the decode engine has it: a stop may now take the decode engines down
                     taken = True
@@ -175,7 +152,7 @@ class PrefillDecodeRouter(EngineClient):
                 self.decode_in_flight[idx] -= 1
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self._forget_text(request_id)
+        self._text.forget(request_id)
         await self.prefill.abort(request_id, reason)
         await asyncio.gather(*(d.abort(request_id, reason) for d in self.decode))
 
@@ -284,7 +261,7 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
                                                                                  handoff_to=d))))
         first = asyncio.ensure_future(anext(decoded))
         try:
-            await self._hand_text(rid, decode)  # the armed decode worker holds it until the handoff lands
+            await self._text.hand_on(rid, decode)  # the armed decode worker holds it until the handoff lands
             await asyncio.wait({prefilled, first}, return_when=asyncio.FIRST_COMPLETED)
             if not first.done():
                 end = prefilled.result()  # raises RequestRejected: the prefill worker refused it
@@ -308,7 +285,7 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
             self.decode_in_flight[d] -= 1
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self._forget_text(request_id)
+        self._text.forget(request_id)
         ids = [request_id, *([self._recomputing[request_id]] if request_id in self._recomputing else [])]
         await asyncio.gather(*(c.abort(i, reason) for c in [*self.prefill.replicas, *self.decode] for i in ids))
 

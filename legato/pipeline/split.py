@@ -31,6 +31,7 @@ from legato.models.qwen3_tts.loader import LoadedModel
 from legato.pipeline.client import (
     EngineClient,
     EngineStats,
+    HeldText,
     RequestRejected,
     StreamChunk,
     SynthesisRequest,
@@ -79,8 +80,8 @@ class SplitClient(EngineClient):
         self.talker = talker
         self.codec = codec
         # Streaming text of a text_open request whose talker stream is not open yet (its voice may still be
-        # extracted, or the codec not yet reading): held here in order, handed on when the talker has it.
-        self._held_text: dict[str, list[tuple[str, bool]]] = {}
+        # extracted, or the codec not yet reading): held in order, handed on when the talker has it.
+        self._text = HeldText()
 
     @property
     def info(self):  # a worker process learns its model info at start-up
@@ -100,28 +101,18 @@ class SplitClient(EngineClient):
         return self.talker.takes_text_input
 
     async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
-        held = self._held_text.get(request_id)
-        if held is not None:
-            held.append((text, close))
-        else:  # the talker has the request (or it has ended, and the talker drops the text)
+        if not await self._text.append(request_id, text, close):  # ended: the talker drops it
             await self.talker.append_text(request_id, text, close)
 
     def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         # A text_open request takes text from this call on, before its stream is read.
-        if req.text_open:
-            if req.request_id in self._held_text:
-                return refused_stream(RequestRejected(409, f"duplicate request id {req.request_id!r}"))
-            self._held_text[req.request_id] = []
+        if req.text_open and not self._text.hold(req.request_id):
+            return refused_stream(RequestRejected(409, f"duplicate request id {req.request_id!r}"))
         return self._generate(req)
 
     async def _talker_stream(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         chunks = self.talker.generate(req)
-        held = self._held_text.get(req.request_id) if req.text_open else None
-        # Hand on what came before, in order; text arriving meanwhile joins the list, so order holds.
-        while held:
-            text, close = held.pop(0)
-            await self.talker.append_text(req.request_id, text, close)
-        self._held_text.pop(req.request_id, None)
+        await self._text.hand_on(req.request_id, self.talker)
         return chunks
 
     async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
@@ -129,7 +120,7 @@ class SplitClient(EngineClient):
             async for chunk in self._generate_audio(req):
                 yield chunk
         finally:
-            self._held_text.pop(req.request_id, None)  # ended before its talker stream opened
+            self._text.forget(req.request_id)
 
     async def _generate_audio(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         if req.handoff_only:  # a prefill role has no audio: the talker answers it alone
@@ -179,7 +170,7 @@ class SplitClient(EngineClient):
         return dataclasses.replace(req, input=inp)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self._held_text.pop(request_id, None)  # a stream asked for and never read: nothing else frees it
+        self._text.forget(request_id)  # a stream asked for and never read: nothing else frees it
         await self.talker.abort(request_id, reason)
         await self.codec.abort(request_id, reason)
 

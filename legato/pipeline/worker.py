@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from legato.kv_transfer import EventKind
 from legato.pipeline import messages as m
-from legato.pipeline.client import RequestRejected, StreamChunk
+from legato.pipeline.client import HeldText, RequestRejected, StreamChunk
 from legato.pipeline.kv_links import KVLinks, KVLinkSpec
 
 log = logging.getLogger("legato.worker")
@@ -62,7 +62,7 @@ class _Worker:
         self.cancelled: set[str] = set()  # aborted while their handoff was held or in transfer
         self.tasks: dict[str, asyncio.Task] = {}
         # Decode worker: the streaming text of armed requests whose handoff has not landed yet, in order.
-        self.awaiting_text: dict[str, list[m.AppendText]] = {}
+        self.awaiting_text = HeldText()
         self.stop = asyncio.Event()
         self.grace_s = 0.0
         self.draining = False  # after Shutdown: nothing new is taken, aborts still are
@@ -127,7 +127,7 @@ class _Worker:
             self.tasks[req.request_id] = asyncio.create_task(job)
         elif isinstance(msg, m.AwaitHandoff):
             if self.links is not None:
-                self.awaiting_text[msg.request_id] = []  # its text, until the handoff lands
+                self.awaiting_text.hold(msg.request_id)  # its text, until the handoff lands
                 job = self.receive_and_decode(msg)
             else:
                 job = self.no_links(msg.request_id)
@@ -141,10 +141,7 @@ class _Worker:
                     self.links.cancel(peer, rid, msg.reason)
             await self.client.abort(rid, msg.reason)
         elif isinstance(msg, m.AppendText):
-            held = self.awaiting_text.get(msg.request_id)
-            if held is not None:
-                held.append(msg)
-            else:
+            if not await self.awaiting_text.append(msg.request_id, msg.text, msg.close):
                 await self.client.append_text(msg.request_id, msg.text, msg.close)
         elif isinstance(msg, m.ExtractVoice):
             asyncio.create_task(self.voice(msg))
@@ -226,14 +223,11 @@ class _Worker:
             ev, refused = None, m.Rejected(rid, 400, str(e))
         if ev is not None and ev.kind is EventKind.RECEIVED and rid not in self.cancelled:
             chunks = self.client.generate_from_handoff(ev.handoff)  # an open text's appends are taken from here
-            held = self.awaiting_text.get(rid, [])
-            while held:  # in order; text arriving meanwhile joins the list
-                text = held.pop(0)
-                await self.client.append_text(rid, text.text, text.close)
-            self.awaiting_text.pop(rid, None)
+            await self.awaiting_text.hand_on(rid, self.client)
+            self.awaiting_text.forget(rid)  # from here on text goes to the client, as for any request
             await self.stream(rid, chunks)  # cleans up after itself
             return
-        self.awaiting_text.pop(rid, None)
+        self.awaiting_text.forget(rid)
         if ev is None:
             out = refused
         elif ev.kind is EventKind.RECEIVED:  # aborted while the handoff was landing

@@ -21,7 +21,6 @@ from torch import nn
 
 from legato.layers import fused_attention
 from legato.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
-from legato.layers.fused_attention import fused_decode_attention
 from legato.layers.mlp import SwiGLU
 from legato.layers.norm import RMSNorm
 
@@ -97,9 +96,9 @@ class ContiguousKVCache(KVCache):
         b, s, _ = qkv.shape
         out = torch.empty(b, s, attn.heads * attn.head_dim, dtype=qkv.dtype, device=qkv.device)
         for i in range(s):
-            fused_decode_attention(qkv[:, i], attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos[:, i],
-                                   sin[:, i], self.k[layer], self.v[layer], attn.heads, position=self.length + i,
-                                   out=out[:, i])
+            fused_attention.fused_decode_attention(
+                qkv[:, i], attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos[:, i], sin[:, i],
+                self.k[layer], self.v[layer], attn.heads, position=self.length + i, out=out[:, i])
         return out
 
 
