@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24's device calls (docs/benchmarks.md, "The frame step in fewer kernels"), one part per call:
 #   benchmarks/h200_step.sh check     # import check, tests/test_gpu.py (TESTS selects), the fused kernel's checks
-#   benchmarks/h200_step.sh offline   # offline.py (codec off): .base/ vs this tree vs this tree unfused, 0.6B + 1.7B
+#   benchmarks/h200_step.sh offline   # offline.py (codec off): .base/ vs this tree vs this tree unfused (UNFUSED= skips)
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: .base/ vs this tree, x-vector at c=1 and 64, and this
@@ -26,7 +26,7 @@ case "$PART" in
     for size in ${SIZES:-0.6B 1.7B}; do
       offline .base base "$size" "${BATCHES:-1,64,256}"
       offline . new "$size" "${BATCHES:-1,64,256}"
-      [ -n "${UNFUSED:-1}" ] && offline . unfused "$size" "${BATCHES:-1,64,256}" --unfused-attention
+      [ -n "${UNFUSED-1}" ] && offline . unfused "$size" "${BATCHES:-1,64,256}" --unfused-attention
     done ;;
   loop)
     for c in ${CONC:-64 256}; do
