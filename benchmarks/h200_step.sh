@@ -18,9 +18,16 @@ offline() {  # tree tag size batches [flags]
     --modes graphs --codec-batches none --out "$OUT/offline-$2-$3.json" ${5:-}) 2>&1 | grep '^\[' | cut -c1-330
 }
 case "$PART" in
-  check)
-    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T:-300} python3 -m pytest -q -rA -p no:cacheprovider tests/test_gpu.py \
-      -k "${TESTS:-not nothing}" 2>&1 | grep -E "^E |passed|failed|Error|PASS|FAIL" | tail -30
+  check)  # EACH=1: one pytest (and one timeout T) per selected test, so a slow test cannot hide the others' results
+    if [ -n "${EACH:-}" ]; then
+      tests=$(PYTHONPATH=.:tests:$PYTHONPATH python3 -m pytest -q --co -p no:cacheprovider tests/test_gpu.py \
+        -k "${TESTS:-not nothing}" 2>/dev/null | grep '::')
+    else tests=tests/test_gpu.py; fi
+    for t in $tests; do
+      PYTHONPATH=.:tests:$PYTHONPATH timeout ${T:-300} python3 -m pytest -q -rA -p no:cacheprovider --durations=3 \
+        "$t" -k "${TESTS:-not nothing}" 2>&1 | grep -E "^E |passed|failed|Error|PASS|FAIL|s call" | tail -30
+      echo "[check] $t rc=${PIPESTATUS[0]}"
+    done
     PYTHONPATH=.:tests:$PYTHONPATH timeout 120 python3 tests/attention_kernel_checks.py cuda | tail -8 ;;
   offline)
     for size in ${SIZES:-0.6B 1.7B}; do
@@ -47,7 +54,8 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       --concurrency ${CONC:-1,64} --modes ${MODES:-xvec,xvec-ws} --max-num-seqs 64 --min-prompts 8 \
       --prompts-per-conc 4 --startup-timeout 200 --cell-timeout 150 2>&1 | tail -14
     cp /tmp/serve/summary.json "$OUT/serve.json" ;;
-  profile)
-    PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager --eager-batch-sizes 64 \
-      --frames 16 --codec-batches none --profile-batch 64 --profile-out "$OUT/profile-c64.txt" 2>&1 | tail -32 ;;
+  profile)  # PB: the batch profiled
+    PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager \
+      --eager-batch-sizes ${PB:-64} --frames 16 --codec-batches none --profile-batch ${PB:-64} \
+      --profile-out "$OUT/profile-b${PB:-64}.txt" 2>&1 | tail -${LINES_OUT:-32} ;;
 esac

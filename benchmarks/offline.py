@@ -90,7 +90,7 @@ def profile_decode(engine: Engine, lm, batch: int, ref_frames: int, path: str | 
         sync()
     while engine.has_unfinished():
         engine.step()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     if path:
         with open(path, "w") as f:
             f.write(table)
