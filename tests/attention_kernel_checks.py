@@ -55,6 +55,29 @@ def _compare(name, args, kwargs, caches, errors, out_view=False):
     errors[f"{name}: v cache"] = _err(v1, v2)
 
 
+def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors) -> None:
+    """Paged rows long enough to split (`fused_attention.SPLITS`): a row's cached positions at, just under and
+    just over a split's span and a loop block, one row on every split, one new token at position 0; block
+    size 16, every row's blocks scattered over the cache."""
+    from legato.layers import fused_attention as fa
+
+    lens = [1, fa.MIN_SPAN, fa.MIN_SPAN + 1, fa.MIN_SPAN + 2, fa.BLOCK_N * 3 + 1, 700,
+            fa.SPLITS * fa.MIN_SPAN * 2 + 1, 1000]
+    b, bs = len(lens), 16
+    per_row = [-(-n // bs) for n in lens]
+    order = torch.randperm(sum(per_row), generator=gen).to(torch.int32)
+    tables = torch.zeros(b, max(per_row), dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(per_row):
+        tables[r, :n] = order[at:at + n]
+        at += n
+    qkv, qw, kw, cos, sin = _inputs(b, heads, kv_heads, d, [n - 1 for n in lens], gen, device, dtype)
+    caches = [torch.randn(sum(per_row), bs, kv_heads, d, generator=gen).to(device, dtype) for _ in range(2)]
+    kwargs = dict(block_tables=tables.to(device), context_lens=torch.tensor(lens, dtype=torch.int32, device=device))
+    _compare(f"paged long h{heads}/{kv_heads} d{d}", (qkv, qw, kw, eps, cos, sin, heads), kwargs, caches, errors,
+             out_view=True)
+
+
 def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     errors: dict[str, float] = {}
@@ -70,6 +93,7 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         kwargs = dict(block_tables=tables.contiguous().to(device),
                       context_lens=torch.tensor(lens, dtype=torch.int32, device=device))
         _compare(f"paged h{heads}/{kv_heads} d{d}", (qkv, qw, kw, eps, cos, sin, heads), kwargs, caches, errors)
+        _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors)
         # Contiguous: every row at one position, capacity 16; `out` a strided view of a [B, 2, H*D] buffer.
         for position in (0, 1, 7, 15):
             qkv, qw, kw, cos, sin = _inputs(3, heads, kv_heads, d, [position] * 3, gen, device, dtype)

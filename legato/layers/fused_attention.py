@@ -5,7 +5,8 @@ norm+rotary kernels, two cache writes, the attention, its transposes), and a fra
 (28 talker + 15 x 5 code predictor): the step was bound by kernel count, not math. Here one program per
 (row, kv head) reads the packed q/k/v projection of its row, normalises and rotates q and k, writes k and v
 into the cache, and attends over the row's cached positions plus the new one with an online softmax, writing
-the output in the layout `o_proj` reads.
+the output in the layout `o_proj` reads. On the paged cache a row's positions are split over several programs
+and a second kernel joins their partial softmaxes (see `SPLITS`).
 
 Two cache layouts share the kernel: the talker's paged cache ([blocks, block_size, kv_heads, D], a block table
 per row) and the code predictor's contiguous per-frame cache ([B, kv_heads, capacity, D], every row at the
@@ -88,13 +89,30 @@ def fused_decode_attention_reference(
     return result
 
 
+# The paged (talker) path splits each row's cached positions over up to SPLITS programs per (row, kv head),
+# flash-decoding style, and a second small kernel combines their partial softmaxes. One program walking a
+# ~200-token context alone was a chain of dependent loads: ~20 us at batch 1 and ~45 us at batch 64 per talker
+# layer, most of the attention's time. How a row splits depends only on its own length (never on the batch),
+# so results stay batch-invariant.
+SPLITS = 16
+MIN_SPAN = 64  # cached positions a split takes at least, so short rows use few splits
+BLOCK_N = 32  # positions per loop iteration of the paged path
+
+
+def split_span(cached: int) -> int:
+    """Cached positions per split for a row with `cached` positions before its new token (the kernel's rule)."""
+    span = max(-(-cached // SPLITS), MIN_SPAN)
+    return -(-span // BLOCK_N) * BLOCK_N
+
+
 def fused_decode_attention(
     qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, *,
     block_tables: torch.Tensor | None = None, context_lens: torch.Tensor | None = None, position: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One Triton launch for the contract of `fused_decode_attention_reference` (see there)."""
+    """Triton launches for the contract of `fused_decode_attention_reference` (see there): one for the
+    contiguous layout, two (split positions, then combine) for the paged one."""
     b = qkv.shape[0]
     paged = block_tables is not None
     if paged:
@@ -118,13 +136,21 @@ def fused_decode_attention(
     elif out.shape != (b, heads * d) or out.stride(-1) != 1:
         raise ValueError(f"out must be [{b}, {heads * d}] with unit stride, got {tuple(out.shape)}")
     cos, sin = cos.float().expand(b, d), sin.float().expand(b, d)
-    _fused_decode_kernel[(b, kv_heads)](
-        qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, out, tables, lens,
+    splits = SPLITS if paged else 1
+    # Partial softmaxes of the splits: running max, sum and unnormalised output per (row, head, split).
+    part_ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=qkv.device) if paged else out
+    part_acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=qkv.device) if paged else out
+    meta = dict(HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1),
+                HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged, SPLITS=splits,
+                MIN_SPAN=MIN_SPAN, BLOCK_N=BLOCK_N if paged else 16)
+    _fused_decode_kernel[(b, kv_heads, splits)](
+        qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, out, tables, lens, part_ml, part_acc,
         eps, d**-0.5, position,
         qkv.stride(0), cos.stride(0), sin.stride(0), stride_kb, stride_kp, stride_kh, tables_stride, out.stride(0),
-        HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1),
-        HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged,
+        **meta,
     )
+    if paged:
+        _combine_splits_kernel[(b, kv_heads)](lens, part_ml, part_acc, out, out.stride(0), **meta)
     return out
 
 
@@ -148,74 +174,131 @@ if triton is not None:
         return _round(_round(xn * c[None, :], like_ptr) + _round(rot * s[None, :], like_ptr), like_ptr)
 
     @triton.jit
+    def _span(cached, SPLITS: tl.constexpr, MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr):
+        # `split_span` on the device: a row's positions per split, a multiple of BLOCK_N.
+        span = tl.maximum((cached + SPLITS - 1) // SPLITS, MIN_SPAN)
+        return (span + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+
+    @triton.jit
     def _fused_decode_kernel(
-        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr,
+        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
         eps, scale, position,
         stride_row, stride_cos, stride_sin, stride_kb, stride_kp, stride_kh, stride_tb, stride_out,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr,
+        MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        d = tl.arange(0, HEAD_DIM)
-        half: tl.constexpr = HEAD_DIM // 2
-        dp = (d + half) % HEAD_DIM
-        is_low = d < half
-        g = tl.arange(0, GROUP_PAD)
-        g_mask = g < GROUP
-        row = qkv_ptr + b * stride_row
-        heads = kvh * GROUP + g
-        q = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
-        qp = tl.load(row + heads[:, None] * HEAD_DIM + dp[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
-        k_off = HEADS * HEAD_DIM + kvh * HEAD_DIM
-        v_off = (HEADS + KV_HEADS) * HEAD_DIM + kvh * HEAD_DIM
-        k = tl.load(row + k_off + d).to(tl.float32)[None, :]
-        kp = tl.load(row + k_off + dp).to(tl.float32)[None, :]
-        v = tl.load(row + v_off + d)
-        cos = tl.load(cos_ptr + b * stride_cos + d)
-        sin = tl.load(sin_ptr + b * stride_sin + d)
-        q = _norm_rope(q, qp, tl.load(qw_ptr + d).to(tl.float32), tl.load(qw_ptr + dp).to(tl.float32),
-                       cos, sin, is_low, eps, HEAD_DIM, qkv_ptr)
-        k = _norm_rope(k, kp, tl.load(kw_ptr + d).to(tl.float32), tl.load(kw_ptr + dp).to(tl.float32),
-                       cos, sin, is_low, eps, HEAD_DIM, qkv_ptr)
-        k_new = tl.sum(k, axis=0)  # [D]: the one row
-        k_new = k_new.to(k_ptr.dtype.element_ty)
-        v_new = v.to(v_ptr.dtype.element_ty)
-
-        # Where this row's new token goes, and how many cached positions precede it.
+        split = tl.program_id(2)
+        # The row's new token sits at `pos`; positions [lo, hi) of the cached ones are this program's.
         if PAGED:
             pos = tl.load(lens_ptr + b) - 1
-            blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE).to(tl.int64)
-            new_addr = blk * stride_kb + (pos % BLOCK_SIZE) * stride_kp + kvh * stride_kh
         else:
             pos = position
-            new_addr = b.to(tl.int64) * stride_kb + pos * stride_kp + kvh * stride_kh
-        tl.store(k_ptr + new_addr + d, k_new)
-        tl.store(v_ptr + new_addr + d, v_new)
+        if SPLITS > 1:
+            span = _span(pos, SPLITS, MIN_SPAN, BLOCK_N)
+            lo = split * span
+            hi = tl.minimum(lo + span, pos)
+        else:
+            lo = 0
+            hi = pos
+        if (split == 0) | (lo < pos):  # a split past the row's end has nothing to do (the combine skips it)
+            d = tl.arange(0, HEAD_DIM)
+            half: tl.constexpr = HEAD_DIM // 2
+            dp = (d + half) % HEAD_DIM
+            is_low = d < half
+            g = tl.arange(0, GROUP_PAD)
+            g_mask = g < GROUP
+            row = qkv_ptr + b * stride_row
+            heads = kvh * GROUP + g
+            q = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], mask=g_mask[:, None], other=0.0)
+            qp = tl.load(row + heads[:, None] * HEAD_DIM + dp[None, :], mask=g_mask[:, None], other=0.0)
+            k_off = HEADS * HEAD_DIM + kvh * HEAD_DIM
+            v_off = (HEADS + KV_HEADS) * HEAD_DIM + kvh * HEAD_DIM
+            k = tl.load(row + k_off + d).to(tl.float32)[None, :]
+            kp = tl.load(row + k_off + dp).to(tl.float32)[None, :]
+            v = tl.load(row + v_off + d)
+            cos = tl.load(cos_ptr + b * stride_cos + d)
+            sin = tl.load(sin_ptr + b * stride_sin + d)
+            q = _norm_rope(q.to(tl.float32), qp.to(tl.float32), tl.load(qw_ptr + d).to(tl.float32),
+                           tl.load(qw_ptr + dp).to(tl.float32), cos, sin, is_low, eps, HEAD_DIM, qkv_ptr)
+            k = _norm_rope(k, kp, tl.load(kw_ptr + d).to(tl.float32), tl.load(kw_ptr + dp).to(tl.float32),
+                           cos, sin, is_low, eps, HEAD_DIM, qkv_ptr)
+            k_new = tl.sum(k, axis=0).to(k_ptr.dtype.element_ty)  # [D]: the one row
+            v_new = v.to(v_ptr.dtype.element_ty)
 
-        # The new token first (from registers), then the cached ones with an online softmax.
-        m_i = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale  # [GROUP_PAD]
-        l_i = tl.full([GROUP_PAD], 1.0, tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
-        s = tl.arange(0, BLOCK_SIZE)
-        for start in range(0, pos, BLOCK_SIZE):
-            p_idx = start + s
-            valid = p_idx < pos
+            # Split 0 writes the new token into the cache and starts its softmax with it, from registers.
             if PAGED:
-                blk_i = tl.load(tables_ptr + b * stride_tb + start // BLOCK_SIZE).to(tl.int64)
-                base = blk_i * stride_kb + kvh * stride_kh + s[:, None] * stride_kp
+                blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE).to(tl.int64)
+                new_addr = blk * stride_kb + (pos % BLOCK_SIZE) * stride_kp + kvh * stride_kh
             else:
-                base = b.to(tl.int64) * stride_kb + kvh * stride_kh + p_idx[:, None] * stride_kp
-            keys = tl.load(k_ptr + base + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            vals = tl.load(v_ptr + base + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_SIZE]
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
-            m_i = m_new
-        out = acc / l_i[:, None]
+                new_addr = b.to(tl.int64) * stride_kb + pos * stride_kp + kvh * stride_kh
+            first = split == 0
+            tl.store(k_ptr + new_addr + d, k_new, mask=first & (d >= 0))
+            tl.store(v_ptr + new_addr + d, v_new, mask=first & (d >= 0))
+            m_new_tok = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale  # [GROUP_PAD]
+            m_i = tl.where(first, m_new_tok, float("-inf"))
+            l_i = tl.where(first, 1.0, 0.0) + tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.where(first, 1.0, 0.0) * v_new.to(tl.float32)[None, :] + tl.zeros([GROUP_PAD, HEAD_DIM],
+                                                                                        tl.float32)
+            s = tl.arange(0, BLOCK_N)
+            for start in range(lo, hi, BLOCK_N):
+                p_idx = start + s
+                valid = p_idx < hi
+                if PAGED:
+                    blk_i = tl.load(tables_ptr + b * stride_tb + p_idx // BLOCK_SIZE, mask=valid, other=0)
+                    base = blk_i.to(tl.int64) * stride_kb + kvh * stride_kh + (p_idx % BLOCK_SIZE) * stride_kp
+                    base = base[:, None]
+                else:
+                    base = b.to(tl.int64) * stride_kb + kvh * stride_kh + p_idx[:, None] * stride_kp
+                keys = tl.load(k_ptr + base + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                vals = tl.load(v_ptr + base + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_N]
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(scores - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
+                m_i = m_new
+            if SPLITS == 1:
+                out = acc / l_i[:, None]
+                tl.store(out_ptr + b * stride_out + heads[:, None] * HEAD_DIM + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+            else:
+                part = (b * HEADS + heads) * SPLITS + split  # [GROUP_PAD]
+                tl.store(ml_ptr + part * 2, m_i, mask=g_mask)
+                tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+                tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
+
+    @triton.jit
+    def _combine_splits_kernel(
+        lens_ptr, ml_ptr, acc_ptr, out_ptr, stride_out,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr,
+        MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # Joins the used splits' partial softmaxes of one (row, kv head): out = sum_s w_s acc_s / sum_s w_s l_s,
+        # w_s = exp(m_s - max m).
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        pos = tl.load(lens_ptr + b) - 1
+        span = _span(pos, SPLITS, MIN_SPAN, BLOCK_N)
+        used = tl.maximum((pos + span - 1) // span, 1)
+        d = tl.arange(0, HEAD_DIM)
+        g = tl.arange(0, GROUP_PAD)
+        sp = tl.arange(0, SPLITS)
+        heads = kvh * GROUP + g
+        ok = (g < GROUP)[:, None] & (sp < used)[None, :]  # [GROUP_PAD, SPLITS]
+        part = (b * HEADS + heads[:, None]) * SPLITS + sp[None, :]
+        m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
+        lsum = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+        top = tl.where(g < GROUP, tl.max(m, axis=1), 0.0)  # padded heads have no splits: keep them finite
+        w = tl.where(ok, tl.exp(m - top[:, None]), 0.0)
+        acc = tl.load(acc_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None], other=0.0)
+        num = tl.sum(w[:, :, None] * acc, axis=1)  # [GROUP_PAD, D]
+        den = tl.sum(w * lsum, axis=1)
+        out = num / tl.where(g < GROUP, den, 1.0)[:, None]
         tl.store(out_ptr + b * stride_out + heads[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=g_mask[:, None])
+                 mask=(g < GROUP)[:, None])
