@@ -2,6 +2,7 @@
 # Issue 24's device calls (docs/benchmarks.md, "The frame step in fewer kernels"), one part per call:
 #   benchmarks/h200_step.sh check     # import check, tests/test_gpu.py (TESTS selects), the fused kernel's checks
 #   benchmarks/h200_step.sh offline   # offline.py (codec off): .base/ vs this tree vs this tree unfused (UNFUSED= skips)
+#                                     # vs this tree with every matmul on cuBLAS (CUBLAS= skips; CUBLAS_BATCHES)
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: .base/ vs this tree, x-vector at c=1 and 64, and this
@@ -34,6 +35,7 @@ case "$PART" in
       offline .base base "$size" "${BATCHES:-1,64,256}"
       offline . new "$size" "${BATCHES:-1,64,256}"
       [ -n "${UNFUSED-1}" ] && offline . unfused "$size" "${BATCHES:-1,64,256}" --unfused-attention
+      [ -n "${CUBLAS-1}" ] && offline . cublas "$size" "${CUBLAS_BATCHES:-1,8}" --cublas-linear
     done ;;
   loop)
     for c in ${CONC:-64 256}; do

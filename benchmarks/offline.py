@@ -136,6 +136,9 @@ def main() -> None:
     ap.add_argument("--unfused-attention", action="store_true",
                     help="decode attention as separate norm, rotary, cache-write and attention kernels (the path "
                          "before layers/fused_attention.py), to measure the kernel's share")
+    ap.add_argument("--cublas-linear", action="store_true",
+                    help="every matmul through cuBLAS (the path before layers/skinny_linear.py), to measure the "
+                         "few-row kernel's share")
     ap.add_argument("--profile-out", default=None)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -145,6 +148,10 @@ def main() -> None:
         from legato.layers import fused_attention
 
         fused_attention.ENABLED = False
+    if args.cublas_linear:
+        from legato.layers import skinny_linear
+
+        skinny_linear.ENABLED = False
     if args.size == "tiny":  # a CPU smoke run of this script
         from legato.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
 
@@ -160,6 +167,7 @@ def main() -> None:
         "commit": os.environ.get("LEGATO_COMMIT")
         or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "engine": {}, "codec": [], "fused_attention": not args.unfused_attention,
+        "skinny_linear": not args.cublas_linear,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

@@ -319,3 +319,13 @@ def test_fused_decode_attention_equals_its_contract_and_the_unfused_model(dtype)
     errors = {**run_checks("cuda", dtype), **model_checks("cuda", dtype)}
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert all(e <= tol for e in errors.values()), errors
+
+
+def test_skinny_linear_equals_f_linear_and_keeps_the_model_close():
+    """The few-row matmul kernel against F.linear in bf16 and fp16 (the 0.6B talker's and code predictor's
+    shapes among others), and the tiny code predictor with it against cuBLAS, teacher-forced."""
+    from skinny_linear_checks import model_checks, run_checks
+
+    for dtype in (torch.bfloat16, torch.float16):
+        errors = {**run_checks("cuda", dtype), **model_checks(dtype)}
+        assert all(e <= 1e-2 for e in errors.values()), errors

@@ -14,6 +14,7 @@ from torch import nn
 
 from legato.layers.norm import RMSNorm
 from legato.layers.rotary import RotaryEmbedding
+from legato.layers.skinny_linear import linear
 
 from .config import CodePredictorConfig
 from .decoder_layer import ContiguousKVCache, KVCache, build_layers, run_layers
@@ -94,13 +95,13 @@ class CodePredictor(nn.Module):
         rope = (cos[:2].expand(b, 2, -1), sin[:2].expand(b, 2, -1))
         hidden = self(torch.stack((past_hidden, first_embed), dim=1), positions[:2].expand(b, 2), cache, rope)
         cache.advance(2)
-        code = sample(self.lm_head[0](hidden[:, -1]).float(), 1)
+        code = sample(linear(hidden[:, -1], self.lm_head[0].weight).float(), 1)
         codes = [code]
         for g in range(1, self.num_residual_groups):
             embed = self.model.codec_embedding[g - 1](code).unsqueeze(1)
             rope = (cos[g + 1 : g + 2].expand(b, 1, -1), sin[g + 1 : g + 2].expand(b, 1, -1))
             hidden = self(embed, positions[g + 1 : g + 2].expand(b, 1), cache, rope)
             cache.advance(1)
-            code = sample(self.lm_head[g](hidden[:, -1]).float(), g + 1)
+            code = sample(linear(hidden[:, -1], self.lm_head[g].weight).float(), g + 1)
             codes.append(code)
         return torch.stack(codes, dim=1)

@@ -23,6 +23,7 @@ from legato.layers import fused_attention
 from legato.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
 from legato.layers.mlp import SwiGLU
 from legato.layers.norm import RMSNorm
+from legato.layers.skinny_linear import linear
 
 
 class KVCache(abc.ABC):
@@ -144,9 +145,9 @@ class Attention(nn.Module):
         """x [B, S, hidden]; cos/sin [B, S, head_dim] (fp32) -> [B, S, hidden]."""
         b, s, _ = x.shape
         if self.qkv_weight is not None and fused_attention.available(x):
-            out = cache.attend_fused(layer, F.linear(x, self.qkv_weight), self, cos, sin)
+            out = cache.attend_fused(layer, linear(x, self.qkv_weight), self, cos, sin)
             if out is not None:
-                return self.o_proj(out)
+                return linear(out, self.o_proj.weight)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
         if self.qkv_weight is not None:
             kv_width = self.kv_heads * self.head_dim

@@ -14,6 +14,7 @@ from torch import nn
 
 from legato.layers.norm import RMSNorm
 from legato.layers.rotary import RotaryEmbedding
+from legato.layers.skinny_linear import linear
 
 from .code_predictor import CodePredictor
 from .config import TalkerConfig
@@ -65,7 +66,7 @@ class Talker(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Codebook-0 (plus control-token) logits [..., vocab_size] from final hidden states."""
-        return self.codec_head(hidden)
+        return linear(hidden, self.codec_head.weight)
 
     # Embedding helpers: the talker input at every position is text-track + codec-track.
 

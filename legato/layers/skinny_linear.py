@@ -1,0 +1,97 @@
+"""`linear` for the few-row matmuls of small-batch decode: a Triton kernel that streams the weight once.
+
+At batch 1 a frame is 103 decoder-layer passes of four matmuls each, and every one of them reads its whole
+weight to produce one row. cuBLAS picks tiles made for wide inputs there: on the H200 the talker's gate/up
+projection (12.6 MB) took 11 us, about a quarter of the memory bandwidth, and the matmuls were more than half of
+a frame's device time. This kernel gives each program a few output columns and walks K in long, pipelined
+strips, so all SMs stream weights at once.
+
+The tile sizes depend on the weight's shape (N, K) and on the row count only through its power of two, so a
+row's sum may round differently at another row count; batch-invariant mode decodes in chunks of one fixed size,
+so its rows always see the same tiles. The sum runs in fp32 and is rounded once, as cuBLAS does, in another
+order: results equal `F.linear`'s up to fp32 rounding, not bit for bit. Only CUDA half-precision inputs of at
+most `MAX_ROWS` rows take it; everything else, and every CPU call, is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of torch; the CPU build has none.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+# Benchmarks switch it off to measure cuBLAS in the same process.
+ENABLED = True
+MAX_ROWS = 8
+_TARGET_PROGRAMS = 256  # about two per SM on an H200, enough loads in flight to stream at full bandwidth
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs the kernel."""
+    return (ENABLED and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.numel() // x.shape[-1] <= MAX_ROWS and weight.stride(-1) == 1
+            and x.shape[-1] % 8 == 0)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` (no bias): x [..., K], weight [N, K] -> [..., N]."""
+    if not takes(x, weight):
+        return F.linear(x, weight)
+    return skinny_linear(x, weight)
+
+
+def block_n(n: int) -> int:
+    """Output columns per program for a weight of N rows (a function of the shape only)."""
+    size = 32
+    while size > 4 and -(-n // size) < _TARGET_PROGRAMS:
+        size //= 2
+    return size
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernel itself, for any row count (tests call it directly; `linear` decides when it pays)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} features, weight {tuple(weight.shape)}")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bn, bm = block_n(n), max(triton.next_power_of_2(m), 1)
+    # A strip of K per loop step as long as ~64 fp32 products a thread allows (4 warps): long strips keep many
+    # loads in flight at one row, short ones keep 8 rows from spilling registers.
+    bk = min(512, max(64, 8192 // (bm * bn)))
+    _skinny_kernel[(triton.cdiv(n, bn),)](
+        rows, weight, out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3,
+    )
+    return out.view(*x.shape[:-1], n)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        col_ok = cols < N
+        row_ok = rows < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            k_ok = k < K
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])

@@ -1,0 +1,105 @@
+"""The skinny-matmul kernel (`legato/layers/skinny_linear.py`) against `F.linear`.
+
+`run_checks(device, dtype)` serves the GPU test (CUDA, bf16 and fp16) and a CPU test that runs this file in a
+subprocess under Triton's interpreter (`TRITON_INTERPRET=1`, fp32): row counts 1..8, widths that are and are not
+multiples of the tiles, a strided input. `model_checks` (CUDA only) runs the tiny talker's code predictor with
+the kernel on and off. `python tests/skinny_linear_checks.py [cuda|cpu]`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import patch_for_numpy
+
+    patch_for_numpy()
+
+from legato.layers import skinny_linear
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(0)
+    errors: dict[str, float] = {}
+    shapes = [(1, 37, 24), (3, 64, 256), (8, 300, 520), (5, 1024, 48), (2, 16, 2048 + 8)]
+    if device == "cuda":  # the 0.6B talker's and code predictor's shapes
+        shapes += [(m, n, k) for m in (1, 4, 8) for n, k in ((4096, 1024), (1024, 2048), (6144, 1024),
+                                                               (1024, 3072), (2048, 1024), (3072, 1024))]
+    for m, n, k in shapes:
+        x = torch.randn(m, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+        want = F.linear(x.double(), w.double())
+        errors[f"{m}x{k} @ {n}x{k}"] = _err(skinny_linear.skinny_linear(x, w), want)
+    # A strided input with leading dimensions: [2, 3, K] taken from a wider buffer.
+    buf = torch.randn(2, 3, 2 * 64, generator=gen).to(device, dtype)
+    x, w = buf[..., ::2], (torch.randn(40, 64, generator=gen) / 8).to(device, dtype)
+    got = skinny_linear.skinny_linear(x, w)
+    errors["strided [2, 3, 64]"] = _err(got, F.linear(x.double(), w.double())) + float(got.shape != (2, 3, 40))
+    return errors
+
+
+def model_checks(dtype: torch.dtype) -> dict[str, float]:
+    """The tiny talker's code predictor (CUDA, packed as the engine serves it) with the kernel on and off,
+    teacher-forced: equal greedy codes are not asked of bf16, logits within the parity tolerance."""
+    from legato.models.qwen3_tts.decoder_layer import pack_projections
+    from legato.models.qwen3_tts.talker import Talker
+    from legato.models.qwen3_tts.testing import randomize_
+    from legato.models.qwen3_tts.tiny import tiny_config
+
+    cfg = tiny_config("base").talker_config
+    talker = Talker(cfg)
+    randomize_(talker, seed=1, std=0.1)
+    talker.to(device="cuda", dtype=dtype).eval()
+    pack_projections(talker)
+    gen = torch.Generator().manual_seed(2)
+    past, first = (torch.randn(5, cfg.hidden_size, generator=gen).to("cuda", dtype) for _ in range(2))
+    runs = {}
+    for on in (True, False):
+        skinny_linear.ENABLED = on
+        forced = runs[True][0] if not on else None
+        logits: list[torch.Tensor] = []
+
+        def sample(scores, g, logits=logits, forced=forced):
+            logits.append(scores)
+            return scores.argmax(-1) if forced is None else forced[:, g - 1]
+
+        try:
+            with torch.inference_mode():
+                codes = talker.code_predictor.predict_residuals(past, first, sample)
+        finally:
+            skinny_linear.ENABLED = True
+        runs[on] = codes, torch.stack(logits)
+    return {"model: code predictor logits": _err(runs[True][1], runs[False][1])}
+
+
+def main() -> int:
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    results = {}
+    for dtype in ((torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32,)):
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        errors = run_checks(device, dtype)
+        if device == "cuda":
+            errors.update(model_checks(dtype))
+        results.update({f"{str(dtype)[6:]} {name}": (err, tol) for name, err in errors.items()})
+    bad = 0
+    for name, (err, tol) in results.items():
+        ok = err <= tol
+        bad += not ok
+        print(f"{name}: {err:.2e} {'ok' if ok else 'FAIL'}")
+    print("ALL OK" if not bad else f"{bad} FAILED")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
