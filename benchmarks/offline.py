@@ -139,6 +139,9 @@ def main() -> None:
     ap.add_argument("--cublas-linear", action="store_true",
                     help="every matmul through cuBLAS (the path before layers/skinny_linear.py), to measure the "
                          "few-row kernel's share")
+    ap.add_argument("--attn-splits", type=int, default=None,
+                    help="fused_attention.SPLITS (programs a paged row's positions split over; 1: no split)")
+    ap.add_argument("--attn-block-n", type=int, default=None, help="fused_attention.BLOCK_N (positions per loop)")
     ap.add_argument("--profile-out", default=None)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -148,6 +151,11 @@ def main() -> None:
         from legato.layers import fused_attention
 
         fused_attention.ENABLED = False
+    if args.attn_splits or args.attn_block_n:
+        from legato.layers import fused_attention
+
+        fused_attention.SPLITS = args.attn_splits or fused_attention.SPLITS
+        fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
     if args.cublas_linear:
         from legato.layers import skinny_linear
 
@@ -167,7 +175,7 @@ def main() -> None:
         "commit": os.environ.get("LEGATO_COMMIT")
         or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "engine": {}, "codec": [], "fused_attention": not args.unfused_attention,
-        "skinny_linear": not args.cublas_linear,
+        "skinny_linear": not args.cublas_linear, "attn_splits": args.attn_splits, "attn_block_n": args.attn_block_n,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

@@ -138,8 +138,8 @@ def fused_decode_attention(
     cos, sin = cos.float().expand(b, d), sin.float().expand(b, d)
     splits = SPLITS if paged else 1
     # Partial softmaxes of the splits: running max, sum and unnormalised output per (row, head, split).
-    part_ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=qkv.device) if paged else out
-    part_acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=qkv.device) if paged else out
+    part_ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=qkv.device) if splits > 1 else out
+    part_acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=qkv.device) if splits > 1 else out
     meta = dict(HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1),
                 HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged, SPLITS=splits,
                 MIN_SPAN=MIN_SPAN, BLOCK_N=BLOCK_N if paged else 16)
@@ -149,7 +149,7 @@ def fused_decode_attention(
         qkv.stride(0), cos.stride(0), sin.stride(0), stride_kb, stride_kp, stride_kh, tables_stride, out.stride(0),
         **meta,
     )
-    if paged:
+    if splits > 1:
         _combine_splits_kernel[(b, kv_heads)](lens, part_ml, part_acc, out, out.stride(0), **meta)
     return out
 
