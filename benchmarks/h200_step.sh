@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue 24's device calls (docs/benchmarks.md, "The frame step in fewer kernels"), one part per call:
-#   benchmarks/h200_step.sh check     # import check, tests/test_gpu.py (TESTS selects), the fused kernel's checks
+#   benchmarks/h200_step.sh check     # import check, tests/test_gpu.py (TESTS selects; TESTS=none: none), the
+#                                     # kernel check scripts (CHECKS: names in tests/, default attention_kernel_checks)
 #   benchmarks/h200_step.sh offline   # offline.py (codec off): .base/ vs this tree vs this tree unfused (UNFUSED= skips)
 #                                     # vs this tree with every matmul on cuBLAS (CUBLAS= skips; CUBLAS_BATCHES)
+#                                     # and, with COMPILED=1, with the torch.compile'd sampler
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
-#   benchmarks/h200_step.sh serve     # serving_speed.py: .base/ vs this tree, x-vector at c=1 and 64, and this
-#                                     # tree's streaming-text WebSocket at c=64 against its HTTP (MODES, CONC)
+#   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
+#                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC)
 # Needs: the server's wheels in .whl/, the tree to compare in .base/ (its commit in BASE), OUT a results folder.
 # Random weights throughout; lengths fixed (EOS ignored).
 set -uo pipefail
@@ -29,13 +31,16 @@ case "$PART" in
         "$t" -k "${TESTS:-not nothing}" 2>&1 | grep -E "^E |passed|failed|Error|PASS|FAIL|s call" | tail -30
       echo "[check] $t rc=${PIPESTATUS[0]}"
     done
-    PYTHONPATH=.:tests:$PYTHONPATH timeout 120 python3 tests/attention_kernel_checks.py cuda | tail -8 ;;
+    for c in ${CHECKS:-attention_kernel_checks}; do
+      PYTHONPATH=.:tests:$PYTHONPATH timeout 120 python3 tests/$c.py cuda 2>&1 | grep -v Warn | tail -${CHECK_LINES:-8}
+    done ;;
   offline)
     for size in ${SIZES:-0.6B 1.7B}; do
       offline .base base "$size" "${BATCHES:-1,64,256}"
       offline . new "$size" "${BATCHES:-1,64,256}"
       [ -n "${UNFUSED-1}" ] && offline . unfused "$size" "${BATCHES:-1,64,256}" --unfused-attention
       [ -n "${CUBLAS-1}" ] && offline . cublas "$size" "${CUBLAS_BATCHES:-1,8}" --cublas-linear
+      [ -n "${COMPILED:-}" ] && offline . compiled-sampler "$size" "${BATCHES:-1,64,256}" --compiled-sampler
     done ;;
   loop)
     for c in ${CONC:-64 256}; do
@@ -52,7 +57,7 @@ case "$PART" in
 from legato.models.qwen3_tts.config import preset; from legato.models.qwen3_tts.testing import write_checkpoint; \
 write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     PYTHONPATH=.:$PYTHONPATH timeout ${T:-560} python3 benchmarks/serving_speed.py --ckpt $CKPT \
-      --data .bench-data/prompts --variant new=.:legato --variant base=.base:legato --out /tmp/serve \
+      --data .bench-data/prompts --variant new=.:legato ${SERVE_BASE:+--variant base=.base:legato} --out /tmp/serve \
       --concurrency ${CONC:-1,64} --modes ${MODES:-xvec,xvec-ws} --max-num-seqs 64 --min-prompts 8 \
       --prompts-per-conc 4 --startup-timeout 200 --cell-timeout 150 2>&1 | tail -14
     cp /tmp/serve/summary.json "$OUT/serve.json" ;;

@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--cublas-linear", action="store_true",
                     help="every matmul through cuBLAS (the path before layers/skinny_linear.py), to measure the "
                          "few-row kernel's share")
+    ap.add_argument("--compiled-sampler", action="store_true",
+                    help="draws through torch.compile (the path before engine/draw_kernel.py)")
     ap.add_argument("--attn-splits", type=int, default=None,
                     help="fused_attention.SPLITS (programs a paged row's positions split over; 1: no split)")
     ap.add_argument("--attn-block-n", type=int, default=None, help="fused_attention.BLOCK_N (positions per loop)")
@@ -156,6 +158,10 @@ def main() -> None:
 
         fused_attention.SPLITS = args.attn_splits or fused_attention.SPLITS
         fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
+    if args.compiled_sampler:
+        from legato.engine import draw_kernel
+
+        draw_kernel.ENABLED = False
     if args.cublas_linear:
         from legato.layers import skinny_linear
 
@@ -176,6 +182,7 @@ def main() -> None:
         or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "engine": {}, "codec": [], "fused_attention": not args.unfused_attention,
         "skinny_linear": not args.cublas_linear, "attn_splits": args.attn_splits, "attn_block_n": args.attn_block_n,
+        "fused_draw": not args.compiled_sampler,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

@@ -1,0 +1,142 @@
+"""`sampler.draw` as one Triton program per row: argmax, temperature, top-k, top-p and the exponential race.
+
+A frame draws 16 tokens one after another (codebook 0, then the code predictor's 15). Compiled by
+`torch.compile`, each draw was still ~38 us of device time at batch 1 on the H200: a radix sort of the row
+(~22 us) and five more kernels. Here a row's logits stay in one program's registers: a bitonic sort for the
+top-k value and the top-p prefix (skipped when the row's top_p is 1), Philox in the kernel, one argmax.
+
+Same contract as `sampler.draw`, to the bit where the math library allows: the masses, thresholds, cut and
+Philox words are computed exactly as there (integer cumulative masses, float64 comparisons); on CUDA the
+exponential, logarithm and log1p are libdevice's, the functions torch's own CUDA kernels use. Under Triton's
+interpreter (the CPU tests) they are numpy's, with log1p taken in float64: equal to the reference's except at
+a one-ulp tie, which the tests' draws do not meet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; the CPU build has none.
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+# The sampler takes the kernel on CUDA when this is on (benchmarks switch it off to measure the compiled path).
+ENABLED = True
+_MASS_SCALE = 2.0**36  # sampler._MASS_BITS
+
+
+def available(logits: torch.Tensor) -> bool:
+    return ENABLED and triton is not None and logits.is_cuda
+
+
+def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: torch.Tensor,
+               exact_math: bool | None = None) -> torch.Tensor:
+    """Tokens int64 [B] from float32 logits [B, V] (see `sampler.draw`; the head's knobs as [B] tensors,
+    codebook an int64 [B] tensor). `exact_math`: libdevice functions (default on CUDA)."""
+    b, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError("fused_draw needs unit-stride float32 logits")
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    block = triton.next_power_of_2(vocab)
+    _draw_kernel[(b,)](
+        logits, do_sample, temperature, top_k, top_p, seed, frame, codebook, out, logits.stride(0), vocab,
+        BLOCK_V=block, EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
+        num_warps=8 if block >= 4096 else 4,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _exp(x, EXACT: tl.constexpr):
+        if EXACT:
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+
+    @triton.jit
+    def _neg_log_log1p_neg(u, EXACT: tl.constexpr):
+        # log(-log1p(-u)): the exponential variate E = -log1p(-u), then its log (the race subtracts it).
+        if EXACT:
+            e = -libdevice.log1p(-u)
+            return libdevice.log(e)
+        else:  # log1p in float64 without libdevice: log(1 + x) * x / ((1 + x) - 1) keeps full precision near 0
+            x = -u.to(tl.float64)
+            y = 1.0 + x
+            e = -tl.where(y == 1.0, x, tl.log(y) * x / (y - 1.0)).to(tl.float32)
+            return tl.log(e)
+
+    @triton.jit
+    def _philox_word(v, c1, c2, k0, k1):
+        # Philox-4x32-10 at counter (v // 4, c1, c2, 0) under key (k0, k1), word v % 4 (rng.random_bits).
+        mul0 = tl.full([], 0xD2511F53, tl.uint32)
+        mul1 = tl.full([], 0xCD9E8D57, tl.uint32)
+        bump0 = tl.full([], 0x9E3779B9, tl.uint32)
+        bump1 = tl.full([], 0xBB67AE85, tl.uint32)
+        x0 = (v // 4).to(tl.uint32)
+        x1 = tl.zeros_like(x0) + c1
+        x2 = tl.zeros_like(x0) + c2
+        x3 = tl.zeros_like(x0)
+        for _ in tl.static_range(10):
+            hi0 = tl.umulhi(x0, mul0)
+            lo0 = x0 * mul0
+            hi1 = tl.umulhi(x2, mul1)
+            lo1 = x2 * mul1
+            x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
+            k0 = k0 + bump0
+            k1 = k1 + bump1
+        w = v % 4
+        return tl.where(w == 0, x0, tl.where(w == 1, x1, tl.where(w == 2, x2, x3)))
+
+    @triton.jit
+    def _pick(values, idx, at):
+        # values[at] of a 1-D block (at a scalar), -inf when at is outside it.
+        return tl.max(tl.where(idx == at, values, float("-inf")), axis=0)
+
+    @triton.jit
+    def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr, out_ptr,
+                     stride_row, V, BLOCK_V: tl.constexpr, EXACT: tl.constexpr, MASS_SCALE: tl.constexpr):
+        row = tl.program_id(0)
+        v = tl.arange(0, BLOCK_V)
+        valid = v < V
+        x = tl.load(logits_ptr + row * stride_row + v, mask=valid, other=float("-inf"))
+        token = tl.argmax(x, 0, tie_break_left=True).to(tl.int64)
+        temp = tl.load(temp_ptr + row)
+        if (tl.load(do_ptr + row) != 0) & (temp > 0):
+            scaled = tl.where(valid, x / temp, float("-inf"))
+            desc = tl.sort(scaled, descending=True)
+            # TopK: the k-th largest value; top_k <= 0 is off (k = V).
+            top_k = tl.load(topk_ptr + row)
+            k = tl.where(top_k <= 0, V, tl.minimum(top_k, V))
+            kth = _pick(desc, v, k - 1)
+            cut = kth
+            top_p = tl.load(topp_ptr + row)
+            if top_p < 1.0:
+                # TopP over the top-k survivors in descending order: integer masses, exact in any order; an id is
+                # dropped when the mass from it to the end is <= (1 - top_p) of the total, the first never.
+                kept = tl.where(desc < kth, float("-inf"), desc)
+                mass = (_exp(kept - tl.max(kept, axis=0), EXACT) * MASS_SCALE).to(tl.int64)
+                cum = tl.cumsum(mass, 0)
+                total = tl.sum(mass, axis=0)
+                above = (total - (cum - mass)).to(tl.float64)
+                drop = (above <= (1.0 - top_p.to(tl.float64)) * total.to(tl.float64)) & (v > 0) & valid
+                n_keep = V - tl.sum(drop.to(tl.int32), axis=0)
+                cut = tl.maximum(kth, _pick(kept, v, n_keep - 1))
+            warped = tl.where(scaled < cut, float("-inf"), scaled)
+            seed = tl.load(seed_ptr + row)
+            k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+            k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            c1 = (tl.load(frame_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
+            c2 = (tl.load(codebook_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
+            bits = _philox_word(v, c1, c2, k0, k1)
+            u = ((bits.to(tl.float64) + 0.5) * 2.3283064365386963e-10).to(tl.float32)  # * 2**-32
+            u = tl.minimum(u, 0.99999994)  # the largest float32 below 1
+            race = warped - _neg_log_log1p_neg(u, EXACT)
+            token = tl.argmax(tl.where(valid, race, float("-inf")), 0, tie_break_left=True).to(tl.int64)
+        tl.store(out_ptr + row, token)
+
