@@ -322,7 +322,7 @@ def test_fused_decode_attention_equals_its_contract_and_the_unfused_model(dtype)
 
 
 def test_skinny_linear_equals_f_linear_and_keeps_the_model_close():
-    """The few-row matmul kernel against F.linear in bf16 and fp16 (the 0.6B talker's and code predictor's
+    """The skinny matmul kernel against F.linear in bf16 and fp16 (the 0.6B talker's and code predictor's
     shapes among others), and the tiny code predictor with it against cuBLAS, teacher-forced."""
     from skinny_linear_checks import model_checks, run_checks
 

@@ -28,7 +28,7 @@ class SwiGLU(nn.Module):
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0).detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:  # the serving layout: few-row calls take the skinny kernel
+        if self.gate_up_weight is not None:  # the serving layout: one-row calls take the skinny kernel
             gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
             return linear(silu_mul(gate, up), self.down_proj.weight)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

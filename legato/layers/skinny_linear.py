@@ -1,4 +1,4 @@
-"""`linear` for the few-row matmuls of small-batch decode: a Triton kernel that streams the weight once.
+"""`linear` for the one-row matmuls of batch-1 decode: a Triton kernel that streams the weight once.
 
 At batch 1 a frame is 103 decoder-layer passes of four matmuls each, and every one of them reads its whole
 weight to produce one row. cuBLAS picks tiles made for wide inputs there: on the H200 the talker's gate/up
@@ -6,11 +6,11 @@ projection (12.6 MB) took 11 us, about a quarter of the memory bandwidth, and th
 a frame's device time. This kernel gives each program a few output columns and walks K in long, pipelined
 strips, so all SMs stream weights at once.
 
-The tile sizes depend on the weight's shape (N, K) and on the row count only through its power of two, so a
-row's sum may round differently at another row count; batch-invariant mode decodes in chunks of one fixed size,
-so its rows always see the same tiles. The sum runs in fp32 and is rounded once, as cuBLAS does, in another
-order: results equal `F.linear`'s up to fp32 rounding, not bit for bit. Only CUDA half-precision inputs of at
-most `MAX_ROWS` rows take it; everything else, and every CPU call, is `F.linear`.
+`skinny_linear` itself takes any row count (its tiles depend on the weight's shape and the row count's power of
+two); `linear` sends it only calls of `MAX_ROWS` rows or fewer, where it was measured faster. A batch of one row
+always takes the same path, and batch-invariant mode decodes in chunks of one fixed size, so a row's result never
+depends on its neighbours. The sum runs in fp32 and is rounded once, as cuBLAS does, in another order: results
+equal `F.linear`'s up to fp32 rounding, not bit for bit. CPU calls and fp32 inputs are always `F.linear`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ except ImportError:  # pragma: no cover - depends on the install
 
 # Benchmarks switch it off to measure cuBLAS in the same process.
 ENABLED = True
-MAX_ROWS = 8
+# One row only: the H200 measured it faster than cuBLAS at batch 1 (5.37 -> 5.02 ms a frame, docs/benchmarks.md),
+# and 3.2x slower at batch 8 (its 8-row tiles walk K in short strips); wider calls stay on cuBLAS.
+MAX_ROWS = 1
 _TARGET_PROGRAMS = 256  # about two per SM on an H200, enough loads in flight to stream at full bandwidth
 
 
