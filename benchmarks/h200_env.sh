@@ -9,6 +9,7 @@ if [ -d .whl ]; then  # once per machine: later parts of the same call find them
   fi
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# Name the tree in LEGATO_COMMIT on the device: git there reported a42d6bf for later trees (docs/benchmarks.md).
 export PYTHONUNBUFFERED=1 LEGATO_COMMIT=${LEGATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
 python3 -c "import torch, triton, fastapi, zmq, soundfile; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name())" || exit 1
