@@ -186,6 +186,77 @@ def test_an_idle_socket_is_closed(loaded):
         c.close_and_wait(http)
 
 
+def test_a_context_waiting_for_the_engine_keeps_its_socket_open_past_the_idle_timeout(loaded):
+    """A context whose text has ended waits on the engine, not on its client: a socket with such a context is not
+    idle even when nothing moves for longer than the idle timeout (a request queued behind a full batch). Once
+    its audio is done, the idle timeout applies again. Before, the socket was closed under the waiting request."""
+    _, client = make_app(loaded)
+
+    class SlowFirstAudio:  # the engine client, holding each request's first chunk until `gate` opens
+        def __init__(self, inner, gate: asyncio.Event) -> None:
+            self._inner, self._gate = inner, gate
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def generate(self, synthesis):
+            return self._held(self._inner.generate(synthesis))  # the request takes text from this call on
+
+        async def _held(self, inner):
+            try:
+                first = await inner.__anext__()
+                await self._gate.wait()
+                yield first
+                async for chunk in inner:
+                    yield chunk
+            finally:
+                await inner.aclose()
+
+    async def main():
+        await client.start()
+        from legato.server.metrics import ServerMetrics
+        from legato.server.speech import SpeechService
+
+        gate = asyncio.Event()
+        slow = SlowFirstAudio(client, gate)
+        settings = server_settings(loaded, default_max_new_tokens=40, max_new_tokens_limit=512)
+        inbox: asyncio.Queue = asyncio.Queue()
+        sent: list = []
+        closed: list = []
+
+        async def send(data) -> None:
+            sent.append(data)
+
+        async def close(code, reason) -> None:
+            closed.append((code, reason))
+            await inbox.put({"type": "websocket.disconnect"})
+
+        session = StreamSession(slow, SpeechService(slow, settings, None), ServerMetrics(client),
+                                WsLimits(idle_timeout_s=0.2), inbox.get, send, send, close)
+        run = asyncio.create_task(session.run())
+        for event in ({"type": "session.update", "session": {"voice": client.info.speakers[0]}},
+                      {"type": "input_text.append", "context_id": "a", "text": "Hello there, how are you?"},
+                      {"type": "input_text.end", "context_id": "a"}):
+            await inbox.put({"type": "websocket.receive", "text": json.dumps(event)})
+        await asyncio.sleep(1.0)  # five idle timeouts with nothing sent: the watchdog had every chance to close
+        held = list(closed)
+        gate.set()
+        deadline = time.monotonic() + 60
+        while not closed:  # the audio, its done event, then the idle close once nothing runs
+            assert time.monotonic() < deadline, "the socket was never closed for idleness"
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(run, 30)
+        await client.stop()
+        return held, closed, sent
+
+    held, closed, sent = asyncio.run(main())
+    assert held == []
+    assert closed == [(1000, "idle timeout")]
+    done = [json.loads(m) for m in sent if isinstance(m, str) and "response.audio.done" in m]
+    assert len(done) == 1 and done[0]["finish_reason"] in ("stop", "length")
+    assert any(isinstance(m, bytes) for m in sent)
+
+
 def test_a_client_that_stops_reading_is_closed_and_its_requests_freed(loaded):
     """The outbox holds `send_queue` messages; a client that takes none for `send_timeout_s` is closed (1008)
     and its contexts aborted: nothing buffers without bound."""
