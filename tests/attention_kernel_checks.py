@@ -13,6 +13,8 @@ import os
 import sys
 
 import torch
+from triton_interpreter import rel_err as _err
+from triton_interpreter import report
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from triton_interpreter import patch_for_numpy
@@ -21,13 +23,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from legato.layers.fused_attention import fused_decode_attention, fused_decode_attention_reference
 from legato.layers.rotary import RotaryEmbedding
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
 
 
 def _inputs(b, heads, kv_heads, d, positions, gen, device, dtype):
@@ -176,13 +171,7 @@ def main() -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     errors = {**run_checks(device, dtype), **model_checks(device, dtype)}
-    bad = 0
-    for name, err in errors.items():
-        ok = err <= tol
-        bad += not ok
-        print(f"{name}: {err:.2e} {'ok' if ok else 'FAIL'}")
-    print("ALL OK" if not bad else f"{bad} FAILED")
-    return 1 if bad else 0
+    return report({name: (err, tol) for name, err in errors.items()})
 
 
 if __name__ == "__main__":

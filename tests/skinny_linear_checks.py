@@ -13,6 +13,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from triton_interpreter import rel_err as _err
+from triton_interpreter import report
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from triton_interpreter import patch_for_numpy
@@ -20,13 +22,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_for_numpy()
 
 from legato.layers import skinny_linear
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
 
 
 def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
@@ -92,13 +87,7 @@ def main() -> int:
         if device == "cuda":
             errors.update(model_checks(dtype))
         results.update({f"{str(dtype)[6:]} {name}": (err, tol) for name, err in errors.items()})
-    bad = 0
-    for name, (err, tol) in results.items():
-        ok = err <= tol
-        bad += not ok
-        print(f"{name}: {err:.2e} {'ok' if ok else 'FAIL'}")
-    print("ALL OK" if not bad else f"{bad} FAILED")
-    return 1 if bad else 0
+    return report(results)
 
 
 if __name__ == "__main__":

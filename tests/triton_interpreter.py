@@ -1,6 +1,6 @@
 """Running Triton kernels on the CPU for their tests: Triton's interpreter (`TRITON_INTERPRET=1`), chosen when a
 kernel is defined, so a check script runs in a subprocess of its own (`run_checks_script`), and imports this
-module first (`patch_for_numpy`)."""
+module first (`patch_for_numpy`); `rel_err` and `report` are the scripts' common measure and verdict."""
 
 from __future__ import annotations
 
@@ -24,6 +24,25 @@ def patch_for_numpy() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interp._patch_lang_tensor = _patch_lang_tensor
+
+
+def rel_err(a, b) -> float:
+    """Relative L2 error of tensor `a` against `b` in float64 (inf when `a` has a non-finite value)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    if not a.isfinite().all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def report(results: dict[str, tuple[float, float]]) -> int:
+    """Prints each check's (error, tolerance) as ok or FAIL, then ALL OK or the count failed; the exit status."""
+    bad = 0
+    for name, (err, tol) in results.items():
+        ok = err <= tol
+        bad += not ok
+        print(f"{name}: {err:.2e} {'ok' if ok else 'FAIL'}")
+    print("ALL OK" if not bad else f"{bad} FAILED")
+    return 1 if bad else 0
 
 
 def run_checks_script(name: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
