@@ -4,6 +4,8 @@ A frame draws 16 tokens one after another (codebook 0, then the code predictor's
 `torch.compile`, each draw was still ~38 us of device time at batch 1 on the H200: a radix sort of the row
 (~22 us) and five more kernels. Here a row's logits stay in one program's registers: a bitonic sort for the
 top-k value and the top-p prefix (skipped when the row's top_p is 1), Philox in the kernel, one argmax.
+Measured on the H200 (docs/benchmarks.md): no gain at batch 1, where the in-register sort of 2,048 values costs
+about what the radix sort did; 0.12 ms a step at batch 64, where the compiled draw's six kernels were wider.
 
 Same contract as `sampler.draw`, to the bit where the math library allows: the masses, thresholds, cut and
 Philox words are computed exactly as there (integer cumulative masses, float64 comparisons); on CUDA the
