@@ -201,7 +201,8 @@ class Sampler:
     def __init__(self, eos_token_id: int, suppress_range: tuple[int, int], compile: bool = False) -> None:
         """eos_token_id: the codec EOS, masked until min_new_tokens frames exist and never suppressed.
         suppress_range: [start, end) of codebook-0 ids that are never sampled (EOS excepted).
-        compile: run `draw` through torch.compile (one dynamic-batch compile per vocabulary size). Use it on
+        compile: where the draw kernel (engine/draw_kernel.py) is off or unavailable, run `draw` through
+        torch.compile (one dynamic-batch compile per vocabulary size). Use it on
         GPU: unfused, Philox is ~300 tiny int64 kernels per call and a B=256 frame (1 + 15 draws) costs
         ~11 ms even inside a CUDA graph, against ~1 ms fused. Tokens are identical either way. Warm each
         shape up before capturing a CUDA graph around the sampler."""

@@ -145,7 +145,7 @@ class StreamSession:
         whose text is all in (its audio is the engine's to make: a request queued behind others sends nothing for
         a while, and closing its socket would fail it)."""
         if any(ctx.ended for ctx in self.contexts.values()):
-            self._last_activity = time.monotonic()
+            return self.limits.idle_timeout_s  # its last message (done, cancelled, error) counts as activity
         return self.limits.idle_timeout_s - (time.monotonic() - self._last_activity)
 
     async def _on_message(self, msg: dict) -> None:
