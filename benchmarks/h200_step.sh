@@ -8,7 +8,8 @@
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
-#                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC)
+#                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
+#                                     # and MAX_PROMPTS size a cell; PROFILE=mode:conc,... py-spies those cells)
 # Needs: the server's wheels in .whl/, the tree to compare in .base/ (its commit in BASE), OUT a results folder.
 # Random weights throughout; lengths fixed (EOS ignored).
 set -uo pipefail
@@ -59,8 +60,11 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     PYTHONPATH=.:$PYTHONPATH timeout ${T:-560} python3 benchmarks/serving_speed.py --ckpt $CKPT \
       --data .bench-data/prompts --variant new=.:legato ${SERVE_BASE:+--variant base=.base:legato} --out /tmp/serve \
       --concurrency ${CONC:-1,64} --modes ${MODES:-xvec,xvec-ws} --max-num-seqs 64 --min-prompts 8 \
-      --prompts-per-conc 4 --startup-timeout 200 --cell-timeout 150 2>&1 | tail -14
-    cp /tmp/serve/summary.json "$OUT/serve.json" ;;
+      --prompts-per-conc ${PER_CONC:-4} --max-prompts ${MAX_PROMPTS:-256} ${PROFILE:+--profile $PROFILE} \
+      --startup-timeout 200 --cell-timeout 150 2>&1 | tail -${SERVE_LINES:-14}
+    cp /tmp/serve/summary.json "$OUT/serve.json"
+    mkdir -p "$OUT/serve-runs" && cp /tmp/serve/runs/*.json /tmp/serve/profile-*.txt /tmp/serve/server-*.log \
+      "$OUT/serve-runs/" 2>/dev/null ;;
   profile)  # PB: the batch profiled
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager \
       --eager-batch-sizes ${PB:-64} --frames 16 --codec-batches none --profile-batch ${PB:-64} \

@@ -158,7 +158,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                     bench += ["--stream-text", "--text-rate", args.text_rate]
                 t1 = time.monotonic()
                 spy = None
-                if args.profile == f"{mode}:{conc}":  # a sampling profile of the server during this cell
+                if f"{mode}:{conc}" in args.profile.split(","):  # a sampling profile of the server during this cell
                     spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration",
                                             str(args.profile_seconds), "--rate", "100", "--format", "raw",
                                             "--nonblocking", "--threads", "--subprocesses", "--output",
@@ -260,7 +260,8 @@ def main() -> int:
     p.add_argument("--cell-timeout", type=float, default=300)
     p.add_argument("--client-procs", type=int, default=1,
                    help="bench client processes (legato bench serve --client-procs): 2 or more at c>=256")
-    p.add_argument("--profile", default=None, metavar="MODE:CONC", help="py-spy the server during this cell")
+    p.add_argument("--profile", default="", metavar="MODE:CONC[,MODE:CONC]",
+                   help="py-spy the server during these cells")
     p.add_argument("--profile-seconds", type=int, default=5)
     p.add_argument("--text-rate", default="inf", help="tokens a second of the -ws modes' text ('inf': at once)")
     args = p.parse_args()
