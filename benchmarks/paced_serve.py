@@ -41,6 +41,7 @@ class PacedEngine:
         self.scheduler = SimpleNamespace(num_waiting=0, num_running=0)
         self.block_manager = SimpleNamespace(usage=0.0, num_blocks=1024, num_free_blocks=1024)
         self.times = SimpleNamespace(steps=0, host_s=0.0, gpu_s=0.0, gap_s=0.0)
+        self.text_wait_s, self.num_waiting_for_text = 0.0, 0
         self._frame = (np.random.default_rng(0).standard_normal(1920) * 0.05).astype(np.float32)
         self._next_at = time.perf_counter()
 
@@ -61,6 +62,14 @@ class PacedEngine:
             self.done.append((request_id, entry[1], reason))
         self.scheduler.num_running = len(self.live)
         return entry is not None
+
+    def append_text(self, request_id: str, ids: list[int], close: bool) -> None:
+        """Streaming text: the paced request's length is fixed up front, so its text only has to arrive."""
+        if request_id not in self.live:
+            raise ValueError(f"no running request {request_id!r}")
+
+    def waits_for_text_only(self) -> bool:
+        return False  # its requests never wait for text (their length is fixed up front)
 
     def has_unfinished(self) -> bool:
         return bool(self.live or self.done)

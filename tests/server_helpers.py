@@ -68,14 +68,14 @@ def server_settings(loaded: LoadedModel | None = None, **kw) -> ServerSettings:
 class LiveServer:
     """A real uvicorn server on 127.0.0.1 (a free port picked by the OS) in a daemon thread."""
 
-    def __init__(self, app, start_timeout: float = 60.0) -> None:
+    def __init__(self, app, start_timeout: float = 60.0, **config) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5,
+                                                    **config))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.start_timeout = start_timeout
 

@@ -74,6 +74,19 @@ def test_streamed_text_speaks_the_audio_of_the_whole_text(loaded):
         assert "legato_ws_contexts 0.0" in metrics and "legato_ws_open_sockets 0.0" in metrics
 
 
+def test_session_updated_echoes_a_reference_url_but_not_inline_data():
+    from legato.server.ws_protocol import default_session, session_config, session_echo
+
+    url = session_config({"ref_audio": "file:///voices/a.wav", "ref_text": "Hi."}, default_session())
+    assert session_echo(url, 24000) == {"ref_audio": "file:///voices/a.wav", "ref_text": "Hi.",
+                                        "response_format": "pcm", "audio_transport": "binary", "sample_rate": 24000}
+    inline = session_config({"ref_audio": "UklGR" + "A" * 100, "speaker_embedding": [0.1, 0.2]}, url)
+    echo = session_echo(inline, 24000)
+    assert echo["omitted"] == ["ref_audio", "speaker_embedding"] and echo["ref_text"] == "Hi."
+    assert "ref_audio" not in echo and "speaker_embedding" not in echo
+    assert inline.speech.ref_audio.startswith("UklGR")  # only the echo leaves it out: the session keeps it
+
+
 def test_cancel_stops_one_context_and_leaves_the_other(loaded):
     app, client = make_app(loaded)
     speaker = client.info.speakers[0]

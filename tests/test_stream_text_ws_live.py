@@ -89,6 +89,38 @@ def test_a_real_client_streams_text_and_cancels(loaded):
         assert "legato_ws_cancels_total 1.0" in metrics
 
 
+def test_compression_is_off_unless_the_flag_asks_and_session_updated_does_not_echo_inline_data(loaded):
+    """A client offering permessage-deflate (websockets does by default) gets plain frames from `legato serve`
+    unless --ws-per-message-deflate is set: deflating every audio frame cost the server more CPU than the rest of
+    a socket's work. And session.updated names an inline clip or embedding instead of sending it back."""
+    import argparse
+
+    from legato.server.cli import add_serve_parser, uvicorn_ws_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+
+    clip = "data:audio/wav;base64," + "A" * 40_000  # under the default 64 kB message limit
+    for argv, extensions in (([], []), (["--ws-per-message-deflate"], ["permessage-deflate"])):
+        app = build_app(local_client(loaded), server_settings(loaded, default_max_new_tokens=20,
+                                                              max_new_tokens_limit=512))  # an app starts once
+        with LiveServer(app, **uvicorn_ws_options(parser.parse_args(["serve", *argv]))) as server:
+            async def main():
+                url = f"ws://127.0.0.1:{server.port}{STREAM_PATH}"
+                async with connect(url, open_timeout=30, max_size=None) as ws:
+                    await ws.send(json.dumps({"type": "session.update", "session": {
+                        "ref_audio": clip, "speaker_embedding": [0.5] * 8, "seed": 4}}))
+                    raw = await asyncio.wait_for(ws.recv(), 30)
+                    return [e.name for e in ws.protocol.extensions], raw
+
+            negotiated, raw = asyncio.run(main())
+            assert negotiated == extensions
+            assert len(raw) < 1000
+            session = json.loads(raw)["session"]
+            assert session["omitted"] == ["ref_audio", "speaker_embedding"] and session["seed"] == 4
+            assert "ref_audio" not in session and "speaker_embedding" not in session
+
+
 def test_the_example_client_streams_and_cancels(loaded, tmp_path):
     import importlib.util
     from pathlib import Path

@@ -71,6 +71,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="outgoing messages buffered for a client that reads slowly; then its producers wait")
     w.add_argument("--ws-send-timeout", type=float, default=WS_DEFAULTS.send_timeout_s, metavar="SECONDS",
                    help="a full send buffer that does not drain this long: the client is gone, the socket closed")
+    w.add_argument("--ws-per-message-deflate", action="store_true",
+                   help="offer permessage-deflate compression to clients that ask (default: off; PCM and coded "
+                        "audio barely compress, and deflating every frame cost the server more CPU than the rest "
+                        "of a socket's work)")
     a = p.add_argument_group("access")
     a.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require Authorization: Bearer KEY on every route but /health and /metrics (repeatable; "
@@ -218,6 +222,11 @@ def ws_settings(args: argparse.Namespace) -> dict:
     return {"ws_max_message_bytes": args.ws_max_message_bytes, "ws_max_contexts": args.ws_max_contexts,
             "ws_idle_timeout_s": args.ws_idle_timeout, "ws_send_queue": args.ws_send_queue,
             "ws_send_timeout_s": args.ws_send_timeout}
+
+
+def uvicorn_ws_options(args: argparse.Namespace) -> dict:
+    """The uvicorn options the --ws-* flags set (the others reach the socket through ServerSettings)."""
+    return {"ws_per_message_deflate": args.ws_per_message_deflate}
 
 
 def access_settings(args: argparse.Namespace) -> dict:
@@ -400,6 +409,7 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
                             http=guarded_h11(args.timeout_header, slow_share),
                             limit_concurrency=args.max_connections + 1,
+                            **uvicorn_ws_options(args),
                             timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
     log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host,
              listener.getsockname()[1], name, client.info.model_type, dtype, devices or device, topology)

@@ -159,6 +159,28 @@ def session_config(fields: dict[str, Any], current: SessionConfig) -> SessionCon
     return SessionConfig(speech, transport)
 
 
+_ECHO_MAX_CHARS = 2048  # a reference URL is echoed; an inline clip (hundreds of kB of base64) is not
+
+
+def session_echo(config: SessionConfig, sample_rate: int) -> dict:
+    """`session.updated`'s session: what was set, less `input` and any inline data (a clip sent as a data URL or
+    base64, a speaker embedding), which `omitted` names instead. Echoing a clip would send each client its own
+    hundreds of kB back on every update."""
+    session = config.speech.model_dump(exclude_unset=True, exclude={"input"})
+    omitted = []
+    ref = session.get("ref_audio")
+    if ref is not None and (len(ref) > _ECHO_MAX_CHARS or not ref.startswith(("file://", "http://", "https://"))):
+        omitted.append("ref_audio")
+    if session.get("speaker_embedding") is not None:
+        omitted.append("speaker_embedding")
+    for name in omitted:
+        del session[name]
+    session.update(audio_transport=config.transport, sample_rate=config.speech.sample_rate or sample_rate)
+    if omitted:
+        session["omitted"] = omitted
+    return session
+
+
 def default_session(response_format: str = "pcm") -> SessionConfig:
     return SessionConfig(SpeechRequest(input=".", response_format=response_format))
 

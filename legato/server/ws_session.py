@@ -36,6 +36,7 @@ from legato.server.ws_protocol import (
     error_event,
     parse_event,
     session_config,
+    session_echo,
 )
 
 log = logging.getLogger(__name__)
@@ -172,9 +173,7 @@ class StreamSession:
                 raise ProtocolError(f"response_format {fmt} cannot be streamed; streamable: {', '.join(STREAMABLE)}",
                                     "unsupported_format", "response_format", event_id=ev.event_id)
             self.config = config
-            await self._put(_Out({"type": "session.updated", "session": {
-                **config.speech.model_dump(exclude_unset=True, exclude={"input"}), "audio_transport": config.transport,
-                "sample_rate": config.speech.sample_rate or self.rate}}))
+            await self._put(_Out({"type": "session.updated", "session": session_echo(config, self.rate)}))
             return
         ctx = self.contexts.get(ev.context_id)
         if ev.type == "response.cancel":
