@@ -244,7 +244,7 @@ def test_a_reference_clip_sent_again_is_not_encoded_again(loaded, monkeypatch, c
 
     calls = []
     real = inputs.extract_voice
-    monkeypatch.setattr(inputs, "extract_voice", lambda *a: (calls.append(a[2]), real(*a))[1])
+    monkeypatch.setattr(inputs, "extract_voice", lambda *a, **kw: (calls.append(a[2]), real(*a, **kw))[1])
     rng = np.random.default_rng(0)
     clips = [rng.uniform(-0.5, 0.5, 24000).astype(np.float32) for _ in range(3)]
 
@@ -274,6 +274,32 @@ def test_a_reference_clip_sent_again_is_not_encoded_again(loaded, monkeypatch, c
         assert len(calls) == 6 and (cache.hits, cache.misses) == (1, 6)
 
 
+def test_an_x_vector_only_clip_skips_the_codec_encoder_until_a_clone_needs_its_codes(loaded, monkeypatch):
+    """x-vector-only requests use the speaker encoder alone; a clone of the same clip later adds the codes to
+    the cached entry (once), and both get exactly what a fresh extraction gives."""
+    from legato.models.qwen3_tts import inputs
+
+    encodes = []
+    encoder = loaded.speech_tokenizer.encoder
+    real_encode = encoder.encode
+    monkeypatch.setattr(encoder, "encode", lambda wav: (encodes.append(len(wav)), real_encode(wav))[1])
+    clip = np.random.default_rng(1).uniform(-0.5, 0.5, 24000).astype(np.float32)
+    fresh = inputs.extract_voice(loaded, clip, 24000)
+    assert len(encodes) == 1
+    cache = inputs.VoiceCache(4)
+    xvec = cache(loaded, clip, 24000, codes=False)
+    again = cache(loaded, clip, 24000, codes=False)
+    assert xvec.ref_code is None and again.ref_code is None and len(encodes) == 1  # no codec encoder run
+    assert torch.equal(xvec.speaker_embedding, fresh.speaker_embedding)
+    full = cache(loaded, clip, 24000)
+    cache(loaded, clip, 24000)
+    assert len(encodes) == 2 and torch.equal(full.ref_code, fresh.ref_code)  # codes added once, then hits
+    assert (cache.hits, cache.misses) == (2, 2)
+    spec = inputs.build_spec(loaded, SpeechInput("Hi there.", ref_audio=clip, ref_sample_rate=24000,
+                                                 x_vector_only=True), inputs.VoiceCache(4))
+    assert spec.x_vector_only and spec.ref_code is None and len(encodes) == 2
+
+
 def test_a_slow_voice_encode_never_stalls_running_streams(loaded):
     """Admission work (here a reference clip whose encoding blocks) runs off the engine thread: a stream
     already running finishes while the new request's voice is still being encoded, and that request then
@@ -285,7 +311,7 @@ def test_a_slow_voice_encode_never_stalls_running_streams(loaded):
     release = threading.Event()
     entered = threading.Event()
 
-    def slow_voices(loaded_model, samples, rate):
+    def slow_voices(loaded_model, samples, rate, key=None, codes=True):
         entered.set()
         assert release.wait(60), "the test never released the encoder"
         return VoiceFeatures(EMB.clone(), torch.zeros(0, 16, dtype=torch.long))

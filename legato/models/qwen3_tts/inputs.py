@@ -59,7 +59,7 @@ class VoiceFeatures:
     """What a reference clip contributes: the x-vector and (for in-context cloning) its codec codes."""
 
     speaker_embedding: torch.Tensor  # [hidden], float32, CPU
-    ref_code: torch.Tensor  # [T_ref, 16], int64, CPU
+    ref_code: torch.Tensor | None  # [T_ref, 16], int64, CPU; None when only the x-vector was asked for
 
 
 def voice_key(samples: np.ndarray, sample_rate: int) -> str:
@@ -69,10 +69,8 @@ def voice_key(samples: np.ndarray, sample_rate: int) -> str:
     return hashlib.blake2b(arr, digest_size=16, key=str(int(sample_rate)).encode()).hexdigest()
 
 
-@torch.inference_mode()
-def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int, key: str | None = None) -> VoiceFeatures:
-    """Speaker embedding and reference codes of a mono clip (resampled to the codec rate first). `key` is
-    unused: the signature is the one `VoiceCache` shares, so `build_spec` can take either."""
+def _codec_rate_clip(loaded: LoadedModel, samples: np.ndarray, sample_rate: int) -> torch.Tensor:
+    """A mono clip at the codec's input rate, as a tensor the encoders may own; AudioError if too short."""
     if loaded.model.speaker_encoder is None:
         raise PromptError(f"this is a {loaded.config.tts_model_type} model; reference audio needs a Base model")
     rate = loaded.speech_config.input_sample_rate
@@ -81,15 +79,30 @@ def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int, ke
         wav = wav.copy()
     if len(wav) < loaded.model.speaker_encoder.min_samples:
         raise AudioError(f"reference audio too short: {len(wav) / rate:.3f} s")
-    wav_t = torch.from_numpy(wav)
+    return torch.from_numpy(wav)
+
+
+@torch.inference_mode()
+def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int, key: str | None = None,
+                  codes: bool = True) -> VoiceFeatures:
+    """Speaker embedding and (with `codes`) reference codes of a mono clip, resampled to the codec rate first.
+    An x-vector-only request needs no codes: leaving them out skips the codec encoder. `key` is unused: the
+    signature is the one `VoiceCache` shares, so `build_spec` can take either."""
+    wav_t = _codec_rate_clip(loaded, samples, sample_rate)
     embedding = loaded.model.speaker_encoder.embed(wav_t)[0].float().cpu()
-    codes = loaded.speech_tokenizer.encoder.encode(wav_t).cpu()
-    return VoiceFeatures(speaker_embedding=embedding, ref_code=codes)
+    return VoiceFeatures(embedding, loaded.speech_tokenizer.encoder.encode(wav_t).cpu() if codes else None)
+
+
+@torch.inference_mode()
+def voice_codes(loaded: LoadedModel, samples: np.ndarray, sample_rate: int) -> torch.Tensor:
+    """The reference codes alone (`extract_voice`'s second half), for a clip whose x-vector is known."""
+    return loaded.speech_tokenizer.encoder.encode(_codec_rate_clip(loaded, samples, sample_rate)).cpu()
 
 
 class VoiceCache:
     """Voice features by reference clip (a hash of its samples and rate), least recently used out first.
-    Clients that send the same reference clip with every request pay for its encoding once.
+    Clients that send the same reference clip with every request pay for its encoding once. A clip first
+    seen by an x-vector-only request is cached without codes; a clone of it later adds them.
 
     Safe to call from several threads: a lock guards the entries, and a miss encodes under it, so a clip
     that several requests bring at once is encoded once (and the encoders never run two at a time)."""
@@ -101,25 +114,28 @@ class VoiceCache:
         self._lock = threading.Lock()
 
     def __call__(self, loaded: LoadedModel, samples: np.ndarray, sample_rate: int,
-                 key: str | None = None) -> VoiceFeatures:
+                 key: str | None = None, codes: bool = True) -> VoiceFeatures:
         """`extract_voice`, remembered (same signature, so `build_spec` can take it as its `extract`). `key`:
         `voice_key(samples, sample_rate)` if the caller has it already."""
         if self.max_entries <= 0:
-            return extract_voice(loaded, samples, sample_rate)
+            return extract_voice(loaded, samples, sample_rate, codes=codes)
         arr = np.ascontiguousarray(samples, dtype=np.float32)
         key = key or voice_key(arr, sample_rate)
         with self._lock:
             feats = self._entries.get(key)
             if feats is None:
                 self.misses += 1
-                feats = extract_voice(loaded, arr, sample_rate)
-                self._entries[key] = feats
+                feats = self._entries[key] = extract_voice(loaded, arr, sample_rate, codes=codes)
                 while len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)
             else:
-                self.hits += 1
+                if codes and feats.ref_code is None:  # seen x-vector-only so far: its codes now
+                    self.misses += 1
+                    feats.ref_code = voice_codes(loaded, arr, sample_rate)
+                else:
+                    self.hits += 1
                 self._entries.move_to_end(key)
-        return VoiceFeatures(feats.speaker_embedding.clone(), feats.ref_code.clone())
+        return VoiceFeatures(feats.speaker_embedding.clone(), feats.ref_code.clone() if codes else None)
 
 
 def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> PromptSpec:
@@ -142,10 +158,8 @@ def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> 
     if inp.ref_audio is not None:
         if embedding is not None:
             raise PromptError("give either ref_audio or speaker_embedding, not both")
-        if inp.ref_audio_key is None:  # any `extract(loaded, samples, rate)` will do
-            feats = extract(loaded, inp.ref_audio, inp.ref_sample_rate)
-        else:
-            feats = extract(loaded, inp.ref_audio, inp.ref_sample_rate, key=inp.ref_audio_key)
+        feats = extract(loaded, inp.ref_audio, inp.ref_sample_rate, key=inp.ref_audio_key,
+                        codes=not inp.x_vector_only)
         embedding = feats.speaker_embedding
         ref_code = None if inp.x_vector_only else feats.ref_code
     x_vector_only = inp.x_vector_only or (embedding is not None and ref_code is None)
