@@ -7,7 +7,7 @@ if [ -d .whl ]; then  # once per machine: later parts of the same call find them
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl && touch /tmp/site/.installed || exit 1
   fi
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH  # the wheels' scripts (py-spy)
 fi
 # Name the tree in LEGATO_COMMIT on the device: git there reported a42d6bf for later trees (docs/benchmarks.md).
 export PYTHONUNBUFFERED=1 LEGATO_COMMIT=${LEGATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
