@@ -121,6 +121,31 @@ def test_compression_is_off_unless_the_flag_asks_and_session_updated_does_not_ec
             assert "ref_audio" not in session and "speaker_embedding" not in session
 
 
+def test_websockets_never_count_against_the_clients_share_of_slow_connections(loaded):
+    """A WebSocket is a request that finished (its upgrade): however many a client opens one after another,
+    and however long each stays open, none is counted as a connection still sending its request. They were,
+    from 1 s in and forever, so the client's share ran out after 64 sockets and the next ones had an HTTP 429
+    written into their WebSocket stream (the client saw 'reserved bits must be 0')."""
+    import time
+
+    from legato.server.connections import guarded_h11
+
+    protocol = guarded_h11(10.0, slow_per_client=2, slow_after_s=0.1)
+    app = build_app(local_client(loaded), server_settings(loaded, default_max_new_tokens=20, max_new_tokens_limit=512))
+    with LiveServer(app, http=protocol) as server:
+        async def one_socket() -> str:
+            async with connect(f"ws://127.0.0.1:{server.port}{STREAM_PATH}", open_timeout=30) as ws:
+                await asyncio.sleep(0.5)  # past slow_after_s: a slow-connection timer left armed has fired
+                await ws.send(json.dumps({"type": "session.update", "session": {"seed": 1}}))
+                return json.loads(await asyncio.wait_for(ws.recv(), 30))["type"]
+
+        assert [asyncio.run(one_socket()) for _ in range(5)] == ["session.updated"] * 5
+        deadline = time.monotonic() + 30
+        while protocol.slow.held("127.0.0.1") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert protocol.slow.held("127.0.0.1") == 0
+
+
 def test_the_example_client_streams_and_cancels(loaded, tmp_path):
     import importlib.util
     from pathlib import Path

@@ -93,6 +93,14 @@ class _GuardedH11(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.transport.get_protocol() is not self:
+            # Upgraded to a WebSocket: the connection is no longer ours, and its h11 state stays in SEND_BODY
+            # (uvicorn hands over at the request head). Left armed, the timer counted every socket as slow
+            # and never released it (connection_lost goes to the WebSocket protocol); past the client's share
+            # the next one had a 429 written into its WebSocket stream.
+            self._cancel_head_timer()
+            self._not_slow()
+            return
         # IDLE: the request head is not complete yet (a first request, or the next one on a kept-alive
         # connection, whose first bytes cancelled uvicorn's keep-alive timer).
         if self.conn.their_state is h11.IDLE:
