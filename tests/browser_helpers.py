@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -35,13 +36,13 @@ class Browser:
     async def __aenter__(self) -> Browser:
         from websockets.asyncio.client import connect
 
-        self._profile = tempfile.TemporaryDirectory(prefix="legato-chromium-")
+        self._profile = tempfile.mkdtemp(prefix="legato-chromium-")
         self.proc = subprocess.Popen(
             [self.binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--no-first-run", "--no-default-browser-check", "--remote-debugging-address=127.0.0.1",
-             "--remote-debugging-port=0", f"--user-data-dir={self._profile.name}",
+             "--remote-debugging-port=0", f"--user-data-dir={self._profile}",
              "--autoplay-policy=no-user-gesture-required", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         url = await asyncio.to_thread(self._devtools_url)
         self.ws = await connect(url, max_size=None, open_timeout=self.timeout_s)
         return self
@@ -64,12 +65,32 @@ class Browser:
     async def __aexit__(self, *exc) -> None:
         with contextlib.suppress(Exception):
             await self.ws.close()
-        self.proc.terminate()
+        # The whole process group: Chromium's helper processes outlive its main one for a moment and kept
+        # writing into the profile while it was being removed ("Directory not empty", 1 run in ~10).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             await asyncio.to_thread(self.proc.wait, 10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._profile.cleanup()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(self.proc.wait, 10)
+        await asyncio.to_thread(self._remove_profile)
+
+    def _remove_profile(self, deadline_s: float = 10.0) -> None:
+        """Removes the profile, retrying while a straggling helper process still writes into it (bounded)."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                shutil.rmtree(self._profile)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    shutil.rmtree(self._profile, ignore_errors=True)
+                    return
+                time.sleep(0.05)
 
     async def call(self, method: str, params: dict | None = None, session: str | None = None) -> dict:
         msg_id = next(self._ids)
