@@ -159,9 +159,10 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                     bench += ["--stream-text", "--text-rate", args.text_rate]
                 t1 = time.monotonic()
                 spy = None
-                if f"{mode}:{conc}" in args.profile.split(",") and shutil.which("py-spy") is None:
+                profiled = f"{mode}:{conc}" in args.profile.split(",")  # a sampling profile of the server
+                if profiled and shutil.which("py-spy") is None:
                     print(f"[{stem}] py-spy is not on PATH: no profile of this cell", flush=True)
-                elif f"{mode}:{conc}" in args.profile.split(","):  # a sampling profile of the server during this cell
+                elif profiled:
                     spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration",
                                             str(args.profile_seconds), "--rate", "100", "--format", "raw",
                                             "--nonblocking", "--threads", "--subprocesses", "--output",

@@ -90,13 +90,17 @@ def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int, ke
     signature is the one `VoiceCache` shares, so `build_spec` can take either."""
     wav_t = _codec_rate_clip(loaded, samples, sample_rate)
     embedding = loaded.model.speaker_encoder.embed(wav_t)[0].float().cpu()
-    return VoiceFeatures(embedding, loaded.speech_tokenizer.encoder.encode(wav_t).cpu() if codes else None)
+    return VoiceFeatures(embedding, _ref_codes(loaded, wav_t) if codes else None)
 
 
 @torch.inference_mode()
 def voice_codes(loaded: LoadedModel, samples: np.ndarray, sample_rate: int) -> torch.Tensor:
     """The reference codes alone (`extract_voice`'s second half), for a clip whose x-vector is known."""
-    return loaded.speech_tokenizer.encoder.encode(_codec_rate_clip(loaded, samples, sample_rate)).cpu()
+    return _ref_codes(loaded, _codec_rate_clip(loaded, samples, sample_rate))
+
+
+def _ref_codes(loaded: LoadedModel, wav_t: torch.Tensor) -> torch.Tensor:
+    return loaded.speech_tokenizer.encoder.encode(wav_t).cpu()
 
 
 class VoiceCache:
