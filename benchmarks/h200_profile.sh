@@ -3,7 +3,7 @@
 #   1. the engine alone (engine_loop.py, 256 live streams, 6 x 256 requests), 5 s of its measured loop,
 #      plus a torch.profiler window that names the host phase open when the GPU idles;
 #   2. the server and its worker (serving_speed.py, c=256, 1,024 prompts so the cell is long), 8 s.
-# Random 0.6B Base weights, fixed lengths (EOS ignored). OUT: a results folder.
+# C sets the concurrency (256), PROMPTS the served cell (4 x C). Random 0.6B Base weights, fixed lengths (EOS ignored). OUT: a results folder.
 set -uo pipefail
 . "$(dirname "$0")/h200_env.sh"
 export PATH=/tmp/site/bin:$PATH PYTHONPATH=.:$PYTHONPATH
@@ -25,7 +25,7 @@ wait $pid
 grep '^{' "$OUT/loop-c$C.log" | cut -c1-600
 timeout ${T2:-300} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
   --client-procs 2 --startup-timeout 200 --cell-timeout 150 --variant new=.:legato --concurrency $C \
-  --max-num-seqs $C --min-prompts $((4 * C)) --max-prompts $((4 * C)) --profile xvec:$C --profile-seconds 8 \
+  --max-num-seqs $C --min-prompts ${PROMPTS:-$((4 * C))} --max-prompts ${PROMPTS:-$((4 * C))} --profile xvec:$C --profile-seconds 8 \
   --out /tmp/served 2>&1 | grep -v '^{' | tail -6
 cp /tmp/served/summary.json "$OUT/served-c$C.json"
 cp /tmp/served/profile-*.txt "$OUT/" 2>/dev/null
