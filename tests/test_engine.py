@@ -290,6 +290,32 @@ def test_a_failing_step_fails_its_requests_not_the_engine(root, monkeypatch):
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
 
 
+def test_a_step_fault_fails_the_requests_it_was_starting_too(root):
+    """A decode fault in a step that also admits a request fails that request as well: it is never left
+    scheduled without its slot state, and its blocks come back."""
+    lm = tiny_model(root, "base")
+    spec = build_spec(lm, base_inputs()[0])
+    engine = Engine(lm, engine_config())
+    original = engine.runner.decode
+    faults = []
+
+    def boom(work):
+        if "late" in engine.live and not faults:
+            faults.append(len(work))
+            raise RuntimeError("injected device fault")
+        return original(work)
+
+    engine.runner.decode = boom
+    got = run_all(engine, [EngineRequest("early", spec, greedy(8))],
+                  join_at={2: [EngineRequest("late", spec, greedy(8))]})
+    assert faults == [1]
+    assert got.finished == {"early": "error", "late": "error"}
+    assert "injected device fault" in got.errors["late"]
+    after = run_all(engine, [EngineRequest("next", spec, greedy(6))])
+    assert after.finished["next"] == "length"
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
 def test_a_failing_codec_open_fails_only_that_request(root, monkeypatch):
     """Admission work (slot reset, codec priming) fails the one request; the step and the engine go on."""
     lm = tiny_model(root, "base")

@@ -107,7 +107,9 @@ class LocalEngineClient(EngineClient):
             loop = asyncio.get_running_loop()
             seconds = await loop.run_in_executor(None, self.engine.warm_up)
             if self.engine.codec is not None or self.loaded.model.speaker_encoder is not None:
-                seconds += await loop.run_in_executor(None, self._warm_up_voices)
+                # On the admission thread, which runs every later encode: cuDNN and cuBLAS keep a handle per
+                # thread, and the first request with a voice would otherwise create them.
+                seconds += await loop.run_in_executor(self._admission, self._warm_up_voices)
             log.info("engine warmed up in %.1f s (first-use compilation and graph capture done before serving)",
                      seconds)
         self._thread.start()
