@@ -300,26 +300,65 @@ def test_an_x_vector_only_clip_skips_the_codec_encoder_until_a_clone_needs_its_c
     assert spec.x_vector_only and spec.ref_code is None and len(encodes) == 2
 
 
-def test_a_slow_voice_encode_never_stalls_running_streams(loaded):
+def test_the_voice_cache_encodes_a_clip_once_and_a_lookup_never_waits(loaded, monkeypatch):
+    """Two threads bringing one new clip: one encodes, the other waits for that encode and gets the same
+    features. Meanwhile a lookup of a cached clip answers at once, and one of the clip being encoded says
+    it is not there yet."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from legato.models.qwen3_tts import inputs
+
+    real = inputs.extract_voice
+    release, entered, calls = threading.Event(), threading.Event(), []
+    rng = np.random.default_rng(4)
+    known, new = rng.uniform(-0.5, 0.5, 30000).astype(np.float32), rng.uniform(-0.5, 0.5, 24000).astype(np.float32)
+
+    def extract(loaded_model, samples, rate, key=None, codes=True):
+        calls.append(len(samples))
+        if len(samples) == len(new):
+            entered.set()
+            assert release.wait(60), "the test never released the encoder"
+        return real(loaded_model, samples, rate, codes=codes)
+
+    monkeypatch.setattr(inputs, "extract_voice", extract)
+    cache = inputs.VoiceCache(4)
+    cache(loaded, known, 24000)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(cache, loaded, new, 24000)
+        assert entered.wait(30)
+        second = pool.submit(cache, loaded, new, 24000)
+        try:
+            assert cache.lookup(inputs.voice_key(known, 24000)) is not None
+            assert cache.lookup(inputs.voice_key(new, 24000)) is None
+        finally:
+            release.set()
+        a, b = first.result(60), second.result(60)
+    assert calls == [len(known), len(new)]
+    assert torch.equal(a.speaker_embedding, b.speaker_embedding) and torch.equal(a.ref_code, b.ref_code)
+    assert (cache.hits, cache.misses) == (2, 2)
+
+
+def test_a_slow_voice_encode_never_stalls_running_streams(loaded, monkeypatch):
     """Admission work (here a reference clip whose encoding blocks) runs off the engine thread: a stream
     already running finishes while the new request's voice is still being encoded, and that request then
     runs normally."""
     import threading
 
-    from legato.models.qwen3_tts.inputs import VoiceFeatures
+    from legato.models.qwen3_tts import inputs
 
     release = threading.Event()
     entered = threading.Event()
 
-    def slow_voices(loaded_model, samples, rate, key=None, codes=True):
+    def slow_extract(loaded_model, samples, rate, key=None, codes=True):
         entered.set()
         assert release.wait(60), "the test never released the encoder"
-        return VoiceFeatures(EMB.clone(), torch.zeros(0, 16, dtype=torch.long))
+        return inputs.VoiceFeatures(EMB.clone(), torch.zeros(0, 16, dtype=torch.long))
 
     async def main():
         client = make_client(loaded)
-        client.voices = slow_voices
         await client.start()
+        monkeypatch.setattr(inputs, "extract_voice", slow_extract)  # after the start-up's own encode
         clip = SpeechInput("Hello there.", language="english", ref_audio=np.zeros(24000, np.float32),
                            x_vector_only=True)
         blocked = None
@@ -342,6 +381,54 @@ def test_a_slow_voice_encode_never_stalls_running_streams(loaded):
     running, late = asyncio.run(main())
     assert running[-1].finish_reason == "length" and running[-1].num_frames == 12
     assert late[-1].finish_reason == "length" and late[-1].num_frames == 4
+
+
+def test_a_new_clip_encoding_never_holds_up_requests_whose_voice_is_known(loaded, monkeypatch):
+    """A new reference clip is encoded on its own thread: while its encode blocks, requests with a cached clip
+    or a speaker embedding are admitted and finish, and each gets what it would have got alone."""
+    import threading
+
+    from legato.models.qwen3_tts import inputs
+
+    rng = np.random.default_rng(3)
+    known_clip, new_clip = (rng.uniform(-0.5, 0.5, 24000).astype(np.float32) for _ in range(2))
+    real = inputs.extract_voice
+    release, entered = threading.Event(), threading.Event()
+
+    def extract(loaded_model, samples, rate, key=None, codes=True):
+        if np.array_equal(samples, new_clip):
+            entered.set()
+            assert release.wait(60), "the test never released the encoder"
+        return real(loaded_model, samples, rate, codes=codes)
+
+    def clone(rid, clip):
+        inp = SpeechInput("Cloned speech.", language="english", ref_audio=clip, ref_text="A reference transcript.")
+        return SynthesisRequest(rid, inp, SamplingParams(seed=5, max_new_tokens=5))
+
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            alone = await collect(client, clone("known-alone", known_clip))  # encodes it: cached from now on
+            monkeypatch.setattr(inputs, "extract_voice", extract)
+            blocked = asyncio.create_task(collect(client, clone("new", new_clip)))
+            assert await asyncio.to_thread(entered.wait, 30)
+            known = await asyncio.wait_for(collect(client, clone("known", known_clip)), 60)
+            plain = await asyncio.wait_for(collect(client, request("embedding", frames=4)), 60)
+            assert not blocked.done()  # all the while, the new clip was still encoding
+            release.set()
+            late = await asyncio.wait_for(blocked, 60)
+        finally:
+            release.set()
+            await client.stop()
+        return alone, known, plain, late, client.voices
+
+    alone, known, plain, late, voices = asyncio.run(main())
+    codes = [np.concatenate([c.codes for c in chunks]) for chunks, _ in (alone, known)]
+    assert np.array_equal(codes[0], codes[1])
+    assert known[0][-1].finish_reason == "length" and plain[0][-1].finish_reason == "length"
+    assert late[0][-1].finish_reason == "length"
+    assert (voices.hits, voices.misses) == (1, 2)
 
 
 def test_stats_count_steps_and_the_loop_time_around_them(loaded):

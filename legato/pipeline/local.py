@@ -30,7 +30,14 @@ from legato.engine.engine import Engine, EngineRequest, RequestOutput
 from legato.engine.scheduler import DuplicateRequestError, QueueFullError, RequestTooLargeError
 from legato.kv_transfer.handoff import Handoff, LayoutMismatch
 from legato.models.qwen3_tts.audio import AudioError
-from legato.models.qwen3_tts.inputs import VoiceCache, VoiceFeatures, build_spec, extract_voice
+from legato.models.qwen3_tts.inputs import (
+    SpeechInput,
+    VoiceCache,
+    VoiceFeatures,
+    build_spec,
+    extract_voice,
+    voice_key,
+)
 from legato.models.qwen3_tts.loader import LoadedModel
 from legato.models.qwen3_tts.prompt import PromptError, open_text_missing, with_more_text
 from legato.models.qwen3_tts.sampling import SamplingParamsError
@@ -77,6 +84,9 @@ class LocalEngineClient(EngineClient):
         self.voices = VoiceCache(config.voice_cache_size)  # used by the admission thread (it is thread-safe)
         # One thread: requests reach the engine in the order they arrived, as when the engine prepared them.
         self._admission = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admission")
+        # Reference clips the voice cache lacks are encoded here, so that admission, which every request passes
+        # through, never waits behind an encode (see `_voice_of`).
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voice-encoder")
         self.info = ModelInfo.from_configs(name, loaded.config, loaded.speech_config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -107,9 +117,9 @@ class LocalEngineClient(EngineClient):
             loop = asyncio.get_running_loop()
             seconds = await loop.run_in_executor(None, self.engine.warm_up)
             if self.engine.codec is not None or self.loaded.model.speaker_encoder is not None:
-                # On the admission thread, which runs every later encode: cuDNN and cuBLAS keep a handle per
+                # On the encoder thread, which runs every later encode: cuDNN and cuBLAS keep a handle per
                 # thread, and the first request with a voice would otherwise create them.
-                seconds += await loop.run_in_executor(self._admission, self._warm_up_voices)
+                seconds += await loop.run_in_executor(self._encoder, self._warm_up_voices)
             log.info("engine warmed up in %.1f s (first-use compilation and graph capture done before serving)",
                      seconds)
         self._thread.start()
@@ -133,6 +143,7 @@ class LocalEngineClient(EngineClient):
         self._submit(("stop", grace_s))
         await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, grace_s + 30.0)
         self._admission.shutdown(wait=False, cancel_futures=True)
+        self._encoder.shutdown(wait=False, cancel_futures=True)
 
     def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         # A text_open request takes text from the moment it is asked for, even before its stream is iterated:
@@ -149,7 +160,8 @@ class LocalEngineClient(EngineClient):
                 raise RequestRejected(409, f"duplicate request id {req.request_id!r}")
             if self._stopping:
                 raise RequestRejected(503, "server is shutting down")
-            prepared = await self._on_admission_thread(self._engine_request, req)
+            voice = await self._voice_of(req.input)
+            prepared = await self._on_admission_thread(self._engine_request, req, voice)
             if prepared.prompt is None:  # an in-context clone whose open text does not fill its prompt yet
                 if req.handoff_only:  # its text goes to the decode side, so this side would wait forever
                     raise RequestRejected(400, "prefill-decode cannot take an in-context clone's streaming text "
@@ -264,20 +276,52 @@ class LocalEngineClient(EngineClient):
     async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
         if self._stopping or self._closed:  # a worker whose engine is gone takes no work of any kind
             raise RequestRejected(503, "the engine is not running")
-        return await self._on_admission_thread(self.voices, self.loaded, samples, sample_rate)
+        return await self._on_thread(self._encoder, self.voices, self.loaded, samples, sample_rate)
+
+    async def _voice_of(self, inp: SpeechInput) -> VoiceFeatures | None:
+        """The voice of a request's reference clip, found in the cache or encoded on the encoder thread before
+        the request goes to admission (None: no clip, or admission should see to it). A new clip's encode takes
+        ~5-75 ms on the H200, most for a clip length the process has not seen; on the admission thread every
+        request queued behind it waited that long, however known its own voice.
+
+        Only a request that may be valid is encoded here; admission checks every request as before, and an
+        encode that fails here is left to admission too, which fails the request with the same message."""
+        if (inp.ref_audio is None or inp.speaker_embedding is not None or self.loaded.model.speaker_encoder is None
+                or not (inp.text_ids is not None or (isinstance(inp.text, str) and inp.text.strip()))
+                or not (inp.x_vector_only or inp.ref_text)):
+            return None
+        codes, key = not inp.x_vector_only, inp.ref_audio_key
+        if self.voices.max_entries > 0:
+            if key is None:  # the server keys the clips it decodes; other callers' clips are keyed here (< 1 ms)
+                try:
+                    key = voice_key(inp.ref_audio, inp.ref_sample_rate)
+                except (TypeError, ValueError):
+                    return None
+            known = self.voices.lookup(key, codes)
+            if known is not None:
+                return known
+        try:
+            return await self._on_thread(self._encoder, self.voices, self.loaded, inp.ref_audio,
+                                         inp.ref_sample_rate, key, codes)
+        except RequestRejected:
+            return None
 
     async def _on_admission_thread(self, fn, *args):
         """`fn(*args)` on the admission thread; what it raises comes back as a RequestRejected."""
+        return await self._on_thread(self._admission, fn, *args)
+
+    async def _on_thread(self, executor: ThreadPoolExecutor, fn, *args):
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._admission, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
         except Exception as e:
             if isinstance(e, RuntimeError) and self._stopping:  # the executor was shut down under us
                 raise RequestRejected(503, "server is shutting down") from e
             raise rejection(e) from e
 
-    def _engine_request(self, req: SynthesisRequest) -> EngineRequest:
-        """Admission thread: tokenises, encodes the voice and builds the prompt's embeddings."""
-        spec = build_spec(self.loaded, req.input, self.voices)
+    def _engine_request(self, req: SynthesisRequest, voice: VoiceFeatures | None = None) -> EngineRequest:
+        """Admission thread: tokenises, takes the voice (`voice`, else the cache, encoding a clip it lacks)
+        and builds the prompt's embeddings."""
+        spec = build_spec(self.loaded, req.input, self.voices if voice is None else (lambda *a, **k: voice))
         if req.text_open:
             spec = dataclasses.replace(spec, text_open=True)
         return EngineRequest(

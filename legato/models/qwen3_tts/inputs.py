@@ -108,14 +108,24 @@ class VoiceCache:
     Clients that send the same reference clip with every request pay for its encoding once. A clip first
     seen by an x-vector-only request is cached without codes; a clone of it later adds them.
 
-    Safe to call from several threads: a lock guards the entries, and a miss encodes under it, so a clip
-    that several requests bring at once is encoded once (and the encoders never run two at a time)."""
+    Safe to call from several threads. A lock guards the entries but is never held while an encoder runs, so
+    `lookup` of a cached clip never waits for another clip's encode. A clip that several requests bring at
+    once is encoded once (the others wait for that encode), and the encoders never run two at a time."""
 
     def __init__(self, max_entries: int = 256) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[str, VoiceFeatures] = OrderedDict()
         self.hits = self.misses = 0
         self._lock = threading.Lock()
+        self._encoding: dict[str, threading.Event] = {}  # clip key -> set when its encode ends (or fails)
+        self._encoder = threading.Lock()
+
+    def lookup(self, key: str, codes: bool = True) -> VoiceFeatures | None:
+        """The clip's features if cached (with codes, if `codes`), counted as a hit; None otherwise, counted
+        as nothing (the call that encodes it counts the miss). Never waits for an encode."""
+        with self._lock:
+            feats = self._hit(key, codes)
+        return None if feats is None else _copy(feats, codes)
 
     def __call__(self, loaded: LoadedModel, samples: np.ndarray, sample_rate: int,
                  key: str | None = None, codes: bool = True) -> VoiceFeatures:
@@ -125,21 +135,48 @@ class VoiceCache:
             return extract_voice(loaded, samples, sample_rate, codes=codes)
         arr = np.ascontiguousarray(samples, dtype=np.float32)
         key = key or voice_key(arr, sample_rate)
-        with self._lock:
-            feats = self._entries.get(key)
-            if feats is None:
+        while True:
+            with self._lock:
+                feats = self._hit(key, codes)
+                if feats is not None:
+                    return _copy(feats, codes)
+                running = self._encoding.get(key)
+                if running is None:
+                    done = self._encoding[key] = threading.Event()
+                    known = self._entries.get(key)  # x-vector only so far, when codes are wanted now
+                    break
+            running.wait()  # that encode ends (its own duration bounds this); then look again
+        try:
+            with self._encoder:
+                if known is None:
+                    feats = extract_voice(loaded, arr, sample_rate, codes=codes)
+                else:
+                    feats = VoiceFeatures(known.speaker_embedding, voice_codes(loaded, arr, sample_rate))
+            with self._lock:
                 self.misses += 1
-                feats = self._entries[key] = extract_voice(loaded, arr, sample_rate, codes=codes)
+                self._entries[key] = feats
+                self._entries.move_to_end(key)
                 while len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)
-            else:
-                if codes and feats.ref_code is None:  # seen x-vector-only so far: its codes now
-                    self.misses += 1
-                    feats.ref_code = voice_codes(loaded, arr, sample_rate)
-                else:
-                    self.hits += 1
-                self._entries.move_to_end(key)
-        return VoiceFeatures(feats.speaker_embedding.clone(), feats.ref_code.clone() if codes else None)
+        finally:
+            with self._lock:
+                del self._encoding[key]
+            done.set()
+        return _copy(feats, codes)
+
+    def _hit(self, key: str, codes: bool) -> VoiceFeatures | None:
+        """Under the lock: a cached entry that serves `codes`, made most recent and counted."""
+        feats = self._entries.get(key)
+        if feats is None or (codes and feats.ref_code is None):
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return feats
+
+
+def _copy(feats: VoiceFeatures, codes: bool) -> VoiceFeatures:
+    """A caller's own copy of cached features (the prompt builder may write to what it gets)."""
+    return VoiceFeatures(feats.speaker_embedding.clone(), feats.ref_code.clone() if codes else None)
 
 
 def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> PromptSpec:
