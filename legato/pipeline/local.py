@@ -4,7 +4,8 @@ The engine thread owns the engine: it drains a command inbox, steps, and hands e
 that request's asyncio queue through `call_soon_threadsafe`. Nothing else touches the engine, so no locks
 guard it. What a request needs before it can queue (tokenising, the voice features of its reference clip,
 the prompt's embeddings) is prepared on an admission thread, so the engine thread spends its time stepping:
-at 64 streams on an H200 that preparation was a quarter of the engine thread's time.
+at 64 streams on an H200 that preparation was a quarter of the engine thread's time. A reference clip the
+voice cache lacks is encoded before that, on an encoder thread, so admission never waits behind an encode.
 
 The one lock guards the inbox's end of life: once the thread exits (stopped or crashed) nothing more is
 queued and whatever was queued is refused with 503, so no caller waits forever.
@@ -81,7 +82,7 @@ class LocalEngineClient(EngineClient):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, name: str = "legato") -> None:
         self.loaded = loaded
         self.engine = Engine(loaded, config)
-        self.voices = VoiceCache(config.voice_cache_size)  # used by the admission thread (it is thread-safe)
+        self.voices = VoiceCache(config.voice_cache_size)  # used by the encoder and admission threads (thread-safe)
         # One thread: requests reach the engine in the order they arrived, as when the engine prepared them.
         self._admission = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admission")
         # Reference clips the voice cache lacks are encoded here, so that admission, which every request passes
