@@ -223,29 +223,38 @@ def run(lm, args, variant: str) -> dict:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="0.6B")
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The closed loop's shape and the model (shared with loop_diag.py and voice_first_use.py)."""
+    ap.add_argument("--size", default="0.6B", help="0.6B or 1.7B (random weights), or tiny (a CPU smoke run)")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--frames", default="25,50", help="min,max frames per request (2-4 s of audio)")
     ap.add_argument("--mode", default="xvec", choices=("xvec", "clone"))
     ap.add_argument("--ref-frames", type=int, default=60)
+
+
+def random_base_model(size: str, device: str):
+    """A Base model of `size` with random weights in bf16; `tiny`: the tests' config in fp32."""
+    if size == "tiny":
+        from legato.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
+
+        return random_model(tiny_config(), tiny_speech_tokenizer_config(), device=device, dtype=torch.float32)
+    return random_model(preset(size, "base"), SpeechTokenizerConfig(), device=device, dtype=torch.bfloat16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
     ap.add_argument("--variants", default="default,no-audio,sync,default+trace")
     ap.add_argument("--trace-steps", type=int, default=0, help="profile this many steps (0: none)")
     ap.add_argument("--trace-after", type=int, default=150, help="steps before the profiled window")
     ap.add_argument("--trace-out", default=None, help="path prefix for chrome traces")
     ap.add_argument("--out", default=None)
     ap.add_argument("--ready-file", default=None, help="created when the measured loop starts")
-    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    if args.size == "tiny":  # a CPU smoke run of this script
-        from legato.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
-
-        lm = random_model(tiny_config(), tiny_speech_tokenizer_config(), device=args.device, dtype=torch.float32)
-    else:
-        lm = random_model(preset(args.size, "base"), SpeechTokenizerConfig(), device=args.device, dtype=torch.bfloat16)
+    lm = random_base_model(args.size, args.device)
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
               "commit": os.environ.get("LEGATO_COMMIT", "?"), "args": vars(args), "rows": []}
     for variant in args.variants.split(","):

@@ -31,13 +31,11 @@ from collections import Counter
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_loop import make_request  # noqa: E402
+from engine_loop import add_workload_args, make_request, random_base_model  # noqa: E402
 
 from legato.engine.config import EngineConfig  # noqa: E402
 from legato.engine.engine import Engine  # noqa: E402
 from legato.engine.step_copies import PendingCopy  # noqa: E402
-from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset  # noqa: E402
-from legato.models.qwen3_tts.testing import random_model  # noqa: E402
 
 
 class Compiles:
@@ -269,28 +267,16 @@ def burst(engine: Engine, lm, args, compiles: Compiles, first_id: int, trace: tu
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="0.6B")
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--frames", default="25,50")
-    ap.add_argument("--mode", default="xvec", choices=("xvec", "clone"))
-    ap.add_argument("--ref-frames", type=int, default=60)
+    add_workload_args(ap)
     ap.add_argument("--bursts", type=int, default=2)
     ap.add_argument("--sync-burst", action="store_true")
     ap.add_argument("--trace-steps", type=int, default=0)
     ap.add_argument("--trace-after", type=int, default=40, help="steps of the traced burst before the window")
     ap.add_argument("--trace-out", default="/tmp/loop-trace.json.gz")
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     compiles = Compiles()
-    if args.size == "tiny":  # a CPU smoke run of this script
-        from legato.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
-
-        lm = random_model(tiny_config(), tiny_speech_tokenizer_config(), device=args.device, dtype=torch.float32)
-    else:
-        lm = random_model(preset(args.size, "base"), SpeechTokenizerConfig(), device=args.device, dtype=torch.bfloat16)
+    lm = random_base_model(args.size, args.device)
     cfg = EngineConfig(device=args.device, dtype="bfloat16" if args.size != "tiny" else "float32",
                        max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.6)
     t = time.perf_counter()

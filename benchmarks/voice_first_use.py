@@ -13,15 +13,17 @@ import argparse
 import glob
 import json
 import os
+import sys
 import threading
 import time
 
 import soundfile as sf
 import torch
 
-from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset
-from legato.models.qwen3_tts.inputs import SpeechInput, VoiceCache, build_spec, extract_voice
-from legato.models.qwen3_tts.testing import random_model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_loop import random_base_model  # noqa: E402
+
+from legato.models.qwen3_tts.inputs import SpeechInput, VoiceCache, build_spec, extract_voice  # noqa: E402
 
 
 def main() -> None:
@@ -36,12 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.no_cudnn:
         torch.backends.cudnn.enabled = False
-    if args.size == "tiny":
-        from legato.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
-
-        lm = random_model(tiny_config(), tiny_speech_tokenizer_config(), device=args.device, dtype=torch.float32)
-    else:
-        lm = random_model(preset(args.size, "base"), SpeechTokenizerConfig(), device=args.device, dtype=torch.bfloat16)
+    lm = random_base_model(args.size, args.device)
     clips = [(os.path.basename(p), *sf.read(p, dtype="float32")) for p in sorted(glob.glob(f"{args.voices}/*.wav"))]
     warm_s = None
     if args.warm_elsewhere:
