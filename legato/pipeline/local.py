@@ -83,7 +83,8 @@ class LocalEngineClient(EngineClient):
         self.loaded = loaded
         self.engine = Engine(loaded, config)
         self.voices = VoiceCache(config.voice_cache_size)  # used by the encoder and admission threads (thread-safe)
-        # One thread: requests reach the engine in the order they arrived, as when the engine prepared them.
+        # One thread: requests reach the engine in the order they arrived, as when the engine prepared them
+        # (one with a new reference clip joins that order once its clip is encoded).
         self._admission = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admission")
         # Reference clips the voice cache lacks are encoded here, so that admission, which every request passes
         # through, never waits behind an encode (see `_voice_of`).
