@@ -37,6 +37,7 @@ from legato.models.qwen3_tts.inputs import (
     VoiceFeatures,
     build_spec,
     extract_voice,
+    reaches_voice,
     voice_key,
 )
 from legato.models.qwen3_tts.loader import LoadedModel
@@ -286,11 +287,9 @@ class LocalEngineClient(EngineClient):
         ~5-75 ms on the H200, most for a clip length the process has not seen; on the admission thread every
         request queued behind it waited that long, however known its own voice.
 
-        Only a request that may be valid is encoded here; admission checks every request as before, and an
-        encode that fails here is left to admission too, which fails the request with the same message."""
-        if (inp.ref_audio is None or inp.speaker_embedding is not None or self.loaded.model.speaker_encoder is None
-                or not (inp.text_ids is not None or (isinstance(inp.text, str) and inp.text.strip()))
-                or not (inp.x_vector_only or inp.ref_text)):
+        Only a clip `build_spec` would encode is encoded here; admission checks every request as before, and
+        an encode that fails here is left to admission too, which fails the request with the same message."""
+        if not reaches_voice(inp):
             return None
         codes, key = not inp.x_vector_only, inp.ref_audio_key
         if self.voices.max_entries > 0:
@@ -309,10 +308,10 @@ class LocalEngineClient(EngineClient):
             return None
 
     async def _on_admission_thread(self, fn, *args):
-        """`fn(*args)` on the admission thread; what it raises comes back as a RequestRejected."""
         return await self._on_thread(self._admission, fn, *args)
 
     async def _on_thread(self, executor: ThreadPoolExecutor, fn, *args):
+        """`fn(*args)` on `executor`'s thread; what it raises comes back as a RequestRejected."""
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
         except Exception as e:

@@ -179,6 +179,17 @@ def _copy(feats: VoiceFeatures, codes: bool) -> VoiceFeatures:
     return VoiceFeatures(feats.speaker_embedding.clone(), feats.ref_code.clone() if codes else None)
 
 
+def reaches_voice(inp: SpeechInput) -> bool:
+    """Whether `build_spec` gets as far as encoding `inp`'s reference clip: it has one, no speaker embedding
+    beside it, and text that passes the checks `build_spec` makes first. A caller that encodes clips ahead
+    of `build_spec` encodes only these, so a request refused on its text costs no encode."""
+    if inp.ref_audio is None or inp.speaker_embedding is not None:
+        return False
+    if inp.text_ids is not None:
+        return not inp.text
+    return isinstance(inp.text, str) and bool(inp.text.strip())
+
+
 def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> PromptSpec:
     """Tokenises and, for reference audio, encodes the voice (with `extract`: `extract_voice` or a
     `VoiceCache`); raises PromptError/AudioError for bad input."""
