@@ -3,7 +3,11 @@
 
 Records every conv GEMM of one `StreamingCodecDecoder.step` (full-size, bf16) at each cell (streams x frames),
 then times each heavy one (more than `--min-gflop`) with each candidate config, beside the same conv as a
-torch im2col + cuBLAS matmul, and the whole step by kernel. Prints the best config per conv.
+torch im2col + cuBLAS matmul. Candidates: "None" is the tree's own choice, "tap" the same tiles with K blocked
+per tap (the kernel before flat K), then the CONFIGS, and WIDE ones (two column blocks, 64 + 32 wide and
+the like) for channel counts that are not a power of two. Prints the best config per conv, then times the whole
+step as one graph replay with the tree's choices and with each conv's best, and lists an eager step's kernels
+one by one (`launches`).
 
     python3 benchmarks/codec_tune.py --cells 64x1,256x4 --out /tmp/tune.json
 """
@@ -11,10 +15,12 @@ torch im2col + cuBLAS matmul, and the whole step by kernel. Prints the best conf
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 
 import torch
 import triton.testing
+from codec_step import time_step  # benchmarks/ is the script's own folder
 
 from legato.layers import causal_conv as cc
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
@@ -26,16 +32,21 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
     (64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4),
     (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
 ]
+WIDE = [  # (..., BLOCK_N2): tried where BLOCK_N < Cout <= BLOCK_N + BLOCK_N2
+    (256, 64, 64, 8, 3, 32), (256, 64, 32, 8, 4, 32), (128, 64, 64, 4, 3, 32), (128, 64, 32, 4, 4, 32),
+    (128, 64, 64, 8, 3, 32), (64, 64, 64, 4, 3, 32),
+    (128, 128, 64, 8, 3, 64), (64, 128, 64, 4, 3, 64), (128, 128, 32, 8, 4, 64), (128, 128, 64, 4, 3, 64),
+]
 
 
 def record(codec: StreamingCodecDecoder, b: int, n: int) -> list[dict]:
     calls = []
     launch = cc._launch_conv
 
-    def spy(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None):
+    def spy(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, **kw):
         calls.append(dict(p=p, weight=weight, bias=bias, length=length, taps=taps, dil=dil, phases=phases,
                           epilogue=epilogue, epi=epi, out=out))
-        return launch(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config)
+        return launch(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config, **kw)
 
     cc._launch_conv = spy
     try:
@@ -65,6 +76,59 @@ def codecs_per_cell(cells: str):
         yield cell, b, n, StreamingCodecDecoder(base, b + 1, dtype=torch.bfloat16)
 
 
+def choice(name: str):
+    """(config, flat) of a candidate's name."""
+    if name == "None":
+        return None, None
+    if name == "tap":
+        return None, False
+    return ast.literal_eval(name), None
+
+
+def whole_step(codec: StreamingCodecDecoder, cell: str, b: int, n: int, rows: list[dict]) -> dict:
+    """The step as one graph replay (ms) with the tree's choices ("default"), with K blocked per tap everywhere
+    ("tap", the kernel before flat K), and with each tuned conv's best candidate ("best"); and an eager
+    default step's kernels one by one."""
+    slots = torch.arange(1, b + 1, device="cuda")
+    codes = torch.randint(0, 2048, (b, n, 16), device="cuda")
+    launch = cc._launch_conv
+    picks = {"default": {}, "tap": "tap", "best": {r["index"]: choice(r["best"]) for r in rows if "best" in r}}
+    out = {"cell": cell}
+    for variant, pick in picks.items():
+        count = [0]
+
+        def spy(p, weight, bias, length, taps, dil, phases, epilogue, epi, o, config=None, pick=pick, count=count,
+                **kw):
+            i = count[0]
+            count[0] += 1
+            if pick == "tap":
+                kw["flat"] = False
+            elif i in pick:
+                config, kw["flat"] = pick[i]
+            return launch(p, weight, bias, length, taps, dil, phases, epilogue, epi, o, config, **kw)
+
+        def step(count=count):
+            count[0] = 0
+            return codec.step(slots, codes)
+
+        cc._launch_conv = spy
+        try:
+            codec.reset(slots)
+            t = time_step(step, "cuda", 50)
+        finally:
+            cc._launch_conv = launch
+        out[f"{variant}_ms"] = t["median_ms"]
+        out[f"{variant}_us_per_frame"] = 1000 * t["median_ms"] / (b * n)
+        print(f"{cell}: graph step, {variant}: {t['median_ms']:.3f} ms = {out[f'{variant}_us_per_frame']:.1f} "
+              f"us/frame", flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        codec.step(slots, codes)
+        torch.cuda.synchronize()
+    out["launches"] = [{"kernel": e.name[:60], "us": e.time_range.elapsed_us()} for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="64x1,256x4")
@@ -86,17 +150,19 @@ def main() -> None:
                 out = c["out"]
                 saved = out.clone()
                 times = {}
-                for cfg in [None, *CONFIGS]:
+                wide = [w for w in WIDE if w[1] < cout <= w[1] + w[5]]
+                for name, cfg, flat in [("None", None, None), ("tap", None, False),
+                                        *((str(w), w, None) for w in [*CONFIGS, *wide])]:
                     if cfg is not None and cfg[1] > 2 * cout:
                         continue
 
-                    def run(cfg=cfg, c=c, out=out):
+                    def run(cfg=cfg, c=c, out=out, flat=flat):
                         cc._launch_conv(c["p"], c["weight"], c["bias"], c["length"], c["taps"], c["dil"],
-                                        c["phases"], c["epilogue"], c["epi"], out, cfg)
+                                        c["phases"], c["epilogue"], c["epi"], out, cfg, flat=flat)
                     try:
-                        times[str(cfg)] = triton.testing.do_bench(run, warmup=5, rep=30, return_mode="median")
+                        times[name] = triton.testing.do_bench(run, warmup=5, rep=30, return_mode="median")
                     except Exception as e:  # a config that does not fit (shared memory): skip it
-                        times[str(cfg)] = f"{type(e).__name__}"
+                        times[name] = f"{type(e).__name__}"
                     out.copy_(saved)
                 row["ms"] = times
                 row["cublas_ms"] = cublas(c)
@@ -108,12 +174,7 @@ def main() -> None:
                       f"{c['epilogue']:8s} {gflop:6.2f} GF  default {times['None']:.3f} ms  best {row['best']} "
                       f"{ok[row['best']]:.3f} ms ({row['best_tflops']:.0f} TF/s)  cublas {row['cublas_ms']:.3f} ms",
                       flush=True)
-            slots = torch.arange(1, b + 1, device="cuda")
-            codes = torch.randint(0, 2048, (b, n, 16), device="cuda")
-            step_ms = triton.testing.do_bench(lambda c=codec, s=slots, x=codes: c.step(s, x), warmup=5, rep=50,
-                                              return_mode="median")
-            print(f"{cell}: eager step {step_ms:.3f} ms = {1000 * step_ms / (b * n):.1f} us/frame", flush=True)
-            results.append({"cell": cell, "eager_step_ms": step_ms})
+            results.append(whole_step(codec, cell, b, n, [r for r in results if r.get("cell") == cell]))
             del codec
     if args.out:
         with open(args.out, "w") as f:

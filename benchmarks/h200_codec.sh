@@ -20,7 +20,8 @@ case "$PART" in
   tune)
     PYTHONPATH=.:tests:$PYTHONPATH timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       -k "streaming_codec" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30
-    PYTHONPATH=.:$PYTHONPATH timeout 400 python3 benchmarks/codec_tune.py --out "$OUT/codec_tune.json" 2>&1 ;;
+    PYTHONPATH=.:$PYTHONPATH timeout ${TUNE_TIMEOUT:-400} python3 benchmarks/codec_tune.py --cells "${CELLS:-64x1,256x4}" \
+      --out "$OUT/codec_tune.json" 2>&1 ;;
   loop)
     for c in 64 256; do
       (cd .base && PYTHONPATH=.:$PYTHONPATH LEGATO_COMMIT=8c76ab2 timeout 150 python3 benchmarks/engine_loop.py \

@@ -101,6 +101,27 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         ck.launch_conv(p, w, b, length, taps, dil, phases, epi, e, out, split=3)
         errors[f"split-K conv taps={taps} phases={phases} {cin}->{cout} {epi}"] = _err(out, ref)
 
+    # K blocks over the flattened (tap, channel) index (channels not a multiple of BLOCK_K: a block spans two
+    # taps), and a tile of two column blocks (64 + 32 wide: 96 channels with no padded column), with and
+    # without split-K, against the twin
+    for taps, dil, phases, cin, cout, length, epi, config in (
+            (7, 3, 1, 24, 24, 9, "snake", (32, 16, 16, 4, 2, 16)),  # 24 = 16 + 8: blocks span taps
+            (7, 1, 1, 96, 96, 5, "snake", (16, 64, 64, 4, 2, 32)),
+            (2, 1, 3, 40, 48, 4, "none", (16, 32, 32, 4, 2, 16)),  # phases: the second block ends at Cout
+            (1, 1, 1, 96, 96, 6, "residual", (32, 64, 64, 4, 2, 32))):
+        h = (taps - 1) * dil + 1
+        p = _rand(2, h + length, cin, gen=gen, device=device, dtype=dtype)
+        w = _rand(taps * cin, phases * cout, gen=gen, device=device, dtype=dtype, scale=cin ** -0.5)
+        b = _rand(phases * cout, gen=gen, device=device, dtype=dtype, scale=0.1)
+        e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
+        base = _rand(2 * length * phases, cout, gen=gen, device=device, dtype=dtype)
+        ref = cc.conv_gemm(p, w, b, length, taps, dil, phases, epi, e, out=base.clone(), kernel=False)
+        for flat, split in ((True, 1), (False, 1), (True, 2)):
+            out = base.clone() if epi == "residual" else torch.full_like(base, float("nan"))
+            ck.launch_conv(p, w, b, length, taps, dil, phases, epi, e, out, config=config, split=split, flat=flat)
+            errors[f"wide tile conv taps={taps} phases={phases} {cin}->{cout} flat={flat} split={split}"] = \
+                _err(out, ref)
+
     # a residual unit as one kernel, against its two GEMMs (channels below and at a power of two)
     for c, taps, dil, length in ((12, 7, 3, 5), (32, 7, 1, 9), (40, 3, 2, 4)):
         h = (taps - 1) * dil

@@ -93,56 +93,100 @@ if triton is not None:
         tl.store(optrs, acc.to(optrs.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _implicit_gemm(p_ptr, w_ptr, prow, wcol, mmask, nmask, lo, hi, CIN, DIL, wstride, KT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        """K steps [lo, hi) of a causal conv over P: step `it` is tap `it // KT`, input channels of block
-        `it % KT`; tap i reads P rows `prow + i * DIL`. Returns the fp32 [BLOCK_M, BLOCK_N] accumulator."""
+    def _implicit_gemm(p_ptr, w_ptr, prow, mmask, wcol, nmask, wcol2, nmask2, lo, hi, CIN, DIL, wstride,
+                       KT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       IEEE: tl.constexpr, FLAT: tl.constexpr = False, VEC: tl.constexpr = 1,
+                       BLOCK_N2: tl.constexpr = 0, KTOTAL=0):
+        """K steps [lo, hi) of a causal conv over P; returns fp32 accumulators of weight columns `wcol`
+        [BLOCK_N] and, with BLOCK_N2 > 0, of `wcol2` [BLOCK_N2] (a tile as wide as 64 + 32 channels, say, with no
+        padded columns; the second accumulator means nothing without).
+
+        Not FLAT: step `it` is tap `it // KT`, input channels of block `it % KT` (a channel count that is not a
+        multiple of BLOCK_K pads every tap). FLAT: step `it` is K rows [it * BLOCK_K, +BLOCK_K) of the
+        flattened (tap, channel) index up to KTOTAL, a block spanning taps where it falls so; VEC promises runs
+        of VEC contiguous, VEC-aligned channels (CIN % VEC == 0) so its loads stay vectorised. Tap i reads P
+        rows `prow + i * DIL`."""
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N2 if BLOCK_N2 > 0 else 16], dtype=tl.float32)
+        arow = prow[:, None].to(tl.int64) * CIN
         for it in range(lo, hi):
-            tap = it // KT
-            kk = (it - tap * KT) * BLOCK_K + rk
-            kmask = kk < CIN
-            a = tl.load(p_ptr + (prow + tap * DIL)[:, None].to(tl.int64) * CIN + kk[None, :],
-                        mask=mmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptr + (tap * CIN + kk)[:, None].to(tl.int64) * wstride + wcol[None, :],
+            if FLAT:
+                kk = it * BLOCK_K + rk
+                kmask = kk < KTOTAL
+                tap = kk // CIN
+                koff = tap * (DIL * CIN) + (kk - tap * CIN)
+                koff = tl.max_contiguous(tl.multiple_of(koff, VEC), VEC)
+                a_ptrs = p_ptr + arow + koff[None, :]
+                wrow = kk
+            else:
+                tap = it // KT
+                kk = (it - tap * KT) * BLOCK_K + rk
+                kmask = kk < CIN
+                a_ptrs = p_ptr + arow + (tap * DIL * CIN + kk)[None, :]
+                wrow = tap * CIN + kk
+            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptr + wrow[:, None].to(tl.int64) * wstride + wcol[None, :],
                         mask=kmask[:, None] & nmask[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
-        return acc
+            if BLOCK_N2 > 0:
+                w2 = tl.load(w_ptr + wrow[:, None].to(tl.int64) * wstride + wcol2[None, :],
+                             mask=kmask[:, None] & nmask2[None, :], other=0.0)
+                if IEEE:
+                    acc2 = tl.dot(a, w2, acc2, input_precision="ieee")
+                else:
+                    acc2 = tl.dot(a, w2, acc2)
+        return acc, acc2
+
+    @triton.jit
+    def _finish_or_park(acc, rn, nmask, bcol, orow, mmask, part, ROWS, COUT, out_ptr, ws_ptr, b_ptr, f_ptr, i_ptr,
+                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+                        FAST_SIN: tl.constexpr):
+        """The finished tile into the output, or (split-K) its partial sums into [SPLIT, ROWS, COUT] fp32."""
+        omask = mmask[:, None] & nmask[None, :]
+        if SPLIT == 1:
+            optrs = out_ptr + orow[:, None].to(tl.int64) * COUT + rn[None, :]
+            _finish(acc, rn, nmask, bcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS, EPILOGUE, FAST_SIN)
+        else:
+            wptrs = ws_ptr + (part * ROWS + orow)[:, None].to(tl.int64) * COUT + rn[None, :]
+            tl.store(wptrs, acc, mask=omask)
 
     @triton.jit
     def _conv_kernel(p_ptr, w_ptr, b_ptr, out_ptr, f_ptr, i_ptr, ws_ptr,
                      M, L, PL, CIN, COUT, PHASES, OFF0, DIL,
                      TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KT: tl.constexpr,
-                     IEEE: tl.constexpr, FAST_SIN: tl.constexpr):
+                     IEEE: tl.constexpr, FAST_SIN: tl.constexpr, FLAT: tl.constexpr, VEC: tl.constexpr,
+                     BLOCK_N2: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         phase = tl.program_id(2) // SPLIT
         part = tl.program_id(2) % SPLIT
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid_n * (BLOCK_N + BLOCK_N2) + tl.arange(0, BLOCK_N)
         mmask = rm < M
         nmask = rn < COUT
         prow = (rm // L) * PL + (rm % L) + OFF0  # P row of tap 0
         wcol = phase * COUT + rn
         wstride = PHASES * COUT
-        per = tl.cdiv(TAPS * KT, SPLIT)
+        steps = tl.cdiv(TAPS * CIN, BLOCK_K) if FLAT else TAPS * KT
+        per = tl.cdiv(steps, SPLIT)
         lo = part * per
-        hi = tl.minimum(lo + per, TAPS * KT)
-        acc = _implicit_gemm(p_ptr, w_ptr, prow, wcol, mmask, nmask, lo, hi, CIN, DIL, wstride, KT,
-                             BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+        hi = tl.minimum(lo + per, steps)
+        rn2 = pid_n * (BLOCK_N + BLOCK_N2) + BLOCK_N + tl.arange(0, BLOCK_N2 if BLOCK_N2 > 0 else 16)
+        nmask2 = rn2 < COUT
+        acc, acc2 = _implicit_gemm(p_ptr, w_ptr, prow, mmask, wcol, nmask, phase * COUT + rn2, nmask2, lo, hi,
+                                   CIN, DIL, wstride, KT, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, FLAT, VEC, BLOCK_N2,
+                                   TAPS * CIN)
         orow = rm * PHASES + phase
-        omask = mmask[:, None] & nmask[None, :]
-        if SPLIT == 1:
-            optrs = out_ptr + orow[:, None].to(tl.int64) * COUT + rn[None, :]
-            _finish(acc, rn, nmask, wcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS, EPILOGUE, FAST_SIN)
-        else:  # partial sums [SPLIT, M * PHASES, COUT] in fp32
-            wptrs = ws_ptr + (part * M * PHASES + orow)[:, None].to(tl.int64) * COUT + rn[None, :]
-            tl.store(wptrs, acc, mask=omask)
+        _finish_or_park(acc, rn, nmask, wcol, orow, mmask, part, M * PHASES, COUT, out_ptr, ws_ptr, b_ptr, f_ptr,
+                        i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN)
+        if BLOCK_N2 > 0:
+            _finish_or_park(acc2, rn2, nmask2, phase * COUT + rn2, orow, mmask, part, M * PHASES, COUT, out_ptr,
+                            ws_ptr, b_ptr, f_ptr, i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN)
 
     @triton.jit
     def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, f_ptr, i_ptr, ROWS, COUT, PHASES,
@@ -172,8 +216,8 @@ if triton is not None:
         mmask = rm < M
         cmask = rc < C
         prow = (rm // L) * PL + (rm % L) + OFF0
-        acc = _implicit_gemm(p_ptr, w7_ptr, prow, rc, mmask, cmask, 0, TAPS * KT, C, DIL, C, KT,
-                             BLOCK_M, BLOCK_C, BLOCK_K, IEEE)
+        acc, _ = _implicit_gemm(p_ptr, w7_ptr, prow, mmask, rc, cmask, rc, cmask, 0, TAPS * KT, C, DIL, C, KT,
+                                BLOCK_M, BLOCK_C, BLOCK_K, IEEE)
         # Columns past C hold 0 (their weights, bias and SnakeBeta parameters read as 0), so they add nothing
         # to the 1x1 conv below.
         acc += tl.load(b7_ptr + rc, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -195,27 +239,33 @@ if triton is not None:
             tl.store(xptrs, y.to(x_ptr.dtype.element_ty), mask=xmask)
 
 
-def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None):
-    """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), else `conv_blocks`' choice; `split`: K parts,
-    else `split_k`'s choice."""
+def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None, flat=None):
+    """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2]), else `conv_blocks`' choice;
+    `split`: K parts, else `split_k`'s choice; `flat`: K blocks over the flattened (tap, channel) index, else
+    (None) where the channels are not a multiple of BLOCK_K (so no tap is padded) and are a multiple of 8."""
     b, rows, cin = p.shape
     cout = weight.shape[1] // phases
     m = b * length
-    block_m, block_n, block_k, warps, stages = config or conv_blocks(m, cin, cout, taps, phases)
+    block_m, block_n, block_k, warps, stages, block_n2 = (*(config or conv_blocks(m, cin, cout, taps, phases)), 0)[:6]
     kt = triton.cdiv(cin, block_k)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(cout, block_n) * phases
+    if flat is None:
+        flat = cin % block_k != 0 and cin % 8 == 0
+    steps = triton.cdiv(taps * cin, block_k) if flat else taps * kt
+    n_tiles = triton.cdiv(cout, block_n + block_n2)
+    tiles = triton.cdiv(m, block_m) * n_tiles * phases
     if split is None:
-        split = split_k(tiles, taps * kt, _sm_count(p.device.index or 0) if p.is_cuda else 132)
+        split = split_k(tiles, steps, _sm_count(p.device.index or 0) if p.is_cuda else 132)
     freq, inv = epi if epi is not None else (out, out)
     bias_arg = bias if bias is not None else out
     ws = torch.empty(split, m * phases, cout, dtype=torch.float32, device=p.device) if split > 1 else out
     code = EPILOGUES.index(epilogue)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(cout, block_n), phases * split)
+    grid = (triton.cdiv(m, block_m), n_tiles, phases * split)
     _conv_kernel[grid](p, weight, bias_arg, out, freq, inv, ws,
                        m, length, rows, cin, cout, phases, rows - length - (taps - 1) * dil, dil,
                        TAPS=taps, HAS_BIAS=bias is not None, EPILOGUE=code, SPLIT=split,
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, KT=kt,
-                       IEEE=p.dtype == torch.float32, FAST_SIN=FAST_SIN, num_warps=warps, num_stages=stages)
+                       IEEE=p.dtype == torch.float32, FAST_SIN=FAST_SIN, FLAT=flat, VEC=8 if cin % 8 == 0 else 1,
+                       BLOCK_N2=block_n2, num_warps=warps, num_stages=stages)
     if split > 1:
         block_c = min(pow2_at_least(cout), 128)
         block_r = max(1, 4096 // block_c)
