@@ -23,6 +23,8 @@ import triton.testing
 from codec_step import time_step  # benchmarks/ is the script's own folder
 
 from legato.layers import causal_conv as cc
+from legato.layers import window_attention as wa
+from legato.layers.conv_tiles import conv_blocks
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.config import CodecDecoderConfig
 from legato.models.qwen3_tts.streaming_codec import StreamingCodecDecoder
@@ -85,16 +87,28 @@ def choice(name: str):
     return ast.literal_eval(name), None
 
 
+# Whole-step variants beyond the conv tiles: module knobs set for the variant's graph only.
+KNOBS = {
+    "window 128 keys, 4 warps": {(wa, "KEY_BLOCK"): 128, (wa, "WARPS"): 4},
+    "window 128 keys, 2 warps": {(wa, "KEY_BLOCK"): 128, (wa, "WARPS"): 2},
+    "stage tiles 8192": {(cc, "STAGE_TILE"): 8192},
+    "stage tiles 16384, 8 warps": {(cc, "STAGE_TILE"): 16384, (cc, "STAGE_WARPS"): 8},
+}
+
+
 def whole_step(codec: StreamingCodecDecoder, cell: str, b: int, n: int, rows: list[dict]) -> dict:
     """The step as one graph replay (ms) with the tree's choices ("default"), with K blocked per tap everywhere
-    ("tap", the kernel before flat K), and with each tuned conv's best candidate ("best"); and an eager
-    default step's kernels one by one."""
+    ("tap", the kernel before flat K), with each tuned conv's best candidate ("best", where this cell was
+    tuned), and with the tree's choices under each of KNOBS; and an eager default step's kernels one by one."""
     slots = torch.arange(1, b + 1, device="cuda")
     codes = torch.randint(0, 2048, (b, n, 16), device="cuda")
     launch = cc._launch_conv
-    picks = {"default": {}, "tap": "tap", "best": {r["index"]: choice(r["best"]) for r in rows if "best" in r}}
+    variants = [("default", {}, {}), ("tap", "tap", {})]
+    if rows:
+        variants.append(("best", {r["index"]: choice(r["best"]) for r in rows if "best" in r}, {}))
+    variants += [(name, {}, knobs) for name, knobs in KNOBS.items()]
     out = {"cell": cell}
-    for variant, pick in picks.items():
+    for variant, pick, knobs in variants:
         count = [0]
 
         def spy(p, weight, bias, length, taps, dil, phases, epilogue, epi, o, config=None, pick=pick, count=count,
@@ -111,12 +125,17 @@ def whole_step(codec: StreamingCodecDecoder, cell: str, b: int, n: int, rows: li
             count[0] = 0
             return codec.step(slots, codes)
 
+        saved = {key: getattr(*key) for key in knobs}
         cc._launch_conv = spy
+        for (module, name), value in knobs.items():
+            setattr(module, name, value)
         try:
             codec.reset(slots)
             t = time_step(step, "cuda", 50)
         finally:
             cc._launch_conv = launch
+            for (module, name), value in saved.items():
+                setattr(module, name, value)
         out[f"{variant}_ms"] = t["median_ms"]
         out[f"{variant}_us_per_frame"] = 1000 * t["median_ms"] / (b * n)
         print(f"{cell}: graph step, {variant}: {t['median_ms']:.3f} ms = {out[f'{variant}_us_per_frame']:.1f} "
@@ -133,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="64x1,256x4")
     ap.add_argument("--min-gflop", type=float, default=1.0)
+    ap.add_argument("--step-only", default="", help="cells whose convs are not tuned one by one, only the step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = []
@@ -144,8 +164,8 @@ def main() -> None:
                 gflop = 2 * m * c["taps"] * cin * cout * c["phases"] / 1e9
                 row = {"cell": cell, "index": i, "m": m, "cin": cin, "cout": cout, "taps": c["taps"],
                        "phases": c["phases"], "epilogue": c["epilogue"], "gflop": gflop,
-                       "default": cc.conv_blocks(m, cin, cout, c["taps"], c["phases"])}
-                if gflop < args.min_gflop:
+                       "default": conv_blocks(m, cin, cout, c["taps"], c["phases"])}
+                if gflop < args.min_gflop or cell in args.step_only.split(","):
                     continue
                 out = c["out"]
                 saved = out.clone()

@@ -285,9 +285,14 @@ if triton is not None:
                  mask=tmask[:, None] & cmask[None, :])
 
 
+# Elements per program of the staging kernels, and warps (benchmarks/codec_tune.py measures the step).
+STAGE_TILE = 4096
+STAGE_WARPS = 4
+
+
 def _stage_blocks(rows: int, c: int) -> tuple[int, int]:
     block_c = min(pow2_at_least(c), 128)
-    block_r = max(1, min(pow2_at_least(rows, 1), 4096 // block_c))
+    block_r = max(1, min(pow2_at_least(rows, 1), STAGE_TILE // block_c))
     return block_r, block_c
 
 
@@ -298,7 +303,8 @@ def _launch_stage(x, hist, calls, positions, slots, rate, snake, out):
     freq, inv = snake if snake is not None else (out, out)  # never read without SNAKE
     grid = (b, triton.cdiv(h + length, block_r), triton.cdiv(c, block_c))
     _stage_kernel[grid](x.contiguous(), hist, calls, positions, slots, freq, inv, out, length, h, c, rate,
-                        SNAKE=snake is not None, FAST_SIN=FAST_SIN, BLOCK_R=block_r, BLOCK_C=block_c)
+                        SNAKE=snake is not None, FAST_SIN=FAST_SIN, BLOCK_R=block_r, BLOCK_C=block_c,
+                        num_warps=STAGE_WARPS)
 
 
 def _launch_codebook_stage(codes, tables, first, hist, calls, positions, slots, out):

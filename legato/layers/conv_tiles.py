@@ -9,28 +9,31 @@ def pow2_at_least(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(1, n) - 1).bit_length())
 
 
-# Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) measured per conv of the full-size decoder in bf16 on
-# an H200 (benchmarks/codec_tune.py; docs/benchmarks.md): rows are (taps > 1, lowest Cout, highest Cout, fewest
-# rows m) -> config, the first match wins. Shapes they do not cover use `_fitted_blocks`.
-TUNED_CONFIGS: list[tuple[bool, int, int, int, tuple[int, int, int, int, int]]] = [
-    (True, 64, 128, 0, (256, 128, 64, 8, 3)),  # 96 channels (the last block)
+# Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, BLOCK_N2]) measured per conv of the full-size decoder in
+# bf16 on an H200 (benchmarks/codec_tune.py; docs/benchmarks.md): rows are (taps > 1, lowest Cout, highest Cout,
+# fewest rows m) -> config, the first match wins. Shapes they do not cover use `_fitted_blocks`. A sixth entry
+# is a second column block: 64 + 32 columns cover the last block's 96 channels with none padded.
+Config = tuple[int, ...]
+TUNED_CONFIGS: list[tuple[bool, int, int, int, Config]] = [
+    (True, 65, 96, 0, (128, 64, 32, 4, 4, 32)),  # 96 channels (the last block, and the conv up into it)
     (True, 129, 256, 262144, (128, 256, 64, 8, 3)),
     (True, 129, 256, 0, (128, 64, 64, 4, 3)),  # 192 channels
     (True, 257, 512, 0, (256, 128, 64, 8, 3)),  # 384 channels
     (True, 513, 2048, 16384, (128, 256, 64, 8, 3)),  # 768-1536 channels
     (True, 513, 2048, 0, (128, 128, 64, 8, 4)),
-    (False, 64, 128, 0, (64, 128, 64, 4, 3)),  # the residual units' 1x1 convs
+    (False, 65, 96, 0, (128, 64, 32, 4, 4, 32)),  # the residual units' 1x1 convs
     (False, 129, 256, 0, (128, 64, 64, 4, 3)),
     (False, 257, 512, 0, (64, 128, 64, 4, 3)),
     (False, 513, 1024, 16384, (128, 256, 64, 8, 3)),
+    (False, 513, 1024, 0, (128, 64, 64, 4, 3)),  # ConvNeXt's 4x projection back, one to a few frames per call
     (False, 2048, 8192, 2048, (128, 256, 64, 8, 3)),  # ConvNeXt's 4x expansion
     (False, 2048, 8192, 0, (128, 128, 64, 8, 4)),
 ]
 
 
-def conv_blocks(m: int, cin: int, cout: int, taps: int = 1, phases: int = 1) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a conv GEMM of m rows, cin -> cout."""
-    if cin % 64 == 0:
+def conv_blocks(m: int, cin: int, cout: int, taps: int = 1, phases: int = 1) -> Config:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2]) for a conv GEMM of m rows, cin -> cout."""
+    if cin % 32 == 0:
         for wide, lo, hi, rows, config in TUNED_CONFIGS:
             if wide == (taps > 1) and lo <= cout <= hi and m >= rows:
                 return config

@@ -148,10 +148,16 @@ if triton is not None:
                          (acc / l_i).to(out_ptr.dtype.element_ty))
 
 
+# Keys per block of the kernel's walk over the window, and its warps. A program's time is mostly the latency of
+# its serial chain of loads, so fewer, wider blocks can win (benchmarks/codec_tune.py measures the step).
+KEY_BLOCK = 32
+WARPS = 2
+
+
 def _launch(qkv, k_ring, v_ring, positions, slots, frames, heads, window, inv_freq, out):
     kv_heads, dim = k_ring.shape[2], k_ring.shape[3]
     block_t = max(2, 1 << (frames - 1).bit_length())
     grid = (slots.shape[0], kv_heads)
     _window_kernel[grid](qkv, k_ring, v_ring, positions, slots, inv_freq, out, frames, k_ring.shape[1], window,
                          1.0 / math.sqrt(dim), HEADS=heads, KV_HEADS=kv_heads, D=dim, BLOCK_T=block_t,
-                         BLOCK_K=32, num_warps=2)
+                         BLOCK_K=KEY_BLOCK, num_warps=WARPS)
