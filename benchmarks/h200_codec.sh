@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The codec issue's device calls (docs/benchmarks.md, "The codec at GEMM speed"), one part per call:
 #   benchmarks/h200_codec.sh check   # import check, the codec's GPU tests, codec_step.py (old vs new, fidelity)
+#   benchmarks/h200_codec.sh final   # the codec's GPU tests, codec_step.py of .base/ (BASE names it) and of this tree
 #   benchmarks/h200_codec.sh tune    # the codec's GPU tests, then codec_tune.py (tile sizes per conv)
 #   benchmarks/h200_codec.sh loop    # engine_loop.py at c=64 and c=256, 8c76ab2 (.base/) vs this tree
 #   benchmarks/h200_codec.sh unit    # unit_tune.py: one-kernel residual units and split-K against their plain paths
@@ -17,6 +18,13 @@ case "$PART" in
     PYTHONPATH=.:$PYTHONPATH timeout 330 python3 benchmarks/codec_step.py --variants "${VARIANTS:-old,plain,new,fused}" \
       --out "$OUT/codec_step.json" \
       2>&1 | grep -v '^{' ;;
+  final)  # GPU tests, then the codec step of .base/'s tree beside this tree's (and this tree's fidelity report)
+    PYTHONPATH=.:tests:$PYTHONPATH timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "${TESTS:-codec or snake}" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30
+    (cd .base && PYTHONPATH=.:$PYTHONPATH LEGATO_COMMIT=${BASE:-base} timeout 200 python3 benchmarks/codec_step.py \
+      --variants new --dtypes bfloat16 --no-fidelity --out "$OUT/codec_step-base.json") 2>&1 | grep -v '^{'
+    PYTHONPATH=.:$PYTHONPATH timeout 330 python3 benchmarks/codec_step.py --variants old,new \
+      --out "$OUT/codec_step-new.json" 2>&1 | grep -v '^{' ;;
   tune)
     PYTHONPATH=.:tests:$PYTHONPATH timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       -k "streaming_codec" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30

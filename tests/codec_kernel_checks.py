@@ -74,7 +74,10 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
     # the conv GEMM: dense convs with dilation, a 1x1 with a residual, transposed convs as phases
     cases = [(7, 3, 1, 24, 20, 9, "snake"), (7, 1, 1, 48, 16, 4, "none"), (1, 1, 1, 32, 32, 11, "residual"),
              (2, 1, 5, 20, 12, 3, "none"), (1, 1, 2, 64, 64, 3, "gelu"), (7, 1, 1, 12, 1, 6, "clamp"),
-             (3, 1, 1, 64, 96, 2, "none")]
+             (3, 1, 1, 64, 96, 2, "none"),
+             # one output channel: the dot-product kernel (channels over one and several blocks, each epilogue)
+             (7, 2, 1, 40, 1, 9, "snake"), (1, 1, 1, 24, 1, 5, "residual"), (3, 1, 1, 96, 1, 4, "gelu"),
+             (7, 1, 1, 96, 1, 7, "clamp")]
     for taps, dil, phases, cin, cout, length, epi in cases:
         h = (taps - 1) * dil + 2  # more history than needed: the conv must read only its last rows
         p = _rand(3, h + length, cin, gen=gen, device=device, dtype=dtype)

@@ -4,6 +4,7 @@
   the staged input P, with its epilogue. Where the output has too few tiles to fill the GPU (the decoder's
   first convs see 64 rows at one frame per call, with K up to 7 x 1024) it runs split-K: each part writes fp32
   partial sums and `_split_reduce_kernel` adds them, the bias and the epilogue.
+- `_column_kernel`: a conv with one output channel (the decoder's last conv), a dot product per row.
 - `_unit_kernel`: a whole residual unit of a narrow block (C <= 256), `x += conv1x1(snake(conv7(P)))`: the
   7-tap conv's tile covers every channel, so its SnakeBeta'd output stays in registers as the A operand of the
   1x1 conv, instead of a round trip through memory and a second launch. It rounds that intermediate to the
@@ -207,6 +208,38 @@ if triton is not None:
         _finish(acc, c, cmask, c, out_ptr + offs, mask, b_ptr, f_ptr, i_ptr, False, EPILOGUE, FAST_SIN)
 
     @triton.jit
+    def _column_kernel(p_ptr, w_ptr, b_ptr, out_ptr, f_ptr, i_ptr, M, L, PL, CIN, OFF0, DIL,
+                       TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_C: tl.constexpr, FAST_SIN: tl.constexpr):
+        """A conv with one output channel (the decoder's last, 96 -> 1 over the output samples): a dot product
+        per row on the vector units, where a GEMM tile would be 1/16 useful and read P at a fraction of the
+        bandwidth."""
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = rm < M
+        prow = ((rm // L) * PL + (rm % L) + OFF0).to(tl.int64)
+        rc = tl.arange(0, BLOCK_C)
+        acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+        for tap in tl.static_range(TAPS):
+            for c0 in range(0, CIN, BLOCK_C):
+                cmask = c0 + rc < CIN
+                a = tl.load(p_ptr + (prow + tap * DIL)[:, None] * CIN + (c0 + rc)[None, :],
+                            mask=mmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + tap * CIN + c0 + rc, mask=cmask, other=0.0).to(tl.float32)
+                acc += a * w[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr).to(tl.float32)
+        if EPILOGUE == 1:  # snake
+            y = snake_fn(y, tl.load(f_ptr), tl.load(i_ptr), FAST_SIN)
+        elif EPILOGUE == 2:
+            y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+        elif EPILOGUE == 3:
+            y += tl.load(out_ptr + rm, mask=mmask, other=0.0).to(tl.float32)
+        elif EPILOGUE == 4:
+            y = tl.minimum(tl.maximum(y, -1.0), 1.0)
+        tl.store(out_ptr + rm, y.to(out_ptr.dtype.element_ty), mask=mmask)
+
+    @triton.jit
     def _unit_kernel(p_ptr, w7_ptr, b7_ptr, f_ptr, i_ptr, w1_ptr, b1_ptr, x_ptr,
                      M, L, PL, C, OFF0, DIL,
                      TAPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -240,12 +273,21 @@ if triton is not None:
 
 
 def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None, flat=None):
-    """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2]), else `conv_blocks`' choice;
+    """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2]), else `conv_blocks`' choice (or,
+    for one output channel, a dot product per row: `_column_kernel`);
     `split`: K parts, else `split_k`'s choice; `flat`: K blocks over the flattened (tap, channel) index, else
     (None) where the channels are not a multiple of BLOCK_K (so no tap is padded) and are a multiple of 8."""
     b, rows, cin = p.shape
     cout = weight.shape[1] // phases
     m = b * length
+    if cout == 1 and phases == 1 and config is None:
+        freq, inv = epi if epi is not None else (out, out)
+        block_c = min(pow2_at_least(cin), 32)
+        _column_kernel[(triton.cdiv(m, 128),)](p, weight, bias if bias is not None else out, out, freq, inv, m,
+                                               length, rows, cin, rows - length - (taps - 1) * dil, dil, TAPS=taps,
+                                               HAS_BIAS=bias is not None, EPILOGUE=EPILOGUES.index(epilogue),
+                                               BLOCK_M=128, BLOCK_C=block_c, FAST_SIN=FAST_SIN, num_warps=4)
+        return
     block_m, block_n, block_k, warps, stages, block_n2 = (*(config or conv_blocks(m, cin, cout, taps, phases)), 0)[:6]
     kt = triton.cdiv(cin, block_k)
     if flat is None:
