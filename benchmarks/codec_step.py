@@ -5,7 +5,8 @@ of each reduced-precision path against fp32 on the same codes.
   before the time-major rewrite), in the given dtype.
 - `new`: `StreamingCodecDecoder.step`, the state in place in its slots (Triton kernels below fp32; the
   PyTorch path in fp32, TF32 off).
-- `plain`: `new` without split-K; `fused`: `new` with the one-kernel residual units (layers/conv_kernels.py).
+- `plain`: `new` without split-K; `fused`: `new` with the one-kernel residual units (layers/conv_kernels.py);
+  `nofeed`: `new` with every staged conv's input built by the staging kernel (codec_stages.FEED_NEXT off).
 Each (variant, dtype, streams B, frames per call n) is one CUDA graph of one call; the time is the median of
 `--replays` replays between CUDA events, divided by B x n. Kernels per call are counted by the profiler on
 an eager call. The fidelity part decodes `--fidelity-frames` frames per stream at several B and n, with
@@ -128,9 +129,11 @@ def speed(args, cfg: CodecDecoderConfig) -> list[dict]:
                     decoder = decoder.to(dtype).eval()
                     step = old_step(decoder, b, n, args.device)
                 else:
-                    # "plain": without split-K; "fused": with the one-kernel residual units too
+                    # "plain": without split-K; "fused": with the one-kernel residual units too; "nofeed": every
+                    # staged conv's input through the staging kernel, none written by the conv before
                     conv_kernels.SPLIT_K = variant != "plain"
                     codec_stages.FUSE_UNITS = variant == "fused"
+                    codec_stages.FEED_NEXT = variant != "nofeed"
                     decoder = StreamingCodecDecoder(base, b + 1, dtype=dtype)
                     step = new_step(decoder, b, n, args.device)
                 try:

@@ -23,8 +23,8 @@ case "$PART" in
       -k "${TESTS:-codec or snake}" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30
     (cd .base && PYTHONPATH=.:$PYTHONPATH LEGATO_COMMIT=${BASE:-base} timeout 200 python3 benchmarks/codec_step.py \
       --variants new --dtypes bfloat16 --no-fidelity --out "$OUT/codec_step-base.json") 2>&1 | grep -v '^{'
-    PYTHONPATH=.:$PYTHONPATH timeout 330 python3 benchmarks/codec_step.py --variants old,new \
-      --out "$OUT/codec_step-new.json" 2>&1 | grep -v '^{' ;;
+    PYTHONPATH=.:$PYTHONPATH timeout 330 python3 benchmarks/codec_step.py --variants ${VARIANTS:-old,new} \
+      --dtypes ${DTYPES:-float32,bfloat16} --out "$OUT/codec_step-new.json" 2>&1 | grep -v '^{' ;;
   tune)
     PYTHONPATH=.:tests:$PYTHONPATH timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       -k "streaming_codec" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30

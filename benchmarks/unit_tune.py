@@ -44,11 +44,11 @@ def record(codec: StreamingCodecDecoder, b: int, n: int, max_rows: int) -> tuple
         units.append(dict(p=p, w7=w7, b7=b7, length=length, taps=taps, dil=dil, epi=epi, w1=w1, b1=b1, x=x))
         return launch_unit(p, w7, b7, length, taps, dil, epi, w1, b1, x, config)
 
-    def spy_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None):
+    def spy_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None, **kw):
         if p.shape[0] * length <= max_rows:
             convs.append(dict(p=p, weight=weight, bias=bias, length=length, taps=taps, dil=dil, phases=phases,
                               epilogue=epilogue, epi=epi, out=out))
-        return launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config, split)
+        return launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config, split, **kw)
 
     cc._launch_unit, cc._launch_conv = spy_unit, spy_conv
     try:

@@ -125,6 +125,39 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
             errors[f"wide tile conv taps={taps} phases={phases} {cin}->{cout} flat={flat} split={split}"] = \
                 _err(out, ref)
 
+    # a conv whose epilogue also stages its output for the next conv (SnakeBeta or none; phases; split-K; a 1x1
+    # over [1, B * L, C] feeding B streams), then `restage` adding the history rows and writing the next history
+    # (histories longer and shorter than the call)
+    for taps, phases, cin, cout, length, epi, snake_next, h_next, split in (
+            (7, 1, 24, 20, 9, "snake", True, 6, 1), (2, 3, 16, 12, 4, "none", True, 18, 1),
+            (1, 1, 32, 24, 5, "residual", True, 2, 1), (3, 1, 40, 16, 6, "none", False, 4, 2)):
+        h = (taps - 1) + 1
+        p = _rand(3, h + length, cin, gen=gen, device=device, dtype=dtype)
+        w = _rand(taps * cin, phases * cout, gen=gen, device=device, dtype=dtype, scale=cin ** -0.5)
+        b = _rand(phases * cout, gen=gen, device=device, dtype=dtype, scale=0.1)
+        e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
+        s_e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
+        base = _rand(3 * length * phases, cout, gen=gen, device=device, dtype=dtype)
+        hist, calls, pos = _bank(4, h_next, cout, gen, device, dtype)
+        outs = []
+        for kernel in (True, False):
+            out = base.clone() if epi == "residual" else torch.full_like(base, float("nan"))
+            s_buf = torch.full((3, h_next + length * phases, cout), float("nan"), device=device, dtype=dtype)
+            if taps == 1:  # a 1x1 conv over one long stream [1, 3 x length, C], feeding 3 streams
+                pp, ln = p[:, h:].reshape(1, 3 * length, cin), 3 * length
+            else:
+                pp, ln = p, length
+            staged = (s_buf, s_e if snake_next else None)
+            if kernel:
+                ck.launch_conv(pp, w, b, ln, taps, 1, phases, epi, e, out, split=split, staged=staged)
+            else:
+                cc.conv_gemm(pp, w, b, ln, taps, 1, phases, epi, e, out=out, kernel=False, staged=staged)
+            hh = hist.clone()
+            cc.restage(s_buf, hh, calls, pos, slots, 2, kernel=kernel)
+            outs.append((out, s_buf, hh))
+        errors[f"staged conv taps={taps} phases={phases} {cin}->{cout} {epi} H'={h_next} split={split}"] = max(
+            _err(a, b) for a, b in zip(*outs, strict=True))
+
     # a residual unit as one kernel, against its two GEMMs (channels below and at a power of two)
     for c, taps, dil, length in ((12, 7, 3, 5), (32, 7, 1, 9), (40, 3, 2, 4)):
         h = (taps - 1) * dil
@@ -158,6 +191,25 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
             o = wa.window_attention(qkv, k2, v2, pos, slots, frames, heads, window, inv_freq, kernel=kernel)
             outs.append((o, k2, v2))
         errors[f"window attention T={frames}"] = max(_err(a, b) for a, b in zip(*outs, strict=True))
+
+    if device == "cpu":  # the whole decoder, kernels against twins, two calls (a fresh slot joins the second)
+        from legato.models.qwen3_tts.codec_decoder import CodecDecoder
+        from legato.models.qwen3_tts.streaming_codec import StreamingCodecDecoder
+        from legato.models.qwen3_tts.testing import randomize_codec_decoder_
+        from legato.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
+
+        dec = randomize_codec_decoder_(CodecDecoder(tiny_speech_tokenizer_config().decoder_config).eval(), seed=3)
+        codecs = [StreamingCodecDecoder(dec, 4, kernels=k) for k in (True, False)]
+        wavs: list[list[torch.Tensor]] = [[], []]
+        for call, (order, frames) in enumerate((([2, 0], 1), ([0, 3], 2))):
+            index = torch.tensor(order)
+            codes = torch.randint(0, dec.config.codebook_size, (len(order), frames, dec.num_quantizers),
+                                  generator=torch.Generator().manual_seed(call))
+            for codec, out in zip(codecs, wavs, strict=True):
+                if call == 0:
+                    codec.reset(torch.arange(4))
+                out.append(codec.step(index, codes))
+        errors["whole decoder, 2 calls"] = max(_err(a, b) for a, b in zip(*wavs, strict=True))
 
     x = _rand(7, 40, gen=gen, device=device, dtype=dtype)
     errors["rms"] = _err(rw.rms_normalize(x, 1e-5, kernel=True), rw.rms_normalize(x, 1e-5, kernel=False))

@@ -67,6 +67,18 @@ def stage(x: torch.Tensor, hist: torch.Tensor, calls: torch.Tensor, positions: t
     return _with_history(new, hist, calls, positions, slots, rate, out)
 
 
+def restage(p: torch.Tensor, hist: torch.Tensor, calls: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            rate: int, kernel: bool | None = None) -> torch.Tensor:
+    """`stage` for a P whose rows after its H history rows the previous conv's epilogue already wrote
+    (`conv_gemm(..., staged=)`): fills the history rows and writes each slot's next history. Returns P."""
+    h = hist.shape[2]
+    if kernel if kernel is not None else use_triton(hist):
+        if h:
+            _launch_restage(p, hist, calls, positions, slots, rate)
+        return p
+    return _with_history(None, hist, calls, positions, slots, rate, p)
+
+
 def codebook_stage(codes: torch.Tensor, tables: torch.Tensor, first: int, hist: torch.Tensor, calls: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
     """codes [B, T, Q] -> P [B, H + T, 2D]: the sum of codebooks [0, first) in channels [0, D) and of the rest in
@@ -90,16 +102,19 @@ def codebook_stage(codes: torch.Tensor, tables: torch.Tensor, first: int, hist: 
     return _with_history(x, hist, calls, positions, slots, 1, out)
 
 
-def _with_history(x: torch.Tensor, hist: torch.Tensor, calls: torch.Tensor, positions: torch.Tensor,
+def _with_history(x: torch.Tensor | None, hist: torch.Tensor, calls: torch.Tensor, positions: torch.Tensor,
                   slots: torch.Tensor, rate: int, out: torch.Tensor) -> torch.Tensor:
-    """The history rows (zero before the stream's start) then `x` into `out`; the last H rows become the next
-    history. Masked with `where`, never a multiply: a reused slot's old rows may hold anything."""
-    h, length = hist.shape[2], x.shape[1]
+    """The history rows (zero before the stream's start) then `x` into `out` (x None: `out` holds its rows
+    already); the last H rows become the next history. Masked with `where`, never a multiply: a reused slot's
+    old rows may hold anything."""
+    h = hist.shape[2]
+    length = out.shape[1] - h
     par = calls[slots] & 1
-    index = (positions[slots] * rate - h)[:, None] + torch.arange(h, device=x.device)
+    index = (positions[slots] * rate - h)[:, None] + torch.arange(h, device=out.device)
     old = hist[slots, par]
     out[:, :h] = torch.where((index >= 0)[:, :, None], old, torch.zeros((), dtype=old.dtype, device=old.device))
-    out[:, h:] = x.to(out.dtype)
+    if x is not None:
+        out[:, h:] = x.to(out.dtype)
     if h:
         hist[slots, 1 - par] = out[:, length:]
     return out
@@ -111,13 +126,19 @@ def _with_history(x: torch.Tensor, hist: torch.Tensor, calls: torch.Tensor, posi
 def conv_gemm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, length: int, taps: int, dil: int,
               phases: int = 1, epilogue: str = "none", epi: tuple[torch.Tensor, torch.Tensor] | None = None,
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-              kernel: bool | None = None) -> torch.Tensor:
+              kernel: bool | None = None,
+              staged: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
     """Causal conv over P [B, H + length, Cin] -> [B * length * phases, Cout] (time-major, phase-interleaved).
 
     `weight [taps * Cin, phases * Cout]`: row (tap, cin), column (phase, cout); tap i reads P row
     `H - (taps - 1 - i) * dil + s` for output step s. `bias [phases * Cout]` (or None). Epilogue: "snake" with
     `epi` = (freq, inv_mag), "gelu" (exact), "residual" (adds into `out`, which must be given), "clamp" to
-    [-1, 1]. The result is written to `out` when given, else a new tensor of `out_dtype` (default P's)."""
+    [-1, 1]. The result is written to `out` when given, else a new tensor of `out_dtype` (default P's).
+
+    `staged` = (S, SnakeBeta or None): the result also goes, through that SnakeBeta, into the rows of the next
+    conv's input S [B', H' + L', Cout] (B' x L' = the output's rows) after its H' history rows, as `stage`
+    would put it there (`restage` then fills the history rows): one pass over the activation instead of a
+    write and a re-read."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}")
     b, rows, cin = p.shape
@@ -130,8 +151,13 @@ def conv_gemm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         if epilogue == "residual":
             raise ValueError("a residual epilogue adds into `out`")
         out = torch.empty(b * length * phases, cout, dtype=out_dtype or p.dtype, device=p.device)
+    if staged is not None:  # its streams need not be P's: a 1x1 conv may run over [1, B * L, C]
+        sb, srows, sc = staged[0].shape
+        if (b * length * phases) % sb or srows < b * length * phases // sb or sc != cout:
+            raise ValueError(f"conv_gemm: staged {tuple(staged[0].shape)} does not fit {b * length * phases} rows "
+                             f"of {cout}")
     if kernel if kernel is not None else use_triton(p):
-        _launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out)
+        _launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, staged=staged)
         return out
     off0 = h - (taps - 1) * dil
     cols = torch.cat([p[:, off0 + i * dil: off0 + i * dil + length] for i in range(taps)], dim=-1)
@@ -149,6 +175,12 @@ def conv_gemm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         out.copy_((out.float() + y.float()).to(out.dtype) if out.dtype != torch.float32 else out + y)
     else:
         out.copy_(y)
+    if staged is not None:
+        s_buf, s_snake = staged
+        per = b * length * phases // s_buf.shape[0]
+        rows_out = out.view(s_buf.shape[0], per, cout)
+        new = snake_reference(rows_out, *s_snake) if s_snake is not None else rows_out
+        s_buf[:, s_buf.shape[1] - per:] = new.to(s_buf.dtype)
     return out
 
 
@@ -223,6 +255,34 @@ if triton is not None:
         keep = valid & (r >= L)
         tl.store(hbase + (1 - par) * (H * C) + (r - L)[:, None] * C + c[None, :], val,
                  mask=keep[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _restage_kernel(p_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, L, H, C, RATE, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        # Row r < H of P from the current history, and row r of the next history from P's row L + r: the old
+        # history where L + r < H (read from the bank, not from P, which this kernel is writing), else the row
+        # the previous conv's epilogue wrote.
+        b = tl.program_id(0)
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        slot = tl.load(slots_ptr + b)
+        par = tl.load(calls_ptr + slot) & 1
+        first = tl.load(pos_ptr + slot) * RATE - H
+        cmask = c < C
+        live = r < H
+        hbase = hist_ptr + slot * (2 * H * C)
+        pbase = p_ptr + (b * (H + L)).to(tl.int64) * C
+        old = tl.load(hbase + par * (H * C) + r[:, None] * C + c[None, :],
+                      mask=(live & ((first + r) >= 0))[:, None] & cmask[None, :], other=0.0)
+        tl.store(pbase + r[:, None] * C + c[None, :], old, mask=live[:, None] & cmask[None, :])
+        src = L + r
+        from_hist = src < H
+        prev = tl.load(hbase + par * (H * C) + src[:, None] * C + c[None, :],
+                       mask=(live & from_hist & ((first + src) >= 0))[:, None] & cmask[None, :], other=0.0)
+        cur = tl.load(pbase + src[:, None].to(tl.int64) * C + c[None, :],
+                      mask=(live & ~from_hist)[:, None] & cmask[None, :], other=0.0)
+        tl.store(hbase + (1 - par) * (H * C) + r[:, None] * C + c[None, :],
+                 tl.where(from_hist[:, None], prev, cur), mask=live[:, None] & cmask[None, :])
 
     @triton.jit
     def _codebook_kernel(codes_ptr, tables_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, out_ptr,
@@ -305,6 +365,14 @@ def _launch_stage(x, hist, calls, positions, slots, rate, snake, out):
     _stage_kernel[grid](x.contiguous(), hist, calls, positions, slots, freq, inv, out, length, h, c, rate,
                         SNAKE=snake is not None, FAST_SIN=FAST_SIN, BLOCK_R=block_r, BLOCK_C=block_c,
                         num_warps=STAGE_WARPS)
+
+
+def _launch_restage(p, hist, calls, positions, slots, rate):
+    b, rows, c = p.shape
+    h = hist.shape[2]
+    block_r, block_c = _stage_blocks(h, c)
+    grid = (b, triton.cdiv(h, block_r), triton.cdiv(c, block_c))
+    _restage_kernel[grid](p, hist, calls, positions, slots, rows - h, h, c, rate, BLOCK_R=block_r, BLOCK_C=block_c)
 
 
 def _launch_codebook_stage(codes, tables, first, hist, calls, positions, slots, out):

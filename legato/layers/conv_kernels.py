@@ -77,8 +77,11 @@ if triton is not None:
 
     @triton.jit
     def _finish(acc, rn, nmask, bcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS: tl.constexpr,
-                EPILOGUE: tl.constexpr, FAST_SIN: tl.constexpr):
-        """Bias (column `bcol`), the epilogue, the store."""
+                EPILOGUE: tl.constexpr, FAST_SIN: tl.constexpr, orow, s_ptr, sf_ptr, si_ptr, LOUT, SH, COUT,
+                STAGED: tl.constexpr, STAGED_SNAKE: tl.constexpr):
+        """Bias (column `bcol`), the epilogue, the store. STAGED: the stored rows (output rows `orow`, LOUT per
+        stream) also go, through SnakeBeta (sf, si) where STAGED_SNAKE, into the next conv's staged input S
+        [B, SH + LOUT, COUT] after its SH history rows, as `stage` would have put them there."""
         if HAS_BIAS:
             acc += tl.load(b_ptr + bcol, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if EPILOGUE == 1:  # snake
@@ -91,7 +94,17 @@ if triton is not None:
             acc += tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
         elif EPILOGUE == 4:
             acc = tl.minimum(tl.maximum(acc, -1.0), 1.0)
-        tl.store(optrs, acc.to(optrs.dtype.element_ty), mask=omask)
+        val = acc.to(optrs.dtype.element_ty)
+        tl.store(optrs, val, mask=omask)
+        if STAGED:
+            sv = val.to(tl.float32)
+            if STAGED_SNAKE:
+                sfreq = tl.load(sf_ptr + rn, mask=nmask, other=0.0)
+                sinv = tl.load(si_ptr + rn, mask=nmask, other=0.0)
+                sv = snake_fn(sv, sfreq[None, :], sinv[None, :], FAST_SIN)
+            srow = (orow // LOUT) * (SH + LOUT) + SH + orow % LOUT
+            tl.store(s_ptr + srow[:, None].to(tl.int64) * COUT + rn[None, :], sv.to(s_ptr.dtype.element_ty),
+                     mask=omask)
 
     @triton.jit
     def _implicit_gemm(p_ptr, w_ptr, prow, mmask, wcol, nmask, wcol2, nmask2, lo, hi, CIN, DIL, wstride,
@@ -145,12 +158,14 @@ if triton is not None:
     @triton.jit
     def _finish_or_park(acc, rn, nmask, bcol, orow, mmask, part, ROWS, COUT, out_ptr, ws_ptr, b_ptr, f_ptr, i_ptr,
                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-                        FAST_SIN: tl.constexpr):
+                        FAST_SIN: tl.constexpr, s_ptr, sf_ptr, si_ptr, LOUT, SH, STAGED: tl.constexpr,
+                        STAGED_SNAKE: tl.constexpr):
         """The finished tile into the output, or (split-K) its partial sums into [SPLIT, ROWS, COUT] fp32."""
         omask = mmask[:, None] & nmask[None, :]
         if SPLIT == 1:
             optrs = out_ptr + orow[:, None].to(tl.int64) * COUT + rn[None, :]
-            _finish(acc, rn, nmask, bcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS, EPILOGUE, FAST_SIN)
+            _finish(acc, rn, nmask, bcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS, EPILOGUE, FAST_SIN,
+                    orow, s_ptr, sf_ptr, si_ptr, LOUT, SH, COUT, STAGED, STAGED_SNAKE)
         else:
             wptrs = ws_ptr + (part * ROWS + orow)[:, None].to(tl.int64) * COUT + rn[None, :]
             tl.store(wptrs, acc, mask=omask)
@@ -161,7 +176,8 @@ if triton is not None:
                      TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KT: tl.constexpr,
                      IEEE: tl.constexpr, FAST_SIN: tl.constexpr, FLAT: tl.constexpr, VEC: tl.constexpr,
-                     BLOCK_N2: tl.constexpr):
+                     BLOCK_N2: tl.constexpr, s_ptr, sf_ptr, si_ptr, LOUT, SH, STAGED: tl.constexpr,
+                     STAGED_SNAKE: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         phase = tl.program_id(2) // SPLIT
@@ -184,15 +200,18 @@ if triton is not None:
                                    TAPS * CIN)
         orow = rm * PHASES + phase
         _finish_or_park(acc, rn, nmask, wcol, orow, mmask, part, M * PHASES, COUT, out_ptr, ws_ptr, b_ptr, f_ptr,
-                        i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN)
+                        i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN, s_ptr, sf_ptr, si_ptr, LOUT, SH, STAGED,
+                        STAGED_SNAKE)
         if BLOCK_N2 > 0:
             _finish_or_park(acc2, rn2, nmask2, phase * COUT + rn2, orow, mmask, part, M * PHASES, COUT, out_ptr,
-                            ws_ptr, b_ptr, f_ptr, i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN)
+                            ws_ptr, b_ptr, f_ptr, i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN, s_ptr, sf_ptr, si_ptr,
+                            LOUT, SH, STAGED, STAGED_SNAKE)
 
     @triton.jit
     def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, f_ptr, i_ptr, ROWS, COUT, PHASES,
                              SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FAST_SIN: tl.constexpr):
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FAST_SIN: tl.constexpr, s_ptr, sf_ptr,
+                             si_ptr, LOUT, SH, STAGED: tl.constexpr, STAGED_SNAKE: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         rmask = r < ROWS
@@ -205,7 +224,8 @@ if triton is not None:
         # The bias is per (phase, cout): a row's phase is its index modulo PHASES (rows are phase-interleaved).
         if HAS_BIAS:
             acc += tl.load(b_ptr + (r % PHASES)[:, None] * COUT + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        _finish(acc, c, cmask, c, out_ptr + offs, mask, b_ptr, f_ptr, i_ptr, False, EPILOGUE, FAST_SIN)
+        _finish(acc, c, cmask, c, out_ptr + offs, mask, b_ptr, f_ptr, i_ptr, False, EPILOGUE, FAST_SIN, r, s_ptr,
+                sf_ptr, si_ptr, LOUT, SH, COUT, STAGED, STAGED_SNAKE)
 
     @triton.jit
     def _column_kernel(p_ptr, w_ptr, b_ptr, out_ptr, f_ptr, i_ptr, M, L, PL, CIN, OFF0, DIL,
@@ -272,15 +292,26 @@ if triton is not None:
             tl.store(xptrs, y.to(x_ptr.dtype.element_ty), mask=xmask)
 
 
-def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None, flat=None):
+def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None, flat=None,
+                staged=None):
     """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2]), else `conv_blocks`' choice (or,
     for one output channel, a dot product per row: `_column_kernel`);
     `split`: K parts, else `split_k`'s choice; `flat`: K blocks over the flattened (tap, channel) index, else
-    (None) where the channels are not a multiple of BLOCK_K (so no tap is padded) and are a multiple of 8."""
+    (None) where the channels are not a multiple of BLOCK_K (so no tap is padded) and are a multiple of 8;
+    `staged`: (S, SnakeBeta or None), S [B, H + length * phases, Cout] the next conv's input, whose rows after
+    its H history rows the epilogue also writes."""
     b, rows, cin = p.shape
     cout = weight.shape[1] // phases
     m = b * length
-    if cout == 1 and phases == 1 and config is None:
+    if staged is not None:
+        s_buf, s_snake = staged
+        s_freq, s_inv = s_snake if s_snake is not None else (out, out)
+        s_len = m * phases // s_buf.shape[0]  # S's streams, not necessarily P's (a 1x1 conv over [1, B * L, C])
+        s_args = dict(s_ptr=s_buf, sf_ptr=s_freq, si_ptr=s_inv, LOUT=s_len, SH=s_buf.shape[1] - s_len, STAGED=True,
+                      STAGED_SNAKE=s_snake is not None)
+    else:
+        s_args = dict(s_ptr=out, sf_ptr=out, si_ptr=out, LOUT=1, SH=0, STAGED=False, STAGED_SNAKE=False)
+    if cout == 1 and phases == 1 and config is None and staged is None:
         freq, inv = epi if epi is not None else (out, out)
         block_c = min(pow2_at_least(cin), 32)
         _column_kernel[(triton.cdiv(m, 128),)](p, weight, bias if bias is not None else out, out, freq, inv, m,
@@ -307,14 +338,14 @@ def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, 
                        TAPS=taps, HAS_BIAS=bias is not None, EPILOGUE=code, SPLIT=split,
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, KT=kt,
                        IEEE=p.dtype == torch.float32, FAST_SIN=FAST_SIN, FLAT=flat, VEC=8 if cin % 8 == 0 else 1,
-                       BLOCK_N2=block_n2, num_warps=warps, num_stages=stages)
+                       BLOCK_N2=block_n2, num_warps=warps, num_stages=stages, **s_args)
     if split > 1:
         block_c = min(pow2_at_least(cout), 128)
         block_r = max(1, 4096 // block_c)
         rgrid = (triton.cdiv(m * phases, block_r), triton.cdiv(cout, block_c))
         _split_reduce_kernel[rgrid](ws, bias_arg, out, freq, inv, m * phases, cout, phases, SPLIT=split,
                                     HAS_BIAS=bias is not None, EPILOGUE=code, BLOCK_R=block_r, BLOCK_C=block_c,
-                                    FAST_SIN=FAST_SIN)
+                                    FAST_SIN=FAST_SIN, **s_args)
 
 
 def unit_blocks(c: int) -> tuple[int, int, int, int, int]:

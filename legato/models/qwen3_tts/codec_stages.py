@@ -22,12 +22,20 @@ from legato.layers.causal_conv import (
     depthwise_layernorm,
     fused_unit_fits,
     residual_unit,
+    restage,
     stage,
 )
 from legato.layers.rows import rms_normalize, silu_mul_packed
 from legato.layers.window_attention import window_attention
 
 from .codec_slots import CodecSlots
+
+# A conv's input staged by the conv before it: (P [B, H + L, Cin], its input SnakeBeta or None).
+Staged = tuple[torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"]
+
+# Each conv of the vocoder stages its output for the next staged conv in its epilogue (`Conv.new_input`), instead
+# of a staging kernel reading the activation back (off: every staged conv runs `stage`; codec_step.py compares).
+FEED_NEXT = True
 
 # A narrow residual unit as one kernel on the GPU (layers/conv_kernels.py). Off: on the H200 it measured no
 # faster than its two kernels at one frame per call and slower at 256 x 4 (docs/benchmarks.md).
@@ -77,18 +85,34 @@ class Conv:
         self.staged = bool(self.history) or snake_in is not None  # its input goes through `stage` (and a bank entry)
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [B, L, Cin] -> [B * L * phases, Cout]."""
-        return conv_gemm(self.staged_input(x, ctx), self.weight, self.bias, x.shape[1], self.taps, self.dil,
-                         self.phases, self.epilogue, self.epi, out=out, out_dtype=out_dtype, kernel=ctx.kernels)
+                 out_dtype: torch.dtype | None = None, pre: Staged | None = None,
+                 feed: Staged | None = None) -> torch.Tensor:
+        """x [B, L, Cin] -> [B * L * phases, Cout]. `pre`: x's rows already staged into this conv's input by the
+        conv before (`feed` there); `feed`: the next conv's input, which the epilogue also writes."""
+        return conv_gemm(self.staged_input(x, ctx, pre), self.weight, self.bias, x.shape[1], self.taps, self.dil,
+                         self.phases, self.epilogue, self.epi, out=out, out_dtype=out_dtype, kernel=ctx.kernels,
+                         staged=feed)
 
-    def staged_input(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """P: the history rows then x's (through the input SnakeBeta), or x itself for a 1x1 conv without one."""
+    def staged_input(self, x: torch.Tensor, ctx: StepContext, pre: Staged | None = None) -> torch.Tensor:
+        """P: the history rows then x's (through the input SnakeBeta), or x itself for a 1x1 conv without one.
+        With `pre`, x's rows are in it already and only the history is added."""
         if not self.staged:
             return x
         bank = ctx.bank
+        if pre is not None:
+            return restage(pre[0], bank.hist[self.name], bank.calls, bank.position, ctx.slots, self.rate,
+                           kernel=ctx.kernels)
         return stage(x, bank.hist[self.name], bank.calls, bank.position, ctx.slots, self.rate, self.snake_in,
                      kernel=ctx.kernels)
+
+    def new_input(self, streams: int, length: int, ctx: StepContext) -> Staged | None:
+        """An empty input P [B, H + length, Cin] for the conv before this one to write into (its `feed`), with
+        this conv's input SnakeBeta; None for a conv that reads its input as it is."""
+        if not self.staged or not FEED_NEXT:
+            return None
+        hist = ctx.bank.hist[self.name]
+        return torch.empty(streams, self.history + length, self.cin, dtype=hist.dtype, device=hist.device), \
+            self.snake_in
 
 
 def transposed_conv(name: str, module, rate: int, dtype, device, snake_in=None) -> Conv:
@@ -110,7 +134,8 @@ def transposed_conv(name: str, module, rate: int, dtype, device, snake_in=None) 
 
 
 class ResidualUnit:
-    """x += conv1x1(snake(conv7(snake(x)))), the second snake in the first conv's epilogue."""
+    """x += conv1x1(snake(conv7(snake(x)))), the second snake in the first conv's epilogue; the first staged
+    by the conv before (`pre`) where it can be."""
 
     def __init__(self, name: str, module, rate: int, dtype, device) -> None:
         c7, c1 = module.conv1, module.conv2
@@ -124,22 +149,24 @@ class ResidualUnit:
         self.bias7 = self.conv7.bias if self.conv7.bias is not None else zeros(self.conv7)
         self.bias1 = self.conv1.bias if self.conv1.bias is not None else zeros(self.conv1)
 
-    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: StepContext, pre: Staged | None = None,
+                 feed: Staged | None = None) -> torch.Tensor:
         b, length, c = x.shape
-        p = self.conv7.staged_input(x, ctx)
-        if FUSE_UNITS and fused_unit_fits(p, ctx.kernels):
+        p = self.conv7.staged_input(x, ctx, pre)
+        if FUSE_UNITS and feed is None and fused_unit_fits(p, ctx.kernels):
             c7 = self.conv7
             residual_unit(p, c7.weight, self.bias7, length, c7.taps, c7.dil, c7.epi, self.conv1.weight, self.bias1,
                           x.view(b * length, c), kernel=True)
             return x
         h = conv_gemm(p, self.conv7.weight, self.conv7.bias, length, self.conv7.taps, self.conv7.dil, 1, "snake",
                       self.conv7.epi, kernel=ctx.kernels)
-        self.conv1(h.view(1, b * length, c), ctx, out=x.view(b * length, c))
+        self.conv1(h.view(1, b * length, c), ctx, out=x.view(b * length, c), feed=feed)
         return x
 
 
 class VocoderBlock:
-    """SnakeBeta -> transposed conv (x rate) -> three residual units."""
+    """SnakeBeta -> transposed conv (x rate) -> three residual units. Each conv that produces the activation
+    also stages it for the next staged conv (`feed`), so no activation is read back only to be staged."""
 
     def __init__(self, name: str, module, rate: int, dtype, device) -> None:
         snake, up, *units = module.block
@@ -148,12 +175,18 @@ class VocoderBlock:
         out_rate = rate * self.factor
         self.units = [ResidualUnit(f"{name}.unit{i}", u, out_rate, dtype, device) for i, u in enumerate(units)]
 
-    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: StepContext, pre: Staged | None = None,
+                 then: Conv | None = None) -> tuple[torch.Tensor, Staged | None]:
+        """x [B, L, C] -> [B, L * factor, C']; `pre`: x staged for `up` already; `then`: the conv after the block,
+        whose staged input is returned beside the output."""
         b, length, _ = x.shape
-        x = self.up(x, ctx).view(b, length * self.factor, self.up.cout)
-        for unit in self.units:
-            x = unit(x, ctx)
-        return x
+        length *= self.factor
+        feeds = [unit.conv7.new_input(b, length, ctx) for unit in self.units]
+        feeds.append(then.new_input(b, length, ctx) if then is not None else None)
+        x = self.up(x, ctx, pre=pre, feed=feeds[0]).view(b, length, self.up.cout)
+        for i, unit in enumerate(self.units):
+            x = unit(x, ctx, pre=feeds[i], feed=feeds[i + 1])
+        return x, feeds[-1]
 
 
 class UpsampleStage:

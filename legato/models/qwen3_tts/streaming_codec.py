@@ -151,9 +151,13 @@ class StreamingCodecDecoder:
         x = h.view(b, n, -1)
         for up in self.upsample:
             x = up(x, ctx)
-        x = self.conv0(x, ctx).view(b, x.shape[1], -1)
-        for block in self.blocks:
-            x = block(x, ctx)
-        wav = self.last(x, ctx, out_dtype=torch.float32)
+        # From here on each conv's epilogue also stages its output for the next staged conv (`feed`), and that
+        # conv adds only the history rows (`pre`).
+        chain = [*(block.up for block in self.blocks), self.last]
+        pre = chain[0].new_input(b, x.shape[1], ctx)
+        x = self.conv0(x, ctx, feed=pre).view(b, x.shape[1], -1)
+        for block, then in zip(self.blocks, chain[1:], strict=True):
+            x, pre = block(x, ctx, pre=pre, then=then)
+        wav = self.last(x, ctx, out_dtype=torch.float32, pre=pre)
         self.bank.advance(slots, n)
         return wav.view(b, n * self.samples_per_frame)
