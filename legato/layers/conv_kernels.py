@@ -35,6 +35,8 @@ FAST_SIN = os.environ.get("TRITON_INTERPRET") != "1"
 UNIT_MAX_CHANNELS = 256
 # Split-K switch (benchmarks/codec_step.py measures with and without it).
 SPLIT_K = True
+# (rows, channels per load, warps) of `_column_kernel` (benchmarks/codec_tune.py measures the step).
+COLUMN_TILE = (128, 32, 4)
 
 
 @lru_cache(maxsize=8)
@@ -313,11 +315,13 @@ def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, 
         s_args = dict(s_ptr=out, sf_ptr=out, si_ptr=out, LOUT=1, SH=0, STAGED=False, STAGED_SNAKE=False)
     if cout == 1 and phases == 1 and config is None and staged is None:
         freq, inv = epi if epi is not None else (out, out)
-        block_c = min(pow2_at_least(cin), 32)
-        _column_kernel[(triton.cdiv(m, 128),)](p, weight, bias if bias is not None else out, out, freq, inv, m,
-                                               length, rows, cin, rows - length - (taps - 1) * dil, dil, TAPS=taps,
-                                               HAS_BIAS=bias is not None, EPILOGUE=EPILOGUES.index(epilogue),
-                                               BLOCK_M=128, BLOCK_C=block_c, FAST_SIN=FAST_SIN, num_warps=4)
+        block_m, block_c, warps = COLUMN_TILE
+        block_c = min(pow2_at_least(cin), block_c)
+        _column_kernel[(triton.cdiv(m, block_m),)](p, weight, bias if bias is not None else out, out, freq, inv, m,
+                                                   length, rows, cin, rows - length - (taps - 1) * dil, dil,
+                                                   TAPS=taps, HAS_BIAS=bias is not None,
+                                                   EPILOGUE=EPILOGUES.index(epilogue), BLOCK_M=block_m,
+                                                   BLOCK_C=block_c, FAST_SIN=FAST_SIN, num_warps=warps)
         return
     block_m, block_n, block_k, warps, stages, block_n2 = (*(config or conv_blocks(m, cin, cout, taps, phases)), 0)[:6]
     kt = triton.cdiv(cin, block_k)
