@@ -44,6 +44,16 @@ def _bank(slots, h, c, gen, device, dtype):
     return hist, calls, pos
 
 
+def _conv_inputs(streams, h, length, taps, phases, cin, cout, gen, device, dtype):
+    """P [streams, h + length, cin], weight, bias, SnakeBeta parameters and a starting output of a random conv."""
+    p = _rand(streams, h + length, cin, gen=gen, device=device, dtype=dtype)
+    w = _rand(taps * cin, phases * cout, gen=gen, device=device, dtype=dtype, scale=cin ** -0.5)
+    b = _rand(phases * cout, gen=gen, device=device, dtype=dtype, scale=0.1)
+    e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
+    base = _rand(streams * length * phases, cout, gen=gen, device=device, dtype=dtype)
+    return p, w, b, e, base
+
+
 def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
     """Relative L2 error of every kernel against its twin (outputs and in-place state both)."""
     gen = torch.Generator().manual_seed(0)
@@ -80,11 +90,7 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
              (7, 1, 1, 96, 1, 7, "clamp")]
     for taps, dil, phases, cin, cout, length, epi in cases:
         h = (taps - 1) * dil + 2  # more history than needed: the conv must read only its last rows
-        p = _rand(3, h + length, cin, gen=gen, device=device, dtype=dtype)
-        w = _rand(taps * cin, phases * cout, gen=gen, device=device, dtype=dtype, scale=cin ** -0.5)
-        b = _rand(phases * cout, gen=gen, device=device, dtype=dtype, scale=0.1)
-        e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
-        base = _rand(3 * length * phases, cout, gen=gen, device=device, dtype=dtype)
+        p, w, b, e, base = _conv_inputs(3, h, length, taps, phases, cin, cout, gen, device, dtype)
         outs = []
         for kernel in (True, False):
             out = base.clone() if epi == "residual" else torch.full_like(base, float("nan"))
@@ -93,12 +99,7 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
 
     # split-K: the same convs in K parts, partial sums reduced with the bias and the epilogue
     for taps, dil, phases, cin, cout, length, epi in cases[:5]:
-        h = (taps - 1) * dil + 1
-        p = _rand(2, h + length, cin, gen=gen, device=device, dtype=dtype)
-        w = _rand(taps * cin, phases * cout, gen=gen, device=device, dtype=dtype, scale=cin ** -0.5)
-        b = _rand(phases * cout, gen=gen, device=device, dtype=dtype, scale=0.1)
-        e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
-        base = _rand(2 * length * phases, cout, gen=gen, device=device, dtype=dtype)
+        p, w, b, e, base = _conv_inputs(2, (taps - 1) * dil + 1, length, taps, phases, cin, cout, gen, device, dtype)
         ref = cc.conv_gemm(p, w, b, length, taps, dil, phases, epi, e, out=base.clone(), kernel=False)
         out = base.clone() if epi == "residual" else torch.full_like(base, float("nan"))
         ck.launch_conv(p, w, b, length, taps, dil, phases, epi, e, out, split=3)
@@ -112,12 +113,7 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
             (7, 1, 1, 96, 96, 5, "snake", (16, 64, 64, 4, 2, 32)),
             (2, 1, 3, 40, 48, 4, "none", (16, 32, 32, 4, 2, 16)),  # phases: the second block ends at Cout
             (1, 1, 1, 96, 96, 6, "residual", (32, 64, 64, 4, 2, 32))):
-        h = (taps - 1) * dil + 1
-        p = _rand(2, h + length, cin, gen=gen, device=device, dtype=dtype)
-        w = _rand(taps * cin, phases * cout, gen=gen, device=device, dtype=dtype, scale=cin ** -0.5)
-        b = _rand(phases * cout, gen=gen, device=device, dtype=dtype, scale=0.1)
-        e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
-        base = _rand(2 * length * phases, cout, gen=gen, device=device, dtype=dtype)
+        p, w, b, e, base = _conv_inputs(2, (taps - 1) * dil + 1, length, taps, phases, cin, cout, gen, device, dtype)
         ref = cc.conv_gemm(p, w, b, length, taps, dil, phases, epi, e, out=base.clone(), kernel=False)
         for flat, split in ((True, 1), (False, 1), (True, 2)):
             out = base.clone() if epi == "residual" else torch.full_like(base, float("nan"))
@@ -131,13 +127,9 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
     for taps, phases, cin, cout, length, epi, snake_next, h_next, split in (
             (7, 1, 24, 20, 9, "snake", True, 6, 1), (2, 3, 16, 12, 4, "none", True, 18, 1),
             (1, 1, 32, 24, 5, "residual", True, 2, 1), (3, 1, 40, 16, 6, "none", False, 4, 2)):
-        h = (taps - 1) + 1
-        p = _rand(3, h + length, cin, gen=gen, device=device, dtype=dtype)
-        w = _rand(taps * cin, phases * cout, gen=gen, device=device, dtype=dtype, scale=cin ** -0.5)
-        b = _rand(phases * cout, gen=gen, device=device, dtype=dtype, scale=0.1)
-        e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
+        h = taps
+        p, w, b, e, base = _conv_inputs(3, h, length, taps, phases, cin, cout, gen, device, dtype)
         s_e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
-        base = _rand(3 * length * phases, cout, gen=gen, device=device, dtype=dtype)
         hist, calls, pos = _bank(4, h_next, cout, gen, device, dtype)
         outs = []
         for kernel in (True, False):

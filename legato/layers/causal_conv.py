@@ -226,22 +226,31 @@ def depthwise_layernorm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 if triton is not None:
 
     @triton.jit
+    def _slot_bank(hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, H, C, RATE):
+        """Stream b's slot: the base of its history bank, which of the two copies is current, and the sample
+        index of history row 0 (negative rows are before the stream's start)."""
+        slot = tl.load(slots_ptr + b)
+        return hist_ptr + slot * (2 * H * C), tl.load(calls_ptr + slot) & 1, tl.load(pos_ptr + slot) * RATE - H
+
+    @triton.jit
+    def _old_history(hbase, par, first, r, c, cmask, H, C):
+        """Rows r of the current history, zero before the stream's start and for r >= H."""
+        return tl.load(hbase + par * (H * C) + r[:, None] * C + c[None, :],
+                       mask=((r < H) & ((first + r) >= 0))[:, None] & cmask[None, :], other=0.0)
+
+    @triton.jit
     def _stage_kernel(x_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, freq_ptr, inv_ptr, out_ptr,
                       L, H, C, RATE, SNAKE: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_C: tl.constexpr):
         b = tl.program_id(0)
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        slot = tl.load(slots_ptr + b)
-        par = tl.load(calls_ptr + slot) & 1
-        first = tl.load(pos_ptr + slot) * RATE - H
         cmask = c < C
         in_hist = r < H
         rows = H + L
         valid = r < rows
-        hbase = hist_ptr + slot * (2 * H * C)
-        old = tl.load(hbase + par * (H * C) + r[:, None] * C + c[None, :],
-                      mask=(in_hist & ((first + r) >= 0))[:, None] & cmask[None, :], other=0.0)
+        hbase, par, first = _slot_bank(hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, H, C, RATE)
+        old = _old_history(hbase, par, first, r, c, cmask, H, C)
         xr = r - H
         new = tl.load(x_ptr + (b * L + xr)[:, None].to(tl.int64) * C + c[None, :],
                       mask=((~in_hist) & valid)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
@@ -265,20 +274,15 @@ if triton is not None:
         b = tl.program_id(0)
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        slot = tl.load(slots_ptr + b)
-        par = tl.load(calls_ptr + slot) & 1
-        first = tl.load(pos_ptr + slot) * RATE - H
         cmask = c < C
         live = r < H
-        hbase = hist_ptr + slot * (2 * H * C)
+        hbase, par, first = _slot_bank(hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, H, C, RATE)
         pbase = p_ptr + (b * (H + L)).to(tl.int64) * C
-        old = tl.load(hbase + par * (H * C) + r[:, None] * C + c[None, :],
-                      mask=(live & ((first + r) >= 0))[:, None] & cmask[None, :], other=0.0)
-        tl.store(pbase + r[:, None] * C + c[None, :], old, mask=live[:, None] & cmask[None, :])
+        tl.store(pbase + r[:, None] * C + c[None, :], _old_history(hbase, par, first, r, c, cmask, H, C),
+                 mask=live[:, None] & cmask[None, :])
         src = L + r
         from_hist = src < H
-        prev = tl.load(hbase + par * (H * C) + src[:, None] * C + c[None, :],
-                       mask=(live & from_hist & ((first + src) >= 0))[:, None] & cmask[None, :], other=0.0)
+        prev = _old_history(hbase, par, first, src, c, cmask, H, C)
         cur = tl.load(pbase + src[:, None].to(tl.int64) * C + c[None, :],
                       mask=(live & ~from_hist)[:, None] & cmask[None, :], other=0.0)
         tl.store(hbase + (1 - par) * (H * C) + r[:, None] * C + c[None, :],
@@ -292,16 +296,12 @@ if triton is not None:
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # over 2D channels
         C = 2 * D
-        slot = tl.load(slots_ptr + b)
-        par = tl.load(calls_ptr + slot) & 1
-        first = tl.load(pos_ptr + slot) - H
         cmask = c < C
         rows = H + T
         valid = r < rows
         in_hist = r < H
-        hbase = hist_ptr + slot * (2 * H * C)
-        old = tl.load(hbase + par * (H * C) + r[:, None] * C + c[None, :],
-                      mask=(in_hist & ((first + r) >= 0))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        hbase, par, first = _slot_bank(hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, H, C, 1)
+        old = _old_history(hbase, par, first, r, c, cmask, H, C).to(tl.float32)
         t = r - H
         live = (~in_hist) & valid
         group_rest = c >= D
