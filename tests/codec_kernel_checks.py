@@ -124,9 +124,10 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
     # a conv whose epilogue also stages its output for the next conv (SnakeBeta or none; phases; split-K; a 1x1
     # over [1, B * L, C] feeding B streams), then `restage` adding the history rows and writing the next history
     # (histories longer and shorter than the call)
-    for taps, phases, cin, cout, length, epi, snake_next, h_next, split in (
-            (7, 1, 24, 20, 9, "snake", True, 6, 1), (2, 3, 16, 12, 4, "none", True, 18, 1),
-            (1, 1, 32, 24, 5, "residual", True, 2, 1), (3, 1, 40, 16, 6, "none", False, 4, 2)):
+    for taps, phases, cin, cout, length, epi, snake_next, h_next, split, config in (
+            (7, 1, 24, 20, 9, "snake", True, 6, 1, None), (2, 3, 16, 12, 4, "none", True, 18, 1, None),
+            (1, 1, 32, 24, 5, "residual", True, 2, 1, None), (3, 1, 40, 16, 6, "none", False, 4, 2, None),
+            (1, 1, 96, 96, 4, "residual", True, 6, 1, (16, 64, 32, 4, 2, 32))):  # the 64 + 32 tile
         h = taps
         p, w, b, e, base = _conv_inputs(3, h, length, taps, phases, cin, cout, gen, device, dtype)
         s_e = (_rand(cout, gen=gen, device=device).exp(), _rand(cout, gen=gen, device=device).exp())
@@ -141,7 +142,7 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
                 pp, ln = p, length
             staged = (s_buf, s_e if snake_next else None)
             if kernel:
-                ck.launch_conv(pp, w, b, ln, taps, 1, phases, epi, e, out, split=split, staged=staged)
+                ck.launch_conv(pp, w, b, ln, taps, 1, phases, epi, e, out, config=config, split=split, staged=staged)
             else:
                 cc.conv_gemm(pp, w, b, ln, taps, 1, phases, epi, e, out=out, kernel=False, staged=staged)
             hh = hist.clone()
