@@ -3,11 +3,12 @@
 
 Records every conv GEMM of one `StreamingCodecDecoder.step` (full-size, bf16) at each cell (streams x frames),
 then times each heavy one (more than `--min-gflop`) with each candidate config, beside the same conv as a
-torch im2col + cuBLAS matmul. Candidates: "None" is the tree's own choice, "tap" the same tiles with K blocked
-per tap (the kernel before flat K), then the CONFIGS, and WIDE ones (two column blocks, 64 + 32 wide and
-the like) for channel counts that are not a power of two. Prints the best config per conv, then times the whole
-step as one graph replay with the tree's choices and with each conv's best, and lists an eager step's kernels
-one by one (`launches`).
+torch im2col + cuBLAS matmul (each conv alone: without the staged copy for the next conv that its epilogue may
+also write). Candidates: "None" is the tree's own choice, "tap" the same tiles with K blocked per tap (the
+kernel before flat K), then the CONFIGS, and WIDE ones (two column blocks, 64 + 32 wide and the like) for
+channel counts that are not a power of two. Prints the best config per conv, then times the whole step as one
+graph replay with the tree's choices, with each conv's best and under each of KNOBS, and lists an eager step's
+kernels one by one (`launches`).
 
     python3 benchmarks/codec_tune.py --cells 64x1,256x4 --out /tmp/tune.json
 """
