@@ -37,3 +37,56 @@ def test_the_last_blocks_96_channel_convs_take_tiles_that_pad_nothing():
         block_m, block_n, block_k, _, _, block_n2 = conv_blocks(m, 96, 96, taps)
         assert block_n + block_n2 == 96 and 96 % block_k == 0
     assert len(conv_blocks(122880, 12, 12, 7)) == 5  # a tiny config's channels: the fitted tiles, one block
+
+
+def _compile_for_hopper(kernel, constexprs: dict) -> int:
+    """Compiles a Triton kernel to an sm_90 cubin on this machine (no GPU needed: Triton's own ptxas), with
+    bf16 tensors, int64 slot and position tensors, fp32 parameters, int32 scalars. Returns the cubin's size."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    i64 = {"calls_ptr", "pos_ptr", "slots_ptr", "codes_ptr"}
+    fp32 = {"f_ptr", "i_ptr", "freq_ptr", "inv_ptr", "sf_ptr", "si_ptr", "ws_ptr"}
+    signature = {}
+    for param in kernel.params:
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i64" if name in i64 else "*fp32" if name in fp32 else "*bf16"
+        else:
+            signature[name] = "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    return len(compiled.asm["cubin"])
+
+
+def test_the_codec_kernels_compile_for_hopper():
+    """The interpreter runs the kernels' semantics, not the GPU compiler: this compiles each changed kernel shape
+    (two column blocks, flat K, split-K partial sums, a staged epilogue, restaging, the column kernel) as far as
+    an sm_90 cubin, so a construct the GPU backend refuses fails on the CPU too."""
+    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton build has no ptxas to compile for a GPU")
+    from legato.layers import causal_conv as cc
+    from legato.layers import conv_kernels as ck
+
+    conv = dict(TAPS=7, HAS_BIAS=True, EPILOGUE=1, SPLIT=1, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, KT=3, IEEE=False,
+                FAST_SIN=True, FLAT=False, VEC=8, BLOCK_N2=32, STAGED=True, STAGED_SNAKE=True)
+    cases = [
+        (ck._conv_kernel, conv),  # the last block's 7-tap conv, feeding the next
+        (ck._conv_kernel, {**conv, "TAPS": 1, "EPILOGUE": 3, "BLOCK_K": 64, "KT": 2, "FLAT": True}),  # flat K
+        (ck._conv_kernel, {**conv, "SPLIT": 4, "BLOCK_N": 128, "BLOCK_N2": 0, "STAGED": False}),  # split-K parts
+        (ck._split_reduce_kernel, dict(SPLIT=4, HAS_BIAS=True, EPILOGUE=3, BLOCK_R=32, BLOCK_C=128, FAST_SIN=True,
+                                       STAGED=True, STAGED_SNAKE=True)),
+        (ck._column_kernel, dict(TAPS=7, HAS_BIAS=True, EPILOGUE=4, BLOCK_M=128, BLOCK_C=32, FAST_SIN=True)),
+        (cc._stage_kernel, dict(SNAKE=True, FAST_SIN=True, BLOCK_R=32, BLOCK_C=128)),
+        (cc._restage_kernel, dict(BLOCK_R=32, BLOCK_C=128)),
+        (cc._codebook_kernel, dict(Q=16, FIRST=1, BLOCK_R=16, BLOCK_C=128)),
+    ]
+    for kernel, constexprs in cases:
+        assert _compile_for_hopper(kernel, constexprs) > 0, kernel.__name__
