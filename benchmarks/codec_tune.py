@@ -25,6 +25,7 @@ from codec_step import time_step  # benchmarks/ is the script's own folder
 
 from legato.layers import causal_conv as cc
 from legato.layers import conv_kernels as ck
+from legato.layers import window_attention as wa
 from legato.layers.conv_tiles import conv_blocks
 from legato.models.qwen3_tts import codec_stages
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
@@ -92,6 +93,10 @@ def choice(name: str):
 # Whole-step variants beyond the conv tiles: module knobs set for the variant's graph only.
 KNOBS = {
     "no feed (every staged input through the staging kernel)": {(codec_stages, "FEED_NEXT"): False},
+    "window 128 keys, 4 warps": {(wa, "KEY_BLOCK"): 128, (wa, "WARPS"): 4},
+    "window 128 keys, 2 warps": {(wa, "KEY_BLOCK"): 128, (wa, "WARPS"): 2},
+    "stage tiles 8192": {(cc, "STAGE_TILE"): 8192},
+    "stage tiles 16384, 8 warps": {(cc, "STAGE_TILE"): 16384, (cc, "STAGE_WARPS"): 8},
     "column tile 256 x 32, 4 warps": {(ck, "COLUMN_TILE"): (256, 32, 4)},
     "column tile 128 x 128, 4 warps": {(ck, "COLUMN_TILE"): (128, 128, 4)},
     "column tile 64 x 128, 4 warps": {(ck, "COLUMN_TILE"): (64, 128, 4)},

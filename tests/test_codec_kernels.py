@@ -63,8 +63,9 @@ def _compile_for_hopper(kernel, constexprs: dict) -> int:
 
 def test_the_codec_kernels_compile_for_hopper():
     """The interpreter runs the kernels' semantics, not the GPU compiler: this compiles each changed kernel shape
-    (two column blocks, flat K, split-K partial sums, a staged epilogue, restaging, the column kernel) as far as
-    an sm_90 cubin, so a construct the GPU backend refuses fails on the CPU too."""
+    (two column blocks, flat K, split-K partial sums, a staged epilogue, restaging, the column kernel, the
+    one-kernel residual unit) as far as an sm_90 cubin, so a construct the GPU backend refuses fails on the CPU
+    too."""
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
     from pathlib import Path
 
@@ -84,9 +85,25 @@ def test_the_codec_kernels_compile_for_hopper():
         (ck._split_reduce_kernel, dict(SPLIT=4, HAS_BIAS=True, EPILOGUE=3, BLOCK_R=32, BLOCK_C=128, FAST_SIN=True,
                                        STAGED=True, STAGED_SNAKE=True)),
         (ck._column_kernel, dict(TAPS=7, HAS_BIAS=True, EPILOGUE=4, BLOCK_M=128, BLOCK_C=32, FAST_SIN=True)),
+        (ck._unit_kernel, dict(TAPS=7, BLOCK_M=128, BLOCK_C=128, BLOCK_K=32, KT=3, CHUNK=128, IEEE=False,
+                               FAST_SIN=True)),
         (cc._stage_kernel, dict(SNAKE=True, FAST_SIN=True, BLOCK_R=32, BLOCK_C=128)),
         (cc._restage_kernel, dict(BLOCK_R=32, BLOCK_C=128)),
         (cc._codebook_kernel, dict(Q=16, FIRST=1, BLOCK_R=16, BLOCK_C=128)),
     ]
     for kernel, constexprs in cases:
         assert _compile_for_hopper(kernel, constexprs) > 0, kernel.__name__
+
+
+def test_a_staged_buffer_that_does_not_fit_the_output_is_refused():
+    import torch
+
+    from legato.layers.causal_conv import conv_gemm
+
+    p, w = torch.randn(2, 5, 8), torch.randn(8, 6)
+    for shape in ((3, 5, 6), (2, 4, 6), (2, 5, 7)):  # streams that do not divide the rows, too few rows, channels
+        with pytest.raises(ValueError, match="staged"):
+            conv_gemm(p, w, None, 5, 1, 1, staged=(torch.empty(shape), None), kernel=False)
+    staged = torch.full((2, 7, 6), float("nan"))  # 2 history rows, then the output's 5 rows per stream
+    out = conv_gemm(p, w, None, 5, 1, 1, staged=(staged, None), kernel=False)
+    assert torch.equal(staged[:, 2:], out.view(2, 5, 6))

@@ -153,7 +153,8 @@ def conv_gemm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         out = torch.empty(b * length * phases, cout, dtype=out_dtype or p.dtype, device=p.device)
     if staged is not None:  # its streams need not be P's: a 1x1 conv may run over [1, B * L, C]
         sb, srows, sc = staged[0].shape
-        if (b * length * phases) % sb or srows < b * length * phases // sb or sc != cout:
+        per_stream = b * length * phases // sb  # output rows per staged stream
+        if per_stream * sb != b * length * phases or srows < per_stream or sc != cout:
             raise ValueError(f"conv_gemm: staged {tuple(staged[0].shape)} does not fit {b * length * phases} rows "
                              f"of {cout}")
     if kernel if kernel is not None else use_triton(p):
@@ -177,10 +178,9 @@ def conv_gemm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         out.copy_(y)
     if staged is not None:
         s_buf, s_snake = staged
-        per = b * length * phases // s_buf.shape[0]
-        rows_out = out.view(s_buf.shape[0], per, cout)
+        rows_out = out.view(s_buf.shape[0], per_stream, cout)
         new = snake_reference(rows_out, *s_snake) if s_snake is not None else rows_out
-        s_buf[:, s_buf.shape[1] - per:] = new.to(s_buf.dtype)
+        s_buf[:, s_buf.shape[1] - per_stream:] = new.to(s_buf.dtype)
     return out
 
 
@@ -345,7 +345,8 @@ if triton is not None:
                  mask=tmask[:, None] & cmask[None, :])
 
 
-# Elements per program of the staging kernels, and warps (benchmarks/codec_tune.py measures the step).
+# Elements per program of the staging kernels, and warps (benchmarks/codec_tune.py measures the step with larger
+# tiles: 2-5 % slower on the H200; docs/benchmarks.md).
 STAGE_TILE = 4096
 STAGE_WARPS = 4
 

@@ -78,6 +78,14 @@ if triton is not None:
         return x + inv_mag * s * s
 
     @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        """acc + a @ b: full fp32 products where IEEE (fp32 storage, the interpreter's exact path), else the
+        matrix units' default precision."""
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
     def _finish(acc, rn, nmask, bcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS: tl.constexpr,
                 EPILOGUE: tl.constexpr, FAST_SIN: tl.constexpr, orow, s_ptr, sf_ptr, si_ptr, LOUT, SH, COUT,
                 STAGED: tl.constexpr, STAGED_SNAKE: tl.constexpr):
@@ -144,17 +152,11 @@ if triton is not None:
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptr + wrow[:, None].to(tl.int64) * wstride + wcol[None, :],
                         mask=kmask[:, None] & nmask[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
+            acc = _dot(a, w, acc, IEEE)
             if BLOCK_N2 > 0:
                 w2 = tl.load(w_ptr + wrow[:, None].to(tl.int64) * wstride + wcol2[None, :],
                              mask=kmask[:, None] & nmask2[None, :], other=0.0)
-                if IEEE:
-                    acc2 = tl.dot(a, w2, acc2, input_precision="ieee")
-                else:
-                    acc2 = tl.dot(a, w2, acc2)
+                acc2 = _dot(a, w2, acc2, IEEE)
         return acc, acc2
 
     @triton.jit
@@ -197,7 +199,8 @@ if triton is not None:
         hi = tl.minimum(lo + per, steps)
         rn2 = pid_n * (BLOCK_N + BLOCK_N2) + BLOCK_N + tl.arange(0, BLOCK_N2 if BLOCK_N2 > 0 else 16)
         nmask2 = rn2 < COUT
-        acc, acc2 = _implicit_gemm(p_ptr, w_ptr, prow, mmask, wcol, nmask, phase * COUT + rn2, nmask2, lo, hi,
+        wcol2 = phase * COUT + rn2
+        acc, acc2 = _implicit_gemm(p_ptr, w_ptr, prow, mmask, wcol, nmask, wcol2, nmask2, lo, hi,
                                    CIN, DIL, wstride, KT, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, FLAT, VEC, BLOCK_N2,
                                    TAPS * CIN)
         orow = rm * PHASES + phase
@@ -205,7 +208,7 @@ if triton is not None:
                         i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN, s_ptr, sf_ptr, si_ptr, LOUT, SH, STAGED,
                         STAGED_SNAKE)
         if BLOCK_N2 > 0:
-            _finish_or_park(acc2, rn2, nmask2, phase * COUT + rn2, orow, mmask, part, M * PHASES, COUT, out_ptr,
+            _finish_or_park(acc2, rn2, nmask2, wcol2, orow, mmask, part, M * PHASES, COUT, out_ptr,
                             ws_ptr, b_ptr, f_ptr, i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN, s_ptr, sf_ptr, si_ptr,
                             LOUT, SH, STAGED, STAGED_SNAKE)
 
@@ -248,18 +251,12 @@ if triton is not None:
                             mask=mmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + tap * CIN + c0 + rc, mask=cmask, other=0.0).to(tl.float32)
                 acc += a * w[None, :]
-        y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr).to(tl.float32)
-        if EPILOGUE == 1:  # snake
-            y = snake_fn(y, tl.load(f_ptr), tl.load(i_ptr), FAST_SIN)
-        elif EPILOGUE == 2:
-            y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
-        elif EPILOGUE == 3:
-            y += tl.load(out_ptr + rm, mask=mmask, other=0.0).to(tl.float32)
-        elif EPILOGUE == 4:
-            y = tl.minimum(tl.maximum(y, -1.0), 1.0)
-        tl.store(out_ptr + rm, y.to(out_ptr.dtype.element_ty), mask=mmask)
+        # The GEMM's epilogue over a one-column tile.
+        col = tl.zeros([1], dtype=tl.int32)
+        cmask = col < 1
+        _finish(tl.sum(acc, axis=1)[:, None], col, cmask, col, out_ptr + rm[:, None] + col[None, :],
+                mmask[:, None] & cmask[None, :], b_ptr, f_ptr, i_ptr, HAS_BIAS, EPILOGUE, FAST_SIN, rm, out_ptr,
+                f_ptr, i_ptr, 1, 0, 1, False, False)
 
     @triton.jit
     def _unit_kernel(p_ptr, w7_ptr, b7_ptr, f_ptr, i_ptr, w1_ptr, b1_ptr, x_ptr,
@@ -283,10 +280,7 @@ if triton is not None:
             rn = j * CHUNK + tl.arange(0, CHUNK)
             nmask = rn < C
             w1 = tl.load(w1_ptr + rc[:, None] * C + rn[None, :], mask=cmask[:, None] & nmask[None, :], other=0.0)
-            if IEEE:
-                y = tl.dot(h, w1, input_precision="ieee")
-            else:
-                y = tl.dot(h, w1)
+            y = _dot(h, w1, tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32), IEEE)
             y += tl.load(b1_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
             xptrs = x_ptr + rm[:, None].to(tl.int64) * C + rn[None, :]
             xmask = mmask[:, None] & nmask[None, :]
@@ -313,11 +307,12 @@ def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, 
                       STAGED_SNAKE=s_snake is not None)
     else:
         s_args = dict(s_ptr=out, sf_ptr=out, si_ptr=out, LOUT=1, SH=0, STAGED=False, STAGED_SNAKE=False)
+    freq, inv = epi if epi is not None else (out, out)
+    bias_arg = bias if bias is not None else out
     if cout == 1 and phases == 1 and config is None and staged is None:
-        freq, inv = epi if epi is not None else (out, out)
         block_m, block_c, warps = COLUMN_TILE
         block_c = min(pow2_at_least(cin), block_c)
-        _column_kernel[(triton.cdiv(m, block_m),)](p, weight, bias if bias is not None else out, out, freq, inv, m,
+        _column_kernel[(triton.cdiv(m, block_m),)](p, weight, bias_arg, out, freq, inv, m,
                                                    length, rows, cin, rows - length - (taps - 1) * dil, dil,
                                                    TAPS=taps, HAS_BIAS=bias is not None,
                                                    EPILOGUE=EPILOGUES.index(epilogue), BLOCK_M=block_m,
@@ -332,8 +327,6 @@ def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, 
     tiles = triton.cdiv(m, block_m) * n_tiles * phases
     if split is None:
         split = split_k(tiles, steps, _sm_count(p.device.index or 0) if p.is_cuda else 132)
-    freq, inv = epi if epi is not None else (out, out)
-    bias_arg = bias if bias is not None else out
     ws = torch.empty(split, m * phases, cout, dtype=torch.float32, device=p.device) if split > 1 else out
     code = EPILOGUES.index(epilogue)
     grid = (triton.cdiv(m, block_m), n_tiles, phases * split)

@@ -148,8 +148,8 @@ if triton is not None:
                          (acc / l_i).to(out_ptr.dtype.element_ty))
 
 
-# Keys per block of the kernel's walk over the window, and its warps. A program's time is mostly the latency of
-# its serial chain of loads, so fewer, wider blocks can win (benchmarks/codec_tune.py measures the step).
+# Keys per block of the kernel's walk over the window, and its warps (benchmarks/codec_tune.py measures the step
+# with others: 128-key blocks, with 2 or 4 warps, were 2-3 % slower on the H200; docs/benchmarks.md).
 KEY_BLOCK = 32
 WARPS = 2
 

@@ -38,7 +38,8 @@ Staged = tuple[torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"]
 FEED_NEXT = True
 
 # A narrow residual unit as one kernel on the GPU (layers/conv_kernels.py). Off: on the H200 it measured no
-# faster than its two kernels at one frame per call and slower at 256 x 4 (docs/benchmarks.md).
+# faster than its two kernels at one frame per call and slower at 256 x 4 (docs/benchmarks.md). Its kernel
+# cannot feed the next conv, so it runs only where FEED_NEXT is off.
 FUSE_UNITS = False
 
 
