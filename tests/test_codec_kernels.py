@@ -4,7 +4,7 @@ subprocess, since the interpreter is chosen when a kernel is defined), on CUDA i
 from __future__ import annotations
 
 import pytest
-from triton_interpreter import run_checks_script
+from triton_interpreter import compile_for_hopper, run_checks_script, skip_unless_ptxas
 
 
 def test_kernels_equal_their_twins_under_the_interpreter():
@@ -40,25 +40,10 @@ def test_the_last_blocks_96_channel_convs_take_tiles_that_pad_nothing():
 
 
 def _compile_for_hopper(kernel, constexprs: dict) -> int:
-    """Compiles a Triton kernel to an sm_90 cubin on this machine (no GPU needed: Triton's own ptxas), with
-    bf16 tensors, int64 slot and position tensors, fp32 parameters, int32 scalars. Returns the cubin's size."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """sm_90 cubin size of a codec kernel: bf16 tensors, int64 slot and position tensors, fp32 parameters."""
     i64 = {"calls_ptr", "pos_ptr", "slots_ptr", "codes_ptr"}
     fp32 = {"f_ptr", "i_ptr", "freq_ptr", "inv_ptr", "sf_ptr", "si_ptr", "ws_ptr"}
-    signature = {}
-    for param in kernel.params:
-        name = param.name
-        if param.is_constexpr:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = "*i64" if name in i64 else "*fp32" if name in fp32 else "*bf16"
-        else:
-            signature[name] = "i32"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
-    return len(compiled.asm["cubin"])
+    return compile_for_hopper(kernel, constexprs, {**{n: "*i64" for n in i64}, **{n: "*fp32" for n in fp32}})
 
 
 def test_the_codec_kernels_compile_for_hopper():
@@ -66,13 +51,7 @@ def test_the_codec_kernels_compile_for_hopper():
     (two column blocks, flat K, split-K partial sums, a staged epilogue, restaging, the column kernel, the
     one-kernel residual unit) as far as an sm_90 cubin, so a construct the GPU backend refuses fails on the CPU
     too."""
-    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
-    from pathlib import Path
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton build has no ptxas to compile for a GPU")
+    skip_unless_ptxas()
     from legato.layers import causal_conv as cc
     from legato.layers import conv_kernels as ck
 

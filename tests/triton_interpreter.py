@@ -51,3 +51,33 @@ def run_checks_script(name: str, timeout_s: float = 600) -> subprocess.Completed
         [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, str(HERE / name), "cpu"], env=env, capture_output=True, text=True,
                           timeout=timeout_s)
+
+
+def skip_unless_ptxas() -> None:
+    """Skips the calling test unless Triton and its bundled ptxas are installed (GPU-compiler checks)."""
+    import pytest
+
+    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton build has no ptxas to compile for a GPU")
+
+
+def compile_for_hopper(kernel, constexprs: dict, types: dict[str, str]) -> int:
+    """Compiles a Triton kernel to an sm_90 cubin on this machine (no GPU needed: Triton's own ptxas) and returns
+    the cubin's size. Pointer arguments are bf16 and scalars int32 unless `types` names them. The interpreter
+    runs a kernel's semantics, not the GPU compiler: this catches a construct the GPU backend refuses."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for param in kernel.params:
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    return len(compiled.asm["cubin"])

@@ -2,10 +2,11 @@
 
 A frame draws 16 tokens one after another (codebook 0, then the code predictor's 15). Compiled by
 `torch.compile`, each draw was still ~38 us of device time at batch 1 on the H200: a radix sort of the row
-(~22 us) and five more kernels. Here a row's logits stay in one program's registers: a bitonic sort for the
-top-k value and the top-p prefix (skipped when the row's top_p is 1), Philox in the kernel, one argmax.
-Measured on the H200 (docs/benchmarks.md): no gain at batch 1, where the in-register sort of 2,048 values costs
-about what the radix sort did; 0.12 ms a step at batch 64, where the compiled draw's six kernels were wider.
+(~22 us) and five more kernels. Here a row's logits stay in one program's registers, Philox runs in the
+kernel, and one argmax draws. The top-k value and the top-p cut are found by bisection over the values'
+bit patterns (32 counting passes each, the top-p one skipped when the row's top_p is 1), not by sorting: an
+in-register bitonic sort of 2,048 values took ~42 us per draw on the H200, the same at batch 1 and 64
+(docs/benchmarks.md), most of a frame's sixteen draws.
 
 Same contract as `sampler.draw`, to the bit where the math library allows: the masses, thresholds, cut and
 Philox words are computed exactly as there (integer cumulative masses, float64 comparisons); on CUDA the
@@ -96,9 +97,41 @@ if triton is not None:
         return tl.where(w == 0, x0, tl.where(w == 1, x1, tl.where(w == 2, x2, x3)))
 
     @triton.jit
-    def _pick(values, idx, at):
-        # values[at] of a 1-D block (at a scalar), -inf when at is outside it.
-        return tl.max(tl.where(idx == at, values, float("-inf")), axis=0)
+    def _order_key(x):
+        # float32 -> int32 with the same order (negative floats' magnitude bits flipped); -0.0 keyed as +0.0, as
+        # the float comparisons downstream treat them.
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return tl.where(x == 0.0, 0, key)
+
+    @triton.jit
+    def _kth_largest_key(key, valid, k):
+        # The largest t with count(key >= t) >= k: the k-th largest key, counting ties (k <= the valid count).
+        # 32 halvings cover the int32 range; once converged an iteration changes nothing.
+        lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)  # count = all >= k
+        hi = tl.max(tl.where(valid, key, -2147483648), axis=0).to(tl.int64) + 1  # count = 0 < k
+        for _ in tl.static_range(32):
+            mid = lo + (hi - lo) // 2
+            enough = tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+        return lo
+
+    @triton.jit
+    def _top_p_key(key, mass, threshold, lo, hi):
+        # The smallest key t with float64(sum of mass over key <= t) > threshold, searched in (lo, hi] where lo
+        # fails and hi holds.
+        for _ in tl.static_range(32):
+            mid = lo + (hi - lo) // 2
+            holds = tl.sum(tl.where(key.to(tl.int64) <= mid, mass, 0), axis=0).to(tl.float64) > threshold
+            hi = tl.where(holds, mid, hi)
+            lo = tl.where(holds, lo, mid)
+        return hi
+
+    @triton.jit
+    def _value_at_key(values, key, valid, at):
+        # The value whose key is `at` (the smallest value keyed at or above it).
+        return tl.min(tl.where(valid & (key.to(tl.int64) >= at), values, float("inf")), axis=0)
 
     @triton.jit
     def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr, out_ptr,
@@ -111,24 +144,32 @@ if triton is not None:
         temp = tl.load(temp_ptr + row)
         if (tl.load(do_ptr + row) != 0) & (temp > 0):
             scaled = tl.where(valid, x / temp, float("-inf"))
-            desc = tl.sort(scaled, descending=True)
-            # TopK: the k-th largest value; top_k <= 0 is off (k = V).
+            key = _order_key(scaled)
+            # TopK: the k-th largest value (ties counted, as in a descending sort); top_k <= 0 is off (k = V).
             top_k = tl.load(topk_ptr + row)
             k = tl.where(top_k <= 0, V, tl.minimum(top_k, V))
-            kth = _pick(desc, v, k - 1)
+            kth = tl.min(tl.where(valid, scaled, float("inf")), axis=0)
+            if k < V:
+                kth = _value_at_key(scaled, key, valid, _kth_largest_key(key, valid, k))
             cut = kth
             top_p = tl.load(topp_ptr + row)
             if top_p < 1.0:
-                # TopP over the top-k survivors in descending order: integer masses, exact in any order; an id is
-                # dropped when the mass from it to the end is <= (1 - top_p) of the total, the first never.
-                kept = tl.where(desc < kth, float("-inf"), desc)
-                mass = (_exp(kept - tl.max(kept, axis=0), EXACT) * MASS_SCALE).to(tl.int64)
-                cum = tl.cumsum(mass, 0)
+                # TopP over the top-k survivors, as a descending walk would do it: integer masses, exact in any
+                # order. Walking down, an id is dropped once the mass from it to the end is <= (1 - top_p) of
+                # the total (the first never), so the last kept value is the smallest t whose mass at or below
+                # it exceeds that: one search over values instead of a sort.
+                top = tl.max(scaled, axis=0)
+                kept = valid & (scaled >= kth)
+                mass = tl.where(kept, (_exp(scaled - top, EXACT) * MASS_SCALE).to(tl.int64), 0)
                 total = tl.sum(mass, axis=0)
-                above = (total - (cum - mass)).to(tl.float64)
-                drop = (above <= (1.0 - top_p.to(tl.float64)) * total.to(tl.float64)) & (v > 0) & valid
-                n_keep = V - tl.sum(drop.to(tl.int32), axis=0)
-                cut = tl.maximum(kth, _pick(kept, v, n_keep - 1))
+                threshold = (1.0 - top_p.to(tl.float64)) * total.to(tl.float64)
+                if total.to(tl.float64) > threshold:
+                    floor = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64) - 1
+                    ceiling = tl.max(tl.where(valid, key, -2147483648), axis=0).to(tl.int64)
+                    last = _value_at_key(scaled, key, valid, _top_p_key(key, mass, threshold, floor, ceiling))
+                    cut = tl.maximum(kth, last)
+                else:
+                    cut = top
             warped = tl.where(scaled < cut, float("-inf"), scaled)
             seed = tl.load(seed_ptr + row)
             k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
