@@ -50,7 +50,7 @@ def _compare(name, args, kwargs, caches, errors, out_view=False):
     errors[f"{name}: v cache"] = _err(v1, v2)
 
 
-def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits=None, block_n=None) -> None:
+def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits=None, block_n=None, dot=True) -> None:
     """Paged rows long enough to split (`fused_attention.SPLITS`): a row's cached positions at, just under and
     just over a split's span and a loop block, one row on every split, one new token at position 0; block
     size 16, every row's blocks scattered over the cache."""
@@ -69,13 +69,14 @@ def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits=None,
     qkv, qw, kw, cos, sin = _inputs(b, heads, kv_heads, d, [n - 1 for n in lens], gen, device, dtype)
     caches = [torch.randn(sum(per_row), bs, kv_heads, d, generator=gen).to(device, dtype) for _ in range(2)]
     kwargs = dict(block_tables=tables.to(device), context_lens=torch.tensor(lens, dtype=torch.int32, device=device))
-    saved = fa.SPLITS, fa.BLOCK_N
-    fa.SPLITS, fa.BLOCK_N = splits or fa.SPLITS, block_n or fa.BLOCK_N
+    saved = fa.SPLITS, fa.BLOCK_N, fa.DOT
+    fa.SPLITS, fa.BLOCK_N, fa.DOT = splits or fa.SPLITS, block_n or fa.BLOCK_N, dot
     try:
-        _compare(f"paged long h{heads}/{kv_heads} d{d} splits {fa.SPLITS} block {fa.BLOCK_N}",
-                 (qkv, qw, kw, eps, cos, sin, heads), kwargs, caches, errors, out_view=True)
+        _compare(f"paged long h{heads}/{kv_heads} d{d} splits {fa.SPLITS} block {fa.BLOCK_N}"
+                 f"{'' if dot else ' reductions'}", (qkv, qw, kw, eps, cos, sin, heads), kwargs, caches, errors,
+                 out_view=True)
     finally:
-        fa.SPLITS, fa.BLOCK_N = saved
+        fa.SPLITS, fa.BLOCK_N, fa.DOT = saved
 
 
 def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
@@ -95,6 +96,7 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         _compare(f"paged h{heads}/{kv_heads} d{d}", (qkv, qw, kw, eps, cos, sin, heads), kwargs, caches, errors)
         for splits, block_n in ((None, None), (4, 16), (1, 16)):  # the default, and the settings benchmarks try
             _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits, block_n)
+        _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, dot=False)  # CUDA-core reductions
         # Contiguous: every row at one position, capacity 16; `out` a strided view of a [B, 2, H*D] buffer.
         for position in (0, 1, 7, 15):
             qkv, qw, kw, cos, sin = _inputs(3, heads, kv_heads, d, [position] * 3, gen, device, dtype)

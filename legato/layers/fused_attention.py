@@ -97,6 +97,17 @@ def fused_decode_attention_reference(
 SPLITS = 16
 MIN_SPAN = 64  # cached positions a split takes at least, so short rows use few splits
 BLOCK_N = 32  # positions per loop iteration of the paged path
+# Warps per program: 4 below WIDE_ROWS rows, 2 from there. Measured on the H200 (benchmarks/attention_tune.py,
+# docs/benchmarks.md): at 64 and 256 rows 2 warps took 15-30 % less time, at one row 10 % more. (Outside
+# `batch_invariant` results may depend on the batch anyway, as cuBLAS's do; that mode runs fixed row counts.)
+WARPS = (4, 2)
+WIDE_ROWS = 32
+# Scores and weighted sums as tensor-core products (q padded to 16 rows), or as CUDA-core reductions.
+DOT = True
+
+
+def warps(rows: int) -> int:
+    return WARPS[rows >= WIDE_ROWS]
 
 
 def split_span(cached: int) -> int:
@@ -140,17 +151,22 @@ def fused_decode_attention(
     # Partial softmaxes of the splits: running max, sum and unnormalised output per (row, head, split).
     part_ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=qkv.device) if splits > 1 else out
     part_acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=qkv.device) if splits > 1 else out
-    meta = dict(HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1),
+    group_pad = max(triton.next_power_of_2(group), 1)
+    dot = DOT and d >= 16 and d == triton.next_power_of_2(d)
+    meta = dict(HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(group_pad, 16) if dot else group_pad,
                 HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged, SPLITS=splits,
                 MIN_SPAN=MIN_SPAN, BLOCK_N=BLOCK_N if paged else 16)
+    exact = k_cache.dtype == torch.float32  # fp32 caches: fp32 products, as the eager path
     _fused_decode_kernel[(b, kv_heads, splits)](
         qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, out, tables, lens, part_ml, part_acc,
         eps, d**-0.5, position,
         qkv.stride(0), cos.stride(0), sin.stride(0), stride_kb, stride_kp, stride_kh, tables_stride, out.stride(0),
-        **meta,
+        **meta, DOT=dot, PRECISION="ieee" if exact else "tf32", PV_PRECISION="ieee" if exact else "tf32x3",
+        num_warps=warps(b),
     )
     if splits > 1:
-        _combine_splits_kernel[(b, kv_heads)](lens, part_ml, part_acc, out, out.stride(0), **meta)
+        _combine_splits_kernel[(b, kv_heads)](lens, part_ml, part_acc, out, out.stride(0),
+                                              **{**meta, "GROUP_PAD": group_pad})
     return out
 
 
@@ -180,13 +196,30 @@ if triton is not None:
         return (span + BLOCK_N - 1) // BLOCK_N * BLOCK_N
 
     @triton.jit
+    def _kv_block(k_ptr, v_ptr, tables_ptr, b, kvh, start, hi, s, d, stride_kb, stride_kp, stride_kh, stride_tb,
+                  BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr):
+        # Keys and values [BLOCK_N, D] of cached positions start + s (zeros from hi on), in the cache's dtype.
+        p_idx = start + s
+        valid = p_idx < hi
+        if PAGED:
+            blk_i = tl.load(tables_ptr + b * stride_tb + p_idx // BLOCK_SIZE, mask=valid, other=0)
+            base = blk_i.to(tl.int64) * stride_kb + kvh * stride_kh + (p_idx % BLOCK_SIZE) * stride_kp
+            base = base[:, None]
+        else:
+            base = b.to(tl.int64) * stride_kb + kvh * stride_kh + p_idx[:, None] * stride_kp
+        keys = tl.load(k_ptr + base + d[None, :], mask=valid[:, None], other=0.0)
+        vals = tl.load(v_ptr + base + d[None, :], mask=valid[:, None], other=0.0)
+        return keys, vals
+
+    @triton.jit
     def _fused_decode_kernel(
         qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
         eps, scale, position,
         stride_row, stride_cos, stride_sin, stride_kb, stride_kp, stride_kh, stride_tb, stride_out,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr,
-        MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
+        MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+        PV_PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -205,6 +238,10 @@ if triton is not None:
             hi = pos
         if (split == 0) | (lo < pos):  # a split past the row's end has nothing to do (the combine skips it)
             d = tl.arange(0, HEAD_DIM)
+            s = tl.arange(0, BLOCK_N)
+            # The first block of cached positions is requested before the q/k work, which it does not need.
+            keys, vals = _kv_block(k_ptr, v_ptr, tables_ptr, b, kvh, lo, hi, s, d, stride_kb, stride_kp, stride_kh,
+                                   stride_tb, BLOCK_SIZE, PAGED)
             half: tl.constexpr = HEAD_DIM // 2
             dp = (d + half) % HEAD_DIM
             is_low = d < half
@@ -242,26 +279,28 @@ if triton is not None:
             l_i = tl.where(first, 1.0, 0.0) + tl.zeros([GROUP_PAD], tl.float32)
             acc = tl.where(first, 1.0, 0.0) * v_new.to(tl.float32)[None, :] + tl.zeros([GROUP_PAD, HEAD_DIM],
                                                                                         tl.float32)
-            s = tl.arange(0, BLOCK_N)
             for start in range(lo, hi, BLOCK_N):
-                p_idx = start + s
-                valid = p_idx < hi
-                if PAGED:
-                    blk_i = tl.load(tables_ptr + b * stride_tb + p_idx // BLOCK_SIZE, mask=valid, other=0)
-                    base = blk_i.to(tl.int64) * stride_kb + kvh * stride_kh + (p_idx % BLOCK_SIZE) * stride_kp
-                    base = base[:, None]
+                # The next block's loads go out before this block's math (the chain of dependent loads, not
+                # bandwidth, is what a short span waits on).
+                next_keys, next_vals = _kv_block(k_ptr, v_ptr, tables_ptr, b, kvh, start + BLOCK_N, hi, s, d,
+                                                 stride_kb, stride_kp, stride_kh, stride_tb, BLOCK_SIZE, PAGED)
+                valid = start + s < hi
+                if DOT:  # q holds values of the cache's dtype already (rounded as the eager path rounds)
+                    scores = tl.dot(q.to(keys.dtype), tl.trans(keys), input_precision=PRECISION) * scale
                 else:
-                    base = b.to(tl.int64) * stride_kb + kvh * stride_kh + p_idx[:, None] * stride_kp
-                keys = tl.load(k_ptr + base + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-                vals = tl.load(v_ptr + base + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-                scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_N]
-                scores = tl.where(valid[None, :], scores, float("-inf"))
+                    scores = tl.sum(q[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
+                scores = tl.where(valid[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(scores - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
+                if DOT:  # fp32 probabilities: three TF32 products keep the sum at about fp32's precision
+                    pv = tl.dot(p, vals.to(tl.float32), input_precision=PV_PRECISION)
+                else:
+                    pv = tl.sum(p[:, :, None] * vals.to(tl.float32)[None, :, :], axis=1)
+                acc = acc * alpha[:, None] + pv
                 m_i = m_new
+                keys, vals = next_keys, next_vals
             if SPLITS == 1:
                 out = acc / l_i[:, None]
                 tl.store(out_ptr + b * stride_out + heads[:, None] * HEAD_DIM + d[None, :],
