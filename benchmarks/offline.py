@@ -91,10 +91,34 @@ def profile_decode(engine: Engine, lm, batch: int, ref_frames: int, path: str | 
     while engine.has_unfinished():
         engine.step()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    table += "\n" + kernels_by_grid(prof, steps=5)
     if path:
         with open(path, "w") as f:
             f.write(table)
     return table
+
+
+def kernels_by_grid(prof, steps: int, rows: int = 40) -> str:
+    """Device time per step by (kernel, grid): one kernel name serves layers of different shapes (the talker's
+    attention and the code predictor's share `_fused_decode_kernel`), and the grid tells them apart."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    total: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        key = (e["name"][:60], str(e.get("args", {}).get("grid")))
+        total.setdefault(key, []).append(e["dur"])
+    out = [f"{'kernel':60s} {'grid':>16s} {'us/step':>9s} {'n/step':>7s} {'us each':>8s}"]
+    for (name, grid), d in sorted(total.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        out.append(f"{name:60s} {grid:>16s} {sum(d) / steps:9.1f} {len(d) / steps:7.1f} {sum(d) / len(d):8.2f}")
+    out.append(f"all kernels: {sum(sum(d) for d in total.values()) / steps:.1f} us/step, "
+               f"{sum(len(d) for d in total.values()) / steps:.0f} launches/step")
+    return "\n".join(out)
 
 
 def bench_codec(lm, dtype: torch.dtype, batches: list[int], chunk: int, steps: int) -> list[dict]:
@@ -144,6 +168,8 @@ def main() -> None:
     ap.add_argument("--attn-splits", type=int, default=None,
                     help="fused_attention.SPLITS (programs a paged row's positions split over; 1: no split)")
     ap.add_argument("--attn-block-n", type=int, default=None, help="fused_attention.BLOCK_N (positions per loop)")
+    ap.add_argument("--attn-reductions", action="store_true",
+                    help="fused attention's scores and sums as CUDA-core reductions (fused_attention.DOT off)")
     ap.add_argument("--profile-out", default=None)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -153,9 +179,10 @@ def main() -> None:
         from legato.layers import fused_attention
 
         fused_attention.ENABLED = False
-    if args.attn_splits or args.attn_block_n:
+    if args.attn_splits or args.attn_block_n or args.attn_reductions:
         from legato.layers import fused_attention
 
+        fused_attention.DOT = not args.attn_reductions
         fused_attention.SPLITS = args.attn_splits or fused_attention.SPLITS
         fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
     if args.compiled_sampler:
@@ -182,6 +209,7 @@ def main() -> None:
         or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "engine": {}, "codec": [], "fused_attention": not args.unfused_attention,
         "skinny_linear": not args.cublas_linear, "attn_splits": args.attn_splits, "attn_block_n": args.attn_block_n,
+        "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler,
     }
     for mode in args.modes.split(","):
