@@ -80,6 +80,9 @@ def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits=None,
 
 
 def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
+    from legato.layers import fused_attention as fa
+
+    fa.DOT_FP32 = device == "cpu"  # the interpreter runs fp32 only: check the tensor-core path's math there too
     gen = torch.Generator().manual_seed(0)
     errors: dict[str, float] = {}
     eps = 1e-6

@@ -98,12 +98,22 @@ SPLITS = 16
 MIN_SPAN = 64  # cached positions a split takes at least, so short rows use few splits
 BLOCK_N = 32  # positions per loop iteration of the paged path
 # Warps per program: 4 below WIDE_ROWS rows, 2 from there. Measured on the H200 (benchmarks/attention_tune.py,
-# docs/benchmarks.md): at 64 and 256 rows 2 warps took 15-30 % less time, at one row 10 % more. (Outside
-# `batch_invariant` results may depend on the batch anyway, as cuBLAS's do; that mode runs fixed row counts.)
+# docs/benchmarks.md): at 64 and 256 rows 2 warps took 2-30 % less time, at 1 and 16 rows 10-17 % more.
+# (Outside `batch_invariant` results may depend on the batch anyway, as cuBLAS's do; that mode runs fixed row
+# counts.)
 WARPS = (4, 2)
 WIDE_ROWS = 32
-# Scores and weighted sums as tensor-core products (q padded to 16 rows), or as CUDA-core reductions.
+# The talker's paged rows compute scores and weighted sums as tensor-core products (q padded to 16 rows): 3-18 %
+# faster than CUDA-core reductions at 1-256 rows on the H200. The code predictor's rows (at most 16 positions)
+# stay on the reductions, which were faster there (up to 33 % at 256 rows). fp32 caches stay on the reductions
+# on CUDA, where the products' IEEE mode was never measured; the interpreter checks run it (DOT_FP32).
 DOT = True
+DOT_FP32 = False
+
+
+def uses_dot(paged: bool, dtype: torch.dtype, head_dim: int) -> bool:
+    return (DOT and paged and (dtype != torch.float32 or DOT_FP32) and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0)
 
 
 def warps(rows: int) -> int:
@@ -152,7 +162,7 @@ def fused_decode_attention(
     part_ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=qkv.device) if splits > 1 else out
     part_acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=qkv.device) if splits > 1 else out
     group_pad = max(triton.next_power_of_2(group), 1)
-    dot = DOT and d >= 16 and d == triton.next_power_of_2(d)
+    dot = uses_dot(paged, k_cache.dtype, d)
     meta = dict(HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(group_pad, 16) if dot else group_pad,
                 HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged, SPLITS=splits,
                 MIN_SPAN=MIN_SPAN, BLOCK_N=BLOCK_N if paged else 16)
