@@ -15,7 +15,9 @@ same position). The new key is used from registers after the rounding the cache 
 `fused_decode_attention_reference` is the same contract in PyTorch (the composition the unfused path runs):
 the oracle the kernel is tested against, on the CPU under Triton's interpreter and on the GPU. Rounding
 follows the eager path: q and k are rounded to the activation dtype after the norm, after the weight and after
-each rotary product, as `rms_norm_rope` does eagerly; the scores, softmax and weighted sum run in fp32.
+each rotary product, as `rms_norm_rope` does eagerly; the scores, softmax and weighted sum run in fp32 (for
+the talker's bf16/fp16 rows as tensor-core products: q.k in the cache's dtype with fp32 sums, p.v as three TF32
+products, about fp32's precision).
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def fused_decode_attention(
     part_ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=qkv.device) if splits > 1 else out
     part_acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=qkv.device) if splits > 1 else out
     group_pad = max(triton.next_power_of_2(group), 1)
-    dot = uses_dot(paged, k_cache.dtype, d)
+    dot = uses_dot(paged, k_cache.dtype, d) and qkv.dtype == k_cache.dtype  # q then rounds to the cache's dtype
     meta = dict(HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(group_pad, 16) if dot else group_pad,
                 HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged, SPLITS=splits,
                 MIN_SPAN=MIN_SPAN, BLOCK_N=BLOCK_N if paged else 16)
