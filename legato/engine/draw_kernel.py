@@ -105,11 +105,11 @@ if triton is not None:
         return tl.where(x == 0.0, 0, key)
 
     @triton.jit
-    def _kth_largest_key(key, valid, k):
+    def _kth_largest_key(key, valid, k, lowest, highest):
         # The largest t with count(key >= t) >= k: the k-th largest key, counting ties (k <= the valid count).
         # 32 halvings cover the int32 range; once converged an iteration changes nothing.
-        lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)  # count = all >= k
-        hi = tl.max(tl.where(valid, key, -2147483648), axis=0).to(tl.int64) + 1  # count = 0 < k
+        lo = lowest  # count = all >= k
+        hi = highest + 1  # count = 0 < k
         for _ in tl.static_range(32):
             mid = lo + (hi - lo) // 2
             enough = tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0) >= k
@@ -145,12 +145,14 @@ if triton is not None:
         if (tl.load(do_ptr + row) != 0) & (temp > 0):
             scaled = tl.where(valid, x / temp, float("-inf"))
             key = _order_key(scaled)
+            lowest = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
+            highest = tl.max(tl.where(valid, key, -2147483648), axis=0).to(tl.int64)
             # TopK: the k-th largest value (ties counted, as in a descending sort); top_k <= 0 is off (k = V).
             top_k = tl.load(topk_ptr + row)
             k = tl.where(top_k <= 0, V, tl.minimum(top_k, V))
             kth = tl.min(tl.where(valid, scaled, float("inf")), axis=0)
             if k < V:
-                kth = _value_at_key(scaled, key, valid, _kth_largest_key(key, valid, k))
+                kth = _value_at_key(scaled, key, valid, _kth_largest_key(key, valid, k, lowest, highest))
             cut = kth
             top_p = tl.load(topp_ptr + row)
             if top_p < 1.0:
@@ -164,9 +166,7 @@ if triton is not None:
                 total = tl.sum(mass, axis=0)
                 threshold = (1.0 - top_p.to(tl.float64)) * total.to(tl.float64)
                 if total.to(tl.float64) > threshold:
-                    floor = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64) - 1
-                    ceiling = tl.max(tl.where(valid, key, -2147483648), axis=0).to(tl.int64)
-                    last = _value_at_key(scaled, key, valid, _top_p_key(key, mass, threshold, floor, ceiling))
+                    last = _value_at_key(scaled, key, valid, _top_p_key(key, mass, threshold, lowest - 1, highest))
                     cut = tl.maximum(kth, last)
                 else:
                     cut = top
