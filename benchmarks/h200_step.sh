@@ -6,6 +6,9 @@
 #                                     # vs this tree with every matmul on cuBLAS (CUBLAS= skips; CUBLAS_BATCHES)
 #                                     # and, with COMPILED=1, with the torch.compile'd sampler
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
+#   benchmarks/h200_step.sh verify    # one call for kernels changed since the last device run: the GPU tests that
+#                                     # cover them (TESTS, T), offline.py .base/ vs this tree at batch 1 and 64, and
+#                                     # the codec step at 64 x 1 and 256 x 4
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
@@ -65,6 +68,13 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     cp /tmp/serve/summary.json "$OUT/serve.json"
     mkdir -p "$OUT/serve-runs" && cp /tmp/serve/runs/*.json /tmp/serve/profile-*.txt /tmp/serve/server-*.log \
       "$OUT/serve-runs/" 2>/dev/null ;;
+  verify)
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T:-400} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "${TESTS:-fused_decode or draw or codec_graphs or graph_decode}" 2>&1 | grep -E "^E |passed|failed" | tail -20
+    offline .base base 0.6B "${BATCHES:-1,64}"
+    offline . new 0.6B "${BATCHES:-1,64}"
+    PYTHONPATH=.:$PYTHONPATH timeout 150 python3 benchmarks/codec_step.py --variants new --dtypes bfloat16 \
+      --no-fidelity --cells 64x1,256x4 --profile-cells none --out "$OUT/codec_step.json" 2>&1 | grep -v '^{' | tail -8 ;;
   profile)  # PB: the batch profiled
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager \
       --eager-batch-sizes ${PB:-64} --frames 16 --codec-batches none --profile-batch ${PB:-64} \
