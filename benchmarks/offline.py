@@ -106,7 +106,8 @@ def kernels_by_grid(prof, steps: int, rows: int = 40) -> str:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     total: dict[tuple[str, str], list[float]] = {}
     for e in events:
         if e.get("cat") != "kernel":

@@ -98,11 +98,12 @@ if triton is not None:
 
     @triton.jit
     def _order_key(x):
-        # float32 -> int32 with the same order (negative floats' magnitude bits flipped); -0.0 keyed as +0.0, as
-        # the float comparisons downstream treat them.
+        # float32 -> an int64 holding an int32 of the same order (negative floats' magnitude bits flipped); -0.0
+        # keyed as +0.0, as the float comparisons downstream treat them. int64, so the searches' bounds (one past
+        # the int32 range) compare without a cast per pass.
         bits = x.to(tl.int32, bitcast=True)
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        return tl.where(x == 0.0, 0, key)
+        return tl.where(x == 0.0, 0, key).to(tl.int64)
 
     @triton.jit
     def _kth_largest_key(key, valid, k, lowest, highest):
@@ -112,7 +113,7 @@ if triton is not None:
         hi = highest + 1  # count = 0 < k
         for _ in tl.static_range(32):
             mid = lo + (hi - lo) // 2
-            enough = tl.sum((valid & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0) >= k
+            enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= k
             lo = tl.where(enough, mid, lo)
             hi = tl.where(enough, hi, mid)
         return lo
@@ -123,7 +124,7 @@ if triton is not None:
         # fails and hi holds.
         for _ in tl.static_range(32):
             mid = lo + (hi - lo) // 2
-            holds = tl.sum(tl.where(key.to(tl.int64) <= mid, mass, 0), axis=0).to(tl.float64) > threshold
+            holds = tl.sum(tl.where(key <= mid, mass, 0), axis=0).to(tl.float64) > threshold
             hi = tl.where(holds, mid, hi)
             lo = tl.where(holds, lo, mid)
         return hi
@@ -131,7 +132,7 @@ if triton is not None:
     @triton.jit
     def _value_at_key(values, key, valid, at):
         # The value whose key is `at` (the smallest value keyed at or above it).
-        return tl.min(tl.where(valid & (key.to(tl.int64) >= at), values, float("inf")), axis=0)
+        return tl.min(tl.where(valid & (key >= at), values, float("inf")), axis=0)
 
     @triton.jit
     def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr, out_ptr,
@@ -145,8 +146,8 @@ if triton is not None:
         if (tl.load(do_ptr + row) != 0) & (temp > 0):
             scaled = tl.where(valid, x / temp, float("-inf"))
             key = _order_key(scaled)
-            lowest = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
-            highest = tl.max(tl.where(valid, key, -2147483648), axis=0).to(tl.int64)
+            lowest = tl.min(tl.where(valid, key, 2147483647), axis=0)
+            highest = tl.max(tl.where(valid, key, -2147483648), axis=0)
             # TopK: the k-th largest value (ties counted, as in a descending sort); top_k <= 0 is off (k = V).
             top_k = tl.load(topk_ptr + row)
             k = tl.where(top_k <= 0, V, tl.minimum(top_k, V))

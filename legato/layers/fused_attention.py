@@ -113,9 +113,11 @@ DOT = True
 DOT_FP32 = False
 
 
-def uses_dot(paged: bool, dtype: torch.dtype, head_dim: int) -> bool:
-    return (DOT and paged and (dtype != torch.float32 or DOT_FP32) and head_dim >= 16
-            and head_dim & (head_dim - 1) == 0)
+def uses_dot(paged: bool, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Tensor-core products for this launch: q must share the cache's dtype, so that its rounded values cast
+    to it exactly."""
+    return (DOT and paged and q_dtype == cache_dtype and (cache_dtype != torch.float32 or DOT_FP32)
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
 def warps(rows: int) -> int:
@@ -164,7 +166,7 @@ def fused_decode_attention(
     part_ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=qkv.device) if splits > 1 else out
     part_acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=qkv.device) if splits > 1 else out
     group_pad = max(triton.next_power_of_2(group), 1)
-    dot = uses_dot(paged, k_cache.dtype, d) and qkv.dtype == k_cache.dtype  # q then rounds to the cache's dtype
+    dot = uses_dot(paged, qkv.dtype, k_cache.dtype, d)
     meta = dict(HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(group_pad, 16) if dot else group_pad,
                 HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged, SPLITS=splits,
                 MIN_SPAN=MIN_SPAN, BLOCK_N=BLOCK_N if paged else 16)
