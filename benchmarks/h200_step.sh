@@ -9,6 +9,8 @@
 #   benchmarks/h200_step.sh verify    # one call for kernels changed since the last device run: the GPU tests that
 #                                     # cover them (TESTS, T), offline.py .base/ vs this tree at batch 1 and 64, and
 #                                     # the codec step at 64 x 1 and 256 x 4
+#   benchmarks/h200_step.sh tune      # matmul_tune.py (the few-row GEMM's tiles), then offline.py with them against
+#                                     # the path before it (and its rule of thumb with RULE=1)
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
@@ -75,6 +77,13 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     offline . new 0.6B "${BATCHES:-1,64}"
     PYTHONPATH=.:$PYTHONPATH timeout 150 python3 benchmarks/codec_step.py --variants new --dtypes bfloat16 \
       --no-fidelity --cells 64x1,256x4 --profile-cells none --out "$OUT/codec_step.json" 2>&1 | grep -v '^{' | tail -8 ;;
+  tune)  # matmul_tune.py's tiles (TUNE_SIZES, TUNE_T), then offline.py with them against the path before
+         # layers/small_matmul.py (--no-small-matmul) and, with RULE=1, against its rule of thumb alone
+    PYTHONPATH=.:$PYTHONPATH timeout ${TUNE_T:-240} python3 benchmarks/matmul_tune.py --sizes ${TUNE_SIZES:-0.6B,1.7B} \
+      --out "$OUT/tiles.json" 2>&1 | grep -E '^\[tune\]|Error' | cut -c1-220
+    LEGATO_MATMUL_TILES=$OUT/tiles.json offline . tuned 0.6B "${BATCHES:-1,64,256}"
+    offline . before 0.6B "${BATCHES:-1,64,256}" --no-small-matmul
+    [ -n "${RULE:-}" ] && offline . rule 0.6B "${BATCHES:-1,64,256}" ;;
   profile)  # PB: the batch profiled
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager \
       --eager-batch-sizes ${PB:-64} --frames 16 --codec-batches none --profile-batch ${PB:-64} \

@@ -164,6 +164,9 @@ def main() -> None:
     ap.add_argument("--cublas-linear", action="store_true",
                     help="every matmul through cuBLAS (the path before layers/skinny_linear.py), to measure the "
                          "few-row kernel's share")
+    ap.add_argument("--no-small-matmul", action="store_true",
+                    help="few-row matmuls through the one-row kernel and cuBLAS (the path before "
+                         "layers/small_matmul.py), to measure its share")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="draws through torch.compile (the path before engine/draw_kernel.py)")
     ap.add_argument("--attn-splits", type=int, default=None,
@@ -190,10 +193,11 @@ def main() -> None:
         from legato.engine import draw_kernel
 
         draw_kernel.ENABLED = False
-    if args.cublas_linear:
-        from legato.layers import skinny_linear
+    if args.cublas_linear or args.no_small_matmul:
+        from legato.layers import skinny_linear, small_matmul
 
-        skinny_linear.ENABLED = False
+        small_matmul.ENABLED = False
+        skinny_linear.ENABLED = not args.cublas_linear
     if args.size == "tiny":  # a CPU smoke run of this script
         from legato.models.qwen3_tts.tiny import tiny_config, tiny_speech_tokenizer_config
 
@@ -209,7 +213,9 @@ def main() -> None:
         "commit": os.environ.get("LEGATO_COMMIT")
         or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "engine": {}, "codec": [], "fused_attention": not args.unfused_attention,
-        "skinny_linear": not args.cublas_linear, "attn_splits": args.attn_splits, "attn_block_n": args.attn_block_n,
+        "skinny_linear": not args.cublas_linear, "small_matmul": not (args.cublas_linear or args.no_small_matmul),
+        "matmul_tiles": os.environ.get("LEGATO_MATMUL_TILES"), "attn_splits": args.attn_splits,
+        "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler,
     }

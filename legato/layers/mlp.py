@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from legato.layers.fused import silu_mul
-from legato.layers.skinny_linear import linear
+from legato.layers.matmuls import gated_linear, linear
 
 
 class SwiGLU(nn.Module):
@@ -28,7 +28,6 @@ class SwiGLU(nn.Module):
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0).detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:  # the serving layout: one-row calls take the skinny kernel
-            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            return linear(silu_mul(gate, up), self.down_proj.weight)
+        if self.gate_up_weight is not None:  # the serving layout: few-row calls take the Triton kernels
+            return linear(gated_linear(x, self.gate_up_weight), self.down_proj.weight)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

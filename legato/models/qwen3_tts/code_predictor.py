@@ -12,9 +12,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from legato.layers.matmuls import linear
 from legato.layers.norm import RMSNorm
 from legato.layers.rotary import RotaryEmbedding
-from legato.layers.skinny_linear import linear
 
 from .config import CodePredictorConfig
 from .decoder_layer import ContiguousKVCache, KVCache, build_layers, run_layers

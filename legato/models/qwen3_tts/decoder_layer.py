@@ -21,9 +21,9 @@ from torch import nn
 
 from legato.layers import fused_attention
 from legato.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
+from legato.layers.matmuls import linear
 from legato.layers.mlp import SwiGLU
 from legato.layers.norm import RMSNorm
-from legato.layers.skinny_linear import linear
 
 
 class KVCache(abc.ABC):

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from legato.layers.matmuls import linear
 from legato.layers.norm import RMSNorm
 from legato.layers.rotary import RotaryEmbedding
-from legato.layers.skinny_linear import linear
 
 from .code_predictor import CodePredictor
 from .config import TalkerConfig

@@ -1,0 +1,25 @@
+"""Which kernel a serving matmul runs: the few-row tensor-core GEMM (`small_matmul`) where its table takes the
+shape, else the one-row kernel (`skinny_linear`) for a single row, else cuBLAS (`F.linear`)."""
+
+from __future__ import annotations
+
+import torch
+
+from legato.layers import small_matmul
+from legato.layers.fused import silu_mul
+from legato.layers.skinny_linear import linear as _one_row_or_cublas
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` (no bias): x [..., K], weight [N, K] -> [..., N]."""
+    if small_matmul.takes(x, weight):
+        return small_matmul.matmul(x, weight)
+    return _one_row_or_cublas(x, weight)
+
+
+def gated_linear(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(x @ gate^T) * (x @ up^T)` for the packed weight [gate; up] ([2I, K]) -> [..., I]."""
+    if small_matmul.takes(x, gate_up, gated=True):
+        return small_matmul.matmul(x, gate_up, gated=True)
+    gate, up = _one_row_or_cublas(x, gate_up).chunk(2, dim=-1)
+    return silu_mul(gate, up)

@@ -1,0 +1,218 @@
+"""Matmuls of few rows (decode batches up to 256): a Triton GEMM that streams each weight once on tensor cores.
+
+A decode step is 103 decoder-layer passes of four matmuls each, and at up to a few hundred rows every one of them
+is bound by reading its weight (4 to 12.6 MB for the 0.6B), not by its FLOPs. On the H200 cuBLAS took 5–6.5 us a
+matmul at 64 rows (1–1.5 TB/s), plus a split-K reduce and a separate SiLU kernel for the MLP; the one-row
+kernel of `skinny_linear.py` did no better at one row. Here each program owns `block_n` output columns of
+`block_m` rows, walks its share of K with the weight tiles pipelined into shared memory, and multiplies on tensor
+cores. Thin weights split K over several programs, whose fp32 partial sums a second kernel adds in a fixed order
+(no atomics: a row's result does not depend on timing).
+
+`gated_linear` serves the MLP's packed gate/up weight: the program multiplies the gate's and the up's columns
+together and writes `silu(gate) * up` directly, half the output and one kernel fewer. Gate and up are rounded to
+the input dtype before the SiLU, as the unfused path rounds them, so the only difference from it is the order of
+the matmul's fp32 sums.
+
+Tiles come from a table measured on the H200 (`benchmarks/matmul_tune.py`), keyed by the weight's shape and the
+row count's bucket; shapes it does not name get a rule of thumb. A row's result depends on the bucket (as it does
+with cuBLAS), and batch-invariant mode decodes in chunks of one fixed size, so it stays invariant. CPU tensors and
+fp32 inputs never come here (`takes`): the CPU engine's arithmetic is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; the CPU build has none.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+# Benchmarks switch it off to measure the path before it (the one-row kernel, then cuBLAS) in the same process.
+ENABLED = True
+MAX_ROWS = 256
+_MIN_PROGRAMS = 128  # about one per SM on an H200: fewer leave SMs idle while the weight streams
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One matmul's launch: output columns and K per program step, programs K is split over, warps, stages."""
+
+    block_n: int
+    block_k: int
+    split: int = 1
+    warps: int = 4
+    stages: int = 4
+
+
+def row_bucket(m: int) -> int:
+    """The row count's bucket: its power of two, the tile table's key (and the row tile, up to 64)."""
+    return max(1, triton.next_power_of_2(m) if triton is not None else 1 << (m - 1).bit_length())
+
+
+def block_m(m: int) -> int:
+    return min(64, max(16, row_bucket(m)))  # tensor-core products take at least 16 rows
+
+
+def rule_of_thumb(m: int, n: int, k: int) -> Tiles:
+    """Tiles for a shape the measured table does not name: at least ~one program per SM, K split when the
+    columns alone cannot give that many."""
+    tiles_m = -(-m // block_m(m))
+    bn = 64
+    while bn > 16 and -(-n // bn) * tiles_m < _MIN_PROGRAMS:
+        bn //= 2
+    programs = -(-n // bn) * tiles_m
+    split = 1
+    while split < 4 and programs * split < _MIN_PROGRAMS and k // (2 * split) >= 256:
+        split *= 2
+    return Tiles(block_n=bn, block_k=128, split=split)
+
+
+def _load_table(path: str | None) -> dict[tuple[int, int, int, bool], Tiles | None]:
+    """`benchmarks/matmul_tune.py`'s JSON (a list of {m, n, k, gated, tiles or null for cuBLAS})."""
+    if not path:
+        return {}
+    with open(path) as f:
+        rows = json.load(f)
+    return {(r["m"], r["n"], r["k"], bool(r["gated"])): (Tiles(**r["tiles"]) if r["tiles"] else None) for r in rows}
+
+
+# Measured on the H200 (benchmarks/matmul_tune.py); (table_rows, N, K, gated) -> tiles, or None: the old path won.
+# LEGATO_MATMUL_TILES names a tune JSON that replaces it (to try a table measured on another GPU).
+TABLE: dict[tuple[int, int, int, bool], Tiles | None] = {}
+TABLE.update(_load_table(os.environ.get("LEGATO_MATMUL_TILES")))
+
+
+def table_rows(m: int) -> int:
+    """The table's row key: 1, or the bucket from 16 up (2 to 16 rows run the same 16-row tile)."""
+    return 1 if m == 1 else max(16, row_bucket(m))
+
+
+def tiles_for(m: int, n: int, k: int, gated: bool = False) -> Tiles | None:
+    """The launch for x [m, k] @ w [n, k]^T (n: the weight's rows, both halves when gated); None: the path
+    before this kernel (the one-row kernel at one row, else cuBLAS) measured faster."""
+    key = (table_rows(m), n, k, gated)
+    if key in TABLE:
+        return TABLE[key]
+    return rule_of_thumb(m, n // 2 if gated else n, k)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether `linear(x, weight)` (or `gated_linear`) runs the kernel."""
+    if not (ENABLED and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.stride(-1) == 1 and x.shape[-1] % 8 == 0):
+        return False
+    m = x.numel() // x.shape[-1]
+    return 0 < m <= MAX_ROWS and tiles_for(m, weight.shape[0], weight.shape[1], gated) is not None
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T -> [..., N]; gated: weight is [gate; up] ([2I, K]) and the result
+    silu(x @ gate^T) * (x @ up^T) [..., I]. Any dtype Triton takes (tests run fp32 under the interpreter);
+    `tiles` overrides the table (the tune script)."""
+    k = x.shape[-1]
+    n_w = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} features, weight {tuple(weight.shape)}")
+    if gated and n_w % 2:
+        raise ValueError(f"a gated weight stacks gate and up: {n_w} rows is odd")
+    n = n_w // 2 if gated else n_w
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    t = tiles or tiles_for(m, n_w, k, gated) or rule_of_thumb(m, n, k)
+    bm = block_m(m)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # Each split's share of K is whole K steps, so no program's strip straddles another's.
+    k_steps = -(-k // t.block_k)
+    split = max(1, min(t.split, k_steps))
+    per_split = -(-k_steps // split) * t.block_k
+    split = -(-k // per_split)
+    grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, bm), split)
+    planes = 2 if gated else 1
+    parts = out if split == 1 else torch.empty(split, planes, m, n, dtype=torch.float32, device=x.device)
+    _rows_kernel[grid](
+        rows, weight, out, parts, m, n, k, per_split, rows.stride(0), weight.stride(0),
+        BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GATED=gated, PARTS=split > 1,
+        # fp32 (the interpreter's tests) sums exactly; half-precision inputs are exact on tensor cores anyway.
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.warps, num_stages=t.stages,
+    )
+    if split > 1:
+        block = 256
+        _sum_parts_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, split, GATED=gated, BLOCK=block)
+    return out.view(*x.shape[:-1], n)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_mul(gate, up, out_ty: tl.constexpr):
+        # The unfused path's rounding: gate and up leave their matmul in the output dtype, then SiLU in fp32.
+        g = gate.to(out_ty).to(tl.float32)
+        u = up.to(out_ty).to(tl.float32)
+        return g / (1.0 + tl.exp(-g)) * u
+
+    @triton.jit
+    def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, per_split, stride_xm, stride_wn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                     PARTS: tl.constexpr, PRECISION: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        split = tl.program_id(2)
+        kk = tl.arange(0, BLOCK_K)
+        col_ok = cols < N
+        row_ok = rows < M
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        k_lo = split * per_split
+        k_hi = tl.minimum(k_lo + per_split, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + kk
+            k_ok = k < k_hi
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if GATED:  # the up rows sit N rows below the gate rows
+                wu = tl.load(w_rows + N * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=PRECISION)
+        mask = row_ok[:, None] & col_ok[None, :]
+        at = rows[:, None] * N + cols[None, :]
+        if PARTS:  # fp32 partial sums, [split, plane, M, N]; _sum_parts_kernel finishes them
+            if GATED:
+                base = part_ptr + split * 2 * M * N
+                tl.store(base + at, acc, mask=mask)
+                tl.store(base + M * N + at, acc_up, mask=mask)
+            else:
+                tl.store(part_ptr + split * M * N + at, acc, mask=mask)
+        else:
+            ty = y_ptr.dtype.element_ty
+            if GATED:
+                tl.store(y_ptr + at, _silu_mul(acc, acc_up, ty).to(ty), mask=mask)
+            else:
+                tl.store(y_ptr + at, acc.to(ty), mask=mask)
+
+    @triton.jit
+    def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, BLOCK: tl.constexpr):
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = at < size
+        acc = tl.zeros([BLOCK], tl.float32)
+        acc_up = tl.zeros([BLOCK], tl.float32)
+        for s in range(0, splits):  # in split order, so the sum's rounding never depends on timing
+            if GATED:
+                acc += tl.load(part_ptr + s * 2 * size + at, mask=ok, other=0.0)
+                acc_up += tl.load(part_ptr + (s * 2 + 1) * size + at, mask=ok, other=0.0)
+            else:
+                acc += tl.load(part_ptr + s * size + at, mask=ok, other=0.0)
+        ty = y_ptr.dtype.element_ty
+        if GATED:
+            tl.store(y_ptr + at, _silu_mul(acc, acc_up, ty).to(ty), mask=ok)
+        else:
+            tl.store(y_ptr + at, acc.to(ty), mask=ok)

@@ -1,0 +1,115 @@
+"""The few-row GEMM (`legato/layers/small_matmul.py`) against `F.linear` (and, gated, against SiLU of the unfused
+matmuls).
+
+`run_checks(device, dtype)` serves the GPU test (CUDA, bf16 and fp16) and a CPU test that runs this file in a
+subprocess under Triton's interpreter (`TRITON_INTERPRET=1`, fp32): row counts from 1 to past one row tile, widths
+that are and are not multiples of the tiles, K split over programs and not, a strided input, the gated form.
+`model_checks` (CUDA only) runs the tiny talker's code predictor with the kernel on and off.
+`python tests/small_matmul_checks.py [cuda|cpu]`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton_interpreter import rel_err as _err
+from triton_interpreter import report
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import patch_for_numpy
+
+    patch_for_numpy()
+
+from legato.layers import small_matmul
+from legato.layers.small_matmul import Tiles
+
+
+def _want(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:
+    y = F.linear(x.double(), w.double())
+    if not gated:
+        return y
+    gate, up = y.to(x.dtype).double().chunk(2, dim=-1)  # rounded where the unfused path rounds them
+    return F.silu(gate) * up
+
+
+def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(0)
+    errors: dict[str, float] = {}
+    # (m, n, k, gated, tiles): n counts both halves when gated; None: the table or the rule of thumb.
+    cases = [
+        (1, 40, 64, False, Tiles(16, 32)),
+        (3, 48, 96, False, Tiles(16, 32, split=2)),  # K of 3 steps over 2 programs: one takes 2, one 1
+        (17, 36, 100, False, Tiles(32, 32, split=3)),  # K not a multiple of the step; 2 row tiles of 16
+        (5, 64, 64, True, Tiles(16, 16)),
+        (70, 96, 160, True, Tiles(16, 64, split=2)),  # 2 row tiles of 64, gated split-K
+        (2, 24, 48, False, None),
+    ]
+    if device == "cuda":  # the 0.6B talker's and code predictor's shapes, each row bucket, the table's tiles
+        cases += [(m, n, k, gated, None) for m in (1, 8, 64, 200, 256)
+                  for n, k, gated in ((4096, 1024, False), (1024, 2048, False), (6144, 1024, True),
+                                      (1024, 3072, False), (2048, 1024, False), (3072, 1024, False))]
+    for m, n, k, gated, tiles in cases:
+        x = torch.randn(m, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+        got = small_matmul.matmul(x, w, gated=gated, tiles=tiles)
+        name = f"{m}x{k} @ {n}x{k}{' gated' if gated else ''}{f' {tiles}' if tiles else ''}"
+        errors[name] = _err(got, _want(x, w, gated)) + float(got.shape != (m, n // 2 if gated else n))
+    # A strided input with leading dimensions: [2, 3, K] taken from a wider buffer.
+    buf = torch.randn(2, 3, 2 * 64, generator=gen).to(device, dtype)
+    x, w = buf[..., ::2], (torch.randn(40, 64, generator=gen) / 8).to(device, dtype)
+    got = small_matmul.matmul(x, w, tiles=Tiles(16, 32))
+    errors["strided [2, 3, 64]"] = _err(got, _want(x, w, False)) + float(got.shape != (2, 3, 40))
+    return errors
+
+
+def model_checks(dtype: torch.dtype) -> dict[str, float]:
+    """The tiny talker's code predictor (CUDA, packed as the engine serves it) with the kernel on and off,
+    teacher-forced: equal greedy codes are not asked of bf16, logits within the parity tolerance."""
+    from legato.models.qwen3_tts.decoder_layer import pack_projections
+    from legato.models.qwen3_tts.talker import Talker
+    from legato.models.qwen3_tts.testing import randomize_
+    from legato.models.qwen3_tts.tiny import tiny_config
+
+    cfg = tiny_config("base").talker_config
+    talker = Talker(cfg)
+    randomize_(talker, seed=1, std=0.1)
+    talker.to(device="cuda", dtype=dtype).eval()
+    pack_projections(talker)
+    gen = torch.Generator().manual_seed(2)
+    past, first = (torch.randn(5, cfg.hidden_size, generator=gen).to("cuda", dtype) for _ in range(2))
+    runs = {}
+    for on in (True, False):
+        small_matmul.ENABLED = on
+        forced = runs[True][0] if not on else None
+        logits: list[torch.Tensor] = []
+
+        def sample(scores, g, logits=logits, forced=forced):
+            logits.append(scores)
+            return scores.argmax(-1) if forced is None else forced[:, g - 1]
+
+        try:
+            with torch.inference_mode():
+                codes = talker.code_predictor.predict_residuals(past, first, sample)
+        finally:
+            small_matmul.ENABLED = True
+        runs[on] = codes, torch.stack(logits)
+    return {"model: code predictor logits": _err(runs[True][1], runs[False][1])}
+
+
+def main() -> int:
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    results = {}
+    for dtype in ((torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32,)):
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        errors = run_checks(device, dtype)
+        if device == "cuda":
+            errors.update(model_checks(dtype))
+        results.update({f"{str(dtype)[6:]} {name}": (err, tol) for name, err in errors.items()})
+    return report(results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

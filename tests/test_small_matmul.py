@@ -1,0 +1,62 @@
+"""The few-row GEMM (`legato/layers/small_matmul.py`) equals `F.linear`, gated and not, on the CPU through Triton's
+interpreter (a subprocess, since the interpreter is chosen when a kernel is defined) and on CUDA in
+tests/test_gpu.py; it compiles for Hopper; only CUDA half-precision calls take it, so the CPU engine's arithmetic
+is unchanged; and the serving dispatch (`legato/layers/matmuls.py`) keeps the unfused math where it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_interpreter import compile_for_hopper, run_checks_script, skip_unless_ptxas
+
+from legato.layers import matmuls, small_matmul
+from legato.layers.fused import silu_mul
+from legato.layers.small_matmul import Tiles
+
+
+def test_small_matmul_equals_f_linear_under_the_interpreter():
+    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
+    run = run_checks_script("small_matmul_checks.py")
+    assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
+    assert run.stdout.count(" ok\n") == 7  # every case and the strided input
+
+
+def test_cpu_and_fp32_calls_keep_the_unfused_math():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 16, generator=gen), torch.randn(8, 16, generator=gen)
+    assert not small_matmul.takes(x, w) and not small_matmul.takes(x.bfloat16(), w.bfloat16(), gated=True)
+    assert torch.equal(matmuls.linear(x, w), F.linear(x, w))
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    assert torch.equal(matmuls.gated_linear(x, w), silu_mul(gate, up))
+
+
+def test_tiles_give_every_sm_a_program_and_split_only_thin_weights():
+    rule = small_matmul.rule_of_thumb
+    assert rule(64, 4096, 1024) == Tiles(block_n=32, block_k=128)  # 128 programs from columns alone
+    assert rule(1, 1024, 2048) == Tiles(block_n=16, block_k=128, split=2)  # 64 column programs: K split in two
+    assert rule(1, 1024, 3072).split == 2 and rule(256, 4096, 1024) == Tiles(block_n=64, block_k=128)
+    assert rule(1, 16, 256).split == 1  # too little K to split
+    assert [small_matmul.block_m(m) for m in (1, 9, 16, 33, 64, 256)] == [16, 16, 16, 64, 64, 64]
+    assert small_matmul.tiles_for(64, 6144, 1024, gated=True) is not None  # gated tiles count the output columns
+
+
+def test_a_tune_table_file_replaces_the_measured_tiles(tmp_path):
+    table = tmp_path / "tiles.json"
+    table.write_text('[{"m": 64, "n": 4096, "k": 1024, "gated": false, "tiles": {"block_n": 64, "block_k": 64,'
+                     ' "split": 2}}, {"m": 1, "n": 1024, "k": 2048, "gated": false, "tiles": null}]')
+    loaded = small_matmul._load_table(str(table))
+    assert loaded == {(64, 4096, 1024, False): Tiles(64, 64, 2), (1, 1024, 2048, False): None}
+
+
+def test_the_small_matmul_kernels_compile_for_hopper():
+    """The interpreter runs the kernels' semantics, not the GPU compiler: each form (plain and gated, whole K and
+    split) compiles as far as an sm_90 cubin, so a construct the GPU backend refuses fails on the CPU too."""
+    skip_unless_ptxas()
+    fp32 = {"part_ptr": "*fp32"}
+    for gated in (False, True):
+        for parts in (False, True):
+            size = compile_for_hopper(small_matmul._rows_kernel, dict(
+                BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GATED=gated, PARTS=parts, PRECISION="tf32"), fp32)
+            assert size > 0
+        assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=gated, BLOCK=256), fp32) > 0
