@@ -11,6 +11,7 @@
 #                                     # the codec step at 64 x 1 and 256 x 4
 #   benchmarks/h200_step.sh tune      # matmul_tune.py (the few-row GEMM's tiles), then offline.py with them against
 #                                     # the path before it (and its rule of thumb with RULE=1)
+#   benchmarks/h200_step.sh final     # the committed tiles' GPU tests, offline.py against the path before them
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
@@ -84,6 +85,14 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     LEGATO_MATMUL_TILES=$OUT/tiles.json offline . tuned 0.6B "${BATCHES:-1,64,256}"
     offline . before 0.6B "${BATCHES:-1,64,256}" --no-small-matmul
     [ -n "${RULE:-}" ] && offline . rule 0.6B "${BATCHES:-1,64,256}" ;;
+  final)  # the committed tiles: their GPU tests, then offline.py against the path before small_matmul (0.6B at
+          # BATCHES, 1.7B at BIG_BATCHES)
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "${TESTS:-small_matmul}" 2>&1 | grep -E "^E |passed|failed" | tail -20
+    offline . new 0.6B "${BATCHES:-1,64,256}"
+    offline . before 0.6B "${BATCHES:-1,64,256}" --no-small-matmul
+    offline . new 1.7B "${BIG_BATCHES:-1}"
+    offline . before 1.7B "${BIG_BATCHES:-1}" --no-small-matmul ;;
   profile)  # PB: the batch profiled
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager \
       --eager-batch-sizes ${PB:-64} --frames 16 --codec-batches none --profile-batch ${PB:-64} \

@@ -341,6 +341,17 @@ def test_skinny_linear_equals_f_linear_and_keeps_the_model_close():
         assert all(e <= 1e-2 for e in errors.values()), errors
 
 
+def test_small_matmul_equals_f_linear_and_keeps_the_model_close():
+    """The few-row GEMM against F.linear in bf16 and fp16 (the 0.6B's shapes at every row key through the measured
+    table, gated and split-K forms among them), and the tiny code predictor with it against the path before it,
+    teacher-forced."""
+    from small_matmul_checks import model_checks, run_checks
+
+    for dtype in (torch.bfloat16, torch.float16):
+        errors = {**run_checks("cuda", dtype), **model_checks(dtype)}
+        assert all(e <= 1e-2 for e in errors.values()), errors
+
+
 def test_fused_draw_gives_the_eager_and_the_compiled_draws_tokens():
     """The one-program-per-row draw kernel against `sampler.draw`, eager and compiled, on 32k rows of mixed
     settings (greedy, temperature 0, top-k and top-p on and off, ties, -inf ids, seeds and frames past 2**32)."""

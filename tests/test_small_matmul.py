@@ -31,14 +31,20 @@ def test_cpu_and_fp32_calls_keep_the_unfused_math():
     assert torch.equal(matmuls.gated_linear(x, w), silu_mul(gate, up))
 
 
-def test_tiles_give_every_sm_a_program_and_split_only_thin_weights():
+def test_tiles_come_from_the_measured_table_then_a_rule_that_splits_only_thin_weights():
     rule = small_matmul.rule_of_thumb
     assert rule(64, 4096, 1024) == Tiles(block_n=32, block_k=128)  # 128 programs from columns alone
-    assert rule(1, 1024, 2048) == Tiles(block_n=16, block_k=128, split=2)  # 64 column programs: K split in two
-    assert rule(1, 1024, 3072).split == 2 and rule(256, 4096, 1024) == Tiles(block_n=64, block_k=128)
+    assert rule(1, 1024, 2048) == Tiles(block_n=32, block_k=128, split=4)  # 32 column programs: K split in four
+    assert rule(64, 3072, 1024, gated=True).split == 1  # a gated program streams two strips
     assert rule(1, 16, 256).split == 1  # too little K to split
     assert [small_matmul.block_m(m) for m in (1, 9, 16, 33, 64, 256)] == [16, 16, 16, 64, 64, 64]
-    assert small_matmul.tiles_for(64, 6144, 1024, gated=True) is not None  # gated tiles count the output columns
+    assert [small_matmul.table_rows(m) for m in (1, 2, 16, 17, 64, 65, 256)] == [1, 16, 16, 32, 64, 128, 256]
+    # The 0.6B's measured entries, gated ones keyed by the packed weight; None keeps the path before the kernel.
+    assert small_matmul.tiles_for(64, 6144, 1024, gated=True) == Tiles(32, 128, 1)
+    assert small_matmul.tiles_for(200, 4096, 1024) is None
+    # A shape the table lacks takes the rule up to 64 rows and the old path above.
+    assert small_matmul.tiles_for(8, 512, 1024) == rule(8, 512, 1024)
+    assert small_matmul.tiles_for(65, 512, 1024) is None
 
 
 def test_a_tune_table_file_replaces_the_measured_tiles(tmp_path):

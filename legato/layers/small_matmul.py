@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - depends on the install
 ENABLED = True
 MAX_ROWS = 256
 _MIN_PROGRAMS = 128  # about one per SM on an H200: fewer leave SMs idle while the weight streams
+RULE_MAX_ROWS = 64  # past this the rule of thumb lost to cuBLAS on the H200 (matmul_tune.py): the table's shapes only
 
 
 @dataclass(frozen=True)
@@ -59,18 +60,15 @@ def block_m(m: int) -> int:
     return min(64, max(16, row_bucket(m)))  # tensor-core products take at least 16 rows
 
 
-def rule_of_thumb(m: int, n: int, k: int) -> Tiles:
-    """Tiles for a shape the measured table does not name: at least ~one program per SM, K split when the
-    columns alone cannot give that many."""
-    tiles_m = -(-m // block_m(m))
-    bn = 64
-    while bn > 16 and -(-n // bn) * tiles_m < _MIN_PROGRAMS:
-        bn //= 2
-    programs = -(-n // bn) * tiles_m
+def rule_of_thumb(m: int, n: int, k: int, gated: bool = False) -> Tiles:
+    """Tiles for a shape the measured table does not name: 32 output columns a program (the H200's best for most
+    shapes), K split in up to 4 when the programs' weight strips (two per column when gated) would not give every
+    SM one."""
+    strips = -(-n // 32) * -(-m // block_m(m)) * (2 if gated else 1)
     split = 1
-    while split < 4 and programs * split < _MIN_PROGRAMS and k // (2 * split) >= 256:
+    while split < 4 and strips * split < _MIN_PROGRAMS and k // (2 * split) >= 256:
         split *= 2
-    return Tiles(block_n=bn, block_k=128, split=split)
+    return Tiles(block_n=32, block_k=128, split=split)
 
 
 def _load_table(path: str | None) -> dict[tuple[int, int, int, bool], Tiles | None]:
@@ -82,9 +80,31 @@ def _load_table(path: str | None) -> dict[tuple[int, int, int, bool], Tiles | No
     return {(r["m"], r["n"], r["k"], bool(r["gated"])): (Tiles(**r["tiles"]) if r["tiles"] else None) for r in rows}
 
 
-# Measured on the H200 (benchmarks/matmul_tune.py); (table_rows, N, K, gated) -> tiles, or None: the old path won.
-# LEGATO_MATMUL_TILES names a tune JSON that replaces it (to try a table measured on another GPU).
-TABLE: dict[tuple[int, int, int, bool], Tiles | None] = {}
+# Measured on the H200 (benchmarks/matmul_tune.py, docs/benchmarks.md): per weight (N, K, gated) and row key
+# (`table_rows`), the fastest tiles (block_n, block_k, split), or None where the path before this kernel was not
+# beaten by 3 %. The 0.6B and 1.7B talkers' and the code predictor's shapes.
+_T = Tiles
+_H200: dict[tuple[int, int, bool], dict[int, Tiles | None]] = {
+    (4096, 1024, False): {1: _T(32, 128, 1), 16: _T(32, 128, 1), 32: None, 64: _T(32, 128, 1), 128: None, 256: None},
+    (1024, 2048, False): {1: _T(32, 128, 4), 16: _T(32, 128, 4), 32: None,
+                          64: _T(32, 128, 4), 128: _T(16, 256, 1), 256: None},
+    (6144, 1024, True): {1: _T(32, 128, 1), 16: _T(32, 128, 1), 32: None,
+                         64: _T(32, 128, 1), 128: _T(64, 128, 1), 256: None},
+    (1024, 3072, False): {1: _T(32, 128, 4), 16: _T(32, 128, 4), 32: _T(16, 128, 4),
+                          64: _T(32, 128, 4), 128: _T(64, 128, 4), 256: None},
+    (3072, 1024, False): {1: None, 16: _T(32, 128, 1), 32: None, 64: _T(32, 128, 1), 128: None, 256: None},
+    (2048, 1024, False): {1: None, 16: _T(16, 256, 1), 32: None, 64: _T(16, 256, 1), 128: _T(32, 128, 1), 256: None},
+    (4096, 2048, False): {1: _T(32, 256, 1), 16: None, 32: None, 64: None, 128: None, 256: None},
+    (2048, 2048, False): {1: _T(64, 128, 4), 16: None, 32: None, 64: _T(16, 256, 1), 128: None, 256: None},
+    (12288, 2048, True): {1: _T(32, 128, 1), 16: _T(32, 128, 1), 32: _T(64, 128, 1),
+                          64: _T(64, 128, 1), 128: None, 256: None},
+    (2048, 6144, False): {1: _T(32, 128, 4), 16: _T(64, 256, 4), 32: None, 64: _T(64, 128, 4), 128: None, 256: None},
+    (3072, 2048, False): {1: _T(32, 256, 1), 16: None, 32: None, 64: None, 128: None, 256: None},
+}
+TABLE: dict[tuple[int, int, int, bool], Tiles | None] = {
+    (rows, n, k, gated): tiles for (n, k, gated), by_rows in _H200.items() for rows, tiles in by_rows.items()
+}
+# LEGATO_MATMUL_TILES names a tune JSON whose entries replace these (to try a table measured on another GPU).
 TABLE.update(_load_table(os.environ.get("LEGATO_MATMUL_TILES")))
 
 
@@ -99,7 +119,7 @@ def tiles_for(m: int, n: int, k: int, gated: bool = False) -> Tiles | None:
     key = (table_rows(m), n, k, gated)
     if key in TABLE:
         return TABLE[key]
-    return rule_of_thumb(m, n // 2 if gated else n, k)
+    return rule_of_thumb(m, n // 2 if gated else n, k, gated) if m <= RULE_MAX_ROWS else None
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
@@ -126,7 +146,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    t = tiles or tiles_for(m, n_w, k, gated) or rule_of_thumb(m, n, k)
+    t = tiles or tiles_for(m, n_w, k, gated) or rule_of_thumb(m, n, k, gated)
     bm = block_m(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # Each split's share of K is whole K steps, so no program's strip straddles another's.
