@@ -1,5 +1,5 @@
 """The few-row GEMM (`legato/layers/small_matmul.py`) against `F.linear` (and, gated, against SiLU of the unfused
-matmuls), and its split-K partial sums added inside the residual norm (`partial_sums.py`) against the unfused add.
+matmuls).
 
 `run_checks(device, dtype)` serves the GPU test (CUDA, bf16 and fp16) and a CPU test that runs this file in a
 subprocess under Triton's interpreter (`TRITON_INTERPRET=1`, fp32): row counts from 1 to past one row tile, widths
@@ -23,8 +23,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     patch_for_numpy()
 
-from legato.layers import fused, partial_sums, small_matmul
-from legato.layers.partial_sums import PartialSums
+from legato.layers import small_matmul
 from legato.layers.small_matmul import Tiles
 
 
@@ -58,20 +57,6 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         got = small_matmul.matmul(x, w, gated=gated, tiles=tiles)
         name = f"{m}x{k} @ {n}x{k}{' gated' if gated else ''}{f' {tiles}' if tiles else ''}"
         errors[name] = _err(got, _want(x, w, gated)) + float(got.shape != (m, n // 2 if gated else n))
-    # Split-K partial sums added inside the residual add + RMSNorm, against the unfused add of their sum.
-    for m, n, k, split in ((3, 48, 256, 4), (70, 40, 160, 2)):
-        x = torch.randn(m, k, generator=gen).to(device, dtype)
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
-        residual = torch.randn(1, m, n, generator=gen).to(device, dtype)
-        norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(device, dtype)
-        parts = small_matmul.matmul_partial(x.view(1, m, k), w, tiles=Tiles(16, 32, split=split))
-        if not isinstance(parts, PartialSums):
-            errors[f"partial sums {m}x{k} @ {n}x{k}"] = float("inf")
-            continue
-        y, h = partial_sums.add_rms_norm(residual, parts, norm_w, 1e-6)
-        want_y, want_h = fused.add_rms_norm(residual, parts.sum(), norm_w, 1e-6)
-        errors[f"add + rms_norm of {split} partial sums, {m} rows"] = max(_err(y, want_y), _err(h, want_h)) + float(
-            y.shape != residual.shape)
     # A strided input with leading dimensions: [2, 3, K] taken from a wider buffer.
     buf = torch.randn(2, 3, 2 * 64, generator=gen).to(device, dtype)
     x, w = buf[..., ::2], (torch.randn(40, 64, generator=gen) / 8).to(device, dtype)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from triton_interpreter import compile_for_hopper, run_checks_script, skip_unless_ptxas
 
-from legato.layers import matmuls, partial_sums, small_matmul
+from legato.layers import matmuls, small_matmul
 from legato.layers.fused import silu_mul
 from legato.layers.small_matmul import Tiles
 
@@ -19,7 +19,7 @@ def test_small_matmul_equals_f_linear_under_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
     run = run_checks_script("small_matmul_checks.py")
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    assert run.stdout.count(" ok\n") == 9  # every case, the partial sums in the norm, the strided input
+    assert run.stdout.count(" ok\n") == 7  # every case and the strided input
 
 
 def test_cpu_and_fp32_calls_keep_the_unfused_math():
@@ -57,16 +57,12 @@ def test_a_tune_table_file_replaces_the_measured_tiles(tmp_path):
 
 def test_the_small_matmul_kernels_compile_for_hopper():
     """The interpreter runs the kernels' semantics, not the GPU compiler: each form (plain and gated, whole K and
-    split) and both partial-sum kernels compile as far as an sm_90 cubin, so a construct the GPU backend refuses
-    fails on the CPU too."""
+    split) compiles as far as an sm_90 cubin, so a construct the GPU backend refuses fails on the CPU too."""
     skip_unless_ptxas()
+    fp32 = {"part_ptr": "*fp32"}
     for gated in (False, True):
         for parts in (False, True):
             size = compile_for_hopper(small_matmul._rows_kernel, dict(
-                BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GATED=gated, PARTS=parts, PRECISION="tf32"),
-                {"out_ptr": "*fp32" if parts else "*bf16"})
+                BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GATED=gated, PARTS=parts, PRECISION="tf32"), fp32)
             assert size > 0
-        assert compile_for_hopper(partial_sums._sum_parts_kernel, dict(GATED=gated, BLOCK=256),
-                                  {"part_ptr": "*fp32"}) > 0
-    assert compile_for_hopper(partial_sums._add_rms_norm_kernel, dict(BLOCK=1024),
-                              {"part_ptr": "*fp32", "eps": "fp32"}) > 0
+        assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=gated, BLOCK=256), fp32) > 0

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from legato.layers.fused import silu_mul
-from legato.layers.matmuls import gated_linear, linear, linear_partial
-from legato.layers.partial_sums import PartialSums
+from legato.layers.matmuls import gated_linear, linear
 
 
 class SwiGLU(nn.Module):
@@ -28,9 +27,7 @@ class SwiGLU(nn.Module):
             return
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0).detach()
 
-    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor | PartialSums:
-        """partial: the down projection may return split-K partial sums (`matmuls.linear_partial`), for a caller
-        that adds them in its residual norm."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:  # the serving layout: few-row calls take the Triton kernels
-            return (linear_partial if partial else linear)(gated_linear(x, self.gate_up_weight), self.down_proj.weight)
+            return linear(gated_linear(x, self.gate_up_weight), self.down_proj.weight)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

@@ -6,8 +6,7 @@ matmul at 64 rows (1–1.5 TB/s), plus a split-K reduce and a separate SiLU kern
 kernel of `skinny_linear.py` did no better at one row. Here each program owns `block_n` output columns of
 `block_m` rows, walks its share of K with the weight tiles pipelined into shared memory, and multiplies on tensor
 cores. Thin weights split K over several programs, whose fp32 partial sums a second kernel adds in a fixed order
-(no atomics: a row's result does not depend on timing); `matmul_partial` leaves that sum to the consumer, so the
-residual add and RMSNorm after the o and down projections add the parts too (`partial_sums.py`).
+(no atomics: a row's result does not depend on timing).
 
 `gated_linear` serves the MLP's packed gate/up weight: the program multiplies the gate's and the up's columns
 together and writes `silu(gate) * up` directly, half the output and one kernel fewer. Gate and up are rounded to
@@ -28,13 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from legato.layers.partial_sums import PartialSums
-
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
     import triton
     import triton.language as tl
-
-    from legato.layers.partial_sums import _silu_mul
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -140,14 +135,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     """x [..., K] @ weight [N, K]^T -> [..., N]; gated: weight is [gate; up] ([2I, K]) and the result
     silu(x @ gate^T) * (x @ up^T) [..., I]. Any dtype Triton takes (tests run fp32 under the interpreter);
     `tiles` overrides the table (the tune script)."""
-    out = matmul_partial(x, weight, gated, tiles)
-    return out.sum() if isinstance(out, PartialSums) else out
-
-
-def matmul_partial(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
-                   tiles: Tiles | None = None) -> torch.Tensor | PartialSums:
-    """`matmul`, except that where K is split the fp32 partial sums come back unsummed, for a consumer that adds
-    them itself (`partial_sums.add_rms_norm`)."""
     k = x.shape[-1]
     n_w = weight.shape[0]
     if weight.shape[1] != k:
@@ -161,32 +148,38 @@ def matmul_partial(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
     m = rows.shape[0]
     t = tiles or tiles_for(m, n_w, k, gated) or rule_of_thumb(m, n, k, gated)
     bm = block_m(m)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # Each split's share of K is whole K steps, so no program's strip straddles another's.
     k_steps = -(-k // t.block_k)
     split = max(1, min(t.split, k_steps))
     per_split = -(-k_steps // split) * t.block_k
     split = -(-k // per_split)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, bm), split)
-    shape = (*x.shape[:-1], n)
-    if split == 1:  # the result itself; split, the fp32 parts [split, planes, M, N] (the kernel writes one)
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty(split, 2 if gated else 1, m, n, dtype=torch.float32, device=x.device)
+    planes = 2 if gated else 1
+    parts = out if split == 1 else torch.empty(split, planes, m, n, dtype=torch.float32, device=x.device)
     _rows_kernel[grid](
-        rows, weight, out, m, n, k, per_split, rows.stride(0), weight.stride(0),
+        rows, weight, out, parts, m, n, k, per_split, rows.stride(0), weight.stride(0),
         BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GATED=gated, PARTS=split > 1,
         # fp32 (the interpreter's tests) sums exactly; half-precision inputs are exact on tensor cores anyway.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.warps, num_stages=t.stages,
     )
     if split > 1:
-        return PartialSums(out, shape, x.dtype, gated)
-    return out.view(shape)
+        block = 256
+        _sum_parts_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, split, GATED=gated, BLOCK=block)
+    return out.view(*x.shape[:-1], n)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, per_split, stride_xm, stride_wn,
+    def _silu_mul(gate, up, out_ty: tl.constexpr):
+        # The unfused path's rounding: gate and up leave their matmul in the output dtype, then SiLU in fp32.
+        g = gate.to(out_ty).to(tl.float32)
+        u = up.to(out_ty).to(tl.float32)
+        return g / (1.0 + tl.exp(-g)) * u
+
+    @triton.jit
+    def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, per_split, stride_xm, stride_wn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                      PARTS: tl.constexpr, PRECISION: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -212,16 +205,34 @@ if triton is not None:
                 acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=PRECISION)
         mask = row_ok[:, None] & col_ok[None, :]
         at = rows[:, None] * N + cols[None, :]
-        if PARTS:  # fp32 partial sums, [split, plane, M, N]: partial_sums.py adds them
+        if PARTS:  # fp32 partial sums, [split, plane, M, N]; _sum_parts_kernel finishes them
             if GATED:
-                base = out_ptr + split * 2 * M * N
+                base = part_ptr + split * 2 * M * N
                 tl.store(base + at, acc, mask=mask)
                 tl.store(base + M * N + at, acc_up, mask=mask)
             else:
-                tl.store(out_ptr + split * M * N + at, acc, mask=mask)
+                tl.store(part_ptr + split * M * N + at, acc, mask=mask)
         else:
-            ty = out_ptr.dtype.element_ty
+            ty = y_ptr.dtype.element_ty
             if GATED:
-                tl.store(out_ptr + at, _silu_mul(acc, acc_up, ty).to(ty), mask=mask)
+                tl.store(y_ptr + at, _silu_mul(acc, acc_up, ty).to(ty), mask=mask)
             else:
-                tl.store(out_ptr + at, acc.to(ty), mask=mask)
+                tl.store(y_ptr + at, acc.to(ty), mask=mask)
+
+    @triton.jit
+    def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, BLOCK: tl.constexpr):
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = at < size
+        acc = tl.zeros([BLOCK], tl.float32)
+        acc_up = tl.zeros([BLOCK], tl.float32)
+        for s in range(0, splits):  # in split order, so the sum's rounding never depends on timing
+            if GATED:
+                acc += tl.load(part_ptr + s * 2 * size + at, mask=ok, other=0.0)
+                acc_up += tl.load(part_ptr + (s * 2 + 1) * size + at, mask=ok, other=0.0)
+            else:
+                acc += tl.load(part_ptr + s * size + at, mask=ok, other=0.0)
+        ty = y_ptr.dtype.element_ty
+        if GATED:
+            tl.store(y_ptr + at, _silu_mul(acc, acc_up, ty).to(ty), mask=ok)
+        else:
+            tl.store(y_ptr + at, acc.to(ty), mask=ok)

@@ -20,11 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from legato.layers import fused_attention
-from legato.layers.fused import cuda_compiled, rms_norm_rope
-from legato.layers.matmuls import add_rms_norm, full, linear, linear_partial
+from legato.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
+from legato.layers.matmuls import linear
 from legato.layers.mlp import SwiGLU
 from legato.layers.norm import RMSNorm
-from legato.layers.partial_sums import PartialSums
 
 
 class KVCache(abc.ABC):
@@ -141,16 +140,14 @@ class Attention(nn.Module):
         self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-        partial: bool = False,
-    ) -> torch.Tensor | PartialSums:
-        """x [B, S, hidden]; cos/sin [B, S, head_dim] (fp32) -> [B, S, hidden]. partial: the o projection may
-        return split-K partial sums, for a caller that adds them in its residual norm (`matmuls.add_rms_norm`)."""
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        """x [B, S, hidden]; cos/sin [B, S, head_dim] (fp32) -> [B, S, hidden]."""
         b, s, _ = x.shape
         if self.qkv_weight is not None and fused_attention.available(x):
             out = cache.attend_fused(layer, linear(x, self.qkv_weight), self, cos, sin)
             if out is not None:
-                return (linear_partial if partial else linear)(out, self.o_proj.weight)
+                return linear(out, self.o_proj.weight)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
         if self.qkv_weight is not None:
             kv_width = self.kv_heads * self.head_dim
@@ -178,24 +175,24 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
         x, delta = self.residual_step(x, None, cos, sin, cache, layer)
-        return x + full(delta)
+        return x + delta
 
     def residual_step(
         self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
         layer: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | PartialSums]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer with both residual adds moved into the norm after them: `pending` is the previous layer's
         MLP output, not yet added to `x` (None for the first layer). Returns (x, this layer's MLP output), so
         the caller adds it inside the next norm. Eagerly this is the same arithmetic in the same order; on
-        CUDA each add shares the norm's kernel, and so does the sum of a split-K projection's partial sums."""
+        CUDA each add shares the norm's kernel."""
         norm = self.input_layernorm
         if pending is None:
             h = norm(x)
         else:
             x, h = add_rms_norm(x, pending, norm.weight, norm.eps)
-        x, h = add_rms_norm(x, self.self_attn(h, cos, sin, cache, layer, partial=True),
+        x, h = add_rms_norm(x, self.self_attn(h, cos, sin, cache, layer),
                             self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return x, self.mlp(h, partial=True)
+        return x, self.mlp(h)
 
 
 def build_layers(cfg) -> nn.ModuleList:
