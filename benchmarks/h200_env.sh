@@ -2,6 +2,9 @@
 # packages), the commit named for the JSON, and an import check that fails in seconds rather than mid-run.
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
+# Everything the script prints also goes to $OUT/run.log, which comes back even when the call's time limit kills
+# it (a `| tail` on the command line then prints nothing: the session of 2026-12-04 lost a call's output so).
+exec > >(tee -a "$OUT/run.log") 2>&1
 if [ -d .whl ]; then  # once per machine: later parts of the same call find them installed
   if [ ! -f /tmp/site/.installed ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
