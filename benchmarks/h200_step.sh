@@ -12,6 +12,7 @@
 #   benchmarks/h200_step.sh tune      # matmul_tune.py (the few-row GEMM's tiles), then offline.py with them against
 #                                     # the path before it (and its rule of thumb with RULE=1)
 #   benchmarks/h200_step.sh final     # the committed tiles' GPU tests, offline.py against the path before them
+#   benchmarks/h200_step.sh pdl       # offline.py with programmatic dependent launch against without, its GPU tests
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
@@ -93,6 +94,14 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     offline . before 0.6B "${BATCHES:-1,64,256}" --no-small-matmul
     offline . new 1.7B "${BIG_BATCHES:-1}"
     offline . before 1.7B "${BIG_BATCHES:-1}" --no-small-matmul ;;
+  pdl)  # programmatic dependent launch: its GPU tests, then offline.py with it against without (0.6B at BATCHES,
+        # 1.7B at BIG_BATCHES), offline first so a time limit takes the tests, not the comparison
+    offline . nopdl 0.6B "${BATCHES:-1,64,256}"
+    offline . pdl 0.6B "${BATCHES:-1,64,256}" --pdl
+    offline . nopdl 1.7B "${BIG_BATCHES:-1}"
+    offline . pdl 1.7B "${BIG_BATCHES:-1}" --pdl
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "${TESTS:-pdl or small_matmul}" 2>&1 | grep -E "^E |passed|failed" | tail -20 ;;
   profile)  # PB: the batch profiled
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager \
       --eager-batch-sizes ${PB:-64} --frames 16 --codec-batches none --profile-batch ${PB:-64} \

@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--no-small-matmul", action="store_true",
                     help="few-row matmuls through the one-row kernel and cuBLAS (the path before "
                          "layers/small_matmul.py), to measure its share")
+    ap.add_argument("--pdl", action="store_true",
+                    help="the step's Triton kernels launched with programmatic dependent launch (layers/pdl.py)")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="draws through torch.compile (the path before engine/draw_kernel.py)")
     ap.add_argument("--attn-splits", type=int, default=None,
@@ -189,6 +191,10 @@ def main() -> None:
         fused_attention.DOT = not args.attn_reductions
         fused_attention.SPLITS = args.attn_splits or fused_attention.SPLITS
         fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
+    if args.pdl:
+        from legato.layers import pdl
+
+        pdl.ENABLED = True
     if args.compiled_sampler:
         from legato.engine import draw_kernel
 
@@ -217,7 +223,7 @@ def main() -> None:
         "matmul_tiles": os.environ.get("LEGATO_MATMUL_TILES"), "attn_splits": args.attn_splits,
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
-        "fused_draw": not args.compiled_sampler,
+        "fused_draw": not args.compiled_sampler, "pdl": args.pdl,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

@@ -13,8 +13,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from matmul_model_checks import code_predictor_with_and_without, main
 from triton_interpreter import rel_err as _err
-from triton_interpreter import report
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from triton_interpreter import patch_for_numpy
@@ -45,50 +45,8 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
 
 
 def model_checks(dtype: torch.dtype) -> dict[str, float]:
-    """The tiny talker's code predictor (CUDA, packed as the engine serves it) with the kernel on and off,
-    teacher-forced: equal greedy codes are not asked of bf16, logits within the parity tolerance."""
-    from legato.models.qwen3_tts.decoder_layer import pack_projections
-    from legato.models.qwen3_tts.talker import Talker
-    from legato.models.qwen3_tts.testing import randomize_
-    from legato.models.qwen3_tts.tiny import tiny_config
-
-    cfg = tiny_config("base").talker_config
-    talker = Talker(cfg)
-    randomize_(talker, seed=1, std=0.1)
-    talker.to(device="cuda", dtype=dtype).eval()
-    pack_projections(talker)
-    gen = torch.Generator().manual_seed(2)
-    past, first = (torch.randn(5, cfg.hidden_size, generator=gen).to("cuda", dtype) for _ in range(2))
-    runs = {}
-    for on in (True, False):
-        skinny_linear.ENABLED = on
-        forced = runs[True][0] if not on else None
-        logits: list[torch.Tensor] = []
-
-        def sample(scores, g, logits=logits, forced=forced):
-            logits.append(scores)
-            return scores.argmax(-1) if forced is None else forced[:, g - 1]
-
-        try:
-            with torch.inference_mode():
-                codes = talker.code_predictor.predict_residuals(past, first, sample)
-        finally:
-            skinny_linear.ENABLED = True
-        runs[on] = codes, torch.stack(logits)
-    return {"model: code predictor logits": _err(runs[True][1], runs[False][1])}
-
-
-def main() -> int:
-    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    results = {}
-    for dtype in ((torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32,)):
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        errors = run_checks(device, dtype)
-        if device == "cuda":
-            errors.update(model_checks(dtype))
-        results.update({f"{str(dtype)[6:]} {name}": (err, tol) for name, err in errors.items()})
-    return report(results)
+    return code_predictor_with_and_without(skinny_linear, dtype)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(run_checks, model_checks))

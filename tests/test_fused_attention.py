@@ -46,5 +46,5 @@ def test_the_attention_kernels_compile_for_hopper():
         for paged, dot in ((True, True), (False, True), (True, False)):
             meta = dict(HEADS=16, KV_HEADS=8, GROUP=2, GROUP_PAD=16 if dot else 2, HEAD_DIM=128, BLOCK_SIZE=16,
                         PAGED=paged, SPLITS=16 if paged else 1, MIN_SPAN=64, BLOCK_N=32 if paged else 16, DOT=dot,
-                        PRECISION="ieee" if exact else "tf32", PV_PRECISION="ieee" if exact else "tf32x3")
+                        PRECISION="ieee" if exact else "tf32", PV_PRECISION="ieee" if exact else "tf32x3", PDL=False)
             assert compile_for_hopper(fa._fused_decode_kernel, meta, types) > 0, (cache, paged, dot)

@@ -1,0 +1,61 @@
+"""What the matmul kernels' check scripts (`skinny_linear_checks.py`, `small_matmul_checks.py`) share: the tiny
+code predictor with a kernel on and off, and the scripts' verdict over dtypes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+from triton_interpreter import rel_err, report
+
+
+def code_predictor_with_and_without(kernel: ModuleType, dtype: torch.dtype) -> dict[str, float]:
+    """The tiny talker's code predictor (CUDA, packed as the engine serves it) with `kernel.ENABLED` on and off,
+    teacher-forced: equal greedy codes are not asked of half precision, logits within the parity tolerance."""
+    from legato.models.qwen3_tts.decoder_layer import pack_projections
+    from legato.models.qwen3_tts.talker import Talker
+    from legato.models.qwen3_tts.testing import randomize_
+    from legato.models.qwen3_tts.tiny import tiny_config
+
+    cfg = tiny_config("base").talker_config
+    talker = Talker(cfg)
+    randomize_(talker, seed=1, std=0.1)
+    talker.to(device="cuda", dtype=dtype).eval()
+    pack_projections(talker)
+    gen = torch.Generator().manual_seed(2)
+    past, first = (torch.randn(5, cfg.hidden_size, generator=gen).to("cuda", dtype) for _ in range(2))
+    runs = {}
+    before = kernel.ENABLED
+    for on in (True, False):
+        kernel.ENABLED = on
+        forced = runs[True][0] if not on else None
+        logits: list[torch.Tensor] = []
+
+        def sample(scores, g, logits=logits, forced=forced):
+            logits.append(scores)
+            return scores.argmax(-1) if forced is None else forced[:, g - 1]
+
+        try:
+            with torch.inference_mode():
+                codes = talker.code_predictor.predict_residuals(past, first, sample)
+        finally:
+            kernel.ENABLED = before
+        runs[on] = codes, torch.stack(logits)
+    return {"model: code predictor logits": rel_err(runs[True][1], runs[False][1])}
+
+
+def main(run_checks: Callable[[str, torch.dtype], dict[str, float]],
+         model_checks: Callable[[torch.dtype], dict[str, float]]) -> int:
+    """`python <script> [cuda|cpu]`: bf16 and fp16 with the model check on CUDA (tolerance 1e-2), fp32 on the CPU
+    under the interpreter (1e-5)."""
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    results = {}
+    for dtype in ((torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32,)):
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        errors = run_checks(device, dtype)
+        if device == "cuda":
+            errors.update(model_checks(dtype))
+        results.update({f"{str(dtype)[6:]} {name}": (err, tol) for name, err in errors.items()})
+    return report(results)
