@@ -32,6 +32,11 @@ KNOBS = {  # name -> module attributes set on this tree's kernel
     "reduce": {"DOT": False},
     "span32": {"MIN_SPAN": 32},
     "block64": {"BLOCK_N": 64},
+    # Fewer splits for many rows: at 64 rows x 8 kv heads there are programs enough without splitting positions,
+    # and 13 of 16 splits of a 160-position row have nothing to do (MIN_SPAN 64).
+    "splits1": {"SPLITS": 1},
+    "splits4": {"SPLITS": 4},
+    "span128": {"MIN_SPAN": 128},
 }
 
 
