@@ -94,12 +94,16 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     offline . before 0.6B "${BATCHES:-1,64,256}" --no-small-matmul
     offline . new 1.7B "${BIG_BATCHES:-1}"
     offline . before 1.7B "${BIG_BATCHES:-1}" --no-small-matmul ;;
-  pdl)  # programmatic dependent launch: its GPU tests, then offline.py with it against without (0.6B at BATCHES,
-        # 1.7B at BIG_BATCHES), offline first so a time limit takes the tests, not the comparison
+  pdl)  # programmatic dependent launch: offline.py with it against without (0.6B at BATCHES, 1.7B at
+        # BIG_BATCHES), attention_tune.py's split knobs, then the GPU tests (last, so a time limit takes them first)
     offline . nopdl 0.6B "${BATCHES:-1,64,256}"
     offline . pdl 0.6B "${BATCHES:-1,64,256}" --pdl
     offline . nopdl 1.7B "${BIG_BATCHES:-1}"
     offline . pdl 1.7B "${BIG_BATCHES:-1}" --pdl
+    # The talker attention's position splits at many rows (attention_tune.py's knobs), while the machine is up.
+    PYTHONPATH=.:$PYTHONPATH timeout ${T_ATTN:-120} python3 benchmarks/attention_tune.py --batches 1,16,64,256 \
+      --contexts 160,320 --cp-positions 15 --knobs new,splits1,splits4,span128 --out "$OUT/attention_tune.json" \
+      2>&1 | cut -c1-300
     PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       -k "${TESTS:-pdl or small_matmul}" 2>&1 | grep -E "^E |passed|failed" | tail -20 ;;
   profile)  # PB: the batch profiled
