@@ -2,16 +2,16 @@
 
 A decode step is 103 decoder-layer passes of four matmuls each, and at up to a few hundred rows every one of them
 is bound by reading its weight (4 to 12.6 MB for the 0.6B), not by its FLOPs. On the H200 cuBLAS took 5–6.5 us a
-matmul at 64 rows (1–1.5 TB/s), plus a split-K reduce and a separate SiLU kernel for the MLP; the one-row
-kernel of `skinny_linear.py` did no better at one row. Here each program owns `block_n` output columns of
-`block_m` rows, walks its share of K with the weight tiles pipelined into shared memory, and multiplies on tensor
-cores. Thin weights split K over several programs, whose fp32 partial sums a second kernel adds in a fixed order
-(no atomics: a row's result does not depend on timing).
+matmul at 64 rows (1–1.5 TB/s), plus a split-K reduce and a separate SiLU kernel for the MLP, and the one-row
+kernel of `skinny_linear.py` was slower still on large weights (29 us for the 1.7B's gate/up). Here each program
+owns `block_n` output columns of `block_m` rows, walks its share of K with the weight tiles pipelined into shared
+memory, and multiplies on tensor cores. Thin weights split K over several programs, whose fp32 partial sums a
+second kernel adds in a fixed order (no atomics: a row's result does not depend on timing).
 
-`gated_linear` serves the MLP's packed gate/up weight: the program multiplies the gate's and the up's columns
-together and writes `silu(gate) * up` directly, half the output and one kernel fewer. Gate and up are rounded to
-the input dtype before the SiLU, as the unfused path rounds them, so the only difference from it is the order of
-the matmul's fp32 sums.
+`matmul(..., gated=True)` (`matmuls.gated_linear`) serves the MLP's packed gate/up weight: the program multiplies
+the gate's and the up's columns together and writes `silu(gate) * up` directly, half the output and one kernel
+fewer. Gate and up are rounded to the input dtype before the SiLU, as the unfused path rounds them, so the only
+difference from it is the order of the matmul's fp32 sums.
 
 Tiles come from a table measured on the H200 (`benchmarks/matmul_tune.py`), keyed by the weight's shape and the
 row count's bucket; shapes it does not name get a rule of thumb. A row's result depends on the bucket (as it does
