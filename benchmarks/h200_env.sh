@@ -1,5 +1,10 @@
 # Sourced by the h200_*.sh scripts: OUT made, the wheels in .whl/ installed (the device image lacks the server's
 # packages), the commit named for the JSON, and an import check that fails in seconds rather than mid-run.
+# .whl/ (git-ignored locally via .git/info/exclude; pass it in the device call's carry) is made on the CPU box with
+#   pip download -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_28_x86_64 --platform any fastapi uvicorn websockets pydantic prometheus-client \
+#     python-multipart httpx pyzmq pyyaml soundfile safetensors tokenizers opentelemetry-api annotated-doc py-spy
+# then the packages the image already has beside torch removed (numpy, filelock, fsspec, typing_extensions).
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 # Everything the script prints also goes to $OUT/run.log, which comes back even when the call's time limit kills
