@@ -117,7 +117,7 @@ def main() -> None:
                         continue
                     if us < best_us * (args.margin if best is None else 1.0):
                         best, best_us = t, us
-                rule = small_matmul.rule_of_thumb(m, n // 2 if gated else n, k)
+                rule = small_matmul.rule_of_thumb(m, n // 2 if gated else n, k, gated)
                 rule_us = rows.get(str(rule))
                 tiles = None if best is None else {f: getattr(best, f) for f in Tiles.__dataclass_fields__}
                 table.append({"m": m, "n": n, "k": k, "gated": gated, "tiles": tiles})

@@ -1,14 +1,12 @@
 """What the matmul kernels' check scripts (`skinny_linear_checks.py`, `small_matmul_checks.py`) share: the tiny
-code predictor with a kernel on and off, and the scripts' verdict over dtypes."""
+code predictor with a kernel on and off."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
-from triton_interpreter import rel_err, report
+from triton_interpreter import rel_err
 
 
 def code_predictor_with_and_without(kernel: ModuleType, dtype: torch.dtype) -> dict[str, float]:
@@ -45,17 +43,3 @@ def code_predictor_with_and_without(kernel: ModuleType, dtype: torch.dtype) -> d
         runs[on] = codes, torch.stack(logits)
     return {"model: code predictor logits": rel_err(runs[True][1], runs[False][1])}
 
-
-def main(run_checks: Callable[[str, torch.dtype], dict[str, float]],
-         model_checks: Callable[[torch.dtype], dict[str, float]]) -> int:
-    """`python <script> [cuda|cpu]`: bf16 and fp16 with the model check on CUDA (tolerance 1e-2), fp32 on the CPU
-    under the interpreter (1e-5)."""
-    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    results = {}
-    for dtype in ((torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32,)):
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        errors = run_checks(device, dtype)
-        if device == "cuda":
-            errors.update(model_checks(dtype))
-        results.update({f"{str(dtype)[6:]} {name}": (err, tol) for name, err in errors.items()})
-    return report(results)

@@ -11,7 +11,7 @@ import os
 import sys
 
 import torch
-from triton_interpreter import rel_err, report
+from triton_interpreter import check_script_main, rel_err
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from triton_interpreter import patch_for_numpy
@@ -34,14 +34,5 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
     return errors
 
 
-def main() -> int:
-    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    results = {}
-    for dtype in ((torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32,)):
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        results.update({f"{str(dtype)[6:]} {k}": (e, tol) for k, e in run_checks(device, dtype).items()})
-    return report(results)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(check_script_main(run_checks))

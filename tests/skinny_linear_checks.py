@@ -13,7 +13,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from matmul_model_checks import code_predictor_with_and_without, main
+from matmul_model_checks import code_predictor_with_and_without
+from triton_interpreter import check_script_main
 from triton_interpreter import rel_err as _err
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -49,4 +50,4 @@ def model_checks(dtype: torch.dtype) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(run_checks, model_checks))
+    sys.exit(check_script_main(run_checks, model_checks))

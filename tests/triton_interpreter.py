@@ -45,6 +45,25 @@ def report(results: dict[str, tuple[float, float]]) -> int:
     return 1 if bad else 0
 
 
+def check_script_main(run_checks, cuda_checks=None) -> int:
+    """A check script's `python <script> [cuda|cpu]`: `run_checks(device, dtype)` in bf16 and fp16 (plus
+    `cuda_checks(dtype)`, if given) on CUDA with tolerance 1e-2, in fp32 on the CPU under the interpreter with 1e-5;
+    the exit status is `report`'s."""
+    import sys
+
+    import torch
+
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    results = {}
+    for dtype in ((torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32,)):
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        errors = run_checks(device, dtype)
+        if device == "cuda" and cuda_checks is not None:
+            errors.update(cuda_checks(dtype))
+        results.update({f"{str(dtype)[6:]} {name}": (err, tol) for name, err in errors.items()})
+    return report(results)
+
+
 def run_checks_script(name: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     """`python tests/<name> cpu` under the interpreter, with the repository and tests/ importable."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(

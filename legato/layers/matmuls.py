@@ -12,14 +12,16 @@ from legato.layers.skinny_linear import linear as _one_row_or_cublas
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias): x [..., K], weight [N, K] -> [..., N]."""
-    if small_matmul.takes(x, weight):
-        return small_matmul.matmul(x, weight)
+    tiles = small_matmul.plan(x, weight)
+    if tiles is not None:
+        return small_matmul.matmul(x, weight, tiles=tiles)
     return _one_row_or_cublas(x, weight)
 
 
 def gated_linear(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(x @ gate^T) * (x @ up^T)` for the packed weight [gate; up] ([2I, K]) -> [..., I]."""
-    if small_matmul.takes(x, gate_up, gated=True):
-        return small_matmul.matmul(x, gate_up, gated=True)
+    tiles = small_matmul.plan(x, gate_up, gated=True)
+    if tiles is not None:
+        return small_matmul.matmul(x, gate_up, gated=True, tiles=tiles)
     gate, up = _one_row_or_cublas(x, gate_up).chunk(2, dim=-1)
     return silu_mul(gate, up)

@@ -57,7 +57,7 @@ class Tiles:
 
 def row_bucket(m: int) -> int:
     """The row count's bucket: its power of two, the tile table's key (and the row tile, up to 64)."""
-    return max(1, triton.next_power_of_2(m) if triton is not None else 1 << (m - 1).bit_length())
+    return 1 << max(m - 1, 0).bit_length()
 
 
 def block_m(m: int) -> int:
@@ -126,13 +126,18 @@ def tiles_for(m: int, n: int, k: int, gated: bool = False) -> Tiles | None:
     return rule_of_thumb(m, n // 2 if gated else n, k, gated) if m <= RULE_MAX_ROWS else None
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether `linear(x, weight)` (or `gated_linear`) runs the kernel."""
+def plan(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> Tiles | None:
+    """The tiles `matmuls.linear(x, weight)` (or `gated_linear`) runs the kernel with; None: it does not."""
     if not (ENABLED and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.stride(-1) == 1 and x.shape[-1] % 8 == 0):
-        return False
+        return None
     m = x.numel() // x.shape[-1]
-    return 0 < m <= MAX_ROWS and tiles_for(m, weight.shape[0], weight.shape[1], gated) is not None
+    return tiles_for(m, weight.shape[0], weight.shape[1], gated) if 0 < m <= MAX_ROWS else None
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether `matmuls.linear(x, weight)` (or `gated_linear`) runs the kernel."""
+    return plan(x, weight, gated) is not None
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
