@@ -87,7 +87,9 @@ def want(tiny_checkpoint):
 
 
 def _deploy(path, topology: str, pins: dict[str, str], cpus: float = 1.0, **kw):
-    launcher = make_launcher("ray", {"node_resources": pins, "cpus_per_worker": cpus, "place_timeout_s": 60})
+    # Placing two actors starts two Python workers that import torch: over 60 s on a 2-core box under a parallel
+    # CPU load (seen once), so the deadline is generous; it still bounds a placement that can never happen.
+    launcher = make_launcher("ray", {"node_resources": pins, "cpus_per_worker": cpus, "place_timeout_s": 180})
     client = build_client(parse_topology(topology), None, _config(), workers="process", model_path=str(path),
                           process_options=OPTS, launcher=launcher, **kw)
     return client, launcher
