@@ -35,6 +35,7 @@ KNOBS = {  # name -> module attributes set on this tree's kernel
     # Fewer splits for many rows: at 64 rows x 8 kv heads there are programs enough without splitting positions,
     # and 13 of 16 splits of a 160-position row have nothing to do (MIN_SPAN 64).
     "splits1": {"SPLITS": 1},
+    "split-all": {"ONE_SPLIT_ROWS": 1 << 30},  # SPLITS at every row count: the rule before ONE_SPLIT_ROWS
     "splits4": {"SPLITS": 4},
     "span128": {"MIN_SPAN": 128},
 }

@@ -12,7 +12,8 @@
 #   benchmarks/h200_step.sh tune      # matmul_tune.py (the few-row GEMM's tiles), then offline.py with them against
 #                                     # the path before it (and its rule of thumb with RULE=1)
 #   benchmarks/h200_step.sh final     # the committed tiles' GPU tests, offline.py against the path before them
-#   benchmarks/h200_step.sh pdl       # offline.py with programmatic dependent launch against without, its GPU tests
+#   benchmarks/h200_step.sh splits    # the talker attention's split rule: its GPU tests, offline.py against the same
+#                                     # tree splitting at every row count (--attn-split-all), 0.6B and 1.7B
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
@@ -94,18 +95,15 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     offline . before 0.6B "${BATCHES:-1,64,256}" --no-small-matmul
     offline . new 1.7B "${BIG_BATCHES:-1}"
     offline . before 1.7B "${BIG_BATCHES:-1}" --no-small-matmul ;;
-  pdl)  # programmatic dependent launch: offline.py with it against without (0.6B at BATCHES, 1.7B at
-        # BIG_BATCHES), attention_tune.py's split knobs, then the GPU tests (last, so a time limit takes them first)
-    offline . nopdl 0.6B "${BATCHES:-1,64,256}"
-    offline . pdl 0.6B "${BATCHES:-1,64,256}" --pdl
-    offline . nopdl 1.7B "${BIG_BATCHES:-1}"
-    offline . pdl 1.7B "${BIG_BATCHES:-1}" --pdl
-    # The talker attention's position splits at many rows (attention_tune.py's knobs), while the machine is up.
-    PYTHONPATH=.:$PYTHONPATH timeout ${T_ATTN:-120} python3 benchmarks/attention_tune.py --batches 1,16,64,256 \
-      --contexts 160,320 --cp-positions 15 --knobs new,splits1,splits4,span128 --out "$OUT/attention_tune.json" \
-      2>&1 | cut -c1-300
-    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      -k "${TESTS:-pdl or small_matmul}" 2>&1 | grep -E "^E |passed|failed" | tail -20 ;;
+  splits)  # fused_attention.ONE_SPLIT_ROWS: GPU tests first (TESTS), then offline.py at BATCHES for SIZES, the
+           # rule against --attn-split-all (the path before it) in the same call
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "${TESTS:-fused_decode or graph_decode or batch_invariant or small_matmul}" 2>&1 | grep -E "^E |passed|failed" \
+      | tail -20
+    for size in ${SIZES:-0.6B 1.7B}; do
+      offline . rule "$size" "${BATCHES:-1,8,64,256}"
+      offline . split-all "$size" "${BATCHES:-1,8,64,256}" --attn-split-all
+    done ;;
   profile)  # PB: the batch profiled
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager \
       --eager-batch-sizes ${PB:-64} --frames 16 --codec-batches none --profile-batch ${PB:-64} \

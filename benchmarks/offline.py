@@ -167,12 +167,13 @@ def main() -> None:
     ap.add_argument("--no-small-matmul", action="store_true",
                     help="few-row matmuls through the one-row kernel and cuBLAS (the path before "
                          "layers/small_matmul.py), to measure its share")
-    ap.add_argument("--pdl", action="store_true",
-                    help="the step's Triton kernels launched with programmatic dependent launch (layers/pdl.py)")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="draws through torch.compile (the path before engine/draw_kernel.py)")
     ap.add_argument("--attn-splits", type=int, default=None,
-                    help="fused_attention.SPLITS (programs a paged row's positions split over; 1: no split)")
+                    help="fused_attention.SPLITS (programs a paged row's positions split over below "
+                         "ONE_SPLIT_ROWS rows; 1: no split)")
+    ap.add_argument("--attn-split-all", action="store_true",
+                    help="split a paged row's positions at any row count (the path before ONE_SPLIT_ROWS)")
     ap.add_argument("--attn-block-n", type=int, default=None, help="fused_attention.BLOCK_N (positions per loop)")
     ap.add_argument("--attn-reductions", action="store_true",
                     help="fused attention's scores and sums as CUDA-core reductions (fused_attention.DOT off)")
@@ -185,16 +186,14 @@ def main() -> None:
         from legato.layers import fused_attention
 
         fused_attention.ENABLED = False
-    if args.attn_splits or args.attn_block_n or args.attn_reductions:
+    if args.attn_splits or args.attn_block_n or args.attn_reductions or args.attn_split_all:
         from legato.layers import fused_attention
 
         fused_attention.DOT = not args.attn_reductions
         fused_attention.SPLITS = args.attn_splits or fused_attention.SPLITS
         fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
-    if args.pdl:
-        from legato.layers import pdl
-
-        pdl.ENABLED = True
+        if args.attn_split_all:
+            fused_attention.ONE_SPLIT_ROWS = 1 << 30
     if args.compiled_sampler:
         from legato.engine import draw_kernel
 
@@ -221,9 +220,10 @@ def main() -> None:
         "engine": {}, "codec": [], "fused_attention": not args.unfused_attention,
         "skinny_linear": not args.cublas_linear, "small_matmul": not (args.cublas_linear or args.no_small_matmul),
         "matmul_tiles": os.environ.get("LEGATO_MATMUL_TILES"), "attn_splits": args.attn_splits,
+        "attn_split_all": args.attn_split_all,
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
-        "fused_draw": not args.compiled_sampler, "pdl": args.pdl,
+        "fused_draw": not args.compiled_sampler,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

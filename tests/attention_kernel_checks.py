@@ -50,10 +50,12 @@ def _compare(name, args, kwargs, caches, errors, out_view=False):
     errors[f"{name}: v cache"] = _err(v1, v2)
 
 
-def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits=None, block_n=None, dot=True) -> None:
+def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits=None, block_n=None, dot=True,
+               one_split_rows=None) -> None:
     """Paged rows long enough to split (`fused_attention.SPLITS`): a row's cached positions at, just under and
     just over a split's span and a loop block, one row on every split, one new token at position 0; block
-    size 16, every row's blocks scattered over the cache."""
+    size 16, every row's blocks scattered over the cache. one_split_rows: `ONE_SPLIT_ROWS` for the launch (1: its
+    8 rows go unsplit by the row-count rule)."""
     from legato.layers import fused_attention as fa
 
     lens = [1, fa.MIN_SPAN, fa.MIN_SPAN + 1, fa.MIN_SPAN + 2, fa.BLOCK_N * 3 + 1, 700,
@@ -69,14 +71,15 @@ def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits=None,
     qkv, qw, kw, cos, sin = _inputs(b, heads, kv_heads, d, [n - 1 for n in lens], gen, device, dtype)
     caches = [torch.randn(sum(per_row), bs, kv_heads, d, generator=gen).to(device, dtype) for _ in range(2)]
     kwargs = dict(block_tables=tables.to(device), context_lens=torch.tensor(lens, dtype=torch.int32, device=device))
-    saved = fa.SPLITS, fa.BLOCK_N, fa.DOT
+    saved = fa.SPLITS, fa.BLOCK_N, fa.DOT, fa.ONE_SPLIT_ROWS
     fa.SPLITS, fa.BLOCK_N, fa.DOT = splits or fa.SPLITS, block_n or fa.BLOCK_N, dot
+    fa.ONE_SPLIT_ROWS = one_split_rows or fa.ONE_SPLIT_ROWS
     try:
-        _compare(f"paged long h{heads}/{kv_heads} d{d} splits {fa.SPLITS} block {fa.BLOCK_N}"
+        _compare(f"paged long h{heads}/{kv_heads} d{d} splits {fa.splits(b)} block {fa.BLOCK_N}"
                  f"{'' if dot else ' reductions'}", (qkv, qw, kw, eps, cos, sin, heads), kwargs, caches, errors,
                  out_view=True)
     finally:
-        fa.SPLITS, fa.BLOCK_N, fa.DOT = saved
+        fa.SPLITS, fa.BLOCK_N, fa.DOT, fa.ONE_SPLIT_ROWS = saved
 
 
 def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
@@ -99,6 +102,7 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         _compare(f"paged h{heads}/{kv_heads} d{d}", (qkv, qw, kw, eps, cos, sin, heads), kwargs, caches, errors)
         for splits, block_n in ((None, None), (4, 16), (1, 16)):  # the default, and the settings benchmarks try
             _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits, block_n)
+        _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, one_split_rows=1)  # many rows: unsplit
         _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, dot=False)  # CUDA-core reductions
         # Contiguous: every row at one position, capacity 16; `out` a strided view of a [B, 2, H*D] buffer.
         for position in (0, 1, 7, 15):

@@ -22,6 +22,15 @@ def test_the_cpu_path_never_takes_the_kernel():
     assert not fused_attention.available(torch.zeros(1))
 
 
+def test_a_launch_splits_positions_only_while_its_rows_are_few():
+    """Few rows leave the GPU idle unless each row's positions split; from ONE_SPLIT_ROWS rows the splits' combine
+    only costs (measured, see the module). The interpreter check runs both branches against the contract."""
+    from legato.layers import fused_attention as fa
+
+    assert [fa.splits(r) for r in (1, fa.ONE_SPLIT_ROWS - 1)] == [fa.SPLITS] * 2
+    assert [fa.splits(r) for r in (fa.ONE_SPLIT_ROWS, 64, 256)] == [1] * 3
+
+
 def test_the_contiguous_cache_refuses_a_position_past_its_capacity():
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
     from legato.layers.fused_attention import fused_decode_attention
@@ -46,5 +55,5 @@ def test_the_attention_kernels_compile_for_hopper():
         for paged, dot in ((True, True), (False, True), (True, False)):
             meta = dict(HEADS=16, KV_HEADS=8, GROUP=2, GROUP_PAD=16 if dot else 2, HEAD_DIM=128, BLOCK_SIZE=16,
                         PAGED=paged, SPLITS=16 if paged else 1, MIN_SPAN=64, BLOCK_N=32 if paged else 16, DOT=dot,
-                        PRECISION="ieee" if exact else "tf32", PV_PRECISION="ieee" if exact else "tf32x3", PDL=False)
+                        PRECISION="ieee" if exact else "tf32", PV_PRECISION="ieee" if exact else "tf32x3")
             assert compile_for_hopper(fa._fused_decode_kernel, meta, types) > 0, (cache, paged, dot)

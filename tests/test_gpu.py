@@ -352,23 +352,6 @@ def test_small_matmul_equals_f_linear_and_keeps_the_model_close():
         assert all(e <= 1e-2 for e in errors.values()), errors
 
 
-def test_pdl_chain_keeps_the_kernels_results():
-    """Programmatic dependent launch on (Hopper and later): the norm kernel that joins the chain against
-    torch.compile's, and the tiny code predictor with its matmuls, attention and norms launched with PDL against the
-    same without it, teacher-forced."""
-    from matmul_model_checks import code_predictor_with_and_without
-    from norm_kernel_checks import run_checks
-
-    from legato.layers import pdl
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs Hopper or later")
-    for dtype in (torch.bfloat16, torch.float16):
-        errors = {**run_checks("cuda", dtype), **code_predictor_with_and_without(pdl, dtype)}
-        assert all(e <= 1e-2 for e in errors.values()), errors
-    assert pdl.ENABLED is False  # the check put the default back
-
-
 def test_fused_draw_gives_the_eager_and_the_compiled_draws_tokens():
     """The one-program-per-row draw kernel against `sampler.draw`, eager and compiled, on 32k rows of mixed
     settings (greedy, temperature 0, top-k and top-p on and off, ties, -inf ids, seeds and frames past 2**32)."""

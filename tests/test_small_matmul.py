@@ -63,6 +63,6 @@ def test_the_small_matmul_kernels_compile_for_hopper():
     for gated in (False, True):
         for parts in (False, True):
             size = compile_for_hopper(small_matmul._rows_kernel, dict(
-                BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GATED=gated, PARTS=parts, PRECISION="tf32", PDL=False), fp32)
+                BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GATED=gated, PARTS=parts, PRECISION="tf32"), fp32)
             assert size > 0
-        assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=gated, BLOCK=256, PDL=False), fp32) > 0
+        assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=gated, BLOCK=256), fp32) > 0

@@ -87,11 +87,6 @@ def compile_for_hopper(kernel, constexprs: dict, types: dict[str, str]) -> int:
     """Compiles a Triton kernel to an sm_90 cubin on this machine (no GPU needed: Triton's own ptxas) and returns
     the cubin's size. Pointer arguments are bf16 and scalars int32 unless `types` names them. The interpreter
     runs a kernel's semantics, not the GPU compiler: this catches a construct the GPU backend refuses."""
-    return len(hopper_asm(kernel, constexprs, types)["cubin"])
-
-
-def hopper_asm(kernel, constexprs: dict, types: dict[str, str]) -> dict:
-    """`compile_for_hopper`'s compiled forms (keys "ttir", "ptx", "cubin", ...), for tests that read the PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -103,4 +98,5 @@ def hopper_asm(kernel, constexprs: dict, types: dict[str, str]) -> dict:
             signature[name] = "constexpr"
         else:
             signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    return len(compiled.asm["cubin"])

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from legato.layers import pdl
 from legato.layers.fused import rms_norm_rope
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
     import triton
     import triton.language as tl
 
-    from legato.layers.pdl import wait_then_release
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -97,15 +95,17 @@ def fused_decode_attention_reference(
 # The paged (talker) path splits each row's cached positions over up to SPLITS programs per (row, kv head),
 # flash-decoding style, and a second small kernel combines their partial softmaxes. One program walking a
 # ~200-token context alone was a chain of dependent loads: ~20 us at batch 1 and ~45 us at batch 64 per talker
-# layer, most of the attention's time. How a row splits depends only on its own length (never on the batch),
-# so results stay batch-invariant.
+# layer, most of the attention's time. From ONE_SPLIT_ROWS rows a launch has programs enough (rows x kv heads)
+# without splitting, and the splits' partial results and combine only cost: measured on the H200
+# (benchmarks/attention_tune.py, docs/benchmarks.md), one split took 27-35 % less time than 16 at 64 and 256 rows,
+# about the same at 16 rows, and 40-140 % more at one row. The split count thus depends on the launch's row count,
+# as cuBLAS's kernel choice does; `batch_invariant` runs fixed row counts, so its results stay batch-invariant.
 SPLITS = 16
+ONE_SPLIT_ROWS = 32
 MIN_SPAN = 64  # cached positions a split takes at least, so short rows use few splits
 BLOCK_N = 32  # positions per loop iteration of the paged path
 # Warps per program: 4 below WIDE_ROWS rows, 2 from there. Measured on the H200 (benchmarks/attention_tune.py,
 # docs/benchmarks.md): at 64 and 256 rows 2 warps took 2-30 % less time, at 1 and 16 rows 10-17 % more.
-# (Outside `batch_invariant` results may depend on the batch anyway, as cuBLAS's do; that mode runs fixed row
-# counts.)
 WARPS = (4, 2)
 WIDE_ROWS = 32
 # The talker's paged rows compute scores and weighted sums as tensor-core products (q padded to 16 rows): 3-18 %
@@ -127,10 +127,9 @@ def warps(rows: int) -> int:
     return WARPS[rows >= WIDE_ROWS]
 
 
-def split_span(cached: int) -> int:
-    """Cached positions per split for a row with `cached` positions before its new token (the kernel's rule)."""
-    span = max(-(-cached // SPLITS), MIN_SPAN)
-    return -(-span // BLOCK_N) * BLOCK_N
+def splits(rows: int) -> int:
+    """Programs a paged row's cached positions split over, in a launch of `rows` rows."""
+    return SPLITS if rows < ONE_SPLIT_ROWS else 1
 
 
 def fused_decode_attention(
@@ -164,28 +163,26 @@ def fused_decode_attention(
     elif out.shape != (b, heads * d) or out.stride(-1) != 1:
         raise ValueError(f"out must be [{b}, {heads * d}] with unit stride, got {tuple(out.shape)}")
     cos, sin = cos.float().expand(b, d), sin.float().expand(b, d)
-    splits = SPLITS if paged else 1
+    n_splits = splits(b) if paged else 1
     # Partial softmaxes of the splits: running max, sum and unnormalised output per (row, head, split).
-    part_ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=qkv.device) if splits > 1 else out
-    part_acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=qkv.device) if splits > 1 else out
+    part_ml = torch.empty(b, heads, n_splits, 2, dtype=torch.float32, device=qkv.device) if n_splits > 1 else out
+    part_acc = torch.empty(b, heads, n_splits, d, dtype=torch.float32, device=qkv.device) if n_splits > 1 else out
     group_pad = max(triton.next_power_of_2(group), 1)
     dot = uses_dot(paged, qkv.dtype, k_cache.dtype, d)
     meta = dict(HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(group_pad, 16) if dot else group_pad,
-                HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged, SPLITS=splits,
+                HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged, SPLITS=n_splits,
                 MIN_SPAN=MIN_SPAN, BLOCK_N=BLOCK_N if paged else 16)
     exact = k_cache.dtype == torch.float32  # fp32 caches: fp32 products, as the eager path
-    chained = pdl.on(qkv)
-    _fused_decode_kernel[(b, kv_heads, splits)](
+    _fused_decode_kernel[(b, kv_heads, n_splits)](
         qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, out, tables, lens, part_ml, part_acc,
         eps, d**-0.5, position,
         qkv.stride(0), cos.stride(0), sin.stride(0), stride_kb, stride_kp, stride_kh, tables_stride, out.stride(0),
         **meta, DOT=dot, PRECISION="ieee" if exact else "tf32", PV_PRECISION="ieee" if exact else "tf32x3",
-        PDL=chained, num_warps=warps(b), **pdl.launch_args(chained),
+        num_warps=warps(b),
     )
-    if splits > 1:
+    if n_splits > 1:
         _combine_splits_kernel[(b, kv_heads)](lens, part_ml, part_acc, out, out.stride(0),
-                                              **{**meta, "GROUP_PAD": group_pad}, PDL=chained,
-                                              **pdl.launch_args(chained))
+                                              **{**meta, "GROUP_PAD": group_pad})
     return out
 
 
@@ -210,7 +207,7 @@ if triton is not None:
 
     @triton.jit
     def _span(cached, SPLITS: tl.constexpr, MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr):
-        # `split_span` on the device: a row's positions per split, a multiple of BLOCK_N.
+        # A row's positions per split: at least MIN_SPAN, a multiple of BLOCK_N.
         span = tl.maximum((cached + SPLITS - 1) // SPLITS, MIN_SPAN)
         return (span + BLOCK_N - 1) // BLOCK_N * BLOCK_N
 
@@ -238,10 +235,8 @@ if triton is not None:
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr,
         MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-        PV_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        PV_PRECISION: tl.constexpr,
     ):
-        if PDL:  # qkv comes from the kernel before (pdl.py)
-            wait_then_release()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -337,10 +332,8 @@ if triton is not None:
         lens_ptr, ml_ptr, acc_ptr, out_ptr, stride_out,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr,
-        MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+        MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        if PDL:
-            wait_then_release()
         # Joins the used splits' partial softmaxes of one (row, kv head): out = sum_s w_s acc_s / sum_s w_s l_s,
         # w_s = exp(m_s - max m).
         b = tl.program_id(0)

@@ -27,13 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from legato.layers import pdl
-
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
     import triton
     import triton.language as tl
 
-    from legato.layers.pdl import prefetch_l2, wait_then_release
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -166,18 +163,16 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, bm), split)
     planes = 2 if gated else 1
     parts = out if split == 1 else torch.empty(split, planes, m, n, dtype=torch.float32, device=x.device)
-    chained = pdl.on(x)
     _rows_kernel[grid](
         rows, weight, out, parts, m, n, k, per_split, rows.stride(0), weight.stride(0),
         BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GATED=gated, PARTS=split > 1,
         # fp32 (the interpreter's tests) sums exactly; half-precision inputs are exact on tensor cores anyway.
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=chained, num_warps=t.warps,
-        num_stages=t.stages, **pdl.launch_args(chained),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.warps,
+        num_stages=t.stages,
     )
     if split > 1:
         block = 256
-        _sum_parts_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, split, GATED=gated, BLOCK=block,
-                                                         PDL=chained, **pdl.launch_args(chained))
+        _sum_parts_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, split, GATED=gated, BLOCK=block)
     return out.view(*x.shape[:-1], n)
 
 
@@ -193,7 +188,7 @@ if triton is not None:
     @triton.jit
     def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, per_split, stride_xm, stride_wn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                     PARTS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     PARTS: tl.constexpr, PRECISION: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -205,13 +200,6 @@ if triton is not None:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         k_lo = split * per_split
         k_hi = tl.minimum(k_lo + per_split, K)
-        if PDL:  # this program's weight strip into L2 while the kernel before still runs (pdl.py)
-            strip = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * stride_wn
-            for k0 in range(k_lo, k_hi, 64):  # 64 half-precision values: one 128-byte line
-                prefetch_l2(strip + k0)
-                if GATED:
-                    prefetch_l2(strip + N * stride_wn + k0)
-            wait_then_release()
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + kk
             k_ok = k < k_hi
@@ -239,10 +227,7 @@ if triton is not None:
                 tl.store(y_ptr + at, acc.to(ty), mask=mask)
 
     @triton.jit
-    def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
-        if PDL:
-            wait_then_release()
+    def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, BLOCK: tl.constexpr):
         at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = at < size
         acc = tl.zeros([BLOCK], tl.float32)

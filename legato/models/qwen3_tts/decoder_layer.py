@@ -20,11 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from legato.layers import fused_attention
-from legato.layers.fused import cuda_compiled, rms_norm_rope
+from legato.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
 from legato.layers.matmuls import linear
 from legato.layers.mlp import SwiGLU
 from legato.layers.norm import RMSNorm
-from legato.layers.norm_kernel import add_rms_norm
 
 
 class KVCache(abc.ABC):
