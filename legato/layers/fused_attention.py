@@ -29,7 +29,6 @@ from legato.layers.fused import rms_norm_rope
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
     import triton
     import triton.language as tl
-
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 

@@ -30,7 +30,6 @@ import torch
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
     import triton
     import triton.language as tl
-
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
