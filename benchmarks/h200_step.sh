@@ -12,8 +12,8 @@
 #   benchmarks/h200_step.sh tune      # matmul_tune.py (the few-row GEMM's tiles), then offline.py with them against
 #                                     # the path before it (and its rule of thumb with RULE=1)
 #   benchmarks/h200_step.sh final     # the committed tiles' GPU tests, offline.py against the path before them
-#   benchmarks/h200_step.sh splits    # the talker attention's split rule: its GPU tests, offline.py against the same
-#                                     # tree splitting at every row count (--attn-split-all), 0.6B and 1.7B
+#   benchmarks/h200_step.sh splits    # the talker attention's split rule: offline.py against the same tree splitting
+#                                     # at every row count (--attn-split-all), 0.6B and 1.7B
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
@@ -96,11 +96,9 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     offline . before 0.6B "${BATCHES:-1,64,256}" --no-small-matmul
     offline . new 1.7B "${BIG_BATCHES:-1}"
     offline . before 1.7B "${BIG_BATCHES:-1}" --no-small-matmul ;;
-  splits)  # fused_attention.ONE_SPLIT_ROWS: GPU tests first (TESTS), then offline.py at BATCHES for SIZES, the
-           # rule against --attn-split-all (the path before it) in the same call
-    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      -k "${TESTS:-fused_decode or graph_decode or batch_invariant or small_matmul}" 2>&1 | grep -E "^E |passed|failed" \
-      | tail -20
+  splits)  # fused_attention.ONE_SPLIT_ROWS: offline.py at BATCHES for SIZES, the rule against --attn-split-all (the
+           # path before it) in the same call. Its GPU tests run through `check` with EACH=1 (one pytest and one
+           # time limit per test: one pytest for all of them hit its limit before it reported, 2026-12-04).
     for size in ${SIZES:-0.6B 1.7B}; do
       offline . rule "$size" "${BATCHES:-1,8,64,256}"
       offline . split-all "$size" "${BATCHES:-1,8,64,256}" --attn-split-all
