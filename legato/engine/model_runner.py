@@ -75,6 +75,9 @@ class ModelRunner:
         self.sampler = Sampler.from_talker_config(tc, compile=self.device.type == "cuda")
         if self.device.type == "cuda":
             pack_projections(talker)
+        # Replica groups run code-predictor passes on concurrent streams; the one-launch pass needs its programs
+        # resident together, so it serves one group only.
+        talker.code_predictor.persistent = k == 1
         streams = self.device.type == "cuda" and k > 1
         self.replicas = [
             Replica(g, copy.copy(self.kv), config.max_num_seqs + g, num_kv_blocks + g,

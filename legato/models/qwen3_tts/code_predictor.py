@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from legato.layers import decoder_stack
 from legato.layers.matmuls import linear
 from legato.layers.norm import RMSNorm
 from legato.layers.rotary import RotaryEmbedding
@@ -48,6 +49,21 @@ class CodePredictor(nn.Module):
             self.small_to_mtp_projection: nn.Module = nn.Linear(talker_hidden, cfg.hidden_size, bias=True)
         else:
             self.small_to_mtp_projection = nn.Identity()
+        # The serving layout's stacked weights for the one-launch pass (`layers/decoder_stack.py`), made by
+        # `pack_stack` on CUDA; `persistent` False keeps the unfused path (several replica groups run passes on
+        # concurrent streams, and the kernel's barrier needs all its programs resident).
+        self.stack: decoder_stack.StackWeights | None = None
+        self.persistent = True
+
+    def pack_stack(self) -> None:
+        """Stacks the layers' weights for `decoder_stack` (CUDA half precision, shapes it takes; idempotent)."""
+        c = self.config
+        weight = self.model.layers[0].self_attn.o_proj.weight
+        if (self.stack is not None or decoder_stack.triton is None or not weight.is_cuda
+                or weight.dtype == torch.float32
+                or not decoder_stack.supported(c.num_attention_heads, c.num_key_value_heads, c.head_dim)):
+            return
+        self.stack = decoder_stack.stack(self.model.layers, self.model.norm)
 
     @property
     def num_residual_groups(self) -> int:
@@ -88,6 +104,8 @@ class CodePredictor(nn.Module):
             cache = self.new_cache(b, past_hidden.dtype, past_hidden.device)
         else:
             cache.reset()
+        if self.stack is not None and self.persistent and decoder_stack.takes(past_hidden):
+            return self._predict_in_stack_launches(past_hidden, first_embed, sample, cache)
         # Every row is at the same position in every pass: the rotary table of a frame's positions is computed
         # once, and each pass takes a broadcast view of its rows (the same values, elementwise).
         positions = torch.arange(self.config.num_code_groups, device=past_hidden.device)
@@ -104,4 +122,25 @@ class CodePredictor(nn.Module):
             cache.advance(1)
             code = sample(linear(hidden[:, -1], self.lm_head[g].weight).float(), g + 1)
             codes.append(code)
+        return torch.stack(codes, dim=1)
+
+    def _predict_in_stack_launches(self, past_hidden: torch.Tensor, first_embed: torch.Tensor, sample: CodeSampler,
+                                   cache: ContiguousKVCache) -> torch.Tensor:
+        # `predict_residuals` with each token's pass through the layers, final norm and head as one launch. The
+        # two prompt tokens go one at a time (the first needs no head): causal attention over them is the same.
+        positions = torch.arange(self.config.num_code_groups, device=past_hidden.device)
+        cos, sin = self.model.rotary(positions)
+
+        def logits(embed: torch.Tensor, pos: int, head: nn.Linear | None) -> torch.Tensor | None:
+            x = self.small_to_mtp_projection(embed).contiguous()
+            return decoder_stack.run(self.stack, x, cache.k, cache.v, pos, cos[pos], sin[pos],
+                                     head.weight if head is not None else None)
+
+        logits(past_hidden, 0, None)
+        code = sample(logits(first_embed, 1, self.lm_head[0]), 1)
+        codes = [code]
+        for g in range(1, self.num_residual_groups):
+            code = sample(logits(self.model.codec_embedding[g - 1](code), g + 1, self.lm_head[g]), g + 1)
+            codes.append(code)
+        cache.advance(self.config.num_code_groups)
         return torch.stack(codes, dim=1)

@@ -228,6 +228,10 @@ def pack_projections(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, (Attention, SwiGLU)):
             sub.pack()
+    for sub in module.modules():  # modules that also serve their layers as one stacked launch (code predictor)
+        pack_stack = getattr(sub, "pack_stack", None)
+        if callable(pack_stack):
+            pack_stack()
 
 
 def packed_bytes(module: nn.Module) -> int:
@@ -236,6 +240,10 @@ def packed_bytes(module: nn.Module) -> int:
     for sub in module.modules():
         for name in ("qkv_weight", "gate_up_weight"):
             t = getattr(sub, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+        stacked = getattr(sub, "stack", None)  # the stacked launch's own copies (its q/k/v and gate/up are views)
+        for t in (getattr(stacked, "o", None), getattr(stacked, "down", None)):
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total

@@ -1,0 +1,396 @@
+"""A stack of Qwen3 decoder layers for a few rows as one persistent kernel: the code predictor's pass per codebook.
+
+A frame runs the code predictor 16 times (two prompt tokens, then one per codebook), each pass 5 layers. Unfused
+that is ~45 kernels a pass: ~750 a frame at batch 1, each a few microseconds of launch and ramp around 4-12 MB of
+weight reads (docs/benchmarks.md, "The frame step"). Here one launch runs a whole pass. Its programs (one per SM)
+split every matmul's output columns, and a grid-wide barrier (an atomic counter in global memory) separates the
+phases that need each other's results:
+
+1. RMSNorm (every program computes it over the whole row) and the packed q/k/v projection;
+2. the attention (every program computes all heads: at most 16 cached positions, read from L2), the o projection
+   and the residual add; program 0 writes the new key and value into the cache;
+3. RMSNorm and the packed gate/up projection with SiLU;
+4. the down projection and the residual add;
+then, after the last layer, the final norm and the codebook's head, whose logits the sampler reads.
+
+Rounding follows the eager path (`decoder_layer.run_layers`): every activation is rounded to the activation dtype
+where the unfused path stores one, and the sums run in fp32, so the only difference is the order of the sums.
+Under Triton's interpreter programs run one after another, so a barrier could never be passed: there (and when
+asked) each phase is its own launch (`sync=False`), the same code without the barrier.
+
+The barrier needs every program resident at once: one launch per stream at a time, and no more programs than
+SMs. The engine takes this path only with one code-predictor replica group (`CodePredictor.persistent`). A wait
+that runs past `SPIN_LIMIT` polls gives up and sets an error word instead of hanging the GPU (`barrier_errors`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from legato.layers import fused_attention
+
+try:  # Triton ships with CUDA builds of torch; the CPU build has none.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+# Benchmarks switch it off to measure the unfused path in the same process.
+ENABLED = True
+MAX_ROWS = 4  # rows a launch takes; more decode rows take the unfused path, whose matmuls use tensor cores
+WARPS = 16
+SPIN_LIMIT = 1 << 22  # polls of a barrier before it gives up (seconds of waiting; never reached when all is well)
+
+
+@dataclass
+class StackWeights:
+    """The layers' weights stacked per kind ([layers, ...], contiguous), as the kernel indexes them."""
+
+    qkv: torch.Tensor  # [L, (H + 2 Hkv) D, hidden]
+    o: torch.Tensor  # [L, hidden, H D]
+    gate_up: torch.Tensor  # [L, 2 I, hidden]
+    down: torch.Tensor  # [L, hidden, I]
+    ln1: torch.Tensor  # [L, hidden]
+    ln2: torch.Tensor
+    q_norm: torch.Tensor  # [L, D]
+    k_norm: torch.Tensor
+    final_norm: torch.Tensor  # [hidden]
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def layers(self) -> int:
+        return self.qkv.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.qkv.shape[2]
+
+    @property
+    def inter(self) -> int:
+        return self.down.shape[2]
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Shapes the kernel takes: the attention's head counts and width are powers of two (its register tiles)."""
+    return _pow2(heads) and _pow2(kv_heads) and _pow2(head_dim) and heads % kv_heads == 0
+
+
+def stack(layers, final_norm) -> StackWeights:
+    """Stacked copies of a `build_layers` ModuleList's weights. The packed q/k/v and gate/up serving copies of each
+    layer (`pack_projections`) become views of the stack, so only o and down are held twice."""
+    att = [layer.self_attn for layer in layers]
+    mlp = [layer.mlp for layer in layers]
+    for a, m in zip(att, mlp, strict=True):
+        a.pack()
+        m.pack()
+    qkv = torch.stack([a.qkv_weight for a in att]).contiguous()
+    gate_up = torch.stack([m.gate_up_weight for m in mlp]).contiguous()
+    for i, (a, m) in enumerate(zip(att, mlp, strict=True)):
+        a.qkv_weight, m.gate_up_weight = qkv[i], gate_up[i]
+    first = att[0]
+    return StackWeights(
+        qkv=qkv, o=torch.stack([a.o_proj.weight.detach() for a in att]).contiguous(), gate_up=gate_up,
+        down=torch.stack([m.down_proj.weight.detach() for m in mlp]).contiguous(),
+        ln1=torch.stack([layer.input_layernorm.weight.detach() for layer in layers]),
+        ln2=torch.stack([layer.post_attention_layernorm.weight.detach() for layer in layers]),
+        q_norm=torch.stack([a.q_norm.weight.detach() for a in att]),
+        k_norm=torch.stack([a.k_norm.weight.detach() for a in att]),
+        final_norm=final_norm.weight.detach(), eps=final_norm.eps, heads=first.heads, kv_heads=first.kv_heads,
+        head_dim=first.head_dim)
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether rows x [B, hidden] go through the kernel (CUDA, few rows, switched on)."""
+    return ENABLED and triton is not None and x.is_cuda and x.shape[0] <= MAX_ROWS
+
+
+_barriers: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _barrier(device: torch.device) -> torch.Tensor:
+    # [count, exited, error]: one per stream, since a launch's programs count on it alone. It is back at zero
+    # after every launch (the last program out resets it).
+    stream = torch.cuda.current_stream(device).cuda_stream
+    key = (device.index or 0, stream)
+    if key not in _barriers:
+        _barriers[key] = torch.zeros(4, dtype=torch.int32, device=device)
+    return _barriers[key]
+
+
+def barrier_errors() -> int:
+    """Barrier waits that gave up since the counters were made (0 unless a launch could not keep its programs
+    resident); tests and benchmarks read it."""
+    return sum(int(b[2].item()) for b in _barriers.values())
+
+
+def _chunk(k: int) -> tuple[int, int, int]:
+    # A length-k vector as [chunks, width]: the largest power-of-two width up to 1024 that divides k.
+    width = k & -k
+    while width > 1024:
+        width //= 2
+    chunks = k // width
+    return width, chunks, triton.next_power_of_2(chunks)
+
+
+def _block(n: int, programs: int) -> int:
+    return triton.next_power_of_2(max(1, -(-n // programs)))
+
+
+def default_programs(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: int,
+        cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor | None, *, programs: int | None = None,
+        sync: bool | None = None) -> torch.Tensor | None:
+    """One token per row through every layer -> the head's logits [B, V] (fp32), or None without a head.
+
+    x [B, hidden] (read only); k_cache/v_cache [L, B, kv_heads, capacity, D] hold the positions before `position`
+    and get this token's key and value there; cos/sin [D] (fp32) of `position`; head [V, hidden] or None (a
+    token whose logits nobody reads: the first of the two prompt tokens). `sync` False runs each phase as its own
+    launch (the interpreter's way; the default on CPU tensors)."""
+    rows, hidden = x.shape
+    layers, _, kv_heads, capacity, head_dim = k_cache.shape
+    if not 0 <= position < capacity:
+        raise RuntimeError(f"KV cache full: position {position}, capacity {capacity}")
+    if k_cache.shape[1] != rows or not (k_cache.is_contiguous() and v_cache.is_contiguous() and x.is_contiguous()):
+        raise ValueError("decoder_stack.run needs contiguous rows and caches of the rows' batch")
+    if sync is None:
+        sync = x.is_cuda
+    if programs is None:
+        programs = default_programs(x.device) if x.is_cuda else 4
+    heads, inter = w.heads, w.inter
+    if max(w.qkv.numel(), w.gate_up.numel(), w.o.numel(), w.down.numel()) >= 2**31:
+        raise ValueError("decoder_stack indexes each stacked weight with 32-bit offsets")
+    n_qkv = (heads + 2 * kv_heads) * head_dim
+    vocab = head.shape[0] if head is not None else 1
+    x_work = torch.empty_like(x)
+    qkv = torch.empty(rows, n_qkv, dtype=x.dtype, device=x.device)
+    g = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    logits = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
+    bar = _barrier(x.device) if sync else torch.zeros(4, dtype=torch.int32, device=x.device)
+    kc_h, c_h, cp_h = _chunk(hidden)
+    kc_a, c_a, cp_a = _chunk(heads * head_dim)
+    kc_i, c_i, cp_i = _chunk(inter)
+    meta = dict(
+        ROWS=rows, LAYERS=layers, HIDDEN=hidden, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, INTER=inter,
+        VOCAB=vocab, CAP=capacity, CAP_P2=triton.next_power_of_2(capacity),
+        KC_H=kc_h, C_H=c_h, CP_H=cp_h, KC_A=kc_a, C_A=c_a, KC_I=kc_i, C_I=c_i, CP_I=cp_i,
+        BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
+        BN_V=_block(vocab, programs), HEAD=head is not None, SPIN=SPIN_LIMIT,
+    )
+    if cp_a != c_a:
+        raise ValueError("the attention width must be a power-of-two multiple of its chunk")
+    args = (x, x_work, qkv, g, logits, w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.q_norm, w.k_norm, w.final_norm,
+            head if head is not None else x, k_cache, v_cache, cos, sin, bar, position, w.eps, head_dim**-0.5)
+    phases = 4 * layers + (head is not None)
+    if sync:
+        _stack_kernel[(programs,)](*args, 0, phases - 1, **meta, SYNC=True, num_warps=WARPS)
+    else:
+        for phase in range(phases):
+            _stack_kernel[(programs,)](*args, phase, phase, **meta, SYNC=False, num_warps=WARPS)
+    return logits if head is not None else None
+
+
+if triton is not None:
+    _round = fused_attention._round
+    _norm_rope = fused_attention._norm_rope
+
+    @triton.jit
+    def _grid_sync(bar_ptr, target, SPIN: tl.constexpr):
+        # Every thread's stores are done (CTA barrier) before one release increment; the acquire polls make the
+        # other programs' stores visible to the loads after it (activations are read with .cg, past L1).
+        tl.debug_barrier()
+        tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (seen < target) & (spins < SPIN):
+            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if seen < target:
+            tl.atomic_add(bar_ptr + 2, 1)
+        tl.debug_barrier()
+
+    @triton.jit
+    def _span(pid, programs, n):
+        # This program's outputs [lo, hi) of n: contiguous, sizes within one of each other.
+        return (pid * n) // programs, ((pid + 1) * n) // programs
+
+    @triton.jit
+    def _vector(ptr, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr):
+        # An activation row of C * KC values as [CP, KC] fp32 (rows past C zero), read past L1: other programs
+        # wrote it in this launch.
+        c = tl.arange(0, CP)[:, None]
+        k = tl.arange(0, KC)[None, :]
+        return tl.load(ptr + c * KC + k, mask=(c < C) & (k >= 0), other=0.0, cache_modifier=".cg").to(tl.float32)
+
+    @triton.jit
+    def _tile(w_ptr, lo, hi, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr):
+        # Weight rows lo..hi of W [N, C * KC] as [BN, CP, KC] (masked past hi and past C).
+        n = lo + tl.arange(0, BN)
+        c = tl.arange(0, CP)
+        k = tl.arange(0, KC)
+        off = n.to(tl.int64)[:, None, None] * (C * KC) + (c * KC)[None, :, None] + k[None, None, :]
+        mask = (n < hi)[:, None, None] & (c < C)[None, :, None] & (k >= 0)[None, None, :]
+        return tl.load(w_ptr + off, mask=mask, other=0.0)
+
+    @triton.jit
+    def _dot(w, a):
+        # [BN, CP, KC] weights times a [CP, KC] activation -> [BN] fp32 sums.
+        return tl.sum(tl.sum(w.to(tl.float32) * a[None, :, :], axis=2), axis=1)
+
+    @triton.jit
+    def _rms(x, w_ptr, eps, n, like_ptr, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr):
+        # RMSNorm of a [CP, KC] row as the eager path rounds it: weight * (x * rsqrt(mean x^2 + eps)).to(dtype).
+        c = tl.arange(0, CP)[:, None]
+        k = tl.arange(0, KC)[None, :]
+        w = tl.load(w_ptr + c * KC + k, mask=(c < C) & (k >= 0), other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / n + eps)
+        return _round(w * _round(x * inv, like_ptr), like_ptr)
+
+    @triton.jit
+    def _stack_kernel(
+        x_in_ptr, x_ptr, qkv_ptr, g_ptr, logits_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr, qn_ptr,
+        kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr, position, eps, scale, first, last,
+        ROWS: tl.constexpr, LAYERS: tl.constexpr, HIDDEN: tl.constexpr, HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr,
+        CAP: tl.constexpr, CAP_P2: tl.constexpr, KC_H: tl.constexpr, C_H: tl.constexpr, CP_H: tl.constexpr,
+        KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
+        BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, HEAD: tl.constexpr,
+        SPIN: tl.constexpr, SYNC: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        N_QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+        WIDTH: tl.constexpr = HEADS * HEAD_DIM
+        GROUP: tl.constexpr = HEADS // KV_HEADS
+        PHASES: tl.constexpr = 4 * LAYERS + HEAD
+        for layer in range(LAYERS):
+            s = 4 * layer
+            # 1. norm, then q/k/v.
+            if (s >= first) & (s <= last):
+                lo, hi = _span(pid, programs, N_QKV)
+                w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo, hi, C_H, CP_H, KC_H, BN_QKV)
+                n = lo + tl.arange(0, BN_QKV)
+                for r in tl.static_range(ROWS):
+                    if layer == 0:  # the input stays as given; phase 2 starts the working copy x
+                        xv = _vector(x_in_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                    else:
+                        xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                    h = _rms(xv, ln1_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
+                    tl.store(qkv_ptr + r * N_QKV + n, _dot(w, h), mask=n < hi)
+            if SYNC:
+                _grid_sync(bar_ptr, (s + 1) * programs, SPIN)
+            # 2. attention over every head, o projection, residual add.
+            if (s + 1 >= first) & (s + 1 <= last):
+                lo, hi = _span(pid, programs, HIDDEN)
+                w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo, hi, C_A, C_A, KC_A, BN_O)
+                n = lo + tl.arange(0, BN_O)
+                d = tl.arange(0, HEAD_DIM)
+                half: tl.constexpr = HEAD_DIM // 2
+                dp = (d + half) % HEAD_DIM
+                is_low = d < half
+                hq = tl.arange(0, HEADS)
+                kvh = tl.arange(0, KV_HEADS)
+                p = tl.arange(0, CAP_P2)
+                cos = tl.load(cos_ptr + d)
+                sin = tl.load(sin_ptr + d)
+                qw = tl.load(qn_ptr + layer * HEAD_DIM + d).to(tl.float32)
+                qwp = tl.load(qn_ptr + layer * HEAD_DIM + dp).to(tl.float32)
+                kw = tl.load(kn_ptr + layer * HEAD_DIM + d).to(tl.float32)
+                kwp = tl.load(kn_ptr + layer * HEAD_DIM + dp).to(tl.float32)
+                for r in tl.static_range(ROWS):
+                    row = qkv_ptr + r * N_QKV
+                    q = tl.load(row + hq[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg").to(tl.float32)
+                    qp = tl.load(row + hq[:, None] * HEAD_DIM + dp[None, :], cache_modifier=".cg").to(tl.float32)
+                    q = _norm_rope(q, qp, qw, qwp, cos, sin, is_low, eps, HEAD_DIM, x_ptr)
+                    kv_col = kvh[:, None] * HEAD_DIM
+                    kn = tl.load(row + WIDTH + kv_col + d[None, :], cache_modifier=".cg").to(tl.float32)
+                    knp = tl.load(row + WIDTH + kv_col + dp[None, :], cache_modifier=".cg").to(tl.float32)
+                    k_new = _norm_rope(kn, knp, kw, kwp, cos, sin, is_low, eps, HEAD_DIM, x_ptr)
+                    k_new = k_new.to(k_ptr.dtype.element_ty)
+                    v_new = tl.load(row + WIDTH + KV_HEADS * HEAD_DIM + kv_col + d[None, :],
+                                    cache_modifier=".cg").to(v_ptr.dtype.element_ty)
+                    # Cached positions [0, position) of this row, then the new token from registers.
+                    base = ((layer * ROWS + r) * KV_HEADS + kvh).to(tl.int64) * (CAP * HEAD_DIM)
+                    addr = base[:, None, None] + (p * HEAD_DIM)[None, :, None] + d[None, None, :]
+                    old = (p < position)[None, :, None] & (d >= 0)[None, None, :]
+                    keys = tl.load(k_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    vals = tl.load(v_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    new = (p == position)[None, :, None]
+                    keys = tl.where(new, k_new.to(tl.float32)[:, None, :], keys)
+                    vals = tl.where(new, v_new.to(tl.float32)[:, None, :], vals)
+                    q3 = tl.reshape(q, (KV_HEADS, GROUP, HEAD_DIM))
+                    scores = tl.sum(q3[:, :, None, :] * keys[:, None, :, :], axis=3) * scale  # [Hkv, G, P]
+                    scores = tl.where((p <= position)[None, None, :], scores, float("-inf"))
+                    e = tl.exp(scores - tl.max(scores, axis=2)[:, :, None])
+                    probs = e / tl.sum(e, axis=2)[:, :, None]
+                    attn = tl.sum(probs[:, :, :, None] * vals[:, None, :, :], axis=2)  # [Hkv, G, D]
+                    a = tl.reshape(_round(attn, x_ptr), (C_A, KC_A))
+                    o = _round(_dot(w, a), x_ptr)
+                    if layer == 0:
+                        res = tl.load(x_in_ptr + r * HIDDEN + n, mask=n < hi, other=0.0).to(tl.float32)
+                    else:
+                        res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi, other=0.0, cache_modifier=".cg")
+                        res = res.to(tl.float32)
+                    tl.store(x_ptr + r * HIDDEN + n, res + o, mask=n < hi)
+                    if pid == 0:
+                        at = base[:, None] + position * HEAD_DIM + d[None, :]
+                        tl.store(k_ptr + at, k_new)
+                        tl.store(v_ptr + at, v_new)
+            if SYNC:
+                _grid_sync(bar_ptr, (s + 2) * programs, SPIN)
+            # 3. norm, then gate/up with SiLU.
+            if (s + 2 >= first) & (s + 2 <= last):
+                lo, hi = _span(pid, programs, INTER)
+                base_gu = wgu_ptr + layer * (2 * INTER * HIDDEN)
+                wg = _tile(base_gu, lo, hi, C_H, CP_H, KC_H, BN_GU)
+                wu = _tile(base_gu + INTER * HIDDEN, lo, hi, C_H, CP_H, KC_H, BN_GU)
+                n = lo + tl.arange(0, BN_GU)
+                for r in tl.static_range(ROWS):
+                    xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                    h = _rms(xv, ln2_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
+                    gate = _round(_dot(wg, h), x_ptr)
+                    up = _round(_dot(wu, h), x_ptr)
+                    tl.store(g_ptr + r * INTER + n, gate / (1.0 + tl.exp(-gate)) * up, mask=n < hi)
+            if SYNC:
+                _grid_sync(bar_ptr, (s + 3) * programs, SPIN)
+            # 4. down, residual add.
+            if (s + 3 >= first) & (s + 3 <= last):
+                lo, hi = _span(pid, programs, HIDDEN)
+                w = _tile(wd_ptr + layer * (HIDDEN * INTER), lo, hi, C_I, CP_I, KC_I, BN_O)
+                n = lo + tl.arange(0, BN_O)
+                for r in tl.static_range(ROWS):
+                    a = _vector(g_ptr + r * INTER, C_I, CP_I, KC_I)
+                    delta = _round(_dot(w, a), x_ptr)
+                    res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi, other=0.0, cache_modifier=".cg")
+                    tl.store(x_ptr + r * HIDDEN + n, res.to(tl.float32) + delta, mask=n < hi)
+            if SYNC:
+                if s + 4 < PHASES:
+                    _grid_sync(bar_ptr, (s + 4) * programs, SPIN)
+        # 5. final norm and the head.
+        if HEAD:
+            s = 4 * LAYERS
+            if (s >= first) & (s <= last):
+                lo, hi = _span(pid, programs, VOCAB)
+                w = _tile(head_ptr, lo, hi, C_H, CP_H, KC_H, BN_V)
+                n = lo + tl.arange(0, BN_V)
+                for r in tl.static_range(ROWS):
+                    xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                    h = _rms(xv, fn_ptr, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
+                    tl.store(logits_ptr + r * VOCAB + n, _round(_dot(w, h), x_ptr), mask=n < hi)
+        if SYNC:
+            # The last program out resets the counters for the next launch on this stream.
+            done = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
+            if done == programs - 1:
+                tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")

@@ -1,0 +1,102 @@
+"""The one-launch decoder stack (`legato/layers/decoder_stack.py`) against the unfused code predictor.
+
+`run_checks(device, dtype)` runs a code predictor's residual codebooks both ways, the stacked pass teacher-forced
+with the unfused pass's greedy codes, and measures the logits' relative error and the KV caches'. Shapes: the tiny
+model's (hidden 48: chunks masked past the row; a projection from the talker's width) and the 0.6B's layer shapes
+with fewer layers and codebooks (the real chunking: 3 chunks for the MLP's 3072); 1 and 3 rows; on CUDA the
+0.6B's and the 1.7B's whole code predictors take the cut-down one's place. On the CPU the
+kernel runs under Triton's interpreter one phase per launch (`TRITON_INTERPRET=1`, fp32, where greedy codes must
+also be equal); on CUDA the one-launch form runs too and must equal the phase-per-launch form bit for bit, and no
+barrier may have given up. `python tests/decoder_stack_checks.py [cuda|cpu]`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from triton_interpreter import check_script_main, rel_err
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import patch_for_numpy
+
+    patch_for_numpy()
+
+from legato.layers import decoder_stack
+from legato.models.qwen3_tts.code_predictor import CodePredictor
+from legato.models.qwen3_tts.config import CodePredictorConfig
+from legato.models.qwen3_tts.decoder_layer import pack_projections
+from legato.models.qwen3_tts.testing import randomize_
+from legato.models.qwen3_tts.tiny import tiny_config
+
+
+def _models(device: str) -> dict[str, tuple[CodePredictorConfig, int]]:
+    tiny = tiny_config("base").talker_config
+    shaped = CodePredictorConfig(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8,
+                                 head_dim=128, intermediate_size=3072, vocab_size=256, num_code_groups=4)
+    if device != "cuda":
+        return {"tiny": (tiny.code_predictor_config, tiny.hidden_size), "0.6B layer shapes": (shaped, 1024)}
+    # On CUDA the whole served code predictors instead of the cut-down one (too slow for the interpreter); the
+    # 1.7B's differs from the 0.6B's only in the projection from the talker's width, outside the kernel.
+    return {"tiny": (tiny.code_predictor_config, tiny.hidden_size),
+            "0.6B code predictor": (CodePredictorConfig(), 1024), "1.7B code predictor": (CodePredictorConfig(), 2048)}
+
+
+def _run(cp: CodePredictor, past: torch.Tensor, first: torch.Tensor, forced: torch.Tensor | None, stacked: bool,
+         sync: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: list[torch.Tensor] = []
+
+    def sample(scores, g):
+        logits.append(scores.float())
+        return scores.argmax(-1) if forced is None else forced[:, g - 1]
+
+    cache = cp.new_cache(past.shape[0], past.dtype, past.device)
+    run = decoder_stack.run
+    if sync is not None:
+        decoder_stack.run = lambda *a, **kw: run(*a, **kw, sync=sync)
+    try:
+        with torch.inference_mode():
+            if stacked:
+                codes = cp._predict_in_stack_launches(past, first, sample, cache)
+            else:
+                stack, cp.stack = cp.stack, None
+                try:
+                    codes = cp.predict_residuals(past, first, sample, cache)
+                finally:
+                    cp.stack = stack
+    finally:
+        decoder_stack.run = run
+    return codes, torch.stack(logits), torch.cat([cache.k.flatten(), cache.v.flatten()])
+
+
+def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
+    errors: dict[str, float] = {}
+    for name, (cfg, talker_hidden) in _models(device).items():
+        cp = CodePredictor(cfg, talker_hidden)
+        randomize_(cp, seed=3, std=0.05)
+        cp.to(device=device, dtype=dtype).eval()
+        pack_projections(cp)
+        if cp.stack is None:  # CPU (or fp32): the serving layout is built by hand, as the interpreter runs it
+            cp.stack = decoder_stack.stack(cp.model.layers, cp.model.norm)
+        for rows in (1, 3):
+            gen = torch.Generator().manual_seed(rows)
+            past, first = (torch.randn(rows, talker_hidden, generator=gen).to(device, dtype) for _ in range(2))
+            want_codes, want_logits, want_cache = _run(cp, past, first, None, stacked=False)
+            got_codes, got_logits, got_cache = _run(cp, past, first, want_codes, stacked=True, sync=False)
+            errors[f"{name}, {rows} rows: logits"] = rel_err(got_logits, want_logits)
+            errors[f"{name}, {rows} rows: caches"] = rel_err(got_cache, want_cache)
+            if dtype == torch.float32:  # greedy codes of the stacked pass run free
+                free_codes = _run(cp, past, first, None, stacked=True, sync=False)[0]
+                errors[f"{name}, {rows} rows: greedy codes differ"] = float((free_codes != want_codes).sum())
+            if device == "cuda":  # the one-launch form: the same sums in the same order
+                one = _run(cp, past, first, want_codes, stacked=True, sync=True)
+                errors[f"{name}, {rows} rows: one launch vs phase launches"] = float(
+                    not (torch.equal(one[1], got_logits) and torch.equal(one[2], got_cache)))
+    if device == "cuda":
+        errors["barrier waits that gave up"] = float(decoder_stack.barrier_errors())
+    return errors
+
+
+if __name__ == "__main__":
+    sys.exit(check_script_main(run_checks))

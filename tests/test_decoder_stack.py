@@ -1,0 +1,65 @@
+"""The code predictor's one-launch pass (`legato/layers/decoder_stack.py`): equal to the unfused layers under
+Triton's interpreter (each phase its own launch, fp32: greedy codes equal, logits and caches within 1e-5), compiled
+for Hopper in both forms (the barrier's atomics and polls included), and taken only where it may run: CUDA rows, few
+of them, shapes it takes, one replica group. The one-launch form against the phase launches runs on the GPU
+(tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpreter import compile_for_hopper, run_checks_script, skip_unless_ptxas
+
+from legato.layers import decoder_stack
+from legato.models.qwen3_tts.code_predictor import CodePredictor
+from legato.models.qwen3_tts.decoder_layer import pack_projections
+from legato.models.qwen3_tts.tiny import tiny_config
+
+
+def test_the_stacked_pass_equals_the_unfused_code_predictor_under_the_interpreter():
+    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
+    run = run_checks_script("decoder_stack_checks.py")
+    assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
+    assert run.stdout.count(" ok\n") == 12  # 2 shapes x 2 row counts x (logits, caches, greedy codes)
+
+
+def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier():
+    skip_unless_ptxas()
+    shapes = dict(ROWS=1, LAYERS=5, HIDDEN=1024, HEADS=16, KV_HEADS=8, HEAD_DIM=128, INTER=3072, VOCAB=2048, CAP=16,
+                  CAP_P2=16, KC_H=1024, C_H=1, CP_H=1, KC_A=1024, C_A=2, KC_I=1024, C_I=3, CP_I=4, BN_QKV=32, BN_O=8,
+                  BN_GU=32, BN_V=16, HEAD=True, SPIN=decoder_stack.SPIN_LIMIT)
+    types = {"logits_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bar_ptr": "*i32", "eps": "fp32",
+             "scale": "fp32"}
+    for sync in (True, False):
+        assert compile_for_hopper(decoder_stack._stack_kernel, {**shapes, "SYNC": sync}, types) > 0
+
+
+def test_only_cuda_rows_few_enough_take_the_stack():
+    x = torch.zeros(1, 8)
+    assert not decoder_stack.takes(x)  # CPU rows keep the unfused arithmetic
+    assert decoder_stack.supported(16, 8, 128) and decoder_stack.supported(4, 2, 16)
+    assert not decoder_stack.supported(12, 4, 128) and not decoder_stack.supported(16, 8, 96)
+    assert decoder_stack._chunk(3072) == (1024, 3, 4) and decoder_stack._chunk(48) == (16, 3, 4)
+    assert decoder_stack._chunk(4096) == (1024, 4, 4)
+
+
+def test_a_cpu_code_predictor_builds_no_stack_and_runs_as_before():
+    tiny = tiny_config("base").talker_config
+    cp = CodePredictor(tiny.code_predictor_config, tiny.hidden_size).eval()
+    pack_projections(cp)
+    assert cp.stack is None and cp.persistent
+    gen = torch.Generator().manual_seed(0)
+    past, first = torch.randn(2, tiny.hidden_size, generator=gen), torch.randn(2, tiny.hidden_size, generator=gen)
+    with torch.inference_mode():
+        codes = cp.predict_residuals(past, first, lambda logits, g: logits.argmax(-1))
+    assert codes.shape == (2, tiny.code_predictor_config.num_code_groups - 1)
+
+
+def test_the_stack_views_the_packed_projections_instead_of_copying_them():
+    tiny = tiny_config("base").talker_config
+    cp = CodePredictor(tiny.code_predictor_config, tiny.hidden_size)
+    w = decoder_stack.stack(cp.model.layers, cp.model.norm)
+    att, mlp = cp.model.layers[1].self_attn, cp.model.layers[1].mlp
+    assert att.qkv_weight.data_ptr() == w.qkv[1].data_ptr() and mlp.gate_up_weight.data_ptr() == w.gate_up[1].data_ptr()
+    assert torch.equal(w.o[1], att.o_proj.weight) and torch.equal(w.down[1], mlp.down_proj.weight)
+    assert w.layers == tiny.code_predictor_config.num_hidden_layers and w.inter == mlp.down_proj.in_features
