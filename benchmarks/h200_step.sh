@@ -107,8 +107,8 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     done ;;
   stack)  # the code predictor's one-launch pass (layers/decoder_stack.py): its check script on CUDA, then offline.py
           # with it against --no-stack (the unfused layers) at BATCHES for SIZES, in the same call
-    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-200} python3 tests/decoder_stack_checks.py cuda 2>&1 \
-      | grep -v Warn | tail -30 | tee /tmp/stack-check.txt
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-200} python3 tests/decoder_stack_checks.py cuda \
+      "${STACK_MODEL:-0.6B code predictor}" 2>&1 | grep -v Warn | tee /tmp/stack-check.txt | tail -30
     grep -q "ALL OK" /tmp/stack-check.txt || { echo "[stack] checks failed: offline.py not run"; exit 1; }
     for size in ${SIZES:-0.6B 1.7B}; do
       offline . stack "$size" "${BATCHES:-1,2,4,8}"

@@ -25,6 +25,7 @@ that runs past `SPIN_LIMIT` polls gives up and sets an error word instead of han
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,9 @@ except ImportError:  # pragma: no cover - depends on the install
 ENABLED = True
 MAX_ROWS = 4  # rows a launch takes; more decode rows take the unfused path, whose matmuls use tensor cores
 WARPS = 16
-SPIN_LIMIT = 1 << 22  # polls of a barrier before it gives up (seconds of waiting; never reached when all is well)
+# Polls of a barrier before it gives up: seconds of waiting, never reached when all is well (a probe may set fewer
+# through LEGATO_STACK_SPIN).
+SPIN_LIMIT = int(os.environ.get("LEGATO_STACK_SPIN", 1 << 22))
 
 
 @dataclass
