@@ -29,7 +29,7 @@ BASE=${BASE:-366982a}
 offline() {  # tree tag size batches [flags]
   (cd "$1" && PYTHONPATH=.:$PYTHONPATH LEGATO_COMMIT=$([ "$1" = . ] && echo "$LEGATO_COMMIT" || echo "$BASE") \
     timeout ${T:-200} python3 benchmarks/offline.py --size "$3" --batch-sizes "$4" --frames ${FRAMES:-64} \
-    --modes graphs --codec-batches none --out "$OUT/offline-$2-$3.json" ${5:-}) 2>&1 | grep '^\[' | cut -c1-330
+    --modes graphs --codec-batches none --out "$OUT/offline-$2-$3.json" ${5:-}) 2>&1 | grep -E '^\[|Error' | cut -c1-330
 }
 case "$PART" in
   check)  # EACH=1: one pytest (and one timeout T) per selected test, so a slow test cannot hide the others' results

@@ -40,7 +40,9 @@ except ImportError:  # pragma: no cover - depends on the install
 
 # Benchmarks switch it off to measure the unfused path in the same process.
 ENABLED = True
-MAX_ROWS = 4  # rows a launch takes; more decode rows take the unfused path, whose matmuls use tensor cores
+# Rows a launch takes (a loop over rows reuses each program's weight tile); more decode rows take the unfused path,
+# whose matmuls use tensor cores.
+MAX_ROWS = 4
 WARPS = 16
 # Polls of a barrier before it gives up: seconds of waiting, never reached when all is well (a probe may set fewer
 # through LEGATO_STACK_SPIN).
@@ -185,7 +187,7 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     kc_a, c_a, cp_a = _chunk(heads * head_dim)
     kc_i, c_i, cp_i = _chunk(inter)
     meta = dict(
-        ROWS=rows, LAYERS=layers, HIDDEN=hidden, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, INTER=inter,
+        LAYERS=layers, HIDDEN=hidden, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, INTER=inter,
         VOCAB=vocab, CAP=capacity, CAP_P2=triton.next_power_of_2(capacity),
         KC_H=kc_h, C_H=c_h, CP_H=cp_h, KC_A=kc_a, C_A=c_a, KC_I=kc_i, C_I=c_i, CP_I=cp_i,
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
@@ -194,7 +196,7 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
     args = (x, x_work, qkv, g, logits, w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.q_norm, w.k_norm, w.final_norm,
-            head if head is not None else x, k_cache, v_cache, cos, sin, bar, position, w.eps, head_dim**-0.5)
+            head if head is not None else x, k_cache, v_cache, cos, sin, bar, rows, position, w.eps, head_dim**-0.5)
     phases = 4 * layers + (head is not None)
     if sync:
         _stack_kernel[(programs,)](*args, 0, phases - 1, **meta, SYNC=True, num_warps=WARPS)
@@ -263,8 +265,8 @@ if triton is not None:
     @triton.jit
     def _stack_kernel(
         x_in_ptr, x_ptr, qkv_ptr, g_ptr, logits_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr, qn_ptr,
-        kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr, position, eps, scale, first, last,
-        ROWS: tl.constexpr, LAYERS: tl.constexpr, HIDDEN: tl.constexpr, HEADS: tl.constexpr,
+        kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr, rows, position, eps, scale, first, last,
+        LAYERS: tl.constexpr, HIDDEN: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr,
         CAP: tl.constexpr, CAP_P2: tl.constexpr, KC_H: tl.constexpr, C_H: tl.constexpr, CP_H: tl.constexpr,
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
@@ -284,7 +286,7 @@ if triton is not None:
                 lo, hi = _span(pid, programs, N_QKV)
                 w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo, hi, C_H, CP_H, KC_H, BN_QKV)
                 n = lo + tl.arange(0, BN_QKV)
-                for r in tl.static_range(ROWS):
+                for r in range(rows):
                     if layer == 0:  # the input stays as given; phase 2 starts the working copy x
                         xv = _vector(x_in_ptr + r * HIDDEN, C_H, CP_H, KC_H)
                     else:
@@ -311,7 +313,7 @@ if triton is not None:
                 qwp = tl.load(qn_ptr + layer * HEAD_DIM + dp).to(tl.float32)
                 kw = tl.load(kn_ptr + layer * HEAD_DIM + d).to(tl.float32)
                 kwp = tl.load(kn_ptr + layer * HEAD_DIM + dp).to(tl.float32)
-                for r in tl.static_range(ROWS):
+                for r in range(rows):
                     row = qkv_ptr + r * N_QKV
                     q = tl.load(row + hq[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg").to(tl.float32)
                     qp = tl.load(row + hq[:, None] * HEAD_DIM + dp[None, :], cache_modifier=".cg").to(tl.float32)
@@ -324,7 +326,7 @@ if triton is not None:
                     v_new = tl.load(row + WIDTH + KV_HEADS * HEAD_DIM + kv_col + d[None, :],
                                     cache_modifier=".cg").to(v_ptr.dtype.element_ty)
                     # Cached positions [0, position) of this row, then the new token from registers.
-                    base = ((layer * ROWS + r) * KV_HEADS + kvh).to(tl.int64) * (CAP * HEAD_DIM)
+                    base = ((layer * rows + r) * KV_HEADS + kvh).to(tl.int64) * (CAP * HEAD_DIM)
                     addr = base[:, None, None] + (p * HEAD_DIM)[None, :, None] + d[None, None, :]
                     old = (p < position)[None, :, None] & (d >= 0)[None, None, :]
                     keys = tl.load(k_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -359,7 +361,7 @@ if triton is not None:
                 wg = _tile(base_gu, lo, hi, C_H, CP_H, KC_H, BN_GU)
                 wu = _tile(base_gu + INTER * HIDDEN, lo, hi, C_H, CP_H, KC_H, BN_GU)
                 n = lo + tl.arange(0, BN_GU)
-                for r in tl.static_range(ROWS):
+                for r in range(rows):
                     xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
                     h = _rms(xv, ln2_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
                     gate = _round(_dot(wg, h), x_ptr)
@@ -372,7 +374,7 @@ if triton is not None:
                 lo, hi = _span(pid, programs, HIDDEN)
                 w = _tile(wd_ptr + layer * (HIDDEN * INTER), lo, hi, C_I, CP_I, KC_I, BN_O)
                 n = lo + tl.arange(0, BN_O)
-                for r in tl.static_range(ROWS):
+                for r in range(rows):
                     a = _vector(g_ptr + r * INTER, C_I, CP_I, KC_I)
                     delta = _round(_dot(w, a), x_ptr)
                     res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi, other=0.0, cache_modifier=".cg")
@@ -387,7 +389,7 @@ if triton is not None:
                 lo, hi = _span(pid, programs, VOCAB)
                 w = _tile(head_ptr, lo, hi, C_H, CP_H, KC_H, BN_V)
                 n = lo + tl.arange(0, BN_V)
-                for r in tl.static_range(ROWS):
+                for r in range(rows):
                     xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
                     h = _rms(xv, fn_ptr, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
                     tl.store(logits_ptr + r * VOCAB + n, _round(_dot(w, h), x_ptr), mask=n < hi)

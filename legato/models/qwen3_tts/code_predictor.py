@@ -127,16 +127,16 @@ class CodePredictor(nn.Module):
     def _predict_in_stack_launches(self, past_hidden: torch.Tensor, first_embed: torch.Tensor, sample: CodeSampler,
                                    cache: ContiguousKVCache) -> torch.Tensor:
         # `predict_residuals` with each token's pass through the layers, final norm and head as one launch. The
-        # two prompt tokens go one at a time (the first needs no head): causal attention over them is the same.
+        # two prompt tokens go one at a time: causal attention over them is the same. The first token's logits are
+        # not read, but it runs the head too (about 2 us): one kernel variant to compile, not two.
         positions = torch.arange(self.config.num_code_groups, device=past_hidden.device)
         cos, sin = self.model.rotary(positions)
 
-        def logits(embed: torch.Tensor, pos: int, head: nn.Linear | None) -> torch.Tensor | None:
+        def logits(embed: torch.Tensor, pos: int, head: nn.Linear) -> torch.Tensor:
             x = self.small_to_mtp_projection(embed).contiguous()
-            return decoder_stack.run(self.stack, x, cache.k, cache.v, pos, cos[pos], sin[pos],
-                                     head.weight if head is not None else None)
+            return decoder_stack.run(self.stack, x, cache.k, cache.v, pos, cos[pos], sin[pos], head.weight)
 
-        logits(past_hidden, 0, None)
+        logits(past_hidden, 0, self.lm_head[0])
         code = sample(logits(first_embed, 1, self.lm_head[0]), 1)
         codes = [code]
         for g in range(1, self.num_residual_groups):
