@@ -156,7 +156,7 @@ def default_programs(device: torch.device) -> int:
 
 def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: int,
         cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor | None, *, programs: int | None = None,
-        sync: bool | None = None) -> torch.Tensor | None:
+        sync: bool | None = None, phases: tuple[int, int] | None = None) -> torch.Tensor | None:
     """One token per row through every layer -> the head's logits [B, V] (fp32), or None without a head.
 
     x [B, hidden] (read only); k_cache/v_cache [L, B, kv_heads, capacity, D] hold the positions before `position`
@@ -197,11 +197,12 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
     args = (x, x_work, qkv, g, logits, w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.q_norm, w.k_norm, w.final_norm,
             head if head is not None else x, k_cache, v_cache, cos, sin, bar, rows, position, w.eps, head_dim**-0.5)
-    phases = 4 * layers + (head is not None)
+    last = 4 * layers + (head is not None) - 1
     if sync:
-        _stack_kernel[(programs,)](*args, 0, phases - 1, **meta, SYNC=True, num_warps=WARPS)
-    else:
-        for phase in range(phases):
+        _stack_kernel[(programs,)](*args, 0, last, **meta, SYNC=True, num_warps=WARPS)
+    else:  # `phases` (first, last): only those (benchmarks/stack_phases.py times them one by one)
+        first, last = phases if phases is not None else (0, last)
+        for phase in range(first, last + 1):
             _stack_kernel[(programs,)](*args, phase, phase, **meta, SYNC=False, num_warps=WARPS)
     return logits if head is not None else None
 

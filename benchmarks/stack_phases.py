@@ -1,0 +1,81 @@
+"""Device time of each phase of the code predictor's one-launch pass (`layers/decoder_stack.py`), each phase run as
+its own launch, and of the whole pass as one launch: 0.6B code predictor shapes, random weights, bf16, CUDA graphs
+of back-to-back launches.
+
+    python benchmarks/stack_phases.py --rows 1,2 --out phases.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from legato.layers import decoder_stack
+from legato.models.qwen3_tts.code_predictor import CodePredictor
+from legato.models.qwen3_tts.config import CodePredictorConfig
+from legato.models.qwen3_tts.decoder_layer import pack_projections
+from legato.models.qwen3_tts.testing import randomize_
+
+
+def _graph_us(fn, reps: int = 40) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / (5 * reps)
+
+
+def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
+    cfg, w = cp.config, cp.stack
+    cos = torch.ones(cfg.head_dim, device="cuda")
+    sin = torch.zeros(cfg.head_dim, device="cuda")
+    head = cp.lm_head[0].weight
+    x = torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    cache = cp.new_cache(rows, torch.bfloat16, torch.device("cuda"))
+    row = {}
+    for kind, name in enumerate(names):
+        phase = kind if kind < 4 else 4 * w.layers
+        row[name] = _graph_us(lambda phase=phase: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head,
+                                                                    sync=False, phases=(phase, phase)))
+    row["whole pass, one launch"] = _graph_us(lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head))
+    row["whole pass, phase launches"] = _graph_us(
+        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head, sync=False), reps=4)
+    row["barrier errors"] = decoder_stack.barrier_errors()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = CodePredictorConfig()
+    cp = CodePredictor(cfg, 1024)
+    randomize_(cp, seed=0, std=0.02)
+    cp.to(device="cuda", dtype=torch.bfloat16).eval()
+    pack_projections(cp)
+    names = ["norm+qkv", "attention+o", "norm+gate_up", "down", "head"]
+    result = {"gpu": torch.cuda.get_device_name(), "rows": {}}
+    for rows in [int(r) for r in args.rows.split(",")]:
+        row = measure(cp, rows, names)
+        result["rows"][rows] = row
+        print(json.dumps({"rows": rows, **{k: round(v, 2) for k, v in row.items()}}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
