@@ -15,7 +15,7 @@
 #   benchmarks/h200_step.sh splits    # the talker attention's split rule: offline.py against the same tree splitting
 #                                     # at every row count (--attn-split-all), 0.6B and 1.7B
 #   benchmarks/h200_step.sh stack     # the code predictor as one launch per pass: its CUDA checks, offline.py with
-#                                     # it against --no-stack (BATCHES, SIZES)
+#                                     # it (--stack) against without (BATCHES, SIZES)
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
@@ -106,13 +106,13 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       offline . split-all "$size" "${BATCHES:-1,8,64,256}" --attn-split-all
     done ;;
   stack)  # the code predictor's one-launch pass (layers/decoder_stack.py): its check script on CUDA, then offline.py
-          # with it against --no-stack (the unfused layers) at BATCHES for SIZES, in the same call
+          # with it (--stack) against without (the unfused layers, the default) at BATCHES for SIZES, in the same call
     PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-200} python3 tests/decoder_stack_checks.py cuda \
       "${STACK_MODEL:-0.6B code predictor}" 2>&1 | grep -v Warn | tee /tmp/stack-check.txt | tail -30
     grep -q "ALL OK" /tmp/stack-check.txt || { echo "[stack] checks failed: offline.py not run"; exit 1; }
     for size in ${SIZES:-0.6B 1.7B}; do
-      offline . stack "$size" "${BATCHES:-1,2,4,8}"
-      offline . no-stack "$size" "${BATCHES:-1,2,4,8}" --no-stack
+      offline . stack "$size" "${BATCHES:-1,2,4,8}" --stack
+      offline . no-stack "$size" "${BATCHES:-1,2,4,8}"
     done ;;
   profile)  # PB: the batch profiled
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager \

@@ -167,8 +167,8 @@ def main() -> None:
     ap.add_argument("--no-small-matmul", action="store_true",
                     help="few-row matmuls through the one-row kernel and cuBLAS (the path before "
                          "layers/small_matmul.py), to measure its share")
-    ap.add_argument("--no-stack", action="store_true",
-                    help="the code predictor's unfused layers instead of the one-launch stack (decoder_stack.py)")
+    ap.add_argument("--stack", action="store_true",
+                    help="the code predictor's one-launch pass (decoder_stack.py, off by default) for up to 4 rows")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="draws through torch.compile (the path before engine/draw_kernel.py)")
     ap.add_argument("--attn-splits", type=int, default=None,
@@ -196,10 +196,10 @@ def main() -> None:
         fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
         if args.attn_split_all:
             fused_attention.ONE_SPLIT_ROWS = 1 << 30
-    if args.no_stack:
+    if args.stack:
         from legato.layers import decoder_stack
 
-        decoder_stack.ENABLED = False
+        decoder_stack.ENABLED = True
     if args.compiled_sampler:
         from legato.engine import draw_kernel
 
@@ -229,7 +229,7 @@ def main() -> None:
         "attn_split_all": args.attn_split_all,
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
-        "fused_draw": not args.compiled_sampler, "decoder_stack": not args.no_stack,
+        "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

@@ -38,8 +38,9 @@ try:  # Triton ships with CUDA builds of torch; the CPU build has none.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# Benchmarks switch it off to measure the unfused path in the same process.
-ENABLED = True
+# Off by default: measured slower than the unfused layers on the H200 (docs/benchmarks.md, "The code predictor as
+# one launch": 0.6B batch 1 5.03 against 3.94 ms a frame). `offline.py --stack` switches it on.
+ENABLED = False
 # Rows a launch takes (a loop over rows reuses each program's weight tile); more decode rows take the unfused path,
 # whose matmuls use tensor cores.
 MAX_ROWS = 4

@@ -59,7 +59,7 @@ class CodePredictor(nn.Module):
         """Stacks the layers' weights for `decoder_stack` (CUDA half precision, shapes it takes; idempotent)."""
         c = self.config
         weight = self.model.layers[0].self_attn.o_proj.weight
-        if (self.stack is not None or decoder_stack.triton is None or not weight.is_cuda
+        if (self.stack is not None or not decoder_stack.ENABLED or decoder_stack.triton is None or not weight.is_cuda
                 or weight.dtype == torch.float32
                 or not decoder_stack.supported(c.num_attention_heads, c.num_key_value_heads, c.head_dim)):
             return
