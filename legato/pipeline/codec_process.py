@@ -3,8 +3,10 @@ worker side, entered from `legato.pipeline.worker` when its spec's role is "code
 
 The worker loads only the codec decoder of the model directory and runs a `LocalCodecClient` on its own
 thread, so the codec's Python work never competes with the server's event loop for one interpreter. Each
-request is one stream: CodecOpen, then CodecFrames as the talker makes them (the last one marked), and the
-worker answers with Chunk messages carrying PCM on the `single` chunk schedule. Process management
+request is one stream: CodecOpen, then its frames as the talker makes them (the last one marked), and the
+worker answers with chunks carrying PCM on the `single` chunk schedule. Both directions batch per event-loop
+pass: the frames of one talker step for every stream cross as one CodecFrameBatch, and the PCM of one codec step
+as one Chunks message. Process management
 (spawning, readiness, heartbeats, dead-worker detection, ordered shutdown) is `ProcessEngineClient`'s,
 used with role "codec": a killed codec worker fails its open streams with "worker died".
 """
@@ -35,7 +37,7 @@ from legato.pipeline.codec_worker import (
     load_codec_decoder,
 )
 from legato.pipeline.process_client import ProcessEngineClient, model_info
-from legato.pipeline.worker import WorkerSpec, drain, handle_safely, heartbeats, incoming
+from legato.pipeline.worker import ChunkOutbox, WorkerSpec, drain, emit, handle_safely, heartbeats, incoming
 
 log = logging.getLogger("legato.codec_worker")
 
@@ -51,6 +53,9 @@ class ProcessCodecClient:
         self.worker = ProcessEngineClient(model_path, config, device, name, instance_id, worker_index,
                                           role="codec", **process_options)
         self._frames_decoded = 0  # the frames whose PCM reached a consumer
+        # Frames queued during one event-loop pass, posted as one message when it ends: the talker's step reaches
+        # every stream in one pass, so a step's frames cross to the worker once, not once per stream.
+        self._queued: list[tuple[str, np.ndarray, bool]] = []
 
     async def start(self) -> None:
         await self.worker.start()
@@ -66,7 +71,19 @@ class ProcessCodecClient:
         return CodecStats(streams=s.running, frames_decoded=self._frames_decoded, failures=dict(s.aborted))
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._flush_frames()  # the stream's frames before its end, as they were made
         await self.worker.abort(request_id, reason)
+
+    def _post_frames(self, request_id: str, codes: np.ndarray, last: bool = False) -> None:
+        self._queued.append((request_id, codes, last))
+        if len(self._queued) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_frames)
+
+    def _flush_frames(self) -> None:
+        if not self._queued:
+            return
+        entries, self._queued = self._queued, []
+        self.worker.post(m.CodecFrames(*entries[0]) if len(entries) == 1 else m.CodecFrameBatch(entries))
 
     async def decode(self, request_id: str, frames: AsyncIterator[np.ndarray], ref_code: torch.Tensor | None = None,
                      first_chunk_frames: int | None = None) -> AsyncIterator[CodecChunk]:
@@ -102,13 +119,14 @@ class ProcessCodecClient:
     async def _feed(self, request_id: str, frames: AsyncIterator[np.ndarray]) -> None:
         try:
             async for codes in frames:
-                self.worker.post(m.CodecFrames(request_id, np.asarray(codes, np.int64).reshape(-1, 16)))
+                self._post_frames(request_id, np.asarray(codes, np.int64).reshape(-1, 16))
         except asyncio.CancelledError:
             raise
         except Exception:  # the source failed: the worker drops the stream, the consumer gets this exception
+            self._flush_frames()
             self.worker.post(m.Abort(request_id, "the code source failed"))
             raise
-        self.worker.post(m.CodecFrames(request_id, _NO_CODES, last=True))
+        self._post_frames(request_id, _NO_CODES, last=True)
 
 
 def _failure(task: asyncio.Task) -> BaseException | None:
@@ -133,8 +151,10 @@ class _CodecWorker:
         self.stop = asyncio.Event()
         self.grace_s = 0.0
         self.draining = False
+        self.outbox = ChunkOutbox(lambda msg: emit(self.out, msg))  # a codec step's PCM for all streams, one message
 
     async def send(self, msg: m.Message) -> None:
+        self.outbox.flush()  # chunks queued before this message leave before it
         await self.out.send_multipart(m.encode(msg))
 
     def stats(self) -> EngineStats:
@@ -165,11 +185,10 @@ class _CodecWorker:
             self.feeds[rid] = asyncio.Queue()
             self.tasks[rid] = asyncio.create_task(self.stream(msg))
         elif isinstance(msg, m.CodecFrames):
-            feed = self.feeds.get(msg.request_id)
-            if feed is not None:
-                feed.put_nowait(msg.codes)
-                if msg.last:
-                    feed.put_nowait(None)
+            self.frames(msg.request_id, msg.codes, msg.last)
+        elif isinstance(msg, m.CodecFrameBatch):
+            for rid, codes, last in msg.entries:
+                self.frames(rid, codes, last)
         elif isinstance(msg, m.Abort):
             feed = self.feeds.get(msg.request_id)
             if feed is not None:
@@ -182,6 +201,13 @@ class _CodecWorker:
             self.stop.set()
         else:
             log.error("dropping a %s: not a message for a codec worker", type(msg).__name__)
+
+    def frames(self, rid: str, codes: np.ndarray, last: bool) -> None:
+        feed = self.feeds.get(rid)
+        if feed is not None:  # frames of a stream that ended (aborted, failed) are dropped
+            feed.put_nowait(codes)
+            if last:
+                feed.put_nowait(None)
 
     async def stream(self, msg: m.CodecOpen) -> None:
         rid, feed = msg.request_id, self.feeds[msg.request_id]
@@ -201,8 +227,8 @@ class _CodecWorker:
             async with contextlib.aclosing(self.codec.decode(rid, frames(), ref, msg.first_chunk_frames)) as pieces:
                 async for piece in pieces:
                     emitted += piece.frames
-                    await self.send(m.Chunk(rid, StreamChunk(piece.audio, emitted, finished=piece.last,
-                                                             finish_reason="stop" if piece.last else None)))
+                    self.outbox.put(rid, StreamChunk(piece.audio, emitted, finished=piece.last,
+                                                     finish_reason="stop" if piece.last else None))
         except (CodecError, _StreamAborted) as e:
             aborted = isinstance(e, _StreamAborted) or e.aborted
             await self.send(m.Chunk(rid, _end("abort" if aborted else "error", str(e), emitted)))

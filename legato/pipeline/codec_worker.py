@@ -279,8 +279,7 @@ class LocalCodecClient:
                     self._drain()
                     if self._deadline is not None and (not self._sinks or time.monotonic() > self._deadline):
                         return
-                    for out in self.engine.step():
-                        self._deliver(out)
+                    self._deliver_step(self.engine.step())
                     self._refresh_stats()
         except Exception:  # the loop itself failing ends this worker: fail every stream loudly
             log.exception("codec worker loop crashed")
@@ -356,6 +355,18 @@ class LocalCodecClient:
         if sink is not None:
             _put(sink, out)
 
+    def _deliver_step(self, outputs: list[CodecOutput]) -> None:
+        """A step's outputs to their streams: one wake-up per event loop, not one per stream (each cross-thread
+        call takes the loop's lock and writes its wake-up pipe while this thread holds the GIL)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, CodecOutput]]] = {}
+        for out in outputs:
+            sink = (self._sinks.pop if out.finished else self._sinks.get)(out.request_id, None)
+            if sink is not None:
+                batches.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody is left to tell
+                loop.call_soon_threadsafe(_put_each, items)
+
     def _fail_all(self, reason: str) -> None:
         for rid in list(self._sinks):
             self.engine.abort(rid)
@@ -373,6 +384,11 @@ class LocalCodecClient:
     def _refresh_stats(self) -> None:
         e = self.engine
         self._stats = CodecStats(e.num_streams, e.frames_decoded, dict(e.failures))
+
+
+def _put_each(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _put(sink: _Sink, item: object) -> None:

@@ -9,8 +9,9 @@ even buffered: its connection is dropped).
 
 Direction: Submit, AwaitHandoff, Abort, AppendText, ExtractVoice, Shutdown go server -> worker; Ready, Chunk,
 Chunks, Rejected, VoiceResult, Stats, LinkStatus, Heartbeat go worker -> server. `request_id` doubles as the call id of
-ExtractVoice/VoiceResult. A codec worker (`split`) takes CodecOpen, CodecFrames, Abort and Shutdown, and
-answers with Ready, Chunk (PCM; `num_frames` counts the frames decoded so far), Rejected, Stats, Heartbeat.
+ExtractVoice/VoiceResult. A codec worker (`split`) takes CodecOpen, CodecFrames, CodecFrameBatch, Abort and
+Shutdown, and answers with Ready, Chunk or Chunks (PCM; `num_frames` counts the frames decoded so far), Rejected,
+Stats, Heartbeat.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ class CodecFrames:
     request_id: str
     codes: np.ndarray
     last: bool = False
+
+
+@dataclass
+class CodecFrameBatch:
+    """Codec worker: several streams' next frames in one message, what the front relays from one talker step,
+    as (request_id, codes [n, 16] int64, last) entries; each stream's entries keep their order across messages,
+    and an entry means what a `CodecFrames` with its fields means."""
+
+    entries: list[tuple[str, np.ndarray, bool]]
 
 
 @dataclass
@@ -171,7 +181,7 @@ class Heartbeat:
 
 
 Message = (Submit | AwaitHandoff | Abort | AppendText | Chunk | Chunks | Rejected | ExtractVoice | VoiceResult
-           | Stats | LinkStatus | Ready | Shutdown | Heartbeat | CodecOpen | CodecFrames)
+           | Stats | LinkStatus | Ready | Shutdown | Heartbeat | CodecOpen | CodecFrames | CodecFrameBatch)
 
 
 # --- encoding -----------------------------------------------------------------------------------------
@@ -424,6 +434,34 @@ def _dec_chunks(b: _Body) -> Chunks:
     return Chunks(out)
 
 
+def _enc_frame_batch(m: CodecFrameBatch):
+    """One header listing each entry's request, frame count and `last`; all the codes in one array."""
+    listed, codes = [], []
+    for rid, k, last in m.entries:
+        k = _np(k, "int64").reshape(-1, 16)
+        listed.append({"request_id": rid, "frames": int(k.shape[0]), "last": bool(last)})
+        codes.append(k)
+    return "codec_frame_batch", {"entries": listed}, {
+        "codes": np.concatenate(codes) if codes else np.zeros((0, 16), np.int64)}
+
+
+def _dec_frame_batch(b: _Body) -> CodecFrameBatch:
+    codes = b.array("codes", "int64", 2, width=16)
+    out, row = [], 0
+    for i, entry in enumerate(b.get("entries", list)):
+        if not isinstance(entry, dict):
+            raise MessageError(f"codec_frame_batch: entry {i} is not an object")
+        e = _Body(f"codec_frame_batch[{i}]", entry, {})
+        frames = e.get("frames", int)
+        if frames < 0 or row + frames > codes.shape[0]:
+            raise MessageError(f"codec_frame_batch[{i}]: {frames} frames do not fit the codes array")
+        out.append((e.get("request_id", str), codes[row:row + frames], e.get("last", bool)))
+        row += frames
+    if row != codes.shape[0]:
+        raise MessageError(f"codec_frame_batch: the entries cover {row} of {codes.shape[0]} frames")
+    return CodecFrameBatch(out)
+
+
 def _enc_stats(m: Stats):
     s = m.stats
     return "stats", {"waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
@@ -495,6 +533,7 @@ _ENCODERS = {
                           {"ref_code": _np(m.ref_code, "int64")}),
     CodecFrames: lambda m: ("codec_frames", {"request_id": m.request_id, "last": m.last},
                             {"codes": _np(m.codes, "int64")}),
+    CodecFrameBatch: _enc_frame_batch,
 }
 
 _DECODERS = {
@@ -520,4 +559,5 @@ _DECODERS = {
                                       b.get("first_chunk_frames", int, optional=True)),
     "codec_frames": lambda b: CodecFrames(b.get("request_id", str), b.array("codes", "int64", 2, width=16),
                                           b.get("last", bool)),
+    "codec_frame_batch": _dec_frame_batch,
 }

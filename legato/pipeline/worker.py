@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +55,42 @@ class WorkerSpec:
         return cls(**json.loads(text))
 
 
+def emit(out: zmq.asyncio.Socket, msg: m.Message) -> None:
+    """Sends without waiting (the socket keeps sends in order); a failure still reaches the log."""
+
+    def check(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            log.error("sending a %s failed: %s", type(msg).__name__, f.exception())
+
+    out.send_multipart(m.encode(msg)).add_done_callback(check)
+
+
+class ChunkOutbox:
+    """Streams' chunks queued during one event-loop pass, sent as one message when the pass ends (`Chunks`, or
+    `Chunk` for one). A worker's thread hands a step's outputs to their streams in one event-loop callback, so
+    every stream's task runs before the flush the first of them scheduled: a step costs one message, not one per
+    stream. Each stream's chunks keep their order. `before_end` makes a message sent ahead of a batch in which
+    some request ends (None: nothing)."""
+
+    def __init__(self, send: Callable[[m.Message], None], before_end: Callable[[], m.Message] | None = None) -> None:
+        self._send, self._before_end = send, before_end
+        self._chunks: list[tuple[str, StreamChunk]] = []
+
+    def put(self, rid: str, chunk: StreamChunk) -> None:
+        self._chunks.append((rid, chunk))
+        if len(self._chunks) == 1:
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Sends what is queued now (a message that must follow the queued chunks calls this first)."""
+        if not self._chunks:
+            return
+        chunks, self._chunks = self._chunks, []
+        if self._before_end is not None and any(c.finished for _, c in chunks):
+            self._send(self._before_end())
+        self._send(m.Chunk(*chunks[0]) if len(chunks) == 1 else m.Chunks(chunks))
+
+
 class _Worker:
     def __init__(self, spec: WorkerSpec, client, out: zmq.asyncio.Socket) -> None:
         self.spec, self.client, self.out = spec, client, out
@@ -66,38 +102,20 @@ class _Worker:
         self.stop = asyncio.Event()
         self.grace_s = 0.0
         self.draining = False  # after Shutdown: nothing new is taken, aborts still are
-        self._chunks: list[tuple[str, StreamChunk]] = []  # queued by send_chunk, sent by flush_chunks
+        # Chunks ending a request leave after fresh Stats: whoever reads a request end must see the blocks it gave
+        # back, as `finish` promises.
+        self.outbox = ChunkOutbox(lambda msg: emit(self.out, msg), lambda: m.Stats(self.client.stats()))
 
     async def send(self, msg: m.Message) -> None:
-        self.flush_chunks()  # chunks queued before this message leave before it
+        self.outbox.flush()  # chunks queued before this message leave before it
         await self.out.send_multipart(m.encode(msg))
 
     def send_chunk(self, rid: str, chunk: StreamChunk) -> None:
-        """Queues a request's chunk; the chunks that one engine step made for all streams leave in one message.
-        The engine thread hands a step's chunks to their streams in one event-loop callback, so every stream's
-        task runs before a flush scheduled by the first of them."""
-        self._chunks.append((rid, chunk))
-        if len(self._chunks) == 1:
-            asyncio.get_running_loop().call_soon(self.flush_chunks)
+        """Queues a request's chunk; the chunks that one engine step made for all streams leave in one message."""
+        self.outbox.put(rid, chunk)
 
     def flush_chunks(self) -> None:
-        """Sends the queued chunks, after fresh Stats when one of them ends its request (whoever reads a request
-        end must see the blocks it gave back, as `finish` promises)."""
-        if not self._chunks:
-            return
-        chunks, self._chunks = self._chunks, []
-        if any(c.finished for _, c in chunks):
-            self.emit(m.Stats(self.client.stats()))
-        self.emit(m.Chunk(*chunks[0]) if len(chunks) == 1 else m.Chunks(chunks))
-
-    def emit(self, msg: m.Message) -> None:
-        """Sends without waiting (the socket keeps sends in order); a failure still reaches the log."""
-
-        def check(f: asyncio.Future) -> None:
-            if not f.cancelled() and f.exception() is not None:
-                log.error("sending a %s failed: %s", type(msg).__name__, f.exception())
-
-        self.out.send_multipart(m.encode(msg)).add_done_callback(check)
+        self.outbox.flush()
 
     async def serve(self, cmd: zmq.asyncio.Socket) -> None:
         beats = asyncio.create_task(self.heartbeat())
