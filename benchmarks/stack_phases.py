@@ -2,7 +2,7 @@
 its own launch, and of the whole pass as one launch: 0.6B code predictor shapes, random weights, bf16, CUDA graphs
 of back-to-back launches.
 
-    python benchmarks/stack_phases.py --rows 1,2 --out phases.json
+    python benchmarks/stack_phases.py --rows 1,2 --prefetch on,off --out phases.json
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
     cache = cp.new_cache(rows, torch.bfloat16, torch.device("cuda"))
     row = {}
     for kind, name in enumerate(names):
-        phase = kind if kind < 4 else 4 * w.layers
+        phase = kind if kind < decoder_stack.PHASES_PER_LAYER else decoder_stack.PHASES_PER_LAYER * w.layers
         row[name] = _graph_us(lambda phase=phase: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head,
                                                                     sync=False, phases=(phase, phase)))
     row["whole pass, one launch"] = _graph_us(lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head))
@@ -59,6 +59,7 @@ def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2")
+    ap.add_argument("--prefetch", default="on,off", help="decoder_stack.PREFETCH settings to measure, in order")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = CodePredictorConfig()
@@ -66,12 +67,15 @@ def main() -> None:
     randomize_(cp, seed=0, std=0.02)
     cp.to(device="cuda", dtype=torch.bfloat16).eval()
     pack_projections(cp)
-    names = ["norm+qkv", "attention+o", "norm+gate_up", "down", "head"]
+    names = ["norm+qkv", "attention", "o", "norm+gate_up", "down", "head"]
     result = {"gpu": torch.cuda.get_device_name(), "rows": {}}
-    for rows in [int(r) for r in args.rows.split(",")]:
-        row = measure(cp, rows, names)
-        result["rows"][rows] = row
-        print(json.dumps({"rows": rows, **{k: round(v, 2) for k, v in row.items()}}), flush=True)
+    for setting in args.prefetch.split(","):
+        decoder_stack.PREFETCH = setting == "on"
+        for rows in [int(r) for r in args.rows.split(",")]:
+            row = measure(cp, rows, names)
+            result["rows"][f"{rows} rows, prefetch {setting}"] = row
+            print(json.dumps({"rows": rows, "prefetch": setting, **{k: round(v, 2) for k, v in row.items()}}),
+                  flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -7,10 +7,12 @@ split every matmul's output columns, and a grid-wide barrier (an atomic counter 
 phases that need each other's results:
 
 1. RMSNorm (every program computes it over the whole row) and the packed q/k/v projection;
-2. the attention (every program computes all heads: at most 16 cached positions, read from L2), the o projection
-   and the residual add; program 0 writes the new key and value into the cache;
-3. RMSNorm and the packed gate/up projection with SiLU;
-4. the down projection and the residual add;
+2. the attention, one (row, kv head) per program over at most 16 cached positions, writing the new key and value
+   into the cache (a first version had every program compute all heads before its o columns: 26 us a phase at
+   one row on the H200, +20 us per further row, docs/benchmarks.md);
+3. the o projection and the residual add;
+4. RMSNorm and the packed gate/up projection with SiLU;
+5. the down projection and the residual add;
 then, after the last layer, the final norm and the codebook's head, whose logits the sampler reads.
 
 Rounding follows the eager path (`decoder_layer.run_layers`): every activation is rounded to the activation dtype
@@ -48,6 +50,10 @@ WARPS = 16
 # Polls of a barrier before it gives up: seconds of waiting, never reached when all is well (a probe may set fewer
 # through LEGATO_STACK_SPIN).
 SPIN_LIMIT = int(os.environ.get("LEGATO_STACK_SPIN", 1 << 22))
+PHASES_PER_LAYER = 5  # norm + q/k/v, attention, o, norm + gate/up, down
+# The o projection's weight tile is requested before the barrier ahead of the attention phase, so its stream overlaps
+# the barrier and the attention (an unmeasured choice: benchmarks/stack_phases.py compares it with off).
+PREFETCH = True
 
 
 @dataclass
@@ -181,6 +187,7 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     vocab = head.shape[0] if head is not None else 1
     x_work = torch.empty_like(x)
     qkv = torch.empty(rows, n_qkv, dtype=x.dtype, device=x.device)
+    attn = torch.empty(rows, heads * head_dim, dtype=x.dtype, device=x.device)
     g = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     logits = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
     bar = _barrier(x.device) if sync else torch.zeros(4, dtype=torch.int32, device=x.device)
@@ -192,13 +199,16 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         VOCAB=vocab, CAP=capacity, CAP_P2=triton.next_power_of_2(capacity),
         KC_H=kc_h, C_H=c_h, CP_H=cp_h, KC_A=kc_a, C_A=c_a, KC_I=kc_i, C_I=c_i, CP_I=cp_i,
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
-        BN_V=_block(vocab, programs), HEAD=head is not None, SPIN=SPIN_LIMIT,
+        BN_V=_block(vocab, programs), HEAD=head is not None, SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
+        # Prefetching serves the one launch only: phase launches (the interpreter's) would load tiles they never use.
+        GU_PARTS=2 if _block(inter, programs) > 1 else 1, PREFETCH=PREFETCH and sync,
     )
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
-    args = (x, x_work, qkv, g, logits, w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.q_norm, w.k_norm, w.final_norm,
-            head if head is not None else x, k_cache, v_cache, cos, sin, bar, rows, position, w.eps, head_dim**-0.5)
-    last = 4 * layers + (head is not None) - 1
+    args = (x, x_work, qkv, attn, g, logits, w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.q_norm, w.k_norm,
+            w.final_norm, head if head is not None else x, k_cache, v_cache, cos, sin, bar, rows, position, w.eps,
+            head_dim**-0.5)
+    last = PHASES_PER_LAYER * layers + (head is not None) - 1
     if sync:
         _stack_kernel[(programs,)](*args, 0, last, **meta, SYNC=True, num_warps=WARPS)
     else:  # `phases` (first, last): only those (benchmarks/stack_phases.py times them one by one)
@@ -238,7 +248,7 @@ if triton is not None:
         # wrote it in this launch.
         c = tl.arange(0, CP)[:, None]
         k = tl.arange(0, KC)[None, :]
-        return tl.load(ptr + c * KC + k, mask=(c < C) & (k >= 0), other=0.0, cache_modifier=".cg").to(tl.float32)
+        return tl.load(ptr + c * KC + k, mask=c < C, other=0.0, cache_modifier=".cg").to(tl.float32)
 
     @triton.jit
     def _tile(w_ptr, lo, hi, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr):
@@ -247,7 +257,9 @@ if triton is not None:
         c = tl.arange(0, CP)
         k = tl.arange(0, KC)
         off = n.to(tl.int64)[:, None, None] * (C * KC) + (c * KC)[None, :, None] + k[None, None, :]
-        mask = (n < hi)[:, None, None] & (c < C)[None, :, None] & (k >= 0)[None, None, :]
+        # The mask varies along rows and chunks only, so each thread's contiguous K run loads as 16-byte vectors
+        # (a mask term along K, even an always-true one, made every load a 2-byte one).
+        mask = (n < hi)[:, None, None] & (c < C)[None, :, None]
         return tl.load(w_ptr + off, mask=mask, other=0.0)
 
     @triton.jit
@@ -260,33 +272,41 @@ if triton is not None:
         # RMSNorm of a [CP, KC] row as the eager path rounds it: weight * (x * rsqrt(mean x^2 + eps)).to(dtype).
         c = tl.arange(0, CP)[:, None]
         k = tl.arange(0, KC)[None, :]
-        w = tl.load(w_ptr + c * KC + k, mask=(c < C) & (k >= 0), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c * KC + k, mask=c < C, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / n + eps)
         return _round(w * _round(x * inv, like_ptr), like_ptr)
 
     @triton.jit
     def _stack_kernel(
-        x_in_ptr, x_ptr, qkv_ptr, g_ptr, logits_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr, qn_ptr,
-        kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr, rows, position, eps, scale, first, last,
+        x_in_ptr, x_ptr, qkv_ptr, attn_ptr, g_ptr, logits_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr,
+        qn_ptr, kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr, rows, position, eps, scale, first,
+        last,
         LAYERS: tl.constexpr, HIDDEN: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr,
         CAP: tl.constexpr, CAP_P2: tl.constexpr, KC_H: tl.constexpr, C_H: tl.constexpr, CP_H: tl.constexpr,
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, HEAD: tl.constexpr,
-        SPIN: tl.constexpr, SYNC: tl.constexpr,
+        SPIN: tl.constexpr, PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, PREFETCH: tl.constexpr,
+        SYNC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         N_QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         WIDTH: tl.constexpr = HEADS * HEAD_DIM
         GROUP: tl.constexpr = HEADS // KV_HEADS
-        PHASES: tl.constexpr = 4 * LAYERS + HEAD
+        PHASES: tl.constexpr = PHASES_PER_LAYER * LAYERS + HEAD
+        lo_q, hi_q = _span(pid, programs, N_QKV)
+        if PREFETCH:  # each layer's q/k/v tile is requested before the barrier that ends the layer before it
+            w_q = _tile(wqkv_ptr, lo_q, hi_q, C_H, CP_H, KC_H, BN_QKV)
         for layer in range(LAYERS):
-            s = 4 * layer
+            s = PHASES_PER_LAYER * layer
             # 1. norm, then q/k/v.
             if (s >= first) & (s <= last):
-                lo, hi = _span(pid, programs, N_QKV)
-                w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo, hi, C_H, CP_H, KC_H, BN_QKV)
+                lo, hi = lo_q, hi_q
+                if PREFETCH:
+                    w = w_q
+                else:
+                    w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo, hi, C_H, CP_H, KC_H, BN_QKV)
                 n = lo + tl.arange(0, BN_QKV)
                 for r in range(rows):
                     if layer == 0:  # the input stays as given; phase 2 starts the working copy x
@@ -295,19 +315,18 @@ if triton is not None:
                         xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
                     h = _rms(xv, ln1_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
                     tl.store(qkv_ptr + r * N_QKV + n, _dot(w, h), mask=n < hi)
+            if PREFETCH:  # the o projection's weights stream in while the attention runs (it needs none)
+                lo_o, hi_o = _span(pid, programs, HIDDEN)
+                w_o = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_o, hi_o, C_A, C_A, KC_A, BN_O)
             if SYNC:
                 _grid_sync(bar_ptr, (s + 1) * programs, SPIN)
-            # 2. attention over every head, o projection, residual add.
+            # 2. attention: one (row, kv head) per program, its group of query heads over the row's positions.
             if (s + 1 >= first) & (s + 1 <= last):
-                lo, hi = _span(pid, programs, HIDDEN)
-                w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo, hi, C_A, C_A, KC_A, BN_O)
-                n = lo + tl.arange(0, BN_O)
                 d = tl.arange(0, HEAD_DIM)
                 half: tl.constexpr = HEAD_DIM // 2
                 dp = (d + half) % HEAD_DIM
                 is_low = d < half
-                hq = tl.arange(0, HEADS)
-                kvh = tl.arange(0, KV_HEADS)
+                g = tl.arange(0, GROUP)
                 p = tl.arange(0, CAP_P2)
                 cos = tl.load(cos_ptr + d)
                 sin = tl.load(sin_ptr + d)
@@ -315,64 +334,79 @@ if triton is not None:
                 qwp = tl.load(qn_ptr + layer * HEAD_DIM + dp).to(tl.float32)
                 kw = tl.load(kn_ptr + layer * HEAD_DIM + d).to(tl.float32)
                 kwp = tl.load(kn_ptr + layer * HEAD_DIM + dp).to(tl.float32)
-                for r in range(rows):
+                for item in range(pid, rows * KV_HEADS, programs):
+                    r = item // KV_HEADS
+                    kvh = item % KV_HEADS
                     row = qkv_ptr + r * N_QKV
-                    q = tl.load(row + hq[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg").to(tl.float32)
-                    qp = tl.load(row + hq[:, None] * HEAD_DIM + dp[None, :], cache_modifier=".cg").to(tl.float32)
-                    q = _norm_rope(q, qp, qw, qwp, cos, sin, is_low, eps, HEAD_DIM, x_ptr)
-                    kv_col = kvh[:, None] * HEAD_DIM
-                    kn = tl.load(row + WIDTH + kv_col + d[None, :], cache_modifier=".cg").to(tl.float32)
-                    knp = tl.load(row + WIDTH + kv_col + dp[None, :], cache_modifier=".cg").to(tl.float32)
+                    heads = kvh * GROUP + g
+                    q = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg").to(tl.float32)
+                    qp = tl.load(row + heads[:, None] * HEAD_DIM + dp[None, :], cache_modifier=".cg")
+                    q = _norm_rope(q, qp.to(tl.float32), qw, qwp, cos, sin, is_low, eps, HEAD_DIM, x_ptr)
+                    kcol = row + WIDTH + kvh * HEAD_DIM
+                    kn = tl.load(kcol + d, cache_modifier=".cg").to(tl.float32)[None, :]
+                    knp = tl.load(kcol + dp, cache_modifier=".cg").to(tl.float32)[None, :]
                     k_new = _norm_rope(kn, knp, kw, kwp, cos, sin, is_low, eps, HEAD_DIM, x_ptr)
-                    k_new = k_new.to(k_ptr.dtype.element_ty)
-                    v_new = tl.load(row + WIDTH + KV_HEADS * HEAD_DIM + kv_col + d[None, :],
-                                    cache_modifier=".cg").to(v_ptr.dtype.element_ty)
+                    k_new = tl.sum(k_new, axis=0).to(k_ptr.dtype.element_ty)  # [D]: the one row
+                    v_new = tl.load(kcol + KV_HEADS * HEAD_DIM + d, cache_modifier=".cg").to(v_ptr.dtype.element_ty)
                     # Cached positions [0, position) of this row, then the new token from registers.
                     base = ((layer * rows + r) * KV_HEADS + kvh).to(tl.int64) * (CAP * HEAD_DIM)
-                    addr = base[:, None, None] + (p * HEAD_DIM)[None, :, None] + d[None, None, :]
-                    old = (p < position)[None, :, None] & (d >= 0)[None, None, :]
+                    addr = base + p[:, None] * HEAD_DIM + d[None, :]
+                    old = (p < position)[:, None]
                     keys = tl.load(k_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
                     vals = tl.load(v_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    new = (p == position)[None, :, None]
-                    keys = tl.where(new, k_new.to(tl.float32)[:, None, :], keys)
-                    vals = tl.where(new, v_new.to(tl.float32)[:, None, :], vals)
-                    q3 = tl.reshape(q, (KV_HEADS, GROUP, HEAD_DIM))
-                    scores = tl.sum(q3[:, :, None, :] * keys[:, None, :, :], axis=3) * scale  # [Hkv, G, P]
-                    scores = tl.where((p <= position)[None, None, :], scores, float("-inf"))
-                    e = tl.exp(scores - tl.max(scores, axis=2)[:, :, None])
-                    probs = e / tl.sum(e, axis=2)[:, :, None]
-                    attn = tl.sum(probs[:, :, :, None] * vals[:, None, :, :], axis=2)  # [Hkv, G, D]
-                    a = tl.reshape(_round(attn, x_ptr), (C_A, KC_A))
-                    o = _round(_dot(w, a), x_ptr)
+                    new = (p == position)[:, None]
+                    keys = tl.where(new, k_new.to(tl.float32)[None, :], keys)
+                    vals = tl.where(new, v_new.to(tl.float32)[None, :], vals)
+                    scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale  # [G, P]
+                    scores = tl.where((p <= position)[None, :], scores, float("-inf"))
+                    e = tl.exp(scores - tl.max(scores, axis=1)[:, None])
+                    probs = e / tl.sum(e, axis=1)[:, None]
+                    attn = tl.sum(probs[:, :, None] * vals[None, :, :], axis=1)  # [G, D]
+                    tl.store(attn_ptr + r * WIDTH + heads[:, None] * HEAD_DIM + d[None, :], attn)
+                    at = base + position * HEAD_DIM + d
+                    tl.store(k_ptr + at, k_new)
+                    tl.store(v_ptr + at, v_new)
+            if SYNC:
+                _grid_sync(bar_ptr, (s + 2) * programs, SPIN)
+            # 3. o projection, residual add.
+            if (s + 2 >= first) & (s + 2 <= last):
+                lo, hi = _span(pid, programs, HIDDEN)
+                if PREFETCH:
+                    w = w_o
+                else:
+                    w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo, hi, C_A, C_A, KC_A, BN_O)
+                n = lo + tl.arange(0, BN_O)
+                for r in range(rows):
+                    o = _round(_dot(w, _vector(attn_ptr + r * WIDTH, C_A, C_A, KC_A)), x_ptr)
                     if layer == 0:
                         res = tl.load(x_in_ptr + r * HIDDEN + n, mask=n < hi, other=0.0).to(tl.float32)
                     else:
                         res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi, other=0.0, cache_modifier=".cg")
                         res = res.to(tl.float32)
                     tl.store(x_ptr + r * HIDDEN + n, res + o, mask=n < hi)
-                    if pid == 0:
-                        at = base[:, None] + position * HEAD_DIM + d[None, :]
-                        tl.store(k_ptr + at, k_new)
-                        tl.store(v_ptr + at, v_new)
-            if SYNC:
-                _grid_sync(bar_ptr, (s + 2) * programs, SPIN)
-            # 3. norm, then gate/up with SiLU.
-            if (s + 2 >= first) & (s + 2 <= last):
-                lo, hi = _span(pid, programs, INTER)
-                base_gu = wgu_ptr + layer * (2 * INTER * HIDDEN)
-                wg = _tile(base_gu, lo, hi, C_H, CP_H, KC_H, BN_GU)
-                wu = _tile(base_gu + INTER * HIDDEN, lo, hi, C_H, CP_H, KC_H, BN_GU)
-                n = lo + tl.arange(0, BN_GU)
-                for r in range(rows):
-                    xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
-                    h = _rms(xv, ln2_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
-                    gate = _round(_dot(wg, h), x_ptr)
-                    up = _round(_dot(wu, h), x_ptr)
-                    tl.store(g_ptr + r * INTER + n, gate / (1.0 + tl.exp(-gate)) * up, mask=n < hi)
             if SYNC:
                 _grid_sync(bar_ptr, (s + 3) * programs, SPIN)
-            # 4. down, residual add.
+            # 4. norm, then gate/up with SiLU.
             if (s + 3 >= first) & (s + 3 <= last):
+                lo, hi = _span(pid, programs, INTER)
+                base_gu = wgu_ptr + layer * (2 * INTER * HIDDEN)
+                # The program's columns in two passes: the gate and up tiles of all of them at once held twice the
+                # q/k/v phase's registers and spilled (ptxas: 444 bytes of spills, 60 without the second tile).
+                for part in tl.static_range(GU_PARTS):
+                    part_lo = tl.minimum(lo + part * (BN_GU // GU_PARTS), hi)
+                    wg = _tile(base_gu, part_lo, hi, C_H, CP_H, KC_H, BN_GU // GU_PARTS)
+                    wu = _tile(base_gu + INTER * HIDDEN, part_lo, hi, C_H, CP_H, KC_H, BN_GU // GU_PARTS)
+                    n = part_lo + tl.arange(0, BN_GU // GU_PARTS)
+                    for r in range(rows):
+                        xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                        h = _rms(xv, ln2_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
+                        gate = _round(_dot(wg, h), x_ptr)
+                        up = _round(_dot(wu, h), x_ptr)
+                        tl.store(g_ptr + r * INTER + n, gate / (1.0 + tl.exp(-gate)) * up, mask=n < hi)
+            if SYNC:
+                _grid_sync(bar_ptr, (s + 4) * programs, SPIN)
+            # 5. down, residual add.
+            if (s + 4 >= first) & (s + 4 <= last):
                 lo, hi = _span(pid, programs, HIDDEN)
                 w = _tile(wd_ptr + layer * (HIDDEN * INTER), lo, hi, C_I, CP_I, KC_I, BN_O)
                 n = lo + tl.arange(0, BN_O)
@@ -381,12 +415,16 @@ if triton is not None:
                     delta = _round(_dot(w, a), x_ptr)
                     res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi, other=0.0, cache_modifier=".cg")
                     tl.store(x_ptr + r * HIDDEN + n, res.to(tl.float32) + delta, mask=n < hi)
+            if PREFETCH:
+                more = layer + 1 < LAYERS
+                w_q = _tile(wqkv_ptr + (layer + 1) * more * (N_QKV * HIDDEN), lo_q, tl.where(more, hi_q, lo_q), C_H,
+                            CP_H, KC_H, BN_QKV)
             if SYNC:
-                if s + 4 < PHASES:
-                    _grid_sync(bar_ptr, (s + 4) * programs, SPIN)
-        # 5. final norm and the head.
+                if s + 5 < PHASES:
+                    _grid_sync(bar_ptr, (s + 5) * programs, SPIN)
+        # 6. final norm and the head.
         if HEAD:
-            s = 4 * LAYERS
+            s = PHASES_PER_LAYER * LAYERS
             if (s >= first) & (s <= last):
                 lo, hi = _span(pid, programs, VOCAB)
                 w = _tile(head_ptr, lo, hi, C_H, CP_H, KC_H, BN_V)
