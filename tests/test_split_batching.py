@@ -93,7 +93,7 @@ def test_a_codec_steps_chunks_leave_the_worker_as_one_message():
     async def go():
         async def stream(rid: str, n: int) -> None:
             for i in range(n):
-                outbox.put(rid, StreamChunk(np.full(i + 1, i, np.float32), i + 1, finished=i == n - 1))
+                outbox.put((rid, StreamChunk(np.full(i + 1, i, np.float32), i + 1, finished=i == n - 1)))
                 await asyncio.sleep(0)
 
         await asyncio.gather(stream("a", 2), stream("b", 2), stream("c", 1))
@@ -110,10 +110,10 @@ def test_a_message_sent_after_queued_chunks_follows_them_and_request_ends_follow
     outbox = ChunkOutbox(sent.append, before_end=lambda: "stats")
 
     async def go():
-        outbox.put("a", StreamChunk(np.zeros(1, np.float32), 1))
+        outbox.put(("a", StreamChunk(np.zeros(1, np.float32), 1)))
         outbox.flush()  # what a worker's send() does before its own message
         sent.append("rejected b")
-        outbox.put("a", StreamChunk(np.zeros(1, np.float32), 2, finished=True, finish_reason="stop"))
+        outbox.put(("a", StreamChunk(np.zeros(1, np.float32), 2, finished=True, finish_reason="stop")))
         await asyncio.sleep(0)
 
     asyncio.run(go())

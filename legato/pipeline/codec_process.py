@@ -37,7 +37,16 @@ from legato.pipeline.codec_worker import (
     load_codec_decoder,
 )
 from legato.pipeline.process_client import ProcessEngineClient, model_info
-from legato.pipeline.worker import ChunkOutbox, WorkerSpec, drain, emit, handle_safely, heartbeats, incoming
+from legato.pipeline.worker import (
+    ChunkOutbox,
+    PassOutbox,
+    WorkerSpec,
+    drain,
+    emit,
+    handle_safely,
+    heartbeats,
+    incoming,
+)
 
 log = logging.getLogger("legato.codec_worker")
 
@@ -55,7 +64,7 @@ class ProcessCodecClient:
         self._frames_decoded = 0  # the frames whose PCM reached a consumer
         # Frames queued during one event-loop pass, posted as one message when it ends: the talker's step reaches
         # every stream in one pass, so a step's frames cross to the worker once, not once per stream.
-        self._queued: list[tuple[str, np.ndarray, bool]] = []
+        self._frames = PassOutbox(self._post_batch)
 
     async def start(self) -> None:
         await self.worker.start()
@@ -71,18 +80,10 @@ class ProcessCodecClient:
         return CodecStats(streams=s.running, frames_decoded=self._frames_decoded, failures=dict(s.aborted))
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self._flush_frames()  # the stream's frames before its end, as they were made
+        self._frames.flush()  # the stream's frames before its end, as they were made
         await self.worker.abort(request_id, reason)
 
-    def _post_frames(self, request_id: str, codes: np.ndarray, last: bool = False) -> None:
-        self._queued.append((request_id, codes, last))
-        if len(self._queued) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_frames)
-
-    def _flush_frames(self) -> None:
-        if not self._queued:
-            return
-        entries, self._queued = self._queued, []
+    def _post_batch(self, entries: list[tuple[str, np.ndarray, bool]]) -> None:
         self.worker.post(m.CodecFrames(*entries[0]) if len(entries) == 1 else m.CodecFrameBatch(entries))
 
     async def decode(self, request_id: str, frames: AsyncIterator[np.ndarray], ref_code: torch.Tensor | None = None,
@@ -119,14 +120,14 @@ class ProcessCodecClient:
     async def _feed(self, request_id: str, frames: AsyncIterator[np.ndarray]) -> None:
         try:
             async for codes in frames:
-                self._post_frames(request_id, np.asarray(codes, np.int64).reshape(-1, 16))
+                self._frames.put((request_id, np.asarray(codes, np.int64).reshape(-1, 16), False))
         except asyncio.CancelledError:
             raise
         except Exception:  # the source failed: the worker drops the stream, the consumer gets this exception
-            self._flush_frames()
+            self._frames.flush()
             self.worker.post(m.Abort(request_id, "the code source failed"))
             raise
-        self._post_frames(request_id, _NO_CODES, last=True)
+        self._frames.put((request_id, _NO_CODES, True))
 
 
 def _failure(task: asyncio.Task) -> BaseException | None:
@@ -227,8 +228,8 @@ class _CodecWorker:
             async with contextlib.aclosing(self.codec.decode(rid, frames(), ref, msg.first_chunk_frames)) as pieces:
                 async for piece in pieces:
                     emitted += piece.frames
-                    self.outbox.put(rid, StreamChunk(piece.audio, emitted, finished=piece.last,
-                                                     finish_reason="stop" if piece.last else None))
+                    self.outbox.put((rid, StreamChunk(piece.audio, emitted, finished=piece.last,
+                                                      finish_reason="stop" if piece.last else None)))
         except (CodecError, _StreamAborted) as e:
             aborted = isinstance(e, _StreamAborted) or e.aborted
             await self.send(m.Chunk(rid, _end("abort" if aborted else "error", str(e), emitted)))

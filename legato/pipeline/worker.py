@@ -65,30 +65,39 @@ def emit(out: zmq.asyncio.Socket, msg: m.Message) -> None:
     out.send_multipart(m.encode(msg)).add_done_callback(check)
 
 
-class ChunkOutbox:
-    """Streams' chunks queued during one event-loop pass, sent as one message when the pass ends (`Chunks`, or
-    `Chunk` for one). A worker's thread hands a step's outputs to their streams in one event-loop callback, so
-    every stream's task runs before the flush the first of them scheduled: a step costs one message, not one per
-    stream. Each stream's chunks keep their order. `before_end` makes a message sent ahead of a batch in which
-    some request ends (None: nothing)."""
+class PassOutbox:
+    """Items queued during one event-loop pass, handed over as one list when the pass ends (`send_batch`). A
+    worker's thread hands a step's outputs to their streams in one event-loop callback, so every stream's task runs
+    before the flush the first of them scheduled: a step costs one message, not one per stream. Items keep their
+    order."""
 
-    def __init__(self, send: Callable[[m.Message], None], before_end: Callable[[], m.Message] | None = None) -> None:
-        self._send, self._before_end = send, before_end
-        self._chunks: list[tuple[str, StreamChunk]] = []
+    def __init__(self, send_batch: Callable[[list], None]) -> None:
+        self._send_batch = send_batch
+        self._items: list = []
 
-    def put(self, rid: str, chunk: StreamChunk) -> None:
-        self._chunks.append((rid, chunk))
-        if len(self._chunks) == 1:
+    def put(self, item) -> None:
+        self._items.append(item)
+        if len(self._items) == 1:
             asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
-        """Sends what is queued now (a message that must follow the queued chunks calls this first)."""
-        if not self._chunks:
-            return
-        chunks, self._chunks = self._chunks, []
-        if self._before_end is not None and any(c.finished for _, c in chunks):
-            self._send(self._before_end())
-        self._send(m.Chunk(*chunks[0]) if len(chunks) == 1 else m.Chunks(chunks))
+        """Hands over what is queued now (a message that must follow the queued items calls this first)."""
+        if self._items:
+            items, self._items = self._items, []
+            self._send_batch(items)
+
+
+class ChunkOutbox(PassOutbox):
+    """Streams' chunks of one pass as one message (`Chunks`, or `Chunk` for one); `before_end` makes a message sent
+    ahead of a batch in which some request ends (None: nothing)."""
+
+    def __init__(self, send: Callable[[m.Message], None], before_end: Callable[[], m.Message] | None = None) -> None:
+        def send_chunks(chunks: list[tuple[str, StreamChunk]]) -> None:
+            if before_end is not None and any(c.finished for _, c in chunks):
+                send(before_end())
+            send(m.Chunk(*chunks[0]) if len(chunks) == 1 else m.Chunks(chunks))
+
+        super().__init__(send_chunks)
 
 
 class _Worker:
@@ -112,7 +121,7 @@ class _Worker:
 
     def send_chunk(self, rid: str, chunk: StreamChunk) -> None:
         """Queues a request's chunk; the chunks that one engine step made for all streams leave in one message."""
-        self.outbox.put(rid, chunk)
+        self.outbox.put((rid, chunk))
 
     def flush_chunks(self) -> None:
         self.outbox.flush()
