@@ -113,7 +113,7 @@ class _Worker:
         self.draining = False  # after Shutdown: nothing new is taken, aborts still are
         # Chunks ending a request leave after fresh Stats: whoever reads a request end must see the blocks it gave
         # back, as `finish` promises.
-        self.outbox = ChunkOutbox(lambda msg: emit(self.out, msg), lambda: m.Stats(self.client.stats()))
+        self.outbox = ChunkOutbox(lambda msg: self.emit(msg), lambda: m.Stats(self.client.stats()))
 
     async def send(self, msg: m.Message) -> None:
         self.outbox.flush()  # chunks queued before this message leave before it
@@ -125,6 +125,10 @@ class _Worker:
 
     def flush_chunks(self) -> None:
         self.outbox.flush()
+
+    def emit(self, msg: m.Message) -> None:
+        """Sends without waiting (a step's chunks, and the stats before a request's end)."""
+        emit(self.out, msg)
 
     async def serve(self, cmd: zmq.asyncio.Socket) -> None:
         beats = asyncio.create_task(self.heartbeat())
