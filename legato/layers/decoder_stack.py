@@ -109,7 +109,7 @@ def stack(layers, final_norm) -> StackWeights:
     for i, (a, m) in enumerate(zip(att, mlp, strict=True)):
         a.qkv_weight, m.gate_up_weight = qkv[i], gate_up[i]
     first = att[0]
-    return StackWeights(
+    weights = StackWeights(
         qkv=qkv, o=torch.stack([a.o_proj.weight.detach() for a in att]).contiguous(), gate_up=gate_up,
         down=torch.stack([m.down_proj.weight.detach() for m in mlp]).contiguous(),
         ln1=torch.stack([layer.input_layernorm.weight.detach() for layer in layers]),
@@ -118,6 +118,9 @@ def stack(layers, final_norm) -> StackWeights:
         k_norm=torch.stack([a.k_norm.weight.detach() for a in att]),
         final_norm=final_norm.weight.detach(), eps=final_norm.eps, heads=first.heads, kv_heads=first.kv_heads,
         head_dim=first.head_dim)
+    if max(w.numel() for w in (weights.qkv, weights.o, weights.gate_up, weights.down)) >= 2**31:
+        raise ValueError("decoder_stack indexes each stacked weight with 32-bit offsets")
+    return weights
 
 
 def takes(x: torch.Tensor) -> bool:
@@ -162,14 +165,13 @@ def default_programs(device: torch.device) -> int:
 
 
 def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: int,
-        cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor | None, *, programs: int | None = None,
-        sync: bool | None = None, phases: tuple[int, int] | None = None) -> torch.Tensor | None:
-    """One token per row through every layer -> the head's logits [B, V] (fp32), or None without a head.
+        cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, *, programs: int | None = None,
+        sync: bool | None = None, phases: tuple[int, int] | None = None) -> torch.Tensor:
+    """One token per row through every layer, the final norm and `head` [V, hidden] -> logits [B, V] (fp32).
 
     x [B, hidden] (read only); k_cache/v_cache [L, B, kv_heads, capacity, D] hold the positions before `position`
-    and get this token's key and value there; cos/sin [D] (fp32) of `position`; head [V, hidden] or None (a
-    token whose logits nobody reads: the first of the two prompt tokens). `sync` False runs each phase as its own
-    launch (the interpreter's way; the default on CPU tensors)."""
+    and get this token's key and value there; cos/sin [D] (fp32) of `position`. `sync` False runs each phase as its
+    own launch (the interpreter's way; the default on CPU tensors)."""
     rows, hidden = x.shape
     layers, _, kv_heads, capacity, head_dim = k_cache.shape
     if not 0 <= position < capacity:
@@ -181,10 +183,8 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if programs is None:
         programs = default_programs(x.device) if x.is_cuda else 4
     heads, inter = w.heads, w.inter
-    if max(w.qkv.numel(), w.gate_up.numel(), w.o.numel(), w.down.numel()) >= 2**31:
-        raise ValueError("decoder_stack indexes each stacked weight with 32-bit offsets")
     n_qkv = (heads + 2 * kv_heads) * head_dim
-    vocab = head.shape[0] if head is not None else 1
+    vocab = head.shape[0]
     x_work = torch.empty_like(x)
     qkv = torch.empty(rows, n_qkv, dtype=x.dtype, device=x.device)
     attn = torch.empty(rows, heads * head_dim, dtype=x.dtype, device=x.device)
@@ -199,23 +199,23 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         VOCAB=vocab, CAP=capacity, CAP_P2=triton.next_power_of_2(capacity),
         KC_H=kc_h, C_H=c_h, CP_H=cp_h, KC_A=kc_a, C_A=c_a, KC_I=kc_i, C_I=c_i, CP_I=cp_i,
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
-        BN_V=_block(vocab, programs), HEAD=head is not None, SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
+        BN_V=_block(vocab, programs), SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
         # Prefetching serves the one launch only: phase launches (the interpreter's) would load tiles they never use.
         GU_PARTS=2 if _block(inter, programs) > 1 else 1, PREFETCH=PREFETCH and sync,
     )
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
     args = (x, x_work, qkv, attn, g, logits, w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.q_norm, w.k_norm,
-            w.final_norm, head if head is not None else x, k_cache, v_cache, cos, sin, bar, rows, position, w.eps,
+            w.final_norm, head, k_cache, v_cache, cos, sin, bar, rows, position, w.eps,
             head_dim**-0.5)
-    last = PHASES_PER_LAYER * layers + (head is not None) - 1
+    last = PHASES_PER_LAYER * layers  # the head's phase
     if sync:
         _stack_kernel[(programs,)](*args, 0, last, **meta, SYNC=True, num_warps=WARPS)
     else:  # `phases` (first, last): only those (benchmarks/stack_phases.py times them one by one)
         first, last = phases if phases is not None else (0, last)
         for phase in range(first, last + 1):
             _stack_kernel[(programs,)](*args, phase, phase, **meta, SYNC=False, num_warps=WARPS)
-    return logits if head is not None else None
+    return logits
 
 
 if triton is not None:
@@ -285,16 +285,14 @@ if triton is not None:
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr,
         CAP: tl.constexpr, CAP_P2: tl.constexpr, KC_H: tl.constexpr, C_H: tl.constexpr, CP_H: tl.constexpr,
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
-        BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, HEAD: tl.constexpr,
-        SPIN: tl.constexpr, PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, PREFETCH: tl.constexpr,
-        SYNC: tl.constexpr,
+        BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, SPIN: tl.constexpr,
+        PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, PREFETCH: tl.constexpr, SYNC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         N_QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         WIDTH: tl.constexpr = HEADS * HEAD_DIM
         GROUP: tl.constexpr = HEADS // KV_HEADS
-        PHASES: tl.constexpr = PHASES_PER_LAYER * LAYERS + HEAD
         lo_q, hi_q = _span(pid, programs, N_QKV)
         if PREFETCH:  # each layer's q/k/v tile is requested before the barrier that ends the layer before it
             w_q = _tile(wqkv_ptr, lo_q, hi_q, C_H, CP_H, KC_H, BN_QKV)
@@ -420,19 +418,17 @@ if triton is not None:
                 w_q = _tile(wqkv_ptr + (layer + 1) * more * (N_QKV * HIDDEN), lo_q, tl.where(more, hi_q, lo_q), C_H,
                             CP_H, KC_H, BN_QKV)
             if SYNC:
-                if s + 5 < PHASES:
-                    _grid_sync(bar_ptr, (s + 5) * programs, SPIN)
+                _grid_sync(bar_ptr, (s + 5) * programs, SPIN)
         # 6. final norm and the head.
-        if HEAD:
-            s = PHASES_PER_LAYER * LAYERS
-            if (s >= first) & (s <= last):
-                lo, hi = _span(pid, programs, VOCAB)
-                w = _tile(head_ptr, lo, hi, C_H, CP_H, KC_H, BN_V)
-                n = lo + tl.arange(0, BN_V)
-                for r in range(rows):
-                    xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
-                    h = _rms(xv, fn_ptr, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
-                    tl.store(logits_ptr + r * VOCAB + n, _round(_dot(w, h), x_ptr), mask=n < hi)
+        s = PHASES_PER_LAYER * LAYERS
+        if (s >= first) & (s <= last):
+            lo, hi = _span(pid, programs, VOCAB)
+            w = _tile(head_ptr, lo, hi, C_H, CP_H, KC_H, BN_V)
+            n = lo + tl.arange(0, BN_V)
+            for r in range(rows):
+                xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                h = _rms(xv, fn_ptr, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
+                tl.store(logits_ptr + r * VOCAB + n, _round(_dot(w, h), x_ptr), mask=n < hi)
         if SYNC:
             # The last program out resets the counters for the next launch on this stream.
             done = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")

@@ -9,6 +9,7 @@ that fails later ends with a chunk whose `finish_reason` is "error" and whose `e
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -195,3 +196,10 @@ class HeldText:
         """At the end of the request's stream, or at its abort (a stream asked for and never read has no end)."""
         self.held.pop(request_id, None)
         self.routes.pop(request_id, None)
+
+
+def put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: items handed over from another thread in one call, into their streams' queues, in order
+    (one cross-thread call per batch, not per item)."""
+    for q, item in items:
+        q.put_nowait(item)

@@ -35,6 +35,7 @@ from legato.engine.config import codec_dtype_name
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.config import load_speech_tokenizer_config
 from legato.models.qwen3_tts.loader import load_into, read_safetensors
+from legato.pipeline.client import put_all
 
 log = logging.getLogger(__name__)
 
@@ -350,8 +351,12 @@ class LocalCodecClient:
             if self._deadline is None:
                 self._deadline = time.monotonic() + cmd[1]
 
+    def _sink_for(self, out: CodecOutput) -> _Sink | None:
+        # A stream's last output takes its sink away.
+        return (self._sinks.pop if out.finished else self._sinks.get)(out.request_id, None)
+
     def _deliver(self, out: CodecOutput) -> None:
-        sink = (self._sinks.pop if out.finished else self._sinks.get)(out.request_id, None)
+        sink = self._sink_for(out)
         if sink is not None:
             _put(sink, out)
 
@@ -360,12 +365,12 @@ class LocalCodecClient:
         call takes the loop's lock and writes its wake-up pipe while this thread holds the GIL)."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, CodecOutput]]] = {}
         for out in outputs:
-            sink = (self._sinks.pop if out.finished else self._sinks.get)(out.request_id, None)
+            sink = self._sink_for(out)
             if sink is not None:
                 batches.setdefault(sink.loop, []).append((sink.queue, out))
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody is left to tell
-                loop.call_soon_threadsafe(_put_each, items)
+                loop.call_soon_threadsafe(put_all, items)
 
     def _fail_all(self, reason: str) -> None:
         for rid in list(self._sinks):
@@ -384,11 +389,6 @@ class LocalCodecClient:
     def _refresh_stats(self) -> None:
         e = self.engine
         self._stats = CodecStats(e.num_streams, e.frames_decoded, dict(e.failures))
-
-
-def _put_each(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
 
 
 def _put(sink: _Sink, item: object) -> None:

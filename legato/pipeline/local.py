@@ -52,6 +52,7 @@ from legato.pipeline.client import (
     StreamChunk,
     SynthesisRequest,
 )
+from legato.pipeline.client import put_all as _put_all
 from legato.pipeline.drain import DrainRate
 from legato.pipeline.threads import ENGINE_THREAD_NAME, set_gil_switch_interval
 
@@ -483,12 +484,6 @@ class LocalEngineClient(EngineClient):
             step_gap_s=times.gap_s, loop_other_s=self._loop_other_s, text_wait_s=self.engine.text_wait_s,
             waiting_for_text=self.engine.num_waiting_for_text,
         )
-
-
-def _put_all(items: list[tuple[asyncio.Queue, StreamChunk]]) -> None:
-    """On the event loop: a step's chunks into their streams' queues, in the order the step made them."""
-    for q, chunk in items:
-        q.put_nowait(chunk)
 
 
 def _settle(fut: asyncio.Future, result=None, error: Exception | None = None) -> None:

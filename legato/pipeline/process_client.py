@@ -44,6 +44,7 @@ from legato.pipeline.client import (
     SynthesisRequest,
     refused_stream,
 )
+from legato.pipeline.client import put_all as _put_all
 from legato.pipeline.ipc import zmq_endpoint
 from legato.pipeline.kv_links import KVLinkSpec, socket_path
 from legato.pipeline.launchers import Launcher, LocalLauncher
@@ -495,12 +496,6 @@ class ProcessEngineClient(EngineClient):
             self._log_tail.append(line)
             print(line, file=sys.stderr, flush=True)
         self.proc.stdout.close()
-
-
-def _put_all(items: list[tuple[asyncio.Queue, StreamChunk | RequestRejected]]) -> None:
-    """On the event loop: one read pass's chunks into their streams' queues, in order."""
-    for q, item in items:
-        q.put_nowait(item)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

@@ -128,7 +128,7 @@ class CodePredictor(nn.Module):
                                    cache: ContiguousKVCache) -> torch.Tensor:
         # `predict_residuals` with each token's pass through the layers, final norm and head as one launch. The
         # two prompt tokens go one at a time: causal attention over them is the same. The first token's logits are
-        # not read, but it runs the head too (about 2 us): one kernel variant to compile, not two.
+        # not read, but the kernel always ends with a head (about 2 us of it): one kernel variant to compile.
         positions = torch.arange(self.config.num_code_groups, device=past_hidden.device)
         cos, sin = self.model.rotary(positions)
 
