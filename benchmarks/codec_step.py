@@ -6,9 +6,7 @@ of each reduced-precision path against fp32 on the same codes.
 - `new`: `StreamingCodecDecoder.step`, the state in place in its slots (Triton kernels below fp32; the
   PyTorch path in fp32, TF32 off).
 - `plain`: `new` without split-K; `fused`: `new` with the one-kernel residual units (layers/conv_kernels.py);
-  `nofeed`: `new` with every staged conv's input built by the staging kernel (codec_stages.FEED_NEXT off);
-  `prev`: `new` with the transformer's matmuls unfused (codec_stages.FUSED_LINEAR off) and one frame per call
-  through the general window kernel (window_attention.ONE_FRAME_KERNEL off), the path before both.
+  `nofeed`: `new` with every staged conv's input built by the staging kernel (codec_stages.FEED_NEXT off).
 Each (variant, dtype, streams B, frames per call n) is one CUDA graph of one call; the time is the median of
 `--replays` replays between CUDA events, divided by B x n. Kernels per call are counted by the profiler on
 an eager call. The fidelity part decodes `--fidelity-frames` frames per stream at several B and n, with
@@ -29,7 +27,7 @@ import time
 import torch
 
 from legato.eval.fidelity import compare
-from legato.layers import conv_kernels, window_attention
+from legato.layers import conv_kernels
 from legato.models.qwen3_tts import codec_stages
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.config import CodecDecoderConfig
@@ -132,12 +130,10 @@ def speed(args, cfg: CodecDecoderConfig) -> list[dict]:
                     step = old_step(decoder, b, n, args.device)
                 else:
                     # "plain": without split-K; "fused": with the one-kernel residual units too; "nofeed": every
-                    # staged conv's input through the staging kernel, none written by the conv before; "prev": the
-                    # transformer's matmuls unfused and one frame through the general window kernel
+                    # staged conv's input through the staging kernel, none written by the conv before
                     conv_kernels.SPLIT_K = variant != "plain"
                     codec_stages.FUSE_UNITS = variant == "fused"
                     codec_stages.FEED_NEXT = variant != "nofeed"
-                    codec_stages.FUSED_LINEAR = window_attention.ONE_FRAME_KERNEL = variant != "prev"
                     decoder = StreamingCodecDecoder(base, b + 1, dtype=dtype)
                     step = new_step(decoder, b, n, args.device)
                 try:

@@ -24,7 +24,7 @@ import triton.testing
 from codec_step import time_step  # benchmarks/ is the script's own folder
 
 from legato.layers import causal_conv as cc
-from legato.layers import norm_linear as nl
+from legato.layers import conv_kernels as ck
 from legato.layers import window_attention as wa
 from legato.layers.conv_tiles import conv_blocks
 from legato.models.qwen3_tts import codec_stages
@@ -92,19 +92,16 @@ def choice(name: str):
 
 # Whole-step variants beyond the conv tiles: module knobs set for the variant's graph only.
 KNOBS = {
-    "before: transformer unfused, one frame through the general window kernel": {
-        (codec_stages, "FUSED_LINEAR"): False, (wa, "ONE_FRAME_KERNEL"): False},
-    "transformer unfused (codec_stages.FUSED_LINEAR off)": {(codec_stages, "FUSED_LINEAR"): False},
-    "one frame through the general window kernel": {(wa, "ONE_FRAME_KERNEL"): False},
-    "one-frame window: 16-key blocks": {(wa, "STEP_KEY_BLOCK"): 16},
-    "one-frame window: 64-key blocks": {(wa, "STEP_KEY_BLOCK"): 64},
-    "one-frame window: 2 warps": {(wa, "STEP_WARPS"): 2},
-    "one-frame window: 8 warps": {(wa, "STEP_WARPS"): 8},
-    "norm_linear: K blocks of 64": {(nl, "BLOCK_K"): 64},
-    "norm_linear: 8 warps": {(nl, "WARPS"): 8},
-    "norm_linear: K blocks of 64, 8 warps": {(nl, "BLOCK_K"): 64, (nl, "WARPS"): 8},
-    "norm_linear: 2 stages": {(nl, "STAGES"): 2},
     "no feed (every staged input through the staging kernel)": {(codec_stages, "FEED_NEXT"): False},
+    "window 128 keys, 4 warps": {(wa, "KEY_BLOCK"): 128, (wa, "WARPS"): 4},
+    "window 128 keys, 2 warps": {(wa, "KEY_BLOCK"): 128, (wa, "WARPS"): 2},
+    "stage tiles 8192": {(cc, "STAGE_TILE"): 8192},
+    "stage tiles 16384, 8 warps": {(cc, "STAGE_TILE"): 16384, (cc, "STAGE_WARPS"): 8},
+    "column tile 256 x 32, 4 warps": {(ck, "COLUMN_TILE"): (256, 32, 4)},
+    "column tile 128 x 128, 4 warps": {(ck, "COLUMN_TILE"): (128, 128, 4)},
+    "column tile 64 x 128, 4 warps": {(ck, "COLUMN_TILE"): (64, 128, 4)},
+    "column tile 256 x 128, 8 warps": {(ck, "COLUMN_TILE"): (256, 128, 8)},
+    "column tile 64 x 32, 2 warps": {(ck, "COLUMN_TILE"): (64, 32, 2)},
 }
 
 

@@ -6,9 +6,6 @@
 #   benchmarks/h200_codec.sh loop    # engine_loop.py at c=64 and c=256, 8c76ab2 (.base/) vs this tree
 #   benchmarks/h200_codec.sh unit    # unit_tune.py: one-kernel residual units and split-K against their plain paths
 #   benchmarks/h200_codec.sh serve   # serving_speed.py at c=1/8/64 and 256, both modes, 8c76ab2 vs this tree
-#   benchmarks/h200_codec.sh step    # the codec's GPU tests, codec_step.py `prev` (the path before the fused
-#                                    # transformer matmuls and the one-frame window kernel) vs `new` with the bf16
-#                                    # fidelity report, then codec_tune.py's whole-step knobs (no per-conv tuning)
 # Needs: the server's wheels in .whl/ (see docs/benchmarks.md), the tree of 8c76ab2 in .base/ for `loop`,
 # prompts in .bench-data/prompts for `serve`, OUT a results folder. Random weights throughout; lengths fixed (EOS ignored).
 set -uo pipefail
@@ -42,14 +39,6 @@ case "$PART" in
         --requests $((4 * c)) --variants ${VARIANTS:-default,no-audio} --out "$OUT/loop-new-c$c.json" \
         2>&1 | grep '^{' | cut -c1-400
     done ;;
-  step)
-    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      -k "${TESTS:-codec or snake}" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30
-    PYTHONPATH=.:$PYTHONPATH timeout ${T_STEP:-200} python3 benchmarks/codec_step.py --variants prev,new \
-      --dtypes bfloat16 --cells ${CELLS:-64x1,64x4,256x4} --profile-cells 64x1 --out "$OUT/codec_step.json" \
-      2>&1 | grep -v '^{'
-    PYTHONPATH=.:$PYTHONPATH timeout ${T_TUNE:-180} python3 benchmarks/codec_tune.py --cells 64x1,256x4 \
-      --step-only 64x1,256x4 --out "$OUT/codec_tune.json" 2>&1 | grep -E "graph step|Error" ;;
   unit)
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/unit_tune.py --out "$OUT/unit_tune.json" 2>&1 \
       | cut -c1-600 ;;

@@ -11,7 +11,7 @@ def test_kernels_equal_their_twins_under_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
     run = run_checks_script("codec_kernel_checks.py")
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    assert run.stdout.count(": ") >= 56  # every check ran and reported
+    assert run.stdout.count(": ") >= 46  # every check ran and reported
 
 
 def test_split_k_fills_one_wave_and_leaves_full_grids_alone():
@@ -43,8 +43,7 @@ def _compile_for_hopper(kernel, constexprs: dict) -> int:
     """sm_90 cubin size of a codec kernel: bf16 tensors, int64 slot and position tensors, fp32 parameters."""
     i64 = {"calls_ptr", "pos_ptr", "slots_ptr", "codes_ptr"}
     fp32 = {"f_ptr", "i_ptr", "freq_ptr", "inv_ptr", "sf_ptr", "si_ptr", "ws_ptr"}
-    return compile_for_hopper(kernel, constexprs, {**{n: "*i64" for n in i64}, **{n: "*fp32" for n in fp32},
-                                                   "EPS": "fp32", "SCALE": "fp32"})
+    return compile_for_hopper(kernel, constexprs, {**{n: "*i64" for n in i64}, **{n: "*fp32" for n in fp32}})
 
 
 def test_the_codec_kernels_compile_for_hopper():
@@ -55,8 +54,6 @@ def test_the_codec_kernels_compile_for_hopper():
     skip_unless_ptxas()
     from legato.layers import causal_conv as cc
     from legato.layers import conv_kernels as ck
-    from legato.layers import norm_linear as nl
-    from legato.layers import window_attention as wa
 
     conv = dict(TAPS=7, HAS_BIAS=True, EPILOGUE=1, SPLIT=1, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, KT=3, IEEE=False,
                 FAST_SIN=True, FLAT=False, VEC=8, BLOCK_N2=32, STAGED=True, STAGED_SNAKE=True)
@@ -72,13 +69,6 @@ def test_the_codec_kernels_compile_for_hopper():
         (cc._stage_kernel, dict(SNAKE=True, FAST_SIN=True, BLOCK_R=32, BLOCK_C=128)),
         (cc._restage_kernel, dict(BLOCK_R=32, BLOCK_C=128)),
         (cc._codebook_kernel, dict(Q=16, FIRST=1, BLOCK_R=16, BLOCK_C=128)),
-        (wa._window_step_kernel, dict(HEADS=16, KV_HEADS=16, D=64, WINDOW=72, BLOCK_K=32)),
-        (nl._norm_linear_kernel, dict(NORM=True, BIAS=True, GATED=False, RESIDUAL=False, BLOCK_M=64, BLOCK_N=16,
-                                      BLOCK_K=64, PRECISION="tf32")),
-        (nl._norm_linear_kernel, dict(NORM=True, BIAS=False, GATED=True, RESIDUAL=False, BLOCK_M=64, BLOCK_N=32,
-                                      BLOCK_K=64, PRECISION="tf32")),
-        (nl._norm_linear_kernel, dict(NORM=False, BIAS=False, GATED=False, RESIDUAL=True, BLOCK_M=64, BLOCK_N=16,
-                                      BLOCK_K=64, PRECISION="tf32")),
     ]
     for kernel, constexprs in cases:
         assert _compile_for_hopper(kernel, constexprs) > 0, kernel.__name__

@@ -9,7 +9,7 @@ alone: keys of positions before 0 are never read (masked by `where`, so whatever
 reach the output).
 
 `window_attention` runs a Triton kernel on CUDA (one program per stream and KV head, fp32 math whatever the
-storage dtype; a kernel of its own for one frame per call, the engine's every step) and a PyTorch twin elsewhere.
+storage dtype) and a PyTorch twin elsewhere.
 """
 
 from __future__ import annotations
@@ -147,86 +147,17 @@ if triton is not None:
                 tl.store(out_ptr + (b * T + ti).to(tl.int64) * (HEADS * D) + h * D + dd,
                          (acc / l_i).to(out_ptr.dtype.element_ty))
 
-    @triton.jit
-    def _window_step_kernel(qkv_ptr, k_ptr, v_ptr, pos_ptr, slots_ptr, freq_ptr, out_ptr, RING, SCALE,
-                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        # One frame per stream (every engine step): the frame's own key and value stay in registers and the ring
-        # supplies only the window's earlier positions, so nothing this program writes is read back (no
-        # barrier), and the key blocks' loads, unrolled, can all be in flight at once instead of one chain.
-        b = tl.program_id(0)
-        kh = tl.program_id(1)
-        half: tl.constexpr = D // 2
-        group: tl.constexpr = HEADS // KV_HEADS
-        width: tl.constexpr = (HEADS + 2 * KV_HEADS) * D
-        slot = tl.load(slots_ptr + b)
-        qpos = tl.load(pos_ptr + slot)
-        dd = tl.arange(0, D)
-        partner = (dd + half) % D
-        sign = tl.where(dd < half, -1.0, 1.0)
-        ang = qpos.to(tl.float32) * tl.load(freq_ptr + dd % half)
-        cos = tl.cos(ang)
-        sin = tl.sin(ang) * sign
-        row = b.to(tl.int64) * width
-        kslot = slot * RING * KV_HEADS * D
-        kcol = (HEADS + kh) * D
-        k = tl.load(qkv_ptr + row + kcol + dd).to(tl.float32)
-        kp = tl.load(qkv_ptr + row + kcol + partner).to(tl.float32)
-        v = tl.load(qkv_ptr + row + (HEADS + KV_HEADS + kh) * D + dd)
-        own = kslot + (qpos % RING).to(tl.int64) * (KV_HEADS * D) + kh * D + dd
-        k_own = (k * cos + kp * sin).to(k_ptr.dtype.element_ty)
-        v_own = v.to(v_ptr.dtype.element_ty)
-        tl.store(k_ptr + own, k_own)
-        tl.store(v_ptr + own, v_own)
-        # Read back as the ring holds them (rounded to its dtype), as the twin reads every key from the ring.
-        k_own = k_own.to(tl.float32)
-        v_own = v_own.to(tl.float32)
-        j = tl.arange(0, BLOCK_K)
-        for g in tl.static_range(group):
-            h = kh * group + g
-            q = tl.load(qkv_ptr + row + h * D + dd).to(tl.float32)
-            qp = tl.load(qkv_ptr + row + h * D + partner).to(tl.float32)
-            q = (q * cos + qp * sin) * SCALE
-            m_i = tl.sum(q * k_own, axis=0)
-            l_i = 1.0
-            acc = v_own
-            for blk in tl.static_range(0, WINDOW - 1, BLOCK_K):  # positions qpos - (WINDOW - 1) .. qpos - 1
-                kpos = qpos - (WINDOW - 1) + blk + j
-                valid = (kpos >= 0) & (kpos < qpos)
-                addr = kslot + (tl.where(valid, kpos, 0) % RING).to(tl.int64)[:, None] * (KV_HEADS * D) \
-                    + kh * D + dd[None, :]
-                keys = tl.load(k_ptr + addr, mask=valid[:, None], other=0.0).to(tl.float32)
-                vals = tl.load(v_ptr + addr, mask=valid[:, None], other=0.0).to(tl.float32)
-                s = tl.where(valid, tl.sum(keys * q[None, :], axis=1), float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=0))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.where(valid, tl.exp(s - m_new), 0.0)
-                acc = acc * alpha + tl.sum(vals * p[:, None], axis=0)
-                l_i = l_i * alpha + tl.sum(p, axis=0)
-                m_i = m_new
-            tl.store(out_ptr + b.to(tl.int64) * (HEADS * D) + h * D + dd, (acc / l_i).to(out_ptr.dtype.element_ty))
 
-
-# Keys per block of the general kernel's walk over the window, and its warps (benchmarks/codec_tune.py measures
-# the step with others: 128-key blocks, with 2 or 4 warps, were 2-3 % slower on the H200; docs/benchmarks.md).
+# Keys per block of the kernel's walk over the window, and its warps (benchmarks/codec_tune.py measures the step
+# with others: 128-key blocks, with 2 or 4 warps, were 2-3 % slower on the H200; docs/benchmarks.md).
 KEY_BLOCK = 32
 WARPS = 2
-# One frame per call runs `_window_step_kernel` (off: the general kernel, the path before it; codec_step.py
-# compares them), its window in unrolled blocks of STEP_KEY_BLOCK keys, with STEP_WARPS warps.
-ONE_FRAME_KERNEL = True
-STEP_KEY_BLOCK = 32
-STEP_WARPS = 4
 
 
 def _launch(qkv, k_ring, v_ring, positions, slots, frames, heads, window, inv_freq, out):
     kv_heads, dim = k_ring.shape[2], k_ring.shape[3]
-    grid = (slots.shape[0], kv_heads)
-    if frames == 1 and ONE_FRAME_KERNEL:
-        _window_step_kernel[grid](qkv, k_ring, v_ring, positions, slots, inv_freq, out, k_ring.shape[1],
-                                  1.0 / math.sqrt(dim), HEADS=heads, KV_HEADS=kv_heads, D=dim, WINDOW=window,
-                                  BLOCK_K=STEP_KEY_BLOCK, num_warps=STEP_WARPS)
-        return
     block_t = max(2, 1 << (frames - 1).bit_length())
+    grid = (slots.shape[0], kv_heads)
     _window_kernel[grid](qkv, k_ring, v_ring, positions, slots, inv_freq, out, frames, k_ring.shape[1], window,
                          1.0 / math.sqrt(dim), HEADS=heads, KV_HEADS=kv_heads, D=dim, BLOCK_T=block_t,
                          BLOCK_K=KEY_BLOCK, num_warps=WARPS)

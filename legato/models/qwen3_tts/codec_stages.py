@@ -12,7 +12,6 @@ frame count, the slot bank, and whether to run the Triton kernels or their PyTor
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,7 @@ from legato.layers.causal_conv import (
     restage,
     stage,
 )
-from legato.layers.norm_linear import norm_linear
+from legato.layers.rows import rms_normalize, silu_mul_packed
 from legato.layers.window_attention import window_attention
 
 from .codec_slots import CodecSlots
@@ -42,10 +41,6 @@ FEED_NEXT = True
 # faster than its two kernels at one frame per call and slower at 256 x 4 (docs/benchmarks.md). Its kernel
 # cannot feed the next conv, so it runs only where FEED_NEXT is off.
 FUSE_UNITS = False
-
-# The transformer's matmuls with their RMSNorms, SwiGLU and residual adds in one kernel each (layers/norm_linear.py)
-# where the Triton kernels run: five launches a layer instead of eight (off: the unfused path, which the CPU runs).
-FUSED_LINEAR = True
 
 
 @dataclass
@@ -268,15 +263,16 @@ class Transformer:
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [N, latent] (N = B * frames) -> [N, latent]."""
         bank, k = ctx.bank, ctx.kernels
-        lin = functools.partial(norm_linear, fused=k and FUSED_LINEAR, row_kernels=k)
-        h = lin(x, self.w_in, bias=self.b_in)
+        h = torch.addmm(self.b_in, x, self.w_in.t())
         for i, w in enumerate(self.layers):
-            qkv = lin(h, w["qkv"], eps=self.eps, bias=w["qkv_bias"])
+            n = rms_normalize(h, self.eps, kernel=k)
+            qkv = n @ w["qkv"].t() if w["qkv_bias"] is None else torch.addmm(w["qkv_bias"], n, w["qkv"].t())
             a = window_attention(qkv, bank.keys[i], bank.values[i], bank.position, ctx.slots, ctx.frames,
                                  self.heads, self.window, self.inv_freq, kernel=k)
-            lin(a, w["o"], residual=h)
-            lin(lin(h, w["gate_up"], eps=self.eps, gated=True), w["down"], residual=h)
-        return lin(h, self.w_out, eps=self.eps, bias=self.b_out)
+            h.addmm_(a, w["o"].t())
+            n = rms_normalize(h, self.eps, kernel=k)
+            h.addmm_(silu_mul_packed(n @ w["gate_up"].t(), kernel=k), w["down"].t())
+        return torch.addmm(self.b_out, rms_normalize(h, self.eps, kernel=k), self.w_out.t())
 
 
 class Quantizer:
