@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--prefetch", default="on,off", help="decoder_stack.PREFETCH settings to measure, in order")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    decoder_stack.ENABLED = True  # off by default: without it pack_projections builds no stacked weights
     cfg = CodePredictorConfig()
     cp = CodePredictor(cfg, 1024)
     randomize_(cp, seed=0, std=0.02)
