@@ -51,9 +51,11 @@ WARPS = 16
 # through LEGATO_STACK_SPIN).
 SPIN_LIMIT = int(os.environ.get("LEGATO_STACK_SPIN", 1 << 22))
 PHASES_PER_LAYER = 5  # norm + q/k/v, attention, o, norm + gate/up, down
-# The o projection's weight tile is requested before the barrier ahead of the attention phase, so its stream overlaps
-# the barrier and the attention (an unmeasured choice: benchmarks/stack_phases.py compares it with off).
-PREFETCH = True
+# On: the o projection's weight tile is requested before the barrier ahead of the attention phase (and each layer's
+# q/k/v tile before the barrier ending the layer before), so their streams overlap barrier waits. Off by default:
+# on the H200 the 0.6B pass took 134 us as one launch with it and 123 us without (benchmarks/stack_phases.py,
+# docs/benchmarks.md); the tiles held across the barrier cost more than the overlap gave.
+PREFETCH = False
 
 
 @dataclass
