@@ -168,7 +168,7 @@ def main() -> None:
                     help="few-row matmuls through the one-row kernel and cuBLAS (the path before "
                          "layers/small_matmul.py), to measure its share")
     ap.add_argument("--stack", action="store_true",
-                    help="the code predictor's one-launch pass (decoder_stack.py, off by default) for up to 4 rows")
+                    help="the code predictor's one-launch pass for one-row passes (EngineConfig.code_predictor_stack)")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="draws through torch.compile (the path before engine/draw_kernel.py)")
     ap.add_argument("--attn-splits", type=int, default=None,
@@ -196,10 +196,6 @@ def main() -> None:
         fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
         if args.attn_split_all:
             fused_attention.ONE_SPLIT_ROWS = 1 << 30
-    if args.stack:
-        from legato.layers import decoder_stack
-
-        decoder_stack.ENABLED = True
     if args.compiled_sampler:
         from legato.engine import draw_kernel
 
@@ -237,7 +233,7 @@ def main() -> None:
         cfg = EngineConfig(device=args.device, dtype="bfloat16" if args.size != "tiny" else "float32",
                            max_num_seqs=max(sizes), cuda_graph_max_batch=max(sizes),
                            max_num_batched_tokens=8192, max_model_len=2048, enforce_eager=eager,
-                           gpu_memory_utilization=0.6)
+                           gpu_memory_utilization=0.6, code_predictor_stack=args.stack)
         t = time.perf_counter()
         engine = Engine(lm, cfg)
         setup = time.perf_counter() - t

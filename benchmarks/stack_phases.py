@@ -62,12 +62,12 @@ def main() -> None:
     ap.add_argument("--prefetch", default="on,off", help="decoder_stack.PREFETCH settings to measure, in order")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    decoder_stack.ENABLED = True  # off by default: without it pack_projections builds no stacked weights
     cfg = CodePredictorConfig()
     cp = CodePredictor(cfg, 1024)
     randomize_(cp, seed=0, std=0.02)
     cp.to(device="cuda", dtype=torch.bfloat16).eval()
     pack_projections(cp)
+    cp.pack_stack()
     names = ["norm+qkv", "attention", "o", "norm+gate_up", "down", "head"]
     result = {"gpu": torch.cuda.get_device_name(), "rows": {}}
     for setting in args.prefetch.split(","):

@@ -48,6 +48,7 @@ def test_a_cpu_code_predictor_builds_no_stack_and_runs_as_before():
     tiny = tiny_config("base").talker_config
     cp = CodePredictor(tiny.code_predictor_config, tiny.hidden_size).eval()
     pack_projections(cp)
+    cp.pack_stack()  # the engine's call when asked for the stack: a CPU (or fp32) code predictor stays unstacked
     assert cp.stack is None and cp.persistent
     gen = torch.Generator().manual_seed(0)
     past, first = torch.randn(2, tiny.hidden_size, generator=gen), torch.randn(2, tiny.hidden_size, generator=gen)

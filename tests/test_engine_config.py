@@ -57,3 +57,13 @@ def test_block_size_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         EngineConfig(block_size=12)
     assert EngineConfig(block_size=32).block_size == 32
+
+
+def test_the_code_predictor_stack_needs_cuda_half_precision_and_one_replica_group():
+    assert EngineConfig(device="cuda:0", dtype="bfloat16", code_predictor_stack=True).code_predictor_stack
+    for bad in (dict(device="cpu", dtype="float32"), dict(device="cuda", dtype="float32"),
+                dict(device="cuda", dtype="bfloat16", mtp_replicas=2)):
+        with pytest.raises(ValueError, match="code_predictor_stack needs"):
+            EngineConfig(code_predictor_stack=True, **bad)
+    with pytest.raises(ValueError, match="code_predictor_stack must be a bool"):
+        EngineConfig(code_predictor_stack="yes")

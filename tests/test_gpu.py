@@ -361,6 +361,40 @@ def test_fused_draw_gives_the_eager_and_the_compiled_draws_tokens():
     assert not any(differ.values()), differ
 
 
+def test_the_engine_with_the_code_predictor_stack_on_the_0_6b_config():
+    """`code_predictor_stack` on the 0.6B config in bf16 (random weights): requests one at a time (one-row passes, the
+    stack's) finish with all their frames and no barrier gives up; three at once, the same length, run the unfused
+    layers and give an engine without the stack's codes bit for bit (the step's check row changes nothing)."""
+    from legato.layers import decoder_stack
+    from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset
+    from legato.models.qwen3_tts.testing import random_model
+
+    lm = random_model(preset("0.6B", "base"), SpeechTokenizerConfig(), device="cuda", dtype=torch.bfloat16)
+    emb = torch.randn(lm.config.talker_config.hidden_size, generator=torch.Generator().manual_seed(5))
+    spec = build_spec(lm, SpeechInput("Hello there, how are you?", language="english", speaker_embedding=emb,
+                                      x_vector_only=True))
+
+    def reqs(tag):
+        return [EngineRequest(f"{tag}{i}", spec, SamplingParams(seed=i, max_new_tokens=30), max_frames=10,
+                              ignore_eos=True, stream_audio=False) for i in range(3)]
+
+    def config(stack):
+        return engine_config(device="cuda", dtype="bfloat16", max_num_seqs=4, cuda_graph_max_batch=4,
+                             num_kv_blocks=256, code_predictor_stack=stack)
+
+    stacked = Engine(lm, config(True))
+    assert stacked.runner.uses_stack
+    for r in reqs("one"):
+        got = run_all(stacked, [r])
+        assert got.finished[r.request_id] == "length" and got.errors[r.request_id] is None
+        assert got.frames(r.request_id).shape[0] == 10
+    assert decoder_stack.barrier_errors() == 0
+    together = run_all(stacked, reqs("b"))
+    plain = run_all(Engine(lm, config(False)), reqs("b"))
+    for i in range(3):
+        assert torch.equal(together.frames(f"b{i}"), plain.frames(f"b{i}")), i
+
+
 def test_decoder_stack_equals_the_unfused_code_predictor():
     """The code predictor's one-launch pass (tiny, 0.6B-shaped, and the 0.6B's and 1.7B's whole code predictors) in
     bf16 and fp16 against the unfused layers, teacher-forced: logits and KV caches within the parity tolerance; the

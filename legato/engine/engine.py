@@ -37,6 +37,11 @@ from legato.models.qwen3_tts.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# The error of requests whose step ran a one-launch code-predictor pass that gave up at its grid barrier.
+STACK_GAVE_UP = ("engine step failed: the code predictor's one-launch pass gave up waiting for its programs at a "
+                 "grid barrier (they could not all run at once), so this step's codes are not valid; serve without "
+                 "--code-predictor-stack if this repeats")
+
 
 @dataclass
 class EngineRequest:
@@ -100,6 +105,7 @@ class _Launched:
     ending: dict[str, Request] = field(default_factory=dict)
     errors: list[RequestOutput] = field(default_factory=list)
     copy: PendingCopy | None = None
+    stack_check: bool = False  # the copy's last row is the one-launch code predictor's barrier give-ups so far
 
 
 class Engine:
@@ -110,6 +116,8 @@ class Engine:
         if talker.codec_head.weight.is_cuda:
             # Packed serving copies of the projections exist before the KV cache is sized, so they count.
             pack_projections(talker)
+            if config.code_predictor_stack:
+                talker.code_predictor.pack_stack()
         num_blocks = config.num_kv_blocks or profile_kv_blocks(loaded, config)
         config.num_kv_blocks = num_blocks
         pad_id = torch.tensor([loaded.config.tts_pad_token_id, loaded.config.tts_eos_token_id],
@@ -135,6 +143,7 @@ class Engine:
         self._tails: dict[str, _Live] = {}  # ended, their last audio on its way back from the codec
         self.times = StepTimes()
         self._in_flight: _Launched | None = None
+        self._stack_gave_up = 0  # barrier give-ups of the one-launch code predictor seen so far
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -362,6 +371,9 @@ class Engine:
         try:
             rows, results = self._run_prefills(prefills, launched)
             rows.append(self._run_decodes(decodes, launched))
+            if self.runner.uses_stack and decodes:
+                rows.append(self.runner.stack_gave_up_row())
+                launched.stack_check = True
         except Exception as e:  # a step failure fails its requests, never the engine
             log.exception("engine step failed")
             launched.errors += self._fail([c.request for c in prefills] + decodes,
@@ -381,6 +393,13 @@ class Engine:
             return []
         host = launched.copy.wait()
         self.copies.account(launched.copy, self.times)
+        if launched.stack_check:
+            host, gave_up = host[:-1], int(host[-1, 0])
+            if gave_up > self._stack_gave_up:  # this step's codes are not valid: its requests fail, loudly
+                self._stack_gave_up = gave_up
+                log.error("the code predictor's one-launch pass gave up at a grid barrier (%d so far)", gave_up)
+                return self._fail(list({rid: self.live[rid].req for rid, _ in launched.rows if rid in self.live}
+                                       .values()), STACK_GAVE_UP)
         # Out of the pinned buffer, which a later step reuses; numpy rows, which cost far less per stream to
         # index and hand on than torch views (hundreds of streams a step).
         frames = host[:, :16].numpy().copy()

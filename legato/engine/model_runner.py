@@ -27,6 +27,7 @@ from legato.engine.mtp_replicas import Replica, group_buckets
 from legato.engine.prefill_graphs import PrefillBuckets, token_buckets
 from legato.engine.sampler import Sampler
 from legato.engine.slot_state import SlotState
+from legato.layers import decoder_stack
 from legato.layers.host import upload
 from legato.layers.packed_prefill import PackedPrefill
 from legato.models.qwen3_tts.decoder_layer import pack_projections
@@ -78,6 +79,10 @@ class ModelRunner:
         # Replica groups run code-predictor passes on concurrent streams; the one-launch pass needs its programs
         # resident together, so it serves one group only.
         talker.code_predictor.persistent = k == 1
+        self.uses_stack = talker.code_predictor.stack is not None and k == 1
+        if config.code_predictor_stack and not self.uses_stack:
+            raise ValueError("code_predictor_stack: this code predictor's shapes have no one-launch pass "
+                             "(decoder_stack.supported), or its weights are not CUDA half precision")
         streams = self.device.type == "cuda" and k > 1
         self.replicas = [
             Replica(g, copy.copy(self.kv), config.max_num_seqs + g, num_kv_blocks + g,
@@ -157,6 +162,11 @@ class ModelRunner:
     # --- decode ---------------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def stack_gave_up_row(self) -> torch.Tensor:
+        """[1, 17] int64 on the device, every column the one-launch code predictor's barrier give-ups so far: a
+        row that goes to the host with a step's results (no sync of its own)."""
+        return decoder_stack.gave_up(self.device).reshape(1, 1).expand(1, 17)
+
     def decode(self, work: list[DecodeWork]) -> torch.Tensor:
         """One frame for every request in `work`: [B, 17] on the device, in the order of `work` (16 codes,
         then the next frame's codebook 0). Nothing waits for the GPU here.

@@ -40,12 +40,11 @@ try:  # Triton ships with CUDA builds of torch; the CPU build has none.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# Off by default: measured slower than the unfused layers on the H200 (docs/benchmarks.md, "The code predictor as
-# one launch": 0.6B batch 1 5.03 against 3.94 ms a frame). `offline.py --stack` switches it on.
-ENABLED = False
 # Rows a launch takes (a loop over rows reuses each program's weight tile); more decode rows take the unfused path,
-# whose matmuls use tensor cores.
-MAX_ROWS = 4
+# whose matmuls use tensor cores. On the H200 one row ran 1.10x faster than the unfused layers (0.6B frame: 3.56
+# against 3.93 ms) and two rows 0.84x (docs/benchmarks.md). The engine uses the kernel only when asked
+# (`EngineConfig.code_predictor_stack`).
+MAX_ROWS = 1
 WARPS = 16
 # Polls of a barrier before it gives up: seconds of waiting, never reached when all is well (a probe may set fewer
 # through LEGATO_STACK_SPIN).
@@ -126,8 +125,8 @@ def stack(layers, final_norm) -> StackWeights:
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether rows x [B, hidden] go through the kernel (CUDA, few rows, switched on)."""
-    return ENABLED and triton is not None and x.is_cuda and x.shape[0] <= MAX_ROWS
+    """Whether rows x [B, hidden] go through the kernel (CUDA, few rows)."""
+    return triton is not None and x.is_cuda and x.shape[0] <= MAX_ROWS
 
 
 _barriers: dict[tuple[int, int], torch.Tensor] = {}
@@ -147,6 +146,15 @@ def barrier_errors() -> int:
     """Barrier waits that gave up since the counters were made (0 unless a launch could not keep its programs
     resident); tests and benchmarks read it."""
     return sum(int(b[2].item()) for b in _barriers.values())
+
+
+def gave_up(device: torch.device) -> torch.Tensor:
+    """The barrier waits on `device` that gave up so far, as a 0-dim int64 tensor computed on the current stream
+    (no host sync: the engine copies it to the host with a step's results)."""
+    words = [b[2] for (index, _), b in _barriers.items() if index == (device.index or 0)]
+    if not words:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    return torch.stack(words).sum().to(torch.int64)
 
 
 def _chunk(k: int) -> tuple[int, int, int]:

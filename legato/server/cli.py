@@ -112,6 +112,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--kv-failure-policy", default="fail", choices=["fail", "recompute"],
                    help="process MpNd: a request whose handoff did not cross (prefill worker died, transfer "
                         "deadline) fails with the reason, or is run again whole on a live decode engine")
+    t.add_argument("--code-predictor-stack", action="store_true",
+                   help="each one-row code-predictor pass as one persistent launch (CUDA, half precision, "
+                        "--mtp-replicas 1): a batch-1 frame ~1.1x faster on the H200, logits within ~1.5e-2 of the "
+                        "default path's")
     t.add_argument("--mtp-replicas", type=int, default=1,
                    help="code-predictor replicas in each decode engine (own CUDA stream and graph pool each; "
                         "requests pinned by crc32(request id) %% K)")
@@ -354,7 +358,8 @@ def serve(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting, max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
-            mtp_replicas=args.mtp_replicas, chunk_ramp=args.chunk_ramp, voice_cache_size=args.voice_cache_size,
+            mtp_replicas=args.mtp_replicas, code_predictor_stack=args.code_predictor_stack,
+            chunk_ramp=args.chunk_ramp, voice_cache_size=args.voice_cache_size,
             codec_decode_every_step=args.codec_decode_every_step, codec_dtype=args.codec_dtype,
             batch_invariant=args.batch_invariant, invariant_rows=args.invariant_rows,
             frames_per_text_token=args.frames_per_text_token if args.frames_per_text_token > 0 else None,

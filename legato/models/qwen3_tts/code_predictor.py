@@ -50,16 +50,18 @@ class CodePredictor(nn.Module):
         else:
             self.small_to_mtp_projection = nn.Identity()
         # The serving layout's stacked weights for the one-launch pass (`layers/decoder_stack.py`), made by
-        # `pack_stack` on CUDA; `persistent` False keeps the unfused path (several replica groups run passes on
-        # concurrent streams, and the kernel's barrier needs all its programs resident).
+        # `pack_stack` on CUDA when the engine is asked for it (`EngineConfig.code_predictor_stack`); `persistent`
+        # False keeps the unfused path (several replica groups run passes on concurrent streams, and the kernel's
+        # barrier needs all its programs resident).
         self.stack: decoder_stack.StackWeights | None = None
         self.persistent = True
 
     def pack_stack(self) -> None:
-        """Stacks the layers' weights for `decoder_stack` (CUDA half precision, shapes it takes; idempotent)."""
+        """Stacks the layers' weights for `decoder_stack` (CUDA half precision, shapes it takes; idempotent).
+        Call it after `pack_projections`: the stack views the packed q/k/v and gate/up copies."""
         c = self.config
         weight = self.model.layers[0].self_attn.o_proj.weight
-        if (self.stack is not None or not decoder_stack.ENABLED or decoder_stack.triton is None or not weight.is_cuda
+        if (self.stack is not None or decoder_stack.triton is None or not weight.is_cuda
                 or weight.dtype == torch.float32
                 or not decoder_stack.supported(c.num_attention_heads, c.num_key_value_heads, c.head_dim)):
             return

@@ -228,10 +228,6 @@ def pack_projections(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, (Attention, SwiGLU)):
             sub.pack()
-    for sub in module.modules():  # modules that also serve their layers as one stacked launch (code predictor)
-        pack_stack = getattr(sub, "pack_stack", None)
-        if callable(pack_stack):
-            pack_stack()
 
 
 def packed_bytes(module: nn.Module) -> int:
