@@ -21,7 +21,8 @@ Under Triton's interpreter programs run one after another, so a barrier could ne
 asked) each phase is its own launch (`sync=False`), the same code without the barrier.
 
 The barrier needs every program resident at once: one launch per stream at a time, and no more programs than
-SMs. The engine takes this path only with one code-predictor replica group (`CodePredictor.persistent`). A wait
+SMs. The engine takes this path only when asked (`EngineConfig.code_predictor_stack`) and with one code-predictor
+replica group (`CodePredictor.persistent`); a step whose barrier gave up fails its requests (`gave_up`). A wait
 that runs past `SPIN_LIMIT` polls gives up and sets an error word instead of hanging the GPU (`barrier_errors`).
 """
 
