@@ -19,6 +19,13 @@ def _one_thread(one_torch_thread):
     yield
 
 
+def _model_and_spec(tmp_path):
+    lm = tiny_model(tmp_path, "base")
+    emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    return lm, build_spec(lm, SpeechInput("Hello there, how are you?", language="english", speaker_embedding=emb,
+                                          x_vector_only=True))
+
+
 def _requests(spec, tag: str, n: int = 3) -> list[EngineRequest]:
     return [EngineRequest(f"{tag}{i}", spec, SamplingParams(seed=i, max_new_tokens=8 + i)) for i in range(n)]
 
@@ -39,10 +46,7 @@ def _counting(engine: Engine, gave_up_from_call: int | None) -> dict[str, int]:
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_without_give_ups_the_check_row_changes_no_code(tmp_path, async_scheduling):
-    lm = tiny_model(tmp_path, "base")
-    spec = build_spec(lm, SpeechInput("Hello there, how are you?", language="english",
-                                      speaker_embedding=torch.randn(64, generator=torch.Generator().manual_seed(0)),
-                                      x_vector_only=True))
+    lm, spec = _model_and_spec(tmp_path)
     want = run_all(Engine(lm, engine_config(async_scheduling=async_scheduling)), _requests(spec, "r"))
     engine = Engine(lm, engine_config(async_scheduling=async_scheduling))
     calls = _counting(engine, gave_up_from_call=None)
@@ -55,10 +59,7 @@ def test_without_give_ups_the_check_row_changes_no_code(tmp_path, async_scheduli
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_step_whose_pass_gave_up_fails_its_requests_and_the_engine_serves_on(tmp_path, async_scheduling):
-    lm = tiny_model(tmp_path, "base")
-    spec = build_spec(lm, SpeechInput("Hello there, how are you?", language="english",
-                                      speaker_embedding=torch.randn(64, generator=torch.Generator().manual_seed(0)),
-                                      x_vector_only=True))
+    lm, spec = _model_and_spec(tmp_path)
     engine = Engine(lm, engine_config(async_scheduling=async_scheduling))
     _counting(engine, gave_up_from_call=3)
     got = run_all(engine, _requests(spec, "a"))
