@@ -7,7 +7,8 @@ with fewer layers and codebooks (the real chunking: 3 chunks for the MLP's 3072)
 0.6B's and the 1.7B's whole code predictors take the cut-down one's place. On the CPU the
 kernel runs under Triton's interpreter one phase per launch (`TRITON_INTERPRET=1`, fp32, where greedy codes must
 also be equal); on CUDA the one-launch form runs too and must equal the phase-per-launch form bit for bit, and no
-barrier may have given up. `python tests/decoder_stack_checks.py [cuda|cpu]`.
+barrier may have given up; each half-precision path's logits are also measured against fp32 math on the same
+weights (`FP32_REFERENCE`, printed, not checked). `python tests/decoder_stack_checks.py [cuda|cpu]`.
 """
 
 from __future__ import annotations
@@ -75,6 +76,23 @@ def _run(cp: CodePredictor, past: torch.Tensor, first: torch.Tensor, forced: tor
     return codes, torch.stack(logits), torch.cat([cache.k.flatten(), cache.v.flatten()])
 
 
+# (model, rows, dtype) -> (unfused, one launch): each half-precision path's logits against the same model's in fp32
+# math (its weights rounded to the half dtype, teacher-forced with the same codes). Not a pass/fail check: the record
+# on which the stack could become the default path (it is as accurate as the unfused layers, or not).
+FP32_REFERENCE: dict[tuple[str, int, str], tuple[float, float]] = {}
+
+
+def _against_fp32(name, rows, cp, talker_hidden, device, dtype, past, first, codes, unfused, one) -> None:
+    ref = CodePredictor(cp.config, talker_hidden)  # the half-precision model's own weights, fp32 math
+    ref.load_state_dict({k: v.float() for k, v in cp.state_dict().items()}, strict=False)  # not its packed copies
+    ref.to(device).eval()
+    _, want, _ = _run(ref, past.float(), first.float(), codes, stacked=False)
+    FP32_REFERENCE[(name, rows, str(dtype)[6:])] = (rel_err(unfused, want), rel_err(one, want))
+    print(f"[stack check] {name}, {rows} rows, {str(dtype)[6:]}: logits against fp32 math, unfused "
+          f"{FP32_REFERENCE[(name, rows, str(dtype)[6:])][0]:.2e}, one launch "
+          f"{FP32_REFERENCE[(name, rows, str(dtype)[6:])][1]:.2e}", flush=True)
+
+
 def run_checks(device: str, dtype: torch.dtype, only: str | None = None) -> dict[str, float]:
     errors: dict[str, float] = {}
     for name, (cfg, talker_hidden) in _models(device).items():
@@ -109,6 +127,8 @@ def run_checks(device: str, dtype: torch.dtype, only: str | None = None) -> dict
                       f"{decoder_stack.barrier_errors()}", flush=True)
                 errors[f"{name}, {rows} rows: one launch vs phase launches"] = float(
                     not (torch.equal(one[1], got_logits) and torch.equal(one[2], got_cache)))
+                _against_fp32(name, rows, cp, talker_hidden, device, dtype, past, first, want_codes, want_logits,
+                              one[1])
             if only is not None:
                 print({k: f"{v:.2e}" for k, v in errors.items()}, flush=True)
     if device == "cuda":

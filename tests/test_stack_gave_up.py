@@ -72,3 +72,21 @@ def test_a_step_whose_pass_gave_up_fails_its_requests_and_the_engine_serves_on(t
     after = run_all(engine, _requests(spec, "b", 2))
     assert all(after.finished[f"b{i}"] == "length" and after.errors[f"b{i}"] is None for i in range(2))
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_decode_runs_in_inference_mode(tmp_path):
+    """The runner's decode builds no autograd record (a lost `inference_mode` made a server's RSS grow ~5x under
+    tests/reliability/test_overload.py): its rows are inference tensors."""
+    lm, spec = _model_and_spec(tmp_path)
+    engine = Engine(lm, engine_config())
+    seen = []
+    decode = engine.runner.decode
+
+    def spy(work):
+        rows = decode(work)
+        seen.append(rows)
+        return rows
+
+    engine.runner.decode = spy
+    run_all(engine, _requests(spec, "i", 1))
+    assert seen and all(t.is_inference() for t in seen)

@@ -167,6 +167,7 @@ class ModelRunner:
         row that goes to the host with a step's results (no sync of its own)."""
         return decoder_stack.gave_up(self.device).reshape(1, 1).expand(1, 17)
 
+    @torch.inference_mode()
     def decode(self, work: list[DecodeWork]) -> torch.Tensor:
         """One frame for every request in `work`: [B, 17] on the device, in the order of `work` (16 codes,
         then the next frame's codebook 0). Nothing waits for the GPU here.
