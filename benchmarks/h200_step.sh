@@ -106,13 +106,13 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       offline . split-all "$size" "${BATCHES:-1,8,64,256}" --attn-split-all
     done ;;
   stack)  # the code predictor's one-launch pass (layers/decoder_stack.py): its check script on CUDA, each phase's
-          # time (stack_phases.py, weight prefetch on and off), then offline.py
+          # time (stack_phases.py), then offline.py
           # with it (--stack) against without (the unfused layers, the default) at BATCHES for SIZES, in the same call
     [ -n "${SKIP_CHECK:-}" ] || PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-200} python3 tests/decoder_stack_checks.py cuda \
       "${STACK_MODEL:-0.6B code predictor}" 2>&1 | grep -v Warn | tee /tmp/stack-check.txt | tail -30
     [ -n "${SKIP_CHECK:-}" ] || grep -q "ALL OK" /tmp/stack-check.txt || { echo "[stack] checks failed: offline.py not run"; exit 1; }
     [ -n "${SKIP_PHASES:-}" ] || PYTHONPATH=.:$PYTHONPATH timeout ${T_PHASES:-150} python3 benchmarks/stack_phases.py --rows 1,2 \
-      --prefetch on,off --out "$OUT/stack_phases.json" 2>&1 | grep -E '^\{|Error' | cut -c1-400
+      --out "$OUT/stack_phases.json" 2>&1 | grep -E '^\{|Error' | cut -c1-400
     for size in ${SIZES:-0.6B 1.7B}; do
       offline . stack "$size" "${BATCHES:-1,2,4,8}" --stack
       offline . no-stack "$size" "${BATCHES:-1,2,4,8}"

@@ -2,7 +2,7 @@
 its own launch, and of the whole pass as one launch: 0.6B code predictor shapes, random weights, bf16, CUDA graphs
 of back-to-back launches.
 
-    python benchmarks/stack_phases.py --rows 1,2 --prefetch on,off --out phases.json
+    python benchmarks/stack_phases.py --rows 1,2 --out phases.json
 """
 
 from __future__ import annotations
@@ -11,30 +11,13 @@ import argparse
 import json
 
 import torch
+from attention_tune import time_launches  # benchmarks/ is the script's own folder
 
 from legato.layers import decoder_stack
 from legato.models.qwen3_tts.code_predictor import CodePredictor
 from legato.models.qwen3_tts.config import CodePredictorConfig
 from legato.models.qwen3_tts.decoder_layer import pack_projections
 from legato.models.qwen3_tts.testing import randomize_
-
-
-def _graph_us(fn, reps: int = 40) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (5 * reps)
 
 
 def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
@@ -47,11 +30,12 @@ def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
     row = {}
     for kind, name in enumerate(names):
         phase = kind if kind < decoder_stack.PHASES_PER_LAYER else decoder_stack.PHASES_PER_LAYER * w.layers
-        row[name] = _graph_us(lambda phase=phase: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head,
-                                                                    sync=False, phases=(phase, phase)))
-    row["whole pass, one launch"] = _graph_us(lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head))
-    row["whole pass, phase launches"] = _graph_us(
-        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head, sync=False), reps=4)
+        row[name] = time_launches(lambda phase=phase: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head,
+                                                                         sync=False, phases=(phase, phase)), 40)
+    row["whole pass, one launch"] = time_launches(
+        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head), 40)
+    row["whole pass, phase launches"] = time_launches(
+        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head, sync=False), 4)
     row["barrier errors"] = decoder_stack.barrier_errors()
     return row
 
@@ -59,7 +43,6 @@ def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2")
-    ap.add_argument("--prefetch", default="on,off", help="decoder_stack.PREFETCH settings to measure, in order")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = CodePredictorConfig()
@@ -70,13 +53,10 @@ def main() -> None:
     cp.pack_stack()
     names = ["norm+qkv", "attention", "o", "norm+gate_up", "down", "head"]
     result = {"gpu": torch.cuda.get_device_name(), "rows": {}}
-    for setting in args.prefetch.split(","):
-        decoder_stack.PREFETCH = setting == "on"
-        for rows in [int(r) for r in args.rows.split(",")]:
-            row = measure(cp, rows, names)
-            result["rows"][f"{rows} rows, prefetch {setting}"] = row
-            print(json.dumps({"rows": rows, "prefetch": setting, **{k: round(v, 2) for k, v in row.items()}}),
-                  flush=True)
+    for rows in [int(r) for r in args.rows.split(",")]:
+        row = measure(cp, rows, names)
+        result["rows"][f"{rows} rows"] = row
+        print(json.dumps({"rows": rows, **{k: round(v, 2) for k, v in row.items()}}), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

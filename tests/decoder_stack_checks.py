@@ -87,10 +87,9 @@ def _against_fp32(name, rows, cp, talker_hidden, device, dtype, past, first, cod
     ref.load_state_dict({k: v.float() for k, v in cp.state_dict().items()}, strict=False)  # not its packed copies
     ref.to(device).eval()
     _, want, _ = _run(ref, past.float(), first.float(), codes, stacked=False)
-    FP32_REFERENCE[(name, rows, str(dtype)[6:])] = (rel_err(unfused, want), rel_err(one, want))
-    print(f"[stack check] {name}, {rows} rows, {str(dtype)[6:]}: logits against fp32 math, unfused "
-          f"{FP32_REFERENCE[(name, rows, str(dtype)[6:])][0]:.2e}, one launch "
-          f"{FP32_REFERENCE[(name, rows, str(dtype)[6:])][1]:.2e}", flush=True)
+    errors = FP32_REFERENCE[(name, rows, str(dtype)[6:])] = (rel_err(unfused, want), rel_err(one, want))
+    print(f"[stack check] {name}, {rows} rows, {str(dtype)[6:]}: logits against fp32 math, unfused {errors[0]:.2e}, "
+          f"one launch {errors[1]:.2e}", flush=True)
 
 
 def run_checks(device: str, dtype: torch.dtype, only: str | None = None) -> dict[str, float]:

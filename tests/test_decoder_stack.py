@@ -28,7 +28,7 @@ def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier():
     shapes = dict(LAYERS=5, HIDDEN=1024, HEADS=16, KV_HEADS=8, HEAD_DIM=128, INTER=3072, VOCAB=2048, CAP=16,
                   CAP_P2=16, KC_H=1024, C_H=1, CP_H=1, KC_A=1024, C_A=2, KC_I=1024, C_I=3, CP_I=4, BN_QKV=32, BN_O=8,
                   BN_GU=32, BN_V=16, SPIN=decoder_stack.SPIN_LIMIT,
-                  PHASES_PER_LAYER=decoder_stack.PHASES_PER_LAYER, GU_PARTS=2, PREFETCH=True)
+                  PHASES_PER_LAYER=decoder_stack.PHASES_PER_LAYER, GU_PARTS=2)
     types = {"logits_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bar_ptr": "*i32", "eps": "fp32",
              "scale": "fp32"}
     for sync in (True, False):

@@ -398,8 +398,7 @@ class Engine:
             if gave_up > self._stack_gave_up:  # this step's codes are not valid: its requests fail, loudly
                 self._stack_gave_up = gave_up
                 log.error("the code predictor's one-launch pass gave up at a grid barrier (%d so far)", gave_up)
-                return self._fail(list({rid: self.live[rid].req for rid, _ in launched.rows if rid in self.live}
-                                       .values()), STACK_GAVE_UP)
+                return self._fail([self.live[rid].req for rid, _ in launched.rows if rid in self.live], STACK_GAVE_UP)
         # Out of the pinned buffer, which a later step reuses; numpy rows, which cost far less per stream to
         # index and hand on than torch views (hundreds of streams a step).
         frames = host[:, :16].numpy().copy()

@@ -51,11 +51,6 @@ WARPS = 16
 # through LEGATO_STACK_SPIN).
 SPIN_LIMIT = int(os.environ.get("LEGATO_STACK_SPIN", 1 << 22))
 PHASES_PER_LAYER = 5  # norm + q/k/v, attention, o, norm + gate/up, down
-# On: the o projection's weight tile is requested before the barrier ahead of the attention phase (and each layer's
-# q/k/v tile before the barrier ending the layer before), so their streams overlap barrier waits. Off by default:
-# on the H200 the 0.6B pass took 134 us as one launch with it and 123 us without (benchmarks/stack_phases.py,
-# docs/benchmarks.md); the tiles held across the barrier cost more than the overlap gave.
-PREFETCH = False
 
 
 @dataclass
@@ -211,8 +206,7 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         KC_H=kc_h, C_H=c_h, CP_H=cp_h, KC_A=kc_a, C_A=c_a, KC_I=kc_i, C_I=c_i, CP_I=cp_i,
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
         BN_V=_block(vocab, programs), SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
-        # Prefetching serves the one launch only: phase launches (the interpreter's) would load tiles they never use.
-        GU_PARTS=2 if _block(inter, programs) > 1 else 1, PREFETCH=PREFETCH and sync,
+        GU_PARTS=2 if _block(inter, programs) > 1 else 1,
     )
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
@@ -297,25 +291,19 @@ if triton is not None:
         CAP: tl.constexpr, CAP_P2: tl.constexpr, KC_H: tl.constexpr, C_H: tl.constexpr, CP_H: tl.constexpr,
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, SPIN: tl.constexpr,
-        PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, PREFETCH: tl.constexpr, SYNC: tl.constexpr,
+        PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, SYNC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         N_QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         WIDTH: tl.constexpr = HEADS * HEAD_DIM
         GROUP: tl.constexpr = HEADS // KV_HEADS
-        lo_q, hi_q = _span(pid, programs, N_QKV)
-        if PREFETCH:  # each layer's q/k/v tile is requested before the barrier that ends the layer before it
-            w_q = _tile(wqkv_ptr, lo_q, hi_q, C_H, CP_H, KC_H, BN_QKV)
         for layer in range(LAYERS):
             s = PHASES_PER_LAYER * layer
             # 1. norm, then q/k/v.
             if (s >= first) & (s <= last):
-                lo, hi = lo_q, hi_q
-                if PREFETCH:
-                    w = w_q
-                else:
-                    w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo, hi, C_H, CP_H, KC_H, BN_QKV)
+                lo, hi = _span(pid, programs, N_QKV)
+                w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo, hi, C_H, CP_H, KC_H, BN_QKV)
                 n = lo + tl.arange(0, BN_QKV)
                 for r in range(rows):
                     if layer == 0:  # the input stays as given; phase 2 starts the working copy x
@@ -324,9 +312,6 @@ if triton is not None:
                         xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
                     h = _rms(xv, ln1_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
                     tl.store(qkv_ptr + r * N_QKV + n, _dot(w, h), mask=n < hi)
-            if PREFETCH:  # the o projection's weights stream in while the attention runs (it needs none)
-                lo_o, hi_o = _span(pid, programs, HIDDEN)
-                w_o = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_o, hi_o, C_A, C_A, KC_A, BN_O)
             if SYNC:
                 _grid_sync(bar_ptr, (s + 1) * programs, SPIN)
             # 2. attention: one (row, kv head) per program, its group of query heads over the row's positions.
@@ -380,10 +365,7 @@ if triton is not None:
             # 3. o projection, residual add.
             if (s + 2 >= first) & (s + 2 <= last):
                 lo, hi = _span(pid, programs, HIDDEN)
-                if PREFETCH:
-                    w = w_o
-                else:
-                    w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo, hi, C_A, C_A, KC_A, BN_O)
+                w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo, hi, C_A, C_A, KC_A, BN_O)
                 n = lo + tl.arange(0, BN_O)
                 for r in range(rows):
                     o = _round(_dot(w, _vector(attn_ptr + r * WIDTH, C_A, C_A, KC_A)), x_ptr)
@@ -424,10 +406,6 @@ if triton is not None:
                     delta = _round(_dot(w, a), x_ptr)
                     res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi, other=0.0, cache_modifier=".cg")
                     tl.store(x_ptr + r * HIDDEN + n, res.to(tl.float32) + delta, mask=n < hi)
-            if PREFETCH:
-                more = layer + 1 < LAYERS
-                w_q = _tile(wqkv_ptr + (layer + 1) * more * (N_QKV * HIDDEN), lo_q, tl.where(more, hi_q, lo_q), C_H,
-                            CP_H, KC_H, BN_QKV)
             if SYNC:
                 _grid_sync(bar_ptr, (s + 5) * programs, SPIN)
         # 6. final norm and the head.
