@@ -49,12 +49,31 @@ def test_a_cpu_code_predictor_builds_no_stack_and_runs_as_before():
     cp = CodePredictor(tiny.code_predictor_config, tiny.hidden_size).eval()
     pack_projections(cp)
     cp.pack_stack()  # the engine's call when asked for the stack: a CPU (or fp32) code predictor stays unstacked
-    assert cp.stack is None and cp.persistent
+    assert cp.stack is None
     gen = torch.Generator().manual_seed(0)
     past, first = torch.randn(2, tiny.hidden_size, generator=gen), torch.randn(2, tiny.hidden_size, generator=gen)
     with torch.inference_mode():
         codes = cp.predict_residuals(past, first, lambda logits, g: logits.argmax(-1))
     assert codes.shape == (2, tiny.code_predictor_config.num_code_groups - 1)
+
+
+def test_the_one_launch_pass_runs_only_for_callers_that_ask_for_it(monkeypatch):
+    """The stacked weights live on the code predictor, which engines on the same weights share; each call says
+    whether it takes them (an engine with the stack off, or with replica groups, keeps the unfused layers even where
+    another engine built the stack)."""
+    tiny = tiny_config("base").talker_config
+    cp = CodePredictor(tiny.code_predictor_config, tiny.hidden_size).eval()
+    cp.stack = object()  # stands for built weights: the kernel itself needs a GPU
+    monkeypatch.setattr(decoder_stack, "takes", lambda x: x.shape[0] <= 1)
+    ran = []
+    monkeypatch.setattr(cp, "_predict_in_stack_launches", lambda *a: ran.append(True) or "stacked")
+    gen = torch.Generator().manual_seed(0)
+    past, first = torch.randn(1, tiny.hidden_size, generator=gen), torch.randn(1, tiny.hidden_size, generator=gen)
+    with torch.inference_mode():
+        codes = cp.predict_residuals(past, first, lambda logits, g: logits.argmax(-1))
+        assert codes.shape == (1, tiny.code_predictor_config.num_code_groups - 1) and not ran
+        assert cp.predict_residuals(past, first, lambda logits, g: logits.argmax(-1), stack=True) == "stacked"
+    assert ran == [True]
 
 
 def test_the_stack_views_the_packed_projections_instead_of_copying_them():

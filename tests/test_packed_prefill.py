@@ -128,9 +128,12 @@ def test_one_packed_forward_writes_the_cache_each_alone_writes(tmp_path_factory)
         assert (a - b).abs().max() < 1e-5
 
 
-def _bucketed(engine: Engine) -> Engine:
-    """The engine's runner with the padded token-bucket prefill of the CUDA graphs, run eagerly."""
+def _bucketed(engine: Engine, narrow: bool = False) -> Engine:
+    """The engine's runner with the padded token-bucket prefill of the CUDA graphs, run eagerly; `narrow`: each step
+    loads only its chunks' block-table rows, as wide as their longest (what CUDA does)."""
     engine.runner.prefill_buckets = engine.runner.make_prefill_buckets(graphs=False)
+    for static in engine.runner.prefill_buckets.statics.values():
+        static.narrow_tables = narrow
     return engine
 
 
@@ -153,9 +156,10 @@ def test_token_bucket_prefill_gives_the_codes_of_the_unpadded_forward(tmp_path_f
     reqs = lambda: [EngineRequest(f"p{i}", s, params(i)) for i, s in enumerate(specs)]  # noqa: E731
     for budget in (total + 8, 24):  # all in one step (one bucket, padded), and chunked over several
         plain = run_all(Engine(lm, engine_config(max_num_batched_tokens=budget)), reqs())
-        padded = run_all(_bucketed(Engine(lm, engine_config(max_num_batched_tokens=budget))), reqs())
-        for i in range(len(specs)):
-            assert torch.equal(padded.frames(f"p{i}"), plain.frames(f"p{i}")), (model_type, budget, i)
+        for narrow in (False, True):
+            padded = run_all(_bucketed(Engine(lm, engine_config(max_num_batched_tokens=budget)), narrow), reqs())
+            for i in range(len(specs)):
+                assert torch.equal(padded.frames(f"p{i}"), plain.frames(f"p{i}")), (model_type, budget, narrow, i)
 
 
 def test_token_bucket_prefill_writes_only_real_blocks_and_the_scratch_block(tmp_path_factory):
@@ -201,3 +205,23 @@ def test_static_prefill_pads_tokens_to_the_scratch_block_and_tiles_to_an_empty_c
     assert meta.slot_mapping[75:].eq(99 * 16).all() and meta.positions[75:].eq(0).all()
     assert meta.slot_mapping[5].item() == 3 * 16 + 0 and meta.slot_mapping[74].item() == 7 * 16 + (16 + 69) % 16
     assert torch.equal(st.embeds[:5], embeds[0]) and torch.equal(st.embeds[5:75], embeds[1])
+
+
+def test_a_narrow_load_writes_its_chunks_rows_and_leaves_the_rest():
+    """CUDA's load: the step's chunks' table rows as wide as their longest; rows and columns past them keep what
+    an earlier step left (never read: a chunk's kernel tiles read only its own blocks), the rest is as a full load."""
+    from legato.engine.prefill_graphs import StaticPrefill
+
+    st = StaticPrefill(128, 4, 6, 8, 16, 99, torch.float32, torch.device("cpu"))
+    st.narrow_tables = True
+    st.load([torch.ones(5, 8), torch.ones(70, 8), torch.ones(3, 8)], [5, 70, 3], [0, 16, 0],
+            [[1], [2, 3, 4, 5, 6, 7], [8]])
+    st.load([2 * torch.ones(20, 8)], [20], [16], [[10, 11, 12]])
+    meta = st.meta
+    assert meta.block_tables[0].tolist() == [10, 11, 12, 99, 99, 99]  # cols 3+: the first load's padding
+    assert meta.block_tables[1].tolist() == [2, 3, 4, 5, 6, 7] and meta.block_tables[2].tolist()[:1] == [8]
+    assert meta.cu_seqlens.tolist() == [0, 20, 20, 20, 20, 20] and meta.host_cu == [0, 20]
+    assert meta.starts.tolist() == [16, 0, 0, 0, 0]
+    assert meta.tiles.tolist()[0] == [0, 0] and all(t == [4, 0] for t in meta.tiles.tolist()[1:])
+    assert meta.slot_mapping[:20].tolist() == [(10 + p // 16) * 16 + p % 16 for p in range(16, 36)]
+    assert meta.slot_mapping[20:].eq(99 * 16).all() and torch.equal(st.embeds[:20], 2 * torch.ones(20, 8))

@@ -77,12 +77,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             pack_projections(talker)
         # Replica groups run code-predictor passes on concurrent streams; the one-launch pass needs its programs
-        # resident together, so it serves one group only.
-        talker.code_predictor.persistent = k == 1
-        self.uses_stack = talker.code_predictor.stack is not None and k == 1
+        # resident together, so it serves one group only. Asked for per call: another engine on the same weights
+        # may have built the stack without this one wanting it.
+        self.uses_stack = talker.code_predictor.stack is not None and k == 1 and config.code_predictor_stack
         if config.code_predictor_stack and not self.uses_stack:
             raise ValueError("code_predictor_stack: this code predictor's shapes have no one-launch pass "
                              "(decoder_stack.supported), or its weights are not CUDA half precision")
+        self.narrow_tables = self.device.type == "cuda"  # decode block tables as wide as the step's longest row
         streams = self.device.type == "cuda" and k > 1
         self.replicas = [
             Replica(g, copy.copy(self.kv), config.max_num_seqs + g, num_kv_blocks + g,
@@ -210,9 +211,14 @@ class ModelRunner:
         slots = np.empty(n, dtype=np.int64)
         positions = np.empty(n, dtype=np.int64)
         groups = np.empty(n, dtype=np.int64)
-        # Entries past a row's own blocks are never attended (the CUDA kernel stops at the context length, the
-        # CPU path masks them), but must name a valid block: the first scratch block.
-        tables = np.full((n, self.max_blocks_per_seq), self.replicas[0].scratch_block, dtype=np.int32)
+        # Entries past a row's own blocks are never attended (the CUDA kernels stop at the context length, the
+        # CPU path masks them), but must name a valid block: the first scratch block. On CUDA the table is only
+        # as wide as the step's longest row: at max_model_len 32k a full row is 2,048 entries, and at 256 rows
+        # the step's host time went into filling, copying and uploading those 2 MB (a graph's static table keeps
+        # its full width; columns past this step's are never read). The CPU path keeps the full width, the
+        # shape its reductions have always had.
+        width = max(len(w.block_table) for w in work) if self.narrow_tables and n else self.max_blocks_per_seq
+        tables = np.full((n, width), self.replicas[0].scratch_block, dtype=np.int32)
         for i, w in enumerate(work):
             slots[i] = w.slot
             positions[i] = w.position
@@ -231,7 +237,7 @@ class ModelRunner:
         pos = np.zeros(padded, dtype=np.int64)
         s[:n], pos[:n] = slots, positions
         t = tables if n == padded else np.concatenate(
-            [tables, np.full((padded - n, self.max_blocks_per_seq), rep.scratch_block, dtype=np.int32)])
+            [tables, np.full((padded - n, tables.shape[1]), rep.scratch_block, dtype=np.int32)])
         blocks = t[np.arange(padded), pos // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + pos % self.block_size
         context_lens = (pos + 1).astype(np.int32)
@@ -253,7 +259,8 @@ class ModelRunner:
         st = s.gather_params(slots, frame)
         c0 = s.last_c0[slots]
         residual = talker.code_predictor.predict_residuals(
-            s.past_hidden[slots], talker.embed_codec(c0), lambda logits, g: self.sampler.sample_residual(logits, st, g)
+            s.past_hidden[slots], talker.embed_codec(c0), lambda logits, g: self.sampler.sample_residual(logits, st, g),
+            stack=self.uses_stack,
         )
         codes = torch.cat([c0.unsqueeze(1), residual], dim=1)
         embeds = talker.embed_frame(codes) + s.text_for(slots, frame, self.tts_pad)

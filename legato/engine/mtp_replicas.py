@@ -122,7 +122,15 @@ class DecodeGraph:
 
     def replay(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays on the current stream (the group's)."""
-        for static, new in zip(self.inputs, inputs, strict=True):
-            static.copy_(new, non_blocking=True)
+        copy_inputs(self.inputs, inputs)
         self.graph.replay()
         return self.outputs
+
+
+def copy_inputs(statics: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]) -> None:
+    """A step's inputs into a graph's static tensors. A block table narrower than the captured one fills the
+    first columns only: the rest is never read (the kernels stop at each row's context length)."""
+    for static, new in zip(statics, inputs, strict=True):
+        if new.shape != static.shape:
+            static = static[:, : new.shape[1]]
+        static.copy_(new, non_blocking=True)

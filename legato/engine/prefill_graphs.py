@@ -48,7 +48,13 @@ class StaticPrefill:
         self.block_size, self.pad_block = block_size, pad_block
         self.num_tiles = max_tiles(tokens, max_seqs)
         s = max_seqs + 1  # chunks, counting the empty one
-        self._sizes32 = {"cu_seqlens": s + 1, "starts": s, "block_tables": s * width, "tiles": 2 * self.num_tiles}
+        # The block tables last: a step on CUDA loads only its chunks' rows, as wide as their longest (below).
+        self._sizes32 = {"cu_seqlens": s + 1, "starts": s, "tiles": 2 * self.num_tiles, "block_tables": s * width}
+        self._head32 = s + 1 + s + 2 * self.num_tiles
+        # At 256 chunks of a 32k-token max_model_len a full table is 2 MB, which every prefill step filled, copied
+        # and uploaded; the kernel reads only each chunk's own blocks, so stale entries elsewhere are never read.
+        # The CPU path (no graphs: its reference attention takes whole rows) keeps loading the full table.
+        self.narrow_tables = device.type == "cuda"
         self.embeds = torch.zeros(tokens, hidden, dtype=dtype, device=device)
         self.flat64 = torch.zeros(2 * tokens, dtype=torch.long, device=device)
         self.flat32 = torch.zeros(sum(self._sizes32.values()), dtype=torch.int32, device=device)
@@ -69,8 +75,10 @@ class StaticPrefill:
     def load(self, embeds: list[torch.Tensor], lengths: list[int], starts: list[int], tables: list[list[int]]) -> None:
         """Queues the copies of one step's chunks into the buffers (nothing waits for the device)."""
         n, total = len(lengths), sum(lengths)
+        narrow = self.narrow_tables and n > 0
         if n:
-            host = packed_host_arrays(lengths, starts, tables, self.block_size, self.pad_block, self.width)
+            width = max(len(t) for t in tables) if narrow else self.width
+            host = packed_host_arrays(lengths, starts, tables, self.block_size, self.pad_block, width)
         else:
             host = {"slot_mapping": np.zeros(0, np.int64), "positions": np.zeros(0, np.int64),
                     "cu_seqlens": np.zeros(1, np.int32), "starts": np.zeros(0, np.int32),
@@ -83,22 +91,30 @@ class StaticPrefill:
         cu[: n + 1] = host["cu_seqlens"]
         seq_starts = np.zeros(self.max_seqs + 1, dtype=np.int32)
         seq_starts[:n] = host["starts"]
-        table = np.full((self.max_seqs + 1, self.width), self.pad_block, dtype=np.int32)
-        table[:n] = host["block_tables"]
         tiles = np.zeros((self.num_tiles, 2), dtype=np.int32)
         tiles[:, 0] = self.max_seqs  # the empty chunk
         tiles[: len(host["tiles"])] = host["tiles"]
-        flat32 = np.concatenate([cu, seq_starts, table.ravel(), tiles.ravel()])
-        device = self.flat64.device
-        pin = device.type == "cuda"
-        for static, values in ((self.flat64, flat64), (self.flat32, flat32)):
-            src = torch.from_numpy(values)
-            # A pinned source lives until its copy has run (PyTorch's caching host allocator), so it only queues.
-            static.copy_(src.pin_memory() if pin else src, non_blocking=pin)
+        head = [cu, seq_starts, tiles.ravel()]
+        if narrow:
+            self._queue_copy(self.flat64, flat64)
+            self._queue_copy(self.flat32[: self._head32], np.concatenate(head))
+            rows = host["block_tables"]
+            self._queue_copy(self.meta.block_tables[:n, : rows.shape[1]], rows)
+        else:
+            table = np.full((self.max_seqs + 1, self.width), self.pad_block, dtype=np.int32)
+            table[:n] = host["block_tables"]
+            self._queue_copy(self.flat64, flat64)
+            self._queue_copy(self.flat32, np.concatenate([*head, table.ravel()]))
         if n:
             torch.cat([e.to(self.embeds.dtype) for e in embeds], out=self.embeds[:total])
         self.meta.host_cu = host["cu_seqlens"].tolist()
         self.meta.host_starts = list(starts)
+
+    def _queue_copy(self, static: torch.Tensor, values: np.ndarray) -> None:
+        src = torch.from_numpy(values)
+        pin = static.device.type == "cuda"
+        # A pinned source lives until its copy has run (PyTorch's caching host allocator), so it only queues.
+        static.copy_(src.pin_memory() if pin else src, non_blocking=pin)
 
 
 class _PrefillGraph:

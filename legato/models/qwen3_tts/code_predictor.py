@@ -50,11 +50,10 @@ class CodePredictor(nn.Module):
         else:
             self.small_to_mtp_projection = nn.Identity()
         # The serving layout's stacked weights for the one-launch pass (`layers/decoder_stack.py`), made by
-        # `pack_stack` on CUDA when the engine is asked for it (`EngineConfig.code_predictor_stack`); `persistent`
-        # False keeps the unfused path (several replica groups run passes on concurrent streams, and the kernel's
-        # barrier needs all its programs resident).
+        # `pack_stack` on CUDA when an engine runs it (`EngineConfig.code_predictor_stack`). Callers ask for it per
+        # call (`predict_residuals(stack=True)`): engines sharing these weights may differ, and several replica
+        # groups running passes on concurrent streams must not take it (its barrier needs all programs resident).
         self.stack: decoder_stack.StackWeights | None = None
-        self.persistent = True
 
     def pack_stack(self) -> None:
         """Stacks the layers' weights for `decoder_stack` (CUDA half precision, shapes it takes; idempotent).
@@ -93,20 +92,22 @@ class CodePredictor(nn.Module):
         first_embed: torch.Tensor,
         sample: CodeSampler,
         cache: ContiguousKVCache | None = None,
+        stack: bool = False,
     ) -> torch.Tensor:
         """Codebooks 1..15 of a batch of frames.
 
         past_hidden [B, talker_hidden]: the talker's final hidden state that produced codebook 0;
         first_embed [B, talker_hidden]: the talker codec embedding of that codebook-0 code.
         Returns codes [B, num_code_groups - 1] (int64). A 2-token prefill gives codebook 1, then one
-        single-token pass per further codebook, each row of the batch in lock-step.
+        single-token pass per further codebook, each row of the batch in lock-step. `stack`: passes the one-launch
+        kernel takes (`pack_stack` built, one row) run as one launch each.
         """
         b = past_hidden.shape[0]
         if cache is None:
             cache = self.new_cache(b, past_hidden.dtype, past_hidden.device)
         else:
             cache.reset()
-        if self.stack is not None and self.persistent and decoder_stack.takes(past_hidden):
+        if stack and self.stack is not None and decoder_stack.takes(past_hidden):
             return self._predict_in_stack_launches(past_hidden, first_embed, sample, cache)
         # Every row is at the same position in every pass: the rotary table of a frame's positions is computed
         # once, and each pass takes a broadcast view of its rows (the same values, elementwise).
