@@ -7,7 +7,8 @@ with fewer layers and codebooks (the real chunking: 3 chunks for the MLP's 3072)
 0.6B's and the 1.7B's whole code predictors take the cut-down one's place. On the CPU the
 kernel runs under Triton's interpreter one phase per launch (`TRITON_INTERPRET=1`, fp32, where greedy codes must
 also be equal); on CUDA the one-launch form runs too and must equal the phase-per-launch form bit for bit, and no
-barrier may have given up; each half-precision path's logits are also measured against fp32 math on the same
+barrier may have given up, and reruns of the one launch (some behind matmuls on another stream) must equal it bit for
+bit; each half-precision path's logits are also measured against fp32 math on the same
 weights (`FP32_REFERENCE`, printed, not checked). `python tests/decoder_stack_checks.py [cuda|cpu]`.
 """
 
@@ -92,6 +93,31 @@ def _against_fp32(name, rows, cp, talker_hidden, device, dtype, past, first, cod
           f"one launch {errors[1]:.2e}", flush=True)
 
 
+# Reruns of the one-launch pass on the same inputs (`_reruns_that_differ`).
+RERUNS = 20
+
+
+def _reruns_that_differ(cp, past, first, codes, want) -> float:
+    """The one-launch pass again on the same inputs, every other run queued behind matmuls on another stream, so
+    its programs start at different times and some wait at barriers for SMs the matmuls hold. A barrier that let a
+    program read what another had not yet written would show as a run whose logits or caches differ bit-wise
+    (H200, 2026-12-04: an engine with the stack on gave the async loop codes that differed from the sync loop's;
+    not explained). Returns the count of such runs."""
+    side = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device=past.device, dtype=past.dtype)
+    differ = 0
+    for i in range(RERUNS):
+        if i % 2:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(4):
+                    a = (a @ a).clamp_(-1, 1)
+        got = _run(cp, past, first, codes, stacked=True, sync=True)
+        differ += not (torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]))
+    torch.cuda.synchronize()
+    return float(differ)
+
+
 def run_checks(device: str, dtype: torch.dtype, only: str | None = None) -> dict[str, float]:
     errors: dict[str, float] = {}
     for name, (cfg, talker_hidden) in _models(device).items():
@@ -128,6 +154,8 @@ def run_checks(device: str, dtype: torch.dtype, only: str | None = None) -> dict
                     not (torch.equal(one[1], got_logits) and torch.equal(one[2], got_cache)))
                 _against_fp32(name, rows, cp, talker_hidden, device, dtype, past, first, want_codes, want_logits,
                               one[1])
+                errors[f"{name}, {rows} rows: one-launch reruns that differ"] = _reruns_that_differ(
+                    cp, past, first, want_codes, one)
             if only is not None:
                 print({k: f"{v:.2e}" for k, v in errors.items()}, flush=True)
     if device == "cuda":
