@@ -38,7 +38,9 @@ case "$PART" in
         -k "${TESTS:-not nothing}" 2>/dev/null | grep '::')
     else tests=tests/test_gpu.py; fi
     for t in $tests; do
-      PYTHONPATH=.:tests:$PYTHONPATH timeout ${T:-300} python3 -m pytest -q -rA -p no:cacheprovider --durations=3 \
+      # -v: each test's result prints as it ends, so a run cut by its time limit still says what passed (a -q run
+      # cut at 420 s on 2026-12-04 printed nothing at all).
+      PYTHONPATH=.:tests:$PYTHONPATH timeout ${T:-300} python3 -m pytest -v -rA -p no:cacheprovider --durations=3 \
         "$t" -k "${TESTS:-not nothing}" 2>&1 | grep -E "^E |passed|failed|Error|PASS|FAIL|s call" | tail -30
       echo "[check] $t rc=${PIPESTATUS[0]}"
     done
