@@ -189,9 +189,8 @@ def test_async_loop_equals_sync_loop_on_the_0_6b_config():
         assert torch.equal(sync.frames(f"a{i}"), asyn.frames(f"a{i}")), i
         assert sync.frames(f"a{i}").shape[0] == 12 + i
     # With the one-launch code predictor (the last request runs its last 11 frames alone, one-row passes): the
-    # same. On the H200 (2026-12-04) this test failed in a tree that had the stack on by default; which part of it
-    # failed was not seen. The loops run the same batches (a CPU check of the scheduler), so a difference here is
-    # the kernel's (decoder_stack_checks.py's reruns look for it alone).
+    # same. On the H200 (2026-12-04) this test failed in a tree that had the stack on by default, message unseen;
+    # it had not run since a42d6bf. Running both halves tells the stack's part apart from the rest.
     sync, asyn = run(async_scheduling=False, code_predictor_stack=True), run(async_scheduling=True,
                                                                             code_predictor_stack=True)
     for i in range(9):

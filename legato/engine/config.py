@@ -55,8 +55,8 @@ class EngineConfig:
     (`layers/decoder_stack.py`; CUDA, bf16/fp16, one replica group). On the H200 it made a batch-1 frame 1.10x
     faster (0.6B: 3.56 against 3.93 ms) and 1.08x for the 1.7B (docs/benchmarks.md); bigger batches keep the
     unfused layers. Its logits differ from the unfused bf16 path's by ~1.5e-2 (relative), so greedy codes may
-    too; against fp32 math on the same weights both paths are as far (1.60e-2 and 1.51e-2). Opt-in: with it on, a
-    GPU test of the asynchronous loop against the synchronous one failed once, cause not yet found. A pass whose
+    too; against fp32 math on the same weights both paths are as far (1.60e-2 and 1.51e-2). Opt-in: a GPU test of
+    the asynchronous loop against the synchronous one failed in a tree with it on, cause not yet found. A pass whose
     grid barrier gave up (its programs could not all run at once) fails its step's requests."""
     batch_invariant: bool = False
     """Make a request's codes independent of what runs beside it, on any device: every decode step runs in
