@@ -50,7 +50,7 @@ class StaticPrefill:
         s = max_seqs + 1  # chunks, counting the empty one
         # The block tables last: a step on CUDA loads only its chunks' rows, as wide as their longest (below).
         self._sizes32 = {"cu_seqlens": s + 1, "starts": s, "tiles": 2 * self.num_tiles, "block_tables": s * width}
-        self._head32 = s + 1 + s + 2 * self.num_tiles
+        self._head32 = sum(self._sizes32.values()) - self._sizes32["block_tables"]
         # At 256 chunks of a 32k-token max_model_len a full table is 2 MB, which every prefill step filled, copied
         # and uploaded; the kernel reads only each chunk's own blocks, so stale entries elsewhere are never read.
         # The CPU path (no graphs: its reference attention takes whole rows) keeps loading the full table.
@@ -77,8 +77,8 @@ class StaticPrefill:
         n, total = len(lengths), sum(lengths)
         narrow = self.narrow_tables and n > 0
         if n:
-            width = max(len(t) for t in tables) if narrow else self.width
-            host = packed_host_arrays(lengths, starts, tables, self.block_size, self.pad_block, width)
+            host = packed_host_arrays(lengths, starts, tables, self.block_size, self.pad_block,
+                                      None if narrow else self.width)
         else:
             host = {"slot_mapping": np.zeros(0, np.int64), "positions": np.zeros(0, np.int64),
                     "cu_seqlens": np.zeros(1, np.int32), "starts": np.zeros(0, np.int32),

@@ -22,7 +22,7 @@ asked) each phase is its own launch (`sync=False`), the same code without the ba
 
 The barrier needs every program resident at once: one launch per stream at a time, and no more programs than
 SMs. The engine takes this path only when asked (`EngineConfig.code_predictor_stack`) and with one code-predictor
-replica group (`CodePredictor.persistent`); a step whose barrier gave up fails its requests (`gave_up`). A wait
+replica group (`predict_residuals(stack=...)`); a step whose barrier gave up fails its requests (`gave_up`). A wait
 that runs past `SPIN_LIMIT` polls gives up and sets an error word instead of hanging the GPU (`barrier_errors`).
 """
 

@@ -53,8 +53,7 @@ class PackedPrefill:
               pad_block: int, device: torch.device) -> PackedPrefill:
         """Metadata of chunks of `lengths` tokens starting at positions `starts` of requests with block
         tables `tables` (ragged; padded with `pad_block`, never read)."""
-        width = max(len(t) for t in tables)
-        host = packed_host_arrays(lengths, starts, tables, block_size, pad_block, width)
+        host = packed_host_arrays(lengths, starts, tables, block_size, pad_block)
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return upload(a, device)
@@ -66,10 +65,12 @@ class PackedPrefill:
 
 
 def packed_host_arrays(lengths: list[int], starts: list[int], tables: list[list[int]], block_size: int,
-                       pad_block: int, width: int) -> dict[str, np.ndarray]:
-    """The host side of `PackedPrefill`'s tensors (block tables `width` wide, padded with `pad_block`):
-    slot_mapping and positions int64, the rest int32."""
+                       pad_block: int, width: int | None = None) -> dict[str, np.ndarray]:
+    """The host side of `PackedPrefill`'s tensors (block tables `width` wide, else as wide as the longest, padded
+    with `pad_block`): slot_mapping and positions int64, the rest int32."""
     n = len(lengths)
+    if width is None:
+        width = max(len(t) for t in tables)
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     table = np.full((n, width), pad_block, dtype=np.int32)
