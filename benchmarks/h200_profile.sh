@@ -2,7 +2,9 @@
 # Where the host time of a c=256 step goes (issues 21/22), in one call: py-spy (in .whl/) of
 #   1. the engine alone (engine_loop.py, 256 live streams, 6 x 256 requests), 5 s of its measured loop,
 #      plus a torch.profiler window that names the host phase open when the GPU idles;
-#   2. the server and its worker (serving_speed.py, c=256, 1,024 prompts so the cell is long), 8 s.
+#   2. the server and its worker (serving_speed.py, c=256, 1,024 prompts so the cell is long), 8 s; SERVE_BASE=1 serves
+#      .base/ (commit BASE) first, in the same call; GIL=1 samples only the thread holding the GIL (py-spy --gil).
+# Each profile is summarised by benchmarks/pyspy_summary.py into its .summary.txt.
 # C sets the concurrency (256), PROMPTS the served cell (4 x C). Random 0.6B Base weights, fixed lengths (EOS ignored). OUT: a results folder.
 set -uo pipefail
 . "$(dirname "$0")/h200_env.sh"
@@ -24,9 +26,14 @@ for _ in $(seq 480); do [ -f /tmp/loop-ready ] && break; sleep 0.5; done
 wait $pid
 grep '^{' "$OUT/loop-c$C.log" | cut -c1-600
 timeout ${T2:-300} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
-  --client-procs 2 --startup-timeout 200 --cell-timeout 150 --variant new=.:legato --concurrency $C \
+  --client-procs 2 --startup-timeout 200 --cell-timeout 150 ${SERVE_BASE:+--variant base=.base:legato} \
+  --variant new=.:legato --concurrency $C ${GIL:+--profile-gil} \
   --max-num-seqs $C --min-prompts ${PROMPTS:-$((4 * C))} --max-prompts ${PROMPTS:-$((4 * C))} --profile xvec:$C --profile-seconds 8 \
   --out /tmp/served 2>&1 | grep -v '^{' | tail -6
 cp /tmp/served/summary.json "$OUT/served-c$C.json"
 cp /tmp/served/profile-*.txt "$OUT/" 2>/dev/null
+for f in "$OUT"/*pyspy.txt "$OUT"/profile-*.txt; do
+  [ -f "$f" ] && python3 benchmarks/pyspy_summary.py "$f" > "${f%.txt}.summary.txt"
+done
+grep -h -A3 "Samples by" "$OUT"/*.summary.txt 2>/dev/null
 true

@@ -165,7 +165,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 elif profiled:
                     spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration",
                                             str(args.profile_seconds), "--rate", "100", "--format", "raw",
-                                            "--nonblocking", "--threads", "--subprocesses", "--output",
+                                            "--nonblocking", "--threads", "--subprocesses",
+                                            *(["--gil"] if args.profile_gil else []), "--output",
                                             str(Path(args.out) / f"profile-{name}-{mode}-c{conc}.txt")],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 done = subprocess.run(bench, env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -267,6 +268,8 @@ def main() -> int:
     p.add_argument("--profile", default="", metavar="MODE:CONC[,MODE:CONC]",
                    help="py-spy the server during these cells")
     p.add_argument("--profile-seconds", type=int, default=5)
+    p.add_argument("--profile-gil", action="store_true",
+                   help="sample only the thread holding the GIL (py-spy --gil): who the others wait for")
     p.add_argument("--text-rate", default="inf", help="tokens a second of the -ws modes' text ('inf': at once)")
     args = p.parse_args()
     Path(args.out, "runs").mkdir(parents=True, exist_ok=True)

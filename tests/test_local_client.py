@@ -471,3 +471,69 @@ def test_a_bad_gil_switch_interval_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("LEGATO_GIL_SWITCH_MS", "0")
     set_gil_switch_interval()
     assert sys.getswitchinterval() == before  # 0 leaves the interpreter's own
+
+
+def test_generate_into_hands_each_step_over_in_one_call_with_the_streams_chunks(loaded):
+    """`generate_into` (the worker's path): the chunks `generate` gives, per request in order, but a step's chunks
+    of every stream sharing a sink arrive in one call; each call returns after its request's last chunk."""
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            alone = {rid: (await collect(client, request(rid, frames=5 + i, first_chunk_frames=1)))[0]
+                     for i, rid in enumerate("abc")}
+            calls: list[list] = []
+            await asyncio.gather(*(client.generate_into(request(rid, frames=5 + i, first_chunk_frames=1),
+                                                        calls.append) for i, rid in enumerate("abc")))
+            refused = []
+            with pytest.raises(RequestRejected) as err:
+                await client.generate_into(SynthesisRequest("bad", SpeechInput(
+                    "Hi", language="klingon", speaker_embedding=EMB, x_vector_only=True),
+                    SamplingParams(seed=1, max_new_tokens=4)), refused.append)
+        finally:
+            await client.stop()
+        return alone, calls, refused, err.value
+
+    alone, calls, refused, err = asyncio.run(main())
+    got = {rid: [c for call in calls for r, c in call if r == rid] for rid in "abc"}
+    for rid in "abc":
+        assert [c.num_frames for c in got[rid]] == [c.num_frames for c in alone[rid]], rid
+        assert np.array_equal(np.concatenate([c.codes for c in got[rid]]),
+                              np.concatenate([c.codes for c in alone[rid]])), rid
+        # The codec decoded them in one batch here, alone there: the same audio to float rounding.
+        np.testing.assert_allclose(np.concatenate([c.audio for c in got[rid]]),
+                                   np.concatenate([c.audio for c in alone[rid]]), atol=1e-5, err_msg=rid)
+        assert got[rid][-1].finished and sum(c.finished for c in got[rid]) == 1
+    # The three ran together: some call carried chunks of more than one request.
+    assert max(len({r for r, _ in call}) for call in calls) > 1
+    assert err.status == 400 and refused == []
+
+
+def test_cancelling_generate_into_aborts_the_request_and_frees_its_blocks(loaded):
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            seen = asyncio.Event()
+
+            def sink(items):
+                if any(c.audio.size for _, c in items):
+                    seen.set()
+
+            task = asyncio.ensure_future(client.generate_into(
+                request("d", frames=200, ignore_eos=True, first_chunk_frames=1), sink))
+            await asyncio.wait_for(seen.wait(), 60)
+            task.cancel()  # the worker dropped the request
+            for _ in range(500):
+                stats = client.stats()
+                if stats.free_kv_blocks == stats.num_kv_blocks and stats.running == 0:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await client.stop()
+        return task, client.stats()
+
+    task, stats = asyncio.run(main())
+    assert task.cancelled()
+    assert stats.free_kv_blocks == stats.num_kv_blocks and stats.running == 0
+    assert stats.aborted.get("client disconnected") == 1

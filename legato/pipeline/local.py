@@ -14,13 +14,14 @@ queued and whatever was queued is refused with 503, so no caller waits forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -61,8 +62,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Stream:
+    """Where a request's chunks go, on `loop`: its `queue` (`generate`), or its `sink` (`generate_into`), which
+    takes a step's chunks of every stream sharing it in one call, then `done` is set once its last chunk went."""
+
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue | None = None
+    sink: Callable[[list[tuple[str, StreamChunk]]], None] | None = None
+    done: asyncio.Future | None = None
 
 
 def rejection(exc: Exception, retry_after: float = 1.0) -> RequestRejected:
@@ -158,6 +164,33 @@ class LocalEngineClient(EngineClient):
         return self._generate(req, owner)
 
     async def _generate(self, req: SynthesisRequest, owner: bool) -> AsyncIterator[StreamChunk]:
+        prepared, then = await self._admit(req, owner)
+        if isinstance(prepared, StreamChunk):
+            yield prepared
+            return
+        async for chunk in self._stream("add", prepared, req.request_id, then):
+            yield chunk
+
+    async def generate_into(self, req: SynthesisRequest,
+                            sink: Callable[[list[tuple[str, StreamChunk]]], None]) -> None:
+        """As `generate`, but the chunks go to `sink` on the caller's loop: one call per engine step for every
+        stream of that sink, [(request_id, chunk), ...] in the engine's order, instead of one queue and one task
+        wake-up per chunk (at 256 streams a worker's event loop spent ~4.5 ms a step on those wake-ups). Returns
+        once the request's last chunk went to `sink`; a refusal raises RequestRejected, as `generate` does, and
+        no chunk goes to `sink` then. Cancelled before its end, the request is aborted."""
+        owner = req.text_open and req.request_id not in self._early_text
+        if owner:
+            self._early_text[req.request_id] = []
+        prepared, then = await self._admit(req, owner)
+        if isinstance(prepared, StreamChunk):
+            sink([(req.request_id, prepared)])
+            return
+        loop = asyncio.get_running_loop()
+        await self._run_into("add", prepared, req.request_id, then, _Stream(loop, sink=sink, done=loop.create_future()))
+
+    async def _admit(self, req: SynthesisRequest, owner: bool) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
+        """The request ready for the engine (voice, tokens, prompt) and the text that came meanwhile; or, for an
+        open in-context clone aborted while it waited for text, its last chunk."""
         then: list[tuple] = []
         try:
             if req.text_open and not owner:
@@ -172,15 +205,13 @@ class LocalEngineClient(EngineClient):
                                                "(its prompt waits for text the decode side receives)")
                 prepared = await self._with_enough_text(prepared)
                 if prepared is None:
-                    yield StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="abort",
-                                      error=self._text_waits.pop(req.request_id, None) or "aborted")
-                    return
+                    return StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="abort",
+                                       error=self._text_waits.pop(req.request_id, None) or "aborted"), []
         finally:
             self._text_waits.pop(req.request_id, None)
             if owner:
                 then = self._early_text.pop(req.request_id, [])
-        async for chunk in self._stream("add", prepared, req.request_id, then):
-            yield chunk
+        return prepared, then
 
     async def _with_enough_text(self, prepared: EngineRequest) -> EngineRequest | None:
         """Waits until the text that came (held in `_early_text`) fills an open in-context clone's prompt, or
@@ -244,28 +275,40 @@ class LocalEngineClient(EngineClient):
 
     async def _stream(self, kind: str, payload: object, request_id: str,
                       then: list[tuple] = ()) -> AsyncIterator[StreamChunk]:
+        stream = _Stream(asyncio.get_running_loop(), queue=asyncio.Queue())
+        async with self._admitted(kind, payload, request_id, then, stream) as ended:
+            while True:
+                chunk = await stream.queue.get()
+                ended[0] = chunk.finished
+                yield chunk
+                if chunk.finished:
+                    return
+
+    async def _run_into(self, kind: str, payload: object, request_id: str, then: list[tuple],
+                        stream: _Stream) -> None:
+        async with self._admitted(kind, payload, request_id, then, stream) as ended:
+            await stream.done
+            ended[0] = True
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, kind: str, payload: object, request_id: str, then: list[tuple], stream: _Stream):
+        """Hands the request to the engine thread and waits for its admission (raising RequestRejected); the body
+        then takes its chunks and sets `ended[0]` at the last. Left before that, the request is aborted."""
         if self._stopping:
             raise RequestRejected(503, "server is shutting down")
-        loop = asyncio.get_running_loop()
-        admitted = loop.create_future()
-        stream = _Stream(loop, asyncio.Queue())
+        admitted = stream.loop.create_future()
         if not self._submit((kind, payload, admitted, stream)):
             raise RequestRejected(503, "the engine is not running")
         for cmd in then:  # text that came during admission: right behind its request, before anything newer
             self._submit(cmd)
-        finished = False
+        ended = [False]
         try:
             await admitted  # raises RequestRejected
-            while True:
-                chunk = await stream.queue.get()
-                finished = chunk.finished
-                yield chunk
-                if finished:
-                    return
+            yield ended
         finally:
             # A refused request is not in the engine; aborting its id could end another request using it.
             refused = admitted.done() and not admitted.cancelled() and admitted.exception() is not None
-            if not finished and not refused:
+            if not ended[0] and not refused:
                 self._submit(("abort", request_id, "client disconnected"))
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
@@ -377,7 +420,7 @@ class LocalEngineClient(EngineClient):
             for rid, s in list(self._streams.items()):
                 chunk = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error",
                                     error="engine loop crashed")
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, chunk)
+                _hand_over(s, [(rid, chunk)])
                 self._streams.pop(rid, None)
         finally:
             with self._inbox_lock:
@@ -446,10 +489,11 @@ class LocalEngineClient(EngineClient):
         _settle(admitted, result=seed)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hands a step's chunks to their streams: one wake-up per event loop per step, not one per chunk (at
-        64 streams a step's outputs were as many cross-thread callbacks, each taking the loop's lock and
-        writing its wake-up pipe while the engine thread held the GIL)."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamChunk]]] = {}
+        """Hands a step's chunks to their streams: one wake-up per event loop (and per sink) per step, not one per
+        chunk (at 64 streams a step's outputs were as many cross-thread callbacks, each taking the loop's lock
+        and writing its wake-up pipe while the engine thread held the GIL)."""
+        queued: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamChunk]]] = {}
+        sunk: dict[tuple[asyncio.AbstractEventLoop, Callable], tuple[list, list]] = {}
         for o in outputs:
             stream = self._streams.get(o.request_id)
             if stream is None:
@@ -463,13 +507,19 @@ class LocalEngineClient(EngineClient):
             if o.finished:
                 del self._streams[o.request_id]
                 self._drain_rate.finished()
-            if chunk.audio.size or chunk.codes.size or o.finished:
-                batches.setdefault(stream.loop, []).append((stream.queue, chunk))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed: nobody is left to read these streams
-                pass
+            if not (chunk.audio.size or chunk.codes.size or o.finished):
+                continue
+            if stream.sink is None:
+                queued.setdefault(stream.loop, []).append((stream.queue, chunk))
+            else:
+                items, done = sunk.setdefault((stream.loop, stream.sink), ([], []))
+                items.append((o.request_id, chunk))
+                if o.finished:
+                    done.append(stream.done)
+        for loop, items in queued.items():
+            _call_on(loop, _put_all, items)
+        for (loop, sink), (items, done) in sunk.items():
+            _call_on(loop, _sink_all, sink, items, done)
 
     def _refresh_stats(self) -> None:
         self._stats = self._snapshot()
@@ -484,6 +534,32 @@ class LocalEngineClient(EngineClient):
             step_gap_s=times.gap_s, loop_other_s=self._loop_other_s, text_wait_s=self.engine.text_wait_s,
             waiting_for_text=self.engine.num_waiting_for_text,
         )
+
+
+def _call_on(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that event loop is closed: nobody is left to read these streams
+        pass
+
+
+def _sink_all(sink: Callable, items: list[tuple[str, StreamChunk]], done: list[asyncio.Future]) -> None:
+    """On the event loop: a step's chunks into their sink, then the streams they ended are done (a failing sink
+    still ends them: their callers must not wait forever)."""
+    try:
+        sink(items)
+    finally:
+        for fut in done:
+            if not fut.done():
+                fut.set_result(None)
+
+
+def _hand_over(stream: _Stream, items: list[tuple[str, StreamChunk]]) -> None:
+    """One stream's chunks, from the engine thread (the crash path: one call per stream)."""
+    if stream.sink is None:
+        _call_on(stream.loop, _put_all, [(stream.queue, c) for _, c in items])
+    else:
+        _call_on(stream.loop, _sink_all, stream.sink, items, [stream.done] if items[-1][1].finished else [])
 
 
 def _settle(fut: asyncio.Future, result=None, error: Exception | None = None) -> None:

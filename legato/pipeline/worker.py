@@ -76,8 +76,14 @@ class PassOutbox:
         self._items: list = []
 
     def put(self, item) -> None:
-        self._items.append(item)
-        if len(self._items) == 1:
+        self.put_all([item])
+
+    def put_all(self, items: list) -> None:
+        if not items:
+            return
+        first = not self._items
+        self._items.extend(items)
+        if first:
             asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
@@ -123,6 +129,10 @@ class _Worker:
         """Queues a request's chunk; the chunks that one engine step made for all streams leave in one message."""
         self.outbox.put((rid, chunk))
 
+    def send_chunks(self, chunks: list[tuple[str, StreamChunk]]) -> None:
+        """A step's chunks of every request `run_request` runs, as the engine thread hands them over."""
+        self.outbox.put_all(chunks)
+
     def flush_chunks(self) -> None:
         self.outbox.flush()
 
@@ -154,7 +164,7 @@ class _Worker:
             if req.handoff_to is not None:
                 job = self.prefill_and_send(req) if self.links is not None else self.no_links(req.request_id)
             else:
-                job = self.stream(req.request_id, self.client.generate(req))
+                job = self.run_request(req)
             self.tasks[req.request_id] = asyncio.create_task(job)
         elif isinstance(msg, m.AwaitHandoff):
             if self.links is not None:
@@ -207,6 +217,22 @@ class _Worker:
             self.cancelled.discard(rid)
         if not ended:  # refused, or closed early: blocks may have come back all the same
             await self.send(m.Stats(self.client.stats()))
+
+    async def run_request(self, req) -> None:
+        """A request decoded here: its chunks go straight from the engine thread's hand-over into the outbox
+        (`generate_into`), with no task wake-up per chunk; as `stream` otherwise."""
+        rid = req.request_id
+        try:
+            await self.client.generate_into(req, self.send_chunks)
+        except RequestRejected as e:
+            await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
+            await self.send(m.Stats(self.client.stats()))  # blocks may have come back all the same
+        except Exception as e:  # a failure here fails this request, with a reason, not the worker
+            log.exception("running %s failed", rid)
+            await self.finish(rid, _end("error", f"worker error: {e}"))
+        finally:
+            self.tasks.pop(rid, None)
+            self.cancelled.discard(rid)
 
     async def prefill_and_send(self, req) -> None:
         """Prefill worker: run the prefill, then move the handoff over the KV link to decode worker
