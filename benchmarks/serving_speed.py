@@ -83,6 +83,19 @@ def server_ttfps(log_path: Path, start: int) -> list[float]:
     return [float(v) for v in re.findall(r" ttfp_s=([0-9.eE+-]+)", text)]
 
 
+def server_stages(log_path: Path, start: int) -> dict[str, dict[str, float | None]]:
+    """p50/p99 ms of each engine-side stage the server logged beside its TTFP (`prepare_s=` ...), after `start`."""
+    with open(log_path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    out = {}
+    for stage in ("prepare", "inbox", "engine"):
+        values = [float(v) for v in re.findall(rf" {stage}_s=([0-9.eE+-]+)", text)]
+        out[stage] = {q: (1000 * percentile(values, p) if values else None) for q, p in (("p50_ms", 0.5),
+                                                                                         ("p99_ms", 0.99))}
+    return out
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -174,6 +187,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                     capture_output=True, text=True, timeout=args.cell_timeout)
                 after = step_timers(url)
                 served = server_ttfps(Path(args.out) / f"server-{name}.log", log_at)
+                stages = server_stages(Path(args.out) / f"server-{name}.log", log_at)
                 if spy is not None:
                     spy.wait(args.profile_seconds + 30)
                 label = f"{name}-{mode}-stream-text" if ws else f"{name}-{mode}"
@@ -199,6 +213,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                         "ttfp_p99_ms": agg["ttfp_ms"]["p99"],
                         "server_ttfp_p50_ms": 1000 * (percentile(served, 0.5) or 0) if served else None,
                         "server_ttfp_p99_ms": 1000 * (percentile(served, 0.99) or 0) if served else None,
+                        "server_stages": stages,
                         "rtf_p50": agg["rtf"]["median"],
                         "continuity": agg["continuity_rate"], "underrun_p99_s": agg["underrun_s"]["p99"],
                         "completed": agg["completed"], "failed": agg["failed"],

@@ -103,3 +103,19 @@ def test_the_front_takes_a_steps_message_like_its_chunks(tiny_checkpoint):
     got = asyncio.run(go())
     assert all([c.num_frames for c in got[rid]] == [1, 2] and got[rid][1].finished for rid in "ab")
     assert client._streams == {}
+
+
+def test_a_first_chunks_stages_cross_both_message_kinds_and_bad_ones_are_refused():
+    stages = {"prepare": 0.012, "inbox": 0.0005, "engine": 0.04}
+    first = StreamChunk(np.ones(3, np.float32), 1, stages=stages)
+    [(_, one)] = [(None, m.decode(m.encode(m.Chunk("a", first))).chunk)]
+    many = m.decode(m.encode(m.Chunks([("a", first), ("b", _chunk(1, last=False))])))
+    assert one.stages == stages and many.chunks[0][1].stages == stages and many.chunks[1][1].stages is None
+    for bad in ({"prepare": "soon"}, {"elsewhere": 1.0}, {"engine": True}):
+        header, *arrays = m.encode(m.Chunk("a", StreamChunk(np.ones(3, np.float32), 1, stages=bad)))
+        try:
+            m.decode([header, *arrays])
+        except m.MessageError as e:
+            assert "stages" in str(e)
+        else:
+            raise AssertionError(f"stages {bad} were accepted")

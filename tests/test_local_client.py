@@ -504,6 +504,10 @@ def test_generate_into_hands_each_step_over_in_one_call_with_the_streams_chunks(
         np.testing.assert_allclose(np.concatenate([c.audio for c in got[rid]]),
                                    np.concatenate([c.audio for c in alone[rid]]), atol=1e-5, err_msg=rid)
         assert got[rid][-1].finished and sum(c.finished for c in got[rid]) == 1
+        # The first chunk with audio says where the time before it went; no other chunk does.
+        timed = [c for c in got[rid] if c.stages is not None]
+        assert len(timed) == 1 and timed[0] is next(c for c in got[rid] if c.audio.size), rid
+        assert set(timed[0].stages) == {"prepare", "inbox", "engine"} and min(timed[0].stages.values()) >= 0
     # The three ran together: some call carried chunks of more than one request.
     assert max(len({r for r, _ in call}) for call in calls) > 1
     assert err.status == 400 and refused == []

@@ -146,13 +146,36 @@ def test_the_special_text_embeddings_follow_the_weights():
     spec = PromptSpec(text_ids=TEXT, speaker_embedding=torch.randn(cfg.talker_config.hidden_size),
                       x_vector_only=True)
     first = build_prompt(spec, talker, cfg)
-    cached = talker._special_text_cache[1]
+    cached = talker._prompt_parts
     again = build_prompt(spec, talker, cfg)
-    assert talker._special_text_cache[1] is cached and torch.equal(first.embeds, again.embeds)
+    assert talker._prompt_parts is cached and torch.equal(first.embeds, again.embeds)
     specials = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
     assert torch.equal(first.tts_pad, talker.embed_text(specials)[2])
     with torch.no_grad():
         next(talker.text_projection.parameters()).mul_(0.5)
     changed = build_prompt(spec, talker, cfg)
+    assert talker._prompt_parts is not cached
     assert not torch.equal(changed.tts_pad, first.tts_pad)
     assert torch.equal(changed.tts_pad, talker.embed_text(specials)[2])
+
+
+@pytest.mark.parametrize("kind,size", [("base", "0b6"), ("custom_voice", "1b7"), ("voice_design", "1b7")])
+def test_prompts_built_from_the_shared_pieces_equal_prompts_built_cold(kind, size):
+    """The role prefix, a first token, an instruction and the codec control ids, cached from earlier prompts, give
+    each later prompt the bits it gets with nothing cached."""
+    cfg = tiny_config(kind, size)
+    torch.manual_seed(2)
+    talker = Talker(cfg.talker_config).eval()
+    extra = dict(speaker_embedding=torch.randn(cfg.talker_config.hidden_size), x_vector_only=True) \
+        if kind == "base" else dict(speaker="ryan") if kind == "custom_voice" else {}
+    instruct = [151644, 872, 198, 5, 6, 151645, 198] if kind != "base" else None
+    body = TEXT[3:-5]
+    texts = [TEXT, [*TEXT[:3], *body[:1], *body[::-1], *TEXT[-5:]], [*TEXT[:3], *body[1:], *TEXT[-5:]]]
+    specs = [PromptSpec(text_ids=t, language=lang, instruct_ids=instruct, **extra)
+             for t in texts for lang in ("english", "auto")]
+    warm = [build_prompt(s, talker, cfg) for s in specs]
+    for spec, got in zip(specs, warm, strict=True):
+        talker._prompt_parts = None  # nothing cached
+        cold = build_prompt(spec, talker, cfg)
+        assert torch.equal(got.embeds, cold.embeds) and torch.equal(got.trailing_text, cold.trailing_text)
+        assert torch.equal(got.tts_pad, cold.tts_pad)

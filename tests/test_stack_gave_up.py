@@ -74,6 +74,19 @@ def test_a_step_whose_pass_gave_up_fails_its_requests_and_the_engine_serves_on(t
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
 
 
+def test_give_ups_counted_before_the_engine_existed_fail_none_of_its_requests(tmp_path, monkeypatch):
+    """The count is per device and outlives engines: an engine made after another's give-up starts from it (on the
+    H200 an engine failed every request of its first step over a count it had not made)."""
+    from legato.engine.model_runner import ModelRunner
+
+    lm, spec = _model_and_spec(tmp_path)
+    monkeypatch.setattr(ModelRunner, "stack_gave_up_so_far", lambda self: 1)
+    engine = Engine(lm, engine_config())
+    _counting(engine, gave_up_from_call=1)  # the count reads 1 from the first step on
+    got = run_all(engine, _requests(spec, "c"))
+    assert all(got.finished[f"c{i}"] == "length" and got.errors[f"c{i}"] is None for i in range(3))
+
+
 def test_decode_runs_in_inference_mode(tmp_path):
     """The runner's decode builds no autograd record (a lost `inference_mode` made a server's RSS grow ~5x under
     tests/reliability/test_overload.py): its rows are inference tensors."""

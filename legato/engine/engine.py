@@ -143,7 +143,9 @@ class Engine:
         self._tails: dict[str, _Live] = {}  # ended, their last audio on its way back from the codec
         self.times = StepTimes()
         self._in_flight: _Launched | None = None
-        self._stack_gave_up = 0  # barrier give-ups of the one-launch code predictor seen so far
+        # Barrier give-ups of the one-launch code predictor seen so far; those of earlier engines in this process
+        # (the count is per device) are not this engine's.
+        self._stack_gave_up = self.runner.stack_gave_up_so_far()
 
     # --- requests -------------------------------------------------------------------------------------
 

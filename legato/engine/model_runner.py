@@ -162,6 +162,10 @@ class ModelRunner:
 
     # --- decode ---------------------------------------------------------------------------------------
 
+    def stack_gave_up_so_far(self) -> int:
+        """The one-launch code predictor's barrier give-ups on this device so far (waits for the device)."""
+        return int(decoder_stack.gave_up(self.device).item()) if self.uses_stack else 0
+
     @torch.inference_mode()
     def stack_gave_up_row(self) -> torch.Tensor:
         """[1, 17] int64 on the device, every column the one-launch code predictor's barrier give-ups so far: a

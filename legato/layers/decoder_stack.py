@@ -117,6 +117,8 @@ def stack(layers, final_norm) -> StackWeights:
         head_dim=first.head_dim)
     if max(w.numel() for w in (weights.qkv, weights.o, weights.gate_up, weights.down)) >= 2**31:
         raise ValueError("decoder_stack indexes each stacked weight with 32-bit offsets")
+    if qkv.is_cuda:
+        reserve_barriers(qkv.device)
     return weights
 
 
@@ -125,32 +127,51 @@ def takes(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.shape[0] <= MAX_ROWS
 
 
-_barriers: dict[tuple[int, int], torch.Tensor] = {}
+# Barriers: [count, exited, error, spare] per stream, since a launch's programs count on theirs alone; each is back
+# at zero after every launch (the last program out resets it). They are rows of one zeroed pool per device, made
+# before any capture (`reserve_barriers`): a barrier first made inside a CUDA graph capture came from the graph's
+# pool with its zeroing captured, not run, so until a replay it held whatever that memory held before, and the
+# give-up count (`gave_up`), which reads every barrier, read that as give-ups (the async GPU test failed on the
+# H200 on 2026-12-04 with every request of its second stack engine failed at its first step).
+POOL_ROWS = 256
+_pools: dict[int, torch.Tensor] = {}  # device index -> [POOL_ROWS, 4] int32
+_rows: dict[tuple[int, int], int] = {}  # (device index, stream) -> pool row
+
+
+def reserve_barriers(device: torch.device) -> None:
+    """Makes `device`'s barrier pool (zeroed) if it has none; call it outside any graph capture."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pools:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decoder_stack's barriers must be reserved before a CUDA graph capture")
+        _pools[index] = torch.zeros(POOL_ROWS, 4, dtype=torch.int32, device=torch.device("cuda", index))
 
 
 def _barrier(device: torch.device) -> torch.Tensor:
-    # [count, exited, error]: one per stream, since a launch's programs count on it alone. It is back at zero
-    # after every launch (the last program out resets it).
-    stream = torch.cuda.current_stream(device).cuda_stream
-    key = (device.index or 0, stream)
-    if key not in _barriers:
-        _barriers[key] = torch.zeros(4, dtype=torch.int32, device=device)
-    return _barriers[key]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    reserve_barriers(device)
+    key = (index, torch.cuda.current_stream(device).cuda_stream)
+    if key not in _rows:
+        if len(_rows) >= POOL_ROWS:
+            raise RuntimeError(f"decoder_stack: more than {POOL_ROWS} streams have run the stack")
+        _rows[key] = len(_rows)
+    return _pools[index][_rows[key]]
 
 
 def barrier_errors() -> int:
-    """Barrier waits that gave up since the counters were made (0 unless a launch could not keep its programs
+    """Barrier waits that gave up since the pools were made (0 unless a launch could not keep its programs
     resident); tests and benchmarks read it."""
-    return sum(int(b[2].item()) for b in _barriers.values())
+    return sum(int(pool[:, 2].sum().item()) for pool in _pools.values())
 
 
 def gave_up(device: torch.device) -> torch.Tensor:
     """The barrier waits on `device` that gave up so far, as a 0-dim int64 tensor computed on the current stream
     (no host sync: the engine copies it to the host with a step's results)."""
-    words = [b[2] for (index, _), b in _barriers.items() if index == (device.index or 0)]
-    if not words:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pool = _pools.get(index)
+    if pool is None:
         return torch.zeros((), dtype=torch.int64, device=device)
-    return torch.stack(words).sum().to(torch.int64)
+    return pool[:, 2].sum(dtype=torch.int64)
 
 
 def _chunk(k: int) -> tuple[int, int, int]:

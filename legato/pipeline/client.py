@@ -53,6 +53,14 @@ class StreamChunk:
     # On an "error" chunk: the failure was the deployment's, not the request's (its worker died, its KV
     # handoff did not cross), so the same request run elsewhere would give the same result.
     retryable: bool = False
+    # On a request's first chunk with audio, where its time went before it, in seconds (`STAGES`), when the
+    # engine client measured it: the server logs them beside the TTFP.
+    stages: dict[str, float] | None = None
+
+
+# prepare: from the call to the engine thread's inbox (the voice, tokens and prompt, with their queues);
+# inbox: until the engine thread took it in; engine: from then to the first audio handed over.
+STAGES = ("prepare", "inbox", "engine")
 
 
 class RequestRejected(Exception):

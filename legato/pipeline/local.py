@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -69,6 +69,11 @@ class _Stream:
     queue: asyncio.Queue | None = None
     sink: Callable[[list[tuple[str, StreamChunk]]], None] | None = None
     done: asyncio.Future | None = None
+    # perf_counter() stamps for the first audio chunk's `stages`: the call, the hand-off to the engine thread, the
+    # engine's taking it (None once the stages went out).
+    called: float | None = None
+    submitted: float = 0.0
+    added: float = 0.0
 
 
 def rejection(exc: Exception, retry_after: float = 1.0) -> RequestRejected:
@@ -156,37 +161,44 @@ class LocalEngineClient(EngineClient):
         self._encoder.shutdown(wait=False, cancel_futures=True)
 
     def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        called = time.perf_counter()
         # A text_open request takes text from the moment it is asked for, even before its stream is iterated:
         # what comes before it reaches the engine thread follows it there.
         owner = req.text_open and req.request_id not in self._early_text
         if owner:
             self._early_text[req.request_id] = []
-        return self._generate(req, owner)
+        return self._generate(req, owner, called)
 
-    async def _generate(self, req: SynthesisRequest, owner: bool) -> AsyncIterator[StreamChunk]:
+    async def _generate(self, req: SynthesisRequest, owner: bool, called: float) -> AsyncIterator[StreamChunk]:
         prepared, then = await self._admit(req, owner)
         if isinstance(prepared, StreamChunk):
             yield prepared
             return
-        async for chunk in self._stream("add", prepared, req.request_id, then):
+        async for chunk in self._stream("add", prepared, req.request_id, then, called):
             yield chunk
 
-    async def generate_into(self, req: SynthesisRequest,
-                            sink: Callable[[list[tuple[str, StreamChunk]]], None]) -> None:
+    def generate_into(self, req: SynthesisRequest,
+                      sink: Callable[[list[tuple[str, StreamChunk]]], None]) -> Coroutine[None, None, None]:
         """As `generate`, but the chunks go to `sink` on the caller's loop: one call per engine step for every
         stream of that sink, [(request_id, chunk), ...] in the engine's order, instead of one queue and one task
-        wake-up per chunk (at 256 streams a worker's event loop spent ~4.5 ms a step on those wake-ups). Returns
-        once the request's last chunk went to `sink`; a refusal raises RequestRejected, as `generate` does, and
-        no chunk goes to `sink` then. Cancelled before its end, the request is aborted."""
+        wake-up per chunk (at 256 streams a worker's event loop spent ~4.5 ms a step on those wake-ups). The
+        returned coroutine ends once the request's last chunk went to `sink`; a refusal raises RequestRejected, as
+        `generate` does, and no chunk goes to `sink` then. Cancelled before its end, the request is aborted. As
+        with `generate`, an open text takes text from this call on, before the coroutine runs."""
+        called = time.perf_counter()
         owner = req.text_open and req.request_id not in self._early_text
         if owner:
             self._early_text[req.request_id] = []
+        return self._generate_into(req, sink, owner, called)
+
+    async def _generate_into(self, req: SynthesisRequest, sink: Callable, owner: bool, called: float) -> None:
         prepared, then = await self._admit(req, owner)
         if isinstance(prepared, StreamChunk):
             sink([(req.request_id, prepared)])
             return
         loop = asyncio.get_running_loop()
-        await self._run_into("add", prepared, req.request_id, then, _Stream(loop, sink=sink, done=loop.create_future()))
+        await self._run_into("add", prepared, req.request_id, then,
+                             _Stream(loop, sink=sink, done=loop.create_future(), called=called))
 
     async def _admit(self, req: SynthesisRequest, owner: bool) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
         """The request ready for the engine (voice, tokens, prompt) and the text that came meanwhile; or, for an
@@ -274,8 +286,8 @@ class LocalEngineClient(EngineClient):
             yield chunk
 
     async def _stream(self, kind: str, payload: object, request_id: str,
-                      then: list[tuple] = ()) -> AsyncIterator[StreamChunk]:
-        stream = _Stream(asyncio.get_running_loop(), queue=asyncio.Queue())
+                      then: list[tuple] = (), called: float | None = None) -> AsyncIterator[StreamChunk]:
+        stream = _Stream(asyncio.get_running_loop(), queue=asyncio.Queue(), called=called)
         async with self._admitted(kind, payload, request_id, then, stream) as ended:
             while True:
                 chunk = await stream.queue.get()
@@ -297,6 +309,7 @@ class LocalEngineClient(EngineClient):
         if self._stopping:
             raise RequestRejected(503, "server is shutting down")
         admitted = stream.loop.create_future()
+        stream.submitted = time.perf_counter()
         if not self._submit((kind, payload, admitted, stream)):
             raise RequestRejected(503, "the engine is not running")
         for cmd in then:  # text that came during admission: right behind its request, before anything newer
@@ -485,6 +498,7 @@ class LocalEngineClient(EngineClient):
             _settle(admitted, error=rejection(e, retry_after=wait))
             return
         self._streams[req.request_id] = stream
+        stream.added = time.perf_counter()
         self._refresh_stats()  # a caller told it is admitted sees it counted
         _settle(admitted, result=seed)
 
@@ -509,6 +523,10 @@ class LocalEngineClient(EngineClient):
                 self._drain_rate.finished()
             if not (chunk.audio.size or chunk.codes.size or o.finished):
                 continue
+            if stream.called is not None and chunk.audio.size:
+                chunk.stages = {"prepare": stream.submitted - stream.called, "inbox": stream.added - stream.submitted,
+                                "engine": time.perf_counter() - stream.added}
+                stream.called = None
             if stream.sink is None:
                 queued.setdefault(stream.loop, []).append((stream.queue, chunk))
             else:

@@ -27,7 +27,7 @@ import torch
 
 from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams
-from legato.pipeline.client import EngineStats, ModelInfo, StreamChunk, SynthesisRequest
+from legato.pipeline.client import STAGES, EngineStats, ModelInfo, StreamChunk, SynthesisRequest
 
 VERSION = 1
 _DTYPES = {"float32", "int64"}  # the only array dtypes any message carries
@@ -370,7 +370,7 @@ def _enc_chunk(m: Chunk):
     c = m.chunk
     body = {"request_id": m.request_id, "num_frames": c.num_frames, "num_prompt_tokens": c.num_prompt_tokens,
             "finished": c.finished, "finish_reason": c.finish_reason, "error": c.error, "seed": c.seed,
-            "retryable": c.retryable}
+            "retryable": c.retryable, "stages": c.stages}
     return "chunk", body, {"audio": _np(c.audio, "float32"), "codes": _np(c.codes, "int64")}
 
 
@@ -383,11 +383,22 @@ def _dec_chunk(b: _Body) -> Chunk:
         num_prompt_tokens=b.get("num_prompt_tokens", int), finished=b.get("finished", bool), finish_reason=reason,
         error=b.get("error", str, optional=True), seed=b.get("seed", int),
         codes=b.array("codes", "int64", 2, optional=True, width=16),
-        retryable=b.get("retryable", bool, optional=True, default=False),
+        retryable=b.get("retryable", bool, optional=True, default=False), stages=_stages(b),
     ))
 
 
-_CHUNK_FIELDS = ("num_frames", "num_prompt_tokens", "finished", "finish_reason", "error", "seed", "retryable")
+_CHUNK_FIELDS = ("num_frames", "num_prompt_tokens", "finished", "finish_reason", "error", "seed", "retryable",
+                 "stages")
+
+
+def _stages(b: _Body) -> dict[str, float] | None:
+    stages = b.get("stages", dict, optional=True)
+    if stages is None:
+        return None
+    if set(stages) - set(STAGES) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in stages.values()):
+        raise MessageError(f"{b.tag}: stages must map {'/'.join(STAGES)} to seconds")
+    return {k: float(v) for k, v in stages.items()}
 
 
 def _enc_chunks(m: Chunks):
@@ -426,7 +437,7 @@ def _dec_chunks(b: _Body) -> Chunks:
             num_prompt_tokens=e.get("num_prompt_tokens", int), finished=e.get("finished", bool),
             finish_reason=reason, error=e.get("error", str, optional=True), seed=e.get("seed", int),
             codes=None if frames < 0 else codes[row:row + frames],
-            retryable=e.get("retryable", bool, optional=True, default=False))))
+            retryable=e.get("retryable", bool, optional=True, default=False), stages=_stages(e))))
         at, row = at + samples, row + max(frames, 0)
     if at != audio.size or row != codes.shape[0]:
         raise MessageError(f"chunks: the entries cover {at} samples and {row} frames of {audio.size} and "

@@ -163,8 +163,8 @@ class _Worker:
             req = msg.request
             if req.handoff_to is not None:
                 job = self.prefill_and_send(req) if self.links is not None else self.no_links(req.request_id)
-            else:
-                job = self.run_request(req)
+            else:  # asked for now: an open text's next message may be its first AppendText
+                job = self.run_request(req.request_id, self.client.generate_into(req, self.send_chunks))
             self.tasks[req.request_id] = asyncio.create_task(job)
         elif isinstance(msg, m.AwaitHandoff):
             if self.links is not None:
@@ -218,12 +218,11 @@ class _Worker:
         if not ended:  # refused, or closed early: blocks may have come back all the same
             await self.send(m.Stats(self.client.stats()))
 
-    async def run_request(self, req) -> None:
-        """A request decoded here: its chunks go straight from the engine thread's hand-over into the outbox
-        (`generate_into`), with no task wake-up per chunk; as `stream` otherwise."""
-        rid = req.request_id
+    async def run_request(self, rid: str, run) -> None:
+        """A request decoded here (`run`, from `generate_into`): its chunks go straight from the engine thread's
+        hand-over into the outbox, with no task wake-up per chunk; as `stream` otherwise."""
         try:
-            await self.client.generate_into(req, self.send_chunks)
+            await run
         except RequestRejected as e:
             await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
             await self.send(m.Stats(self.client.stats()))  # blocks may have come back all the same

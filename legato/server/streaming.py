@@ -67,6 +67,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.ttfp: float | None = None
+        self.stages: dict[str, float] = {}  # where the TTFP went on the engine's side (StreamChunk.stages)
         self.outcome: int | None = None
 
     async def next(self) -> StreamChunk:
@@ -85,6 +86,8 @@ class Generation:
         self.frames = chunk.num_frames
         self.samples += len(chunk.audio)
         self.seed = chunk.seed
+        if chunk.stages:
+            self.stages = chunk.stages
         if chunk.finished:
             self.finish_reason, self.error = chunk.finish_reason, chunk.error
         return chunk
@@ -133,7 +136,7 @@ class Generation:
             "finish_reason": self.finish_reason, "abort_reason": abort_reason, "error": error or self.error,
             "prompt_tokens": self.prompt_tokens, "frames": self.frames, "audio_s": round(self.audio_seconds, 3),
             "ttfp_s": None if self.ttfp is None else round(self.ttfp, 4), "e2e_s": round(e2e, 4), "seed": self.seed,
-            "length_cap": self.length_cap,
+            "length_cap": self.length_cap, **{f"{k}_s": round(v, 4) for k, v in self.stages.items()},
         })
         if self.length_cap is not None and not self.budget.exact:
             log.info("request %s ended 'length' at %d frames: cut by %s", self.req.request_id, self.frames,

@@ -18,6 +18,7 @@ import torch
 from legato.layers.host import upload
 
 from .config import Qwen3TTSConfig
+from .prompt_parts import parts_of
 from .talker import Talker
 
 # Template slices (§3.1): "<|im_start|>assistant\n" is 3 tokens, "<|im_end|>\n<|im_start|>assistant\n"
@@ -205,12 +206,13 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
     dtype = talker.codec_head.weight.dtype
     kind = cfg.tts_model_type
 
-    text_ids = _ids(spec.text_ids, "text_ids", tc.text_vocab_size, device)
-    if text_ids.numel() < ROLE_LEN + TARGET_TAIL + 1:
+    host_ids = _host_ids(spec.text_ids, "text_ids", tc.text_vocab_size)
+    if host_ids.numel() < ROLE_LEN + TARGET_TAIL + 1:
         raise PromptError("text_ids must hold the assistant template around at least one text token")
+    text_ids = upload(host_ids, device)
     language_id = _language_id(spec.language, cfg)
     speaker_slot, language_id = _speaker_slot(spec, talker, cfg, language_id, device, dtype)
-    instruct = _instruct(spec, cfg, device)
+    instruct = _instruct(spec, cfg)
     icl = kind == "base" and not spec.x_vector_only
     if icl:
         ref_ids, ref_code = _icl_inputs(spec, cfg, device)
@@ -222,10 +224,13 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
                           "exists (its reference frames carry the text beside them)")
 
     text = talker.embed_text
-    bos_t, eos_t, pad_t = _special_text(talker, cfg, device).chunk(3, dim=0)
+    shared = parts_of(talker)  # what every request (or many) share: computed once, the same bits
+    special = (cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id)
+    bos_t, eos_t, pad_t = shared.text(talker, special, device).chunk(3, dim=0)
+    first = host_ids.tolist()[:ROLE_LEN + 1]
 
-    parts = [] if instruct is None else [text(instruct)]
-    parts.append(text(text_ids[:ROLE_LEN]))
+    parts = [] if instruct is None else [shared.text(talker, instruct, device)]
+    parts.append(shared.text(talker, tuple(first[:ROLE_LEN]), device))
 
     # Codec control prefix: think/language tags, the optional speaker slot, then pad + bos. Its text
     # track is tts_pad..., tts_bos, and codec_bos is held back for the body. Every codec id of the prompt is
@@ -234,8 +239,7 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
         tag_ids = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
     else:
         tag_ids = [tc.codec_think_id, tc.codec_think_bos_id, language_id, tc.codec_think_eos_id]
-    ids = upload(torch.tensor([*tag_ids, tc.codec_pad_id, tc.codec_bos_id, tc.codec_pad_id]), device)
-    looked_up = talker.embed_codec(ids)
+    looked_up = shared.codec(talker, (*tag_ids, tc.codec_pad_id, tc.codec_bos_id, tc.codec_pad_id), device)
     tags, pad_bos, codec_pad = looked_up[:-3], looked_up[-3:-1], looked_up[-1:]
     slot = [] if speaker_slot is None else [speaker_slot.view(1, -1)]
     control = torch.cat([tags, *slot, pad_bos], dim=0)
@@ -255,28 +259,12 @@ def build_prompt(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig) -> Talke
         trailing = pad_t
     else:
         # One text token rides with codec_bos; the rest trails into the decode steps.
-        parts.append(text(text_ids[ROLE_LEN:ROLE_LEN + 1]) + codec_bos)
+        parts.append(shared.text(talker, (first[ROLE_LEN],), device) + codec_bos)
         trailing = text(text_ids[ROLE_LEN + 1:-TARGET_TAIL])
         if not spec.text_open:  # an open text gets its eos when it closes
             trailing = torch.cat([trailing, eos_t], dim=0)
 
     return TalkerPrompt(embeds=torch.cat(parts, dim=0), trailing_text=trailing, tts_pad=pad_t[0])
-
-
-def _special_text(talker: Talker, cfg: Qwen3TTSConfig, device: torch.device) -> torch.Tensor:
-    """T(tts_bos), T(tts_eos), T(tts_pad) [3, H]: the same in every prompt, so computed once per set of weights
-    rather than once per request on the admission thread. Keyed by the text embedding's and projection's
-    parameters (storage and version, which loading weights in place bumps), so new weights recompute it.
-    Callers never write into it: every use makes a new tensor."""
-    params = [*talker.model.text_embedding.parameters(), *talker.text_projection.parameters()]
-    key = tuple((p.data_ptr(), p._version) for p in params)
-    cached = getattr(talker, "_special_text_cache", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    ids = upload(torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]), device)
-    value = talker.embed_text(ids)
-    talker._special_text_cache = (key, value)
-    return value
 
 
 def _icl_body(talker: Talker, ref_ids: torch.Tensor, text_ids: torch.Tensor, ref_code: torch.Tensor,
@@ -298,13 +286,18 @@ def _icl_body(talker: Talker, ref_ids: torch.Tensor, text_ids: torch.Tensor, ref
     return text + codec, pad_t
 
 
-def _ids(ids: Sequence[int] | torch.Tensor, name: str, vocab: int, device: torch.device) -> torch.Tensor:
+def _host_ids(ids: Sequence[int] | torch.Tensor, name: str, vocab: int) -> torch.Tensor:
+    """`ids` checked, as a host int64 tensor."""
     t = ids.detach().to("cpu") if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
     if t.dim() != 1 or t.is_floating_point() or t.is_complex():
         raise PromptError(f"{name} must be a 1-D sequence of integer token ids")
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
         raise PromptError(f"{name} holds token ids outside [0, {vocab})")
-    return upload(t.to(torch.long), device)
+    return t.to(torch.long)
+
+
+def _ids(ids: Sequence[int] | torch.Tensor, name: str, vocab: int, device: torch.device) -> torch.Tensor:
+    return upload(_host_ids(ids, name, vocab), device)
 
 
 def _language_id(language: str | None, cfg: Qwen3TTSConfig) -> int | None:
@@ -352,11 +345,12 @@ def _speaker_slot(spec: PromptSpec, talker: Talker, cfg: Qwen3TTSConfig, languag
     return upload(emb, device), language_id
 
 
-def _instruct(spec: PromptSpec, cfg: Qwen3TTSConfig, device: torch.device) -> torch.Tensor | None:
+def _instruct(spec: PromptSpec, cfg: Qwen3TTSConfig) -> tuple[int, ...] | None:
+    """The instruction's token ids (checked), or None where the prompt holds none."""
     if spec.instruct_ids is None:
         return None
-    ids = _ids(spec.instruct_ids, "instruct_ids", cfg.talker_config.text_vocab_size, device)
-    if ids.numel() == 0:
+    ids = tuple(_host_ids(spec.instruct_ids, "instruct_ids", cfg.talker_config.text_vocab_size).tolist())
+    if not ids:
         return None
     if cfg.tts_model_type == "base":
         raise PromptError("a base (voice clone) model does not take an instruction")
