@@ -23,7 +23,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,27 +52,11 @@ from legato.pipeline.client import (
     StreamChunk,
     SynthesisRequest,
 )
-from legato.pipeline.client import put_all as _put_all
 from legato.pipeline.drain import DrainRate
+from legato.pipeline.handover import EngineStream, StepHandover, hand_over, settle
 from legato.pipeline.threads import ENGINE_THREAD_NAME, set_gil_switch_interval
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Stream:
-    """Where a request's chunks go, on `loop`: its `queue` (`generate`), or its `sink` (`generate_into`), which
-    takes a step's chunks of every stream sharing it in one call, then `done` is set once its last chunk went."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue | None = None
-    sink: Callable[[list[tuple[str, StreamChunk]]], None] | None = None
-    done: asyncio.Future | None = None
-    # perf_counter() stamps for the first audio chunk's `stages`: the call, the hand-off to the engine thread, the
-    # engine's taking it (None once the stages went out).
-    called: float | None = None
-    submitted: float = 0.0
-    added: float = 0.0
 
 
 def rejection(exc: Exception, retry_after: float = 1.0) -> RequestRejected:
@@ -104,7 +87,7 @@ class LocalEngineClient(EngineClient):
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voice-encoder")
         self.info = ModelInfo.from_configs(name, loaded.config, loaded.speech_config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, EngineStream] = {}
         self._aborted: Counter[str] = Counter()
         self._loop_other_s = 0.0  # engine thread: host time outside engine.step() while work runs
         # A snapshot read from any thread; the engine thread renews it whenever what it reports changes. Taken
@@ -198,7 +181,7 @@ class LocalEngineClient(EngineClient):
             return
         loop = asyncio.get_running_loop()
         await self._run_into("add", prepared, req.request_id, then,
-                             _Stream(loop, sink=sink, done=loop.create_future(), called=called))
+                             EngineStream(loop, sink=sink, done=loop.create_future(), called=called))
 
     async def _admit(self, req: SynthesisRequest, owner: bool) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
         """The request ready for the engine (voice, tokens, prompt) and the text that came meanwhile; or, for an
@@ -287,7 +270,7 @@ class LocalEngineClient(EngineClient):
 
     async def _stream(self, kind: str, payload: object, request_id: str,
                       then: list[tuple] = (), called: float | None = None) -> AsyncIterator[StreamChunk]:
-        stream = _Stream(asyncio.get_running_loop(), queue=asyncio.Queue(), called=called)
+        stream = EngineStream(asyncio.get_running_loop(), queue=asyncio.Queue(), called=called)
         async with self._admitted(kind, payload, request_id, then, stream) as ended:
             while True:
                 chunk = await stream.queue.get()
@@ -297,13 +280,13 @@ class LocalEngineClient(EngineClient):
                     return
 
     async def _run_into(self, kind: str, payload: object, request_id: str, then: list[tuple],
-                        stream: _Stream) -> None:
+                        stream: EngineStream) -> None:
         async with self._admitted(kind, payload, request_id, then, stream) as ended:
             await stream.done
             ended[0] = True
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, kind: str, payload: object, request_id: str, then: list[tuple], stream: _Stream):
+    async def _admitted(self, kind: str, payload: object, request_id: str, then: list[tuple], stream: EngineStream):
         """Hands the request to the engine thread and waits for its admission (raising RequestRejected); the body
         then takes its chunks and sets `ended[0]` at the last. Left before that, the request is aborted."""
         if self._stopping:
@@ -433,7 +416,7 @@ class LocalEngineClient(EngineClient):
             for rid, s in list(self._streams.items()):
                 chunk = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error",
                                     error="engine loop crashed")
-                _hand_over(s, [(rid, chunk)])
+                hand_over(s, [(rid, chunk)])
                 self._streams.pop(rid, None)
         finally:
             with self._inbox_lock:
@@ -450,7 +433,7 @@ class LocalEngineClient(EngineClient):
             except queue.Empty:
                 return
             if cmd[0] in ("add", "handoff"):
-                _settle(cmd[2], error=gone)
+                settle(cmd[2], error=gone)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -486,28 +469,26 @@ class LocalEngineClient(EngineClient):
             if self._deadline is None:
                 self._deadline = time.monotonic() + cmd[1]
 
-    def _add(self, req: EngineRequest | Handoff, admitted: asyncio.Future, stream: _Stream) -> None:
+    def _add(self, req: EngineRequest | Handoff, admitted: asyncio.Future, stream: EngineStream) -> None:
         if self._stopping:
-            _settle(admitted, error=RequestRejected(503, "server is shutting down"))
+            settle(admitted, error=RequestRejected(503, "server is shutting down"))
             return
         try:
             seed = self.engine.add_handoff(req) if isinstance(req, Handoff) else self.engine.add_request(req)
         except Exception as e:
             wait = (self._drain_rate.retry_after(self.engine.scheduler.num_waiting + 1)
                     if isinstance(e, QueueFullError) else 1.0)
-            _settle(admitted, error=rejection(e, retry_after=wait))
+            settle(admitted, error=rejection(e, retry_after=wait))
             return
         self._streams[req.request_id] = stream
         stream.added = time.perf_counter()
         self._refresh_stats()  # a caller told it is admitted sees it counted
-        _settle(admitted, result=seed)
+        settle(admitted, result=seed)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hands a step's chunks to their streams: one wake-up per event loop (and per sink) per step, not one per
-        chunk (at 64 streams a step's outputs were as many cross-thread callbacks, each taking the loop's lock
-        and writing its wake-up pipe while the engine thread held the GIL)."""
-        queued: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamChunk]]] = {}
-        sunk: dict[tuple[asyncio.AbstractEventLoop, Callable], tuple[list, list]] = {}
+        """Hands a step's chunks to their streams, one wake-up per event loop (and per sink) per step
+        (`StepHandover`)."""
+        handover = StepHandover()
         for o in outputs:
             stream = self._streams.get(o.request_id)
             if stream is None:
@@ -521,23 +502,9 @@ class LocalEngineClient(EngineClient):
             if o.finished:
                 del self._streams[o.request_id]
                 self._drain_rate.finished()
-            if not (chunk.audio.size or chunk.codes.size or o.finished):
-                continue
-            if stream.called is not None and chunk.audio.size:
-                chunk.stages = {"prepare": stream.submitted - stream.called, "inbox": stream.added - stream.submitted,
-                                "engine": time.perf_counter() - stream.added}
-                stream.called = None
-            if stream.sink is None:
-                queued.setdefault(stream.loop, []).append((stream.queue, chunk))
-            else:
-                items, done = sunk.setdefault((stream.loop, stream.sink), ([], []))
-                items.append((o.request_id, chunk))
-                if o.finished:
-                    done.append(stream.done)
-        for loop, items in queued.items():
-            _call_on(loop, _put_all, items)
-        for (loop, sink), (items, done) in sunk.items():
-            _call_on(loop, _sink_all, sink, items, done)
+            if chunk.audio.size or chunk.codes.size or o.finished:
+                handover.add(stream, o.request_id, chunk)
+        handover.send()
 
     def _refresh_stats(self) -> None:
         self._stats = self._snapshot()
@@ -552,46 +519,3 @@ class LocalEngineClient(EngineClient):
             step_gap_s=times.gap_s, loop_other_s=self._loop_other_s, text_wait_s=self.engine.text_wait_s,
             waiting_for_text=self.engine.num_waiting_for_text,
         )
-
-
-def _call_on(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # that event loop is closed: nobody is left to read these streams
-        pass
-
-
-def _sink_all(sink: Callable, items: list[tuple[str, StreamChunk]], done: list[asyncio.Future]) -> None:
-    """On the event loop: a step's chunks into their sink, then the streams they ended are done (a failing sink
-    still ends them: their callers must not wait forever)."""
-    try:
-        sink(items)
-    finally:
-        for fut in done:
-            if not fut.done():
-                fut.set_result(None)
-
-
-def _hand_over(stream: _Stream, items: list[tuple[str, StreamChunk]]) -> None:
-    """One stream's chunks, from the engine thread (the crash path: one call per stream)."""
-    if stream.sink is None:
-        _call_on(stream.loop, _put_all, [(stream.queue, c) for _, c in items])
-    else:
-        _call_on(stream.loop, _sink_all, stream.sink, items, [stream.done] if items[-1][1].finished else [])
-
-
-def _settle(fut: asyncio.Future, result=None, error: Exception | None = None) -> None:
-    """Completes an event-loop future from the engine thread (ignored if the waiter is gone)."""
-
-    def apply() -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    try:
-        fut.get_loop().call_soon_threadsafe(apply)
-    except RuntimeError:  # that event loop is closed: nobody is left to tell
-        pass
