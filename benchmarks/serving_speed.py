@@ -241,7 +241,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
 
 def table(cells: list[dict]) -> str:
     head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "srv TTFP p50/p99", "RTF p50",
-            "contin.", "busy", "host/gpu/gap ms", "peak MiB")
+            "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine", "peak MiB")
     lines = [" | ".join(head)]
     for c in cells:
         if c["kind"] != "cell" or "error" in c:
@@ -252,11 +252,13 @@ def table(cells: list[dict]) -> str:
 
         timers = (f"{f(c['host_ms_per_step'])}/{f(c['gpu_ms_per_step'])}/{f(c['gap_ms_per_step'])}"
                   if c["gpu_ms_per_step"] is not None else "-")
+        st = c.get("server_stages") or {}
+        stages = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f") for k in ("prepare", "inbox", "engine"))
         lines.append(" | ".join([c["variant"], c["mode"], str(c["concurrency"]), f(c["audio_s_per_s"]),
                                  f(c["req_per_s"], ".2f"), f(c["ttfp_p50_ms"], ".0f"), f(c["ttfp_p99_ms"], ".0f"),
                                  f"{f(c.get('server_ttfp_p50_ms'), '.0f')}/{f(c.get('server_ttfp_p99_ms'), '.0f')}",
                                  f(c["rtf_p50"], ".3f"), f(c["continuity"], ".2f"), f(c["gpu_busy"], ".2f"),
-                                 timers, str(c["peak_gpu_mib"])]))
+                                 timers, stages, str(c["peak_gpu_mib"])]))
     return "\n".join(lines)
 
 

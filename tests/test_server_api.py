@@ -292,6 +292,9 @@ def test_logs_carry_the_request_id_and_usage(cv, caplog):
     done = [rec for rec in caplog.records if getattr(rec, "request_id", None) == "log-check-1"]
     assert done and done[-1].status == 200
     assert done[-1].frames == int(r.headers["x-usage-output-tokens"])
+    # Where the TTFP went on the engine's side, beside it: each stage within it.
+    stages = [done[-1].prepare_s, done[-1].inbox_s, done[-1].engine_s]
+    assert min(stages) >= 0 and sum(stages) <= done[-1].ttfp_s + 1e-3
 
 
 def test_json_log_lines_hold_request_id_and_extras():

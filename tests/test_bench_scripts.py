@@ -1,0 +1,38 @@
+"""Helpers of the GPU benchmark scripts in benchmarks/ that read their runs' output (a server log, a py-spy
+profile): they run on the CPU, so a script that reads them wrong fails here, not in a scarce device call."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import pyspy_summary  # noqa: E402
+import serving_speed  # noqa: E402
+
+
+def test_server_stages_reads_the_logged_stage_times_after_the_offset(tmp_path):
+    log = tmp_path / "server.log"
+    old = "x speech done status=200 ttfp_s=9.0 prepare_s=9.0 inbox_s=9.0 engine_s=9.0\n"
+    new = "".join(f"x speech done status=200 ttfp_s=0.5 prepare_s={p} inbox_s=0.001 engine_s=0.04\n"
+                  for p in (0.1, 0.2, 0.3))
+    log.write_text(old + new)
+    stages = serving_speed.server_stages(log, len(old))
+    assert stages["prepare"]["p50_ms"] == 200.0 and stages["prepare"]["p99_ms"] == 300.0
+    assert stages["inbox"]["p50_ms"] == 1.0 and stages["engine"]["p50_ms"] == 40.0
+    assert serving_speed.server_stages(log, log.stat().st_size)["engine"] == {"p50_ms": None, "p99_ms": None}
+
+
+def test_pyspy_summary_counts_samples_by_thread_and_functions_once_per_sample(tmp_path):
+    raw = tmp_path / "profile.txt"
+    raw.write_text(
+        'process 7:"python -m legato.cli serve";thread (8): engine;run (legato/pipeline/local.py:1);'
+        "step (legato/engine/engine.py:2);step (legato/engine/engine.py:3) 5\n"
+        'process 7:"python -m legato.cli serve";thread (9): admission_0;build (legato/models/prompt.py:4) 2\n'
+        "not a stack line\n")
+    text = pyspy_summary.summarise(str(raw), threads=2, top=5)
+    assert "7 samples" in text
+    engine = text.index("engine (")
+    assert "5  step" in text[engine:] and "5  run" in text[engine:]  # recursion counted once per sample
+    assert "2  build" in text[text.index("admission_0 ("):]
