@@ -189,8 +189,10 @@ def test_async_loop_equals_sync_loop_on_the_0_6b_config():
         assert torch.equal(sync.frames(f"a{i}"), asyn.frames(f"a{i}")), i
         assert sync.frames(f"a{i}").shape[0] == 12 + i
     # With the one-launch code predictor (the last request runs its last 11 frames alone, one-row passes): the
-    # same. On the H200 (2026-12-04) this test failed in a tree that had the stack on by default, message unseen;
-    # it had not run since a42d6bf. Running both halves tells the stack's part apart from the rest.
+    # same. On the H200 (8d8f8b0, 2026-12-04) the first half passed and this half failed: the second engine's
+    # first six requests all ended with the stack's give-up error before any of them ran a one-row pass. The
+    # give-up count read barriers first made inside a graph capture (their zeroing captured, not run); b9b44f8
+    # makes them rows of a pool zeroed before any capture and starts each engine's count from the device's.
     sync, asyn = run(async_scheduling=False, code_predictor_stack=True), run(async_scheduling=True,
                                                                             code_predictor_stack=True)
     for i in range(9):
