@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 from legato.pipeline.client import StreamChunk, put_all
 
+# Takes one engine step's chunks of the requests that share it, [(request_id, chunk), ...] in the engine's order.
+ChunkSink = Callable[[list[tuple[str, StreamChunk]]], None]
+
 
 @dataclass
 class EngineStream:
@@ -22,7 +25,7 @@ class EngineStream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue | None = None
-    sink: Callable[[list[tuple[str, StreamChunk]]], None] | None = None
+    sink: ChunkSink | None = None
     done: asyncio.Future | None = None
     # perf_counter() stamps for the first audio chunk's `stages`: the call, the hand-off to the engine thread, the
     # engine's taking it (None once the stages went out).

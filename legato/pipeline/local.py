@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -53,7 +53,7 @@ from legato.pipeline.client import (
     SynthesisRequest,
 )
 from legato.pipeline.drain import DrainRate
-from legato.pipeline.handover import EngineStream, StepHandover, hand_over, settle
+from legato.pipeline.handover import ChunkSink, EngineStream, StepHandover, hand_over, settle
 from legato.pipeline.threads import ENGINE_THREAD_NAME, set_gil_switch_interval
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class LocalEngineClient(EngineClient):
             yield chunk
 
     def generate_into(self, req: SynthesisRequest,
-                      sink: Callable[[list[tuple[str, StreamChunk]]], None]) -> Coroutine[None, None, None]:
+                      sink: ChunkSink) -> Coroutine[None, None, None]:
         """As `generate`, but the chunks go to `sink` on the caller's loop: one call per engine step for every
         stream of that sink, [(request_id, chunk), ...] in the engine's order, instead of one queue and one task
         wake-up per chunk (at 256 streams a worker's event loop spent ~4.5 ms a step on those wake-ups). The
@@ -174,7 +174,7 @@ class LocalEngineClient(EngineClient):
             self._early_text[req.request_id] = []
         return self._generate_into(req, sink, owner, called)
 
-    async def _generate_into(self, req: SynthesisRequest, sink: Callable, owner: bool, called: float) -> None:
+    async def _generate_into(self, req: SynthesisRequest, sink: ChunkSink, owner: bool, called: float) -> None:
         prepared, then = await self._admit(req, owner)
         if isinstance(prepared, StreamChunk):
             sink([(req.request_id, prepared)])
@@ -267,6 +267,24 @@ class LocalEngineClient(EngineClient):
         then = self._early_text.pop(rid, []) if owner else []
         async for chunk in self._stream("handoff", handoff, rid, then):
             yield chunk
+
+    def generate_from_handoff_into(self, handoff: Handoff,
+                                   sink: ChunkSink) -> Coroutine[None, None, None]:
+        """`generate_from_handoff` with its chunks going to `sink`, as `generate_into` does (a decode worker's
+        path)."""
+        rid = handoff.request_id
+        owner = handoff.text_open and rid not in self._early_text
+        if owner:
+            self._early_text[rid] = []
+        return self._decode_handoff_into(handoff, sink, owner)
+
+    async def _decode_handoff_into(self, handoff: Handoff, sink: ChunkSink, owner: bool) -> None:
+        rid = handoff.request_id
+        if handoff.text_open and not owner:
+            raise RequestRejected(409, f"duplicate request id {rid!r}")
+        then = self._early_text.pop(rid, []) if owner else []
+        loop = asyncio.get_running_loop()
+        await self._run_into("handoff", handoff, rid, then, EngineStream(loop, sink=sink, done=loop.create_future()))
 
     async def _stream(self, kind: str, payload: object, request_id: str,
                       then: list[tuple] = (), called: float | None = None) -> AsyncIterator[StreamChunk]:

@@ -125,12 +125,9 @@ class _Worker:
         self.outbox.flush()  # chunks queued before this message leave before it
         await self.out.send_multipart(m.encode(msg))
 
-    def send_chunk(self, rid: str, chunk: StreamChunk) -> None:
-        """Queues a request's chunk; the chunks that one engine step made for all streams leave in one message."""
-        self.outbox.put((rid, chunk))
-
     def send_chunks(self, chunks: list[tuple[str, StreamChunk]]) -> None:
-        """A step's chunks of every request `run_request` runs, as the engine thread hands them over."""
+        """A step's chunks of every request `run_request` runs, as the engine thread hands them over; they leave
+        in one message with the rest of the event-loop pass."""
         self.outbox.put_all(chunks)
 
     def flush_chunks(self) -> None:
@@ -199,28 +196,9 @@ class _Worker:
         await self.send(m.Stats(self.client.stats()))
         await self.send(m.Chunk(rid, chunk))
 
-    async def stream(self, rid: str, chunks) -> None:
-        ended = False
-        try:
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    ended = chunk.finished
-                    self.send_chunk(rid, chunk)  # with the step's other chunks; Stats first if it ends a request
-        except RequestRejected as e:
-            await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
-        except Exception as e:  # a failure here fails this request, with a reason, not the worker
-            log.exception("streaming %s failed", rid)
-            ended = True
-            await self.finish(rid, _end("error", f"worker error: {e}"))
-        finally:
-            self.tasks.pop(rid, None)
-            self.cancelled.discard(rid)
-        if not ended:  # refused, or closed early: blocks may have come back all the same
-            await self.send(m.Stats(self.client.stats()))
-
     async def run_request(self, rid: str, run) -> None:
-        """A request decoded here (`run`, from `generate_into`): its chunks go straight from the engine thread's
-        hand-over into the outbox, with no task wake-up per chunk; as `stream` otherwise."""
+        """A request decoded here (`run`: `generate_into` or `generate_from_handoff_into`): its chunks go straight
+        from the engine thread's hand-over into the outbox, with no task wake-up per chunk."""
         try:
             await run
         except RequestRejected as e:
@@ -278,10 +256,11 @@ class _Worker:
         except ValueError as e:  # the same id armed twice: refuse this one
             ev, refused = None, m.Rejected(rid, 400, str(e))
         if ev is not None and ev.kind is EventKind.RECEIVED and rid not in self.cancelled:
-            chunks = self.client.generate_from_handoff(ev.handoff)  # an open text's appends are taken from here
+            # An open text's appends are taken from this call on.
+            run = self.client.generate_from_handoff_into(ev.handoff, self.send_chunks)
             await self.awaiting_text.hand_on(rid, self.client)
             self.awaiting_text.forget(rid)  # from here on text goes to the client, as for any request
-            await self.stream(rid, chunks)  # cleans up after itself
+            await self.run_request(rid, run)  # cleans up after itself
             return
         self.awaiting_text.forget(rid)
         if ev is None:
