@@ -131,13 +131,13 @@ def _fake_worker() -> tuple[_Worker, list[m.Message]]:
 def test_a_worker_sends_the_stats_before_a_requests_last_chunk():
     worker, sent = _fake_worker()
 
-    async def chunks():
-        yield StreamChunk(np.zeros(4, np.float32), 1)
-        yield StreamChunk(np.zeros(4, np.float32), 2, finished=True, finish_reason="length")
+    async def run() -> None:  # what generate_into does: a step's chunks to the sink in one call, then it ends
+        worker.send_chunks([("r", StreamChunk(np.zeros(4, np.float32), 1)),
+                            ("r", StreamChunk(np.zeros(4, np.float32), 2, finished=True, finish_reason="length"))])
 
     async def main() -> None:
-        await worker.stream("r", chunks())
-        await asyncio.sleep(0)  # one loop pass: the flush the stream's first chunk scheduled
+        await worker.run_request("r", run())
+        await asyncio.sleep(0)  # one loop pass: the flush the first chunk scheduled
 
     asyncio.run(main())
     kinds = [type(x).__name__ for x in sent]
@@ -149,11 +149,10 @@ def test_a_worker_sends_the_stats_before_a_requests_last_chunk():
 def test_a_worker_that_fails_a_stream_sends_the_stats_first():
     worker, sent = _fake_worker()
 
-    async def chunks():
+    async def run() -> None:
         raise RuntimeError("boom")
-        yield  # an async generator
 
-    asyncio.run(worker.stream("r", chunks()))
+    asyncio.run(worker.run_request("r", run()))
     assert [type(x).__name__ for x in sent] == ["Stats", "Chunk"] and sent[1].chunk.finish_reason == "error"
 
 
