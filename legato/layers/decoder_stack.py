@@ -138,9 +138,13 @@ _pools: dict[int, torch.Tensor] = {}  # device index -> [POOL_ROWS, 4] int32
 _rows: dict[tuple[int, int], int] = {}  # (device index, stream) -> pool row
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def reserve_barriers(device: torch.device) -> None:
     """Makes `device`'s barrier pool (zeroed) if it has none; call it outside any graph capture."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in _pools:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("decoder_stack's barriers must be reserved before a CUDA graph capture")
@@ -148,7 +152,7 @@ def reserve_barriers(device: torch.device) -> None:
 
 
 def _barrier(device: torch.device) -> torch.Tensor:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     reserve_barriers(device)
     key = (index, torch.cuda.current_stream(device).cuda_stream)
     if key not in _rows:
@@ -167,8 +171,7 @@ def barrier_errors() -> int:
 def gave_up(device: torch.device) -> torch.Tensor:
     """The barrier waits on `device` that gave up so far, as a 0-dim int64 tensor computed on the current stream
     (no host sync: the engine copies it to the host with a step's results)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    pool = _pools.get(index)
+    pool = _pools.get(_index(device))
     if pool is None:
         return torch.zeros((), dtype=torch.int64, device=device)
     return pool[:, 2].sum(dtype=torch.int64)

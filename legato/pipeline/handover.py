@@ -65,7 +65,7 @@ class StepHandover:
 def _call_on(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # that event loop is closed: nobody is left to read these streams
+    except RuntimeError:  # that event loop is closed: nobody is left to read or be told
         pass
 
 
@@ -80,14 +80,6 @@ def _sink_all(sink: Callable, items: list[tuple[str, StreamChunk]], done: list[a
                 fut.set_result(None)
 
 
-def hand_over(stream: EngineStream, items: list[tuple[str, StreamChunk]]) -> None:
-    """One stream's chunks, from the engine thread (the crash path: one call per stream)."""
-    if stream.sink is None:
-        _call_on(stream.loop, put_all, [(stream.queue, c) for _, c in items])
-    else:
-        _call_on(stream.loop, _sink_all, stream.sink, items, [stream.done] if items[-1][1].finished else [])
-
-
 def settle(fut: asyncio.Future, result=None, error: Exception | None = None) -> None:
     """Completes an event-loop future from the engine thread (ignored if the waiter is gone)."""
 
@@ -99,7 +91,4 @@ def settle(fut: asyncio.Future, result=None, error: Exception | None = None) -> 
         else:
             fut.set_result(result)
 
-    try:
-        fut.get_loop().call_soon_threadsafe(apply)
-    except RuntimeError:  # that event loop is closed: nobody is left to tell
-        pass
+    _call_on(fut.get_loop(), apply)

@@ -53,7 +53,7 @@ from legato.pipeline.client import (
     SynthesisRequest,
 )
 from legato.pipeline.drain import DrainRate
-from legato.pipeline.handover import ChunkSink, EngineStream, StepHandover, hand_over, settle
+from legato.pipeline.handover import ChunkSink, EngineStream, StepHandover, settle
 from legato.pipeline.threads import ENGINE_THREAD_NAME, set_gil_switch_interval
 
 log = logging.getLogger(__name__)
@@ -431,11 +431,12 @@ class LocalEngineClient(EngineClient):
                 self._loop_other_s += time.perf_counter() - started
         except Exception:  # the loop itself failing is fatal for this worker: fail every stream loudly
             log.exception("engine loop crashed")
+            handover = StepHandover()
             for rid, s in list(self._streams.items()):
-                chunk = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error",
-                                    error="engine loop crashed")
-                hand_over(s, [(rid, chunk)])
+                handover.add(s, rid, StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error",
+                                                 error="engine loop crashed"))
                 self._streams.pop(rid, None)
+            handover.send()
         finally:
             with self._inbox_lock:
                 self._closed = True
