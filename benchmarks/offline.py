@@ -22,7 +22,7 @@ from legato.engine.config import EngineConfig
 from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
-from legato.models.qwen3_tts.prompt import build_prompt
+from legato.models.qwen3_tts.prompt_build import build_prompt
 from legato.models.qwen3_tts.sampling import SamplingParams
 from legato.models.qwen3_tts.testing import random_model
 

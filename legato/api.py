@@ -26,7 +26,8 @@ from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.default import DEFAULT_SPEAKER, default_model_dir
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import LoadedModel, load_model
-from legato.models.qwen3_tts.prompt import build_prompt, default_max_prompt_tokens
+from legato.models.qwen3_tts.prompt import default_max_prompt_tokens
+from legato.models.qwen3_tts.prompt_build import build_prompt
 from legato.models.qwen3_tts.reference_loop import generate_codes
 from legato.models.qwen3_tts.sampling import SamplingParams
 from legato.pipeline.threads import run_on_engine_thread

@@ -13,7 +13,8 @@ from engine_helpers import engine_config, run_all, tiny_model
 
 from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
-from legato.models.qwen3_tts.prompt import build_prompt, target_text_tokens
+from legato.models.qwen3_tts.prompt import target_text_tokens
+from legato.models.qwen3_tts.prompt_build import build_prompt
 from legato.models.qwen3_tts.reference_loop import generate_codes
 from legato.models.qwen3_tts.sampling import SamplingParams
 

@@ -13,7 +13,7 @@ from legato.engine.engine import Engine, EngineRequest
 from legato.engine.model_runner import PrefillWork
 from legato.layers.packed_prefill import BLOCK_M, PackedPrefill, packed_prefill_reference
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
-from legato.models.qwen3_tts.prompt import build_prompt
+from legato.models.qwen3_tts.prompt_build import build_prompt
 from legato.models.qwen3_tts.sampling import SamplingParams
 
 

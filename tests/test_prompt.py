@@ -14,12 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from legato.models.qwen3_tts.prompt import (  # noqa: E402
     PromptError,
     PromptSpec,
-    build_prompt,
     instruct_text_ids,
     ref_text_ids,
     supported_languages,
     target_text_ids,
 )
+from legato.models.qwen3_tts.prompt_build import build_prompt, build_prompts  # noqa: E402
 from legato.models.qwen3_tts.talker import Talker  # noqa: E402
 from legato.models.qwen3_tts.tiny import tiny_config  # noqa: E402
 
@@ -179,3 +179,65 @@ def test_prompts_built_from_the_shared_pieces_equal_prompts_built_cold(kind, siz
         cold = build_prompt(spec, talker, cfg)
         assert torch.equal(got.embeds, cold.embeds) and torch.equal(got.trailing_text, cold.trailing_text)
         assert torch.equal(got.tts_pad, cold.tts_pad)
+
+
+def _mixed_specs(kind: str, cfg, seed: int) -> list[PromptSpec]:
+    """Specs of every layout `kind` has: streaming and not, open and closed text, languages, short and long texts;
+    Base with x-vectors and in-context references of several lengths; CustomVoice with dialect speakers."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = cfg.talker_config.hidden_size
+    codebook = cfg.talker_config.code_predictor_config.vocab_size
+    specs = []
+    for n in (1, 2, 5, 13, 30):
+        text = [*TEXT[:3], *torch.randint(10, 1000, (n,), generator=g).tolist(), *TEXT[-5:]]
+        for lang in ("auto", "english", "chinese"):
+            for non_streaming, text_open in ((False, False), (False, True), (True, False)):
+                kw = dict(text_ids=text, language=lang, non_streaming_mode=non_streaming, text_open=text_open)
+                if kind == "base":
+                    specs.append(PromptSpec(**kw, speaker_embedding=torch.randn(hidden, generator=g),
+                                            x_vector_only=True))
+                    for frames, ref in ((1, REF), (6, REF), (25, [*REF[:3], *range(40, 52), *REF[-2:]])):
+                        if text_open and 1 + frames > len(ref) - 5 + n:
+                            continue  # an open in-context text too short for its reference has no prompt yet
+                        specs.append(PromptSpec(**kw, speaker_embedding=torch.randn(hidden, generator=g), ref_ids=ref,
+                                                ref_code=torch.randint(0, codebook, (frames, 16), generator=g)))
+                elif kind == "custom_voice":
+                    for speaker in ("ryan", "eric", "dylan"):
+                        specs.append(PromptSpec(**kw, speaker=speaker, instruct_ids=[151644, 872, 198, 5, 151645, 198]))
+                else:
+                    instruct = [151644, 872, 198, *range(5, 6 + n % 4), 151645, 198]
+                    specs.append(PromptSpec(**kw, instruct_ids=instruct))
+    order = torch.randperm(len(specs), generator=g).tolist()
+    return [specs[i] for i in order]
+
+
+@pytest.mark.parametrize("kind,size,dtype", [("base", "0b6", torch.float32), ("base", "0b6", torch.bfloat16),
+                                             ("custom_voice", "1b7", torch.float32),
+                                             ("voice_design", "1b7", torch.float32)])
+def test_a_batch_of_prompts_equals_each_prompt_built_alone(kind, size, dtype):
+    """Prompts built together (the admission thread's batches) have the bits each gets alone, whatever the batch
+    holds: each text is projected at its own length, and the rest is lookups, gathers and one add per row. A bad
+    request in the batch gets the error it gets alone, and fails alone."""
+    cfg = tiny_config(kind, size)
+    torch.manual_seed(3)
+    talker = Talker(cfg.talker_config).eval().to(dtype)
+    specs = _mixed_specs(kind, cfg, seed=4)
+    bad = [PromptSpec(text_ids=TEXT, language="klingon"), PromptSpec(text_ids=[1, 2]),
+           PromptSpec(text_ids=[*TEXT[:3], 10 ** 9, *TEXT[-5:]])]
+    if kind == "base":
+        nan = torch.full((cfg.talker_config.hidden_size,), float("nan"))
+        bad.append(PromptSpec(text_ids=TEXT, speaker_embedding=nan, x_vector_only=True))
+    batch = specs[:7] + bad + specs[7:]
+    for start in range(0, len(batch), 23):  # batches of mixed layouts, the bad ones among them
+        part = batch[start:start + 23]
+        for spec, got in zip(part, build_prompts(part, talker, cfg), strict=True):
+            try:
+                alone = build_prompt(spec, talker, cfg)
+            except PromptError as e:
+                assert isinstance(got, PromptError) and str(got) == str(e)
+                continue
+            assert not isinstance(got, Exception), got
+            for a, b in ((got.embeds, alone.embeds), (got.trailing_text, alone.trailing_text),
+                         (got.tts_pad, alone.tts_pad)):
+                assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+    assert all(isinstance(x, PromptError) for x in build_prompts(bad, talker, cfg))

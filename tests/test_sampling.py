@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from legato.models.qwen3_tts.prompt import PromptSpec, build_prompt  # noqa: E402
+from legato.models.qwen3_tts.prompt import PromptSpec  # noqa: E402
+from legato.models.qwen3_tts.prompt_build import build_prompt  # noqa: E402
 from legato.models.qwen3_tts.reference_loop import generate_codes  # noqa: E402
 from legato.models.qwen3_tts.sampling import (  # noqa: E402
     SamplingParams,

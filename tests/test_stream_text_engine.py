@@ -12,7 +12,8 @@ from engine_helpers import Collected, engine_config, run_all, tiny_model
 
 from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
-from legato.models.qwen3_tts.prompt import PromptError, build_prompt
+from legato.models.qwen3_tts.prompt import PromptError
+from legato.models.qwen3_tts.prompt_build import build_prompt
 from legato.models.qwen3_tts.sampling import SamplingParams
 from legato.models.qwen3_tts.text_stream import TextStream, segment_ids
 

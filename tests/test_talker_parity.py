@@ -23,7 +23,8 @@ for _p in (str(_HERE), str(_HERE.parent)):
 
 import oracle  # noqa: E402
 
-from legato.models.qwen3_tts.prompt import PromptSpec, build_prompt  # noqa: E402
+from legato.models.qwen3_tts.prompt import PromptSpec  # noqa: E402
+from legato.models.qwen3_tts.prompt_build import build_prompt  # noqa: E402
 from legato.models.qwen3_tts.reference_loop import GenerationTrace, generate_codes  # noqa: E402
 from legato.models.qwen3_tts.sampling import SamplingParams  # noqa: E402
 from legato.models.qwen3_tts.talker import Talker  # noqa: E402

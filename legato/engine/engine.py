@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +33,8 @@ from legato.kv_transfer.handoff import Handoff, KVLayout
 from legato.models.qwen3_tts.decoder_layer import pack_projections
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import LoadedModel
-from legato.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt, build_prompt, target_text_tokens
+from legato.models.qwen3_tts.prompt import PromptError, PromptSpec, TalkerPrompt, target_text_tokens
+from legato.models.qwen3_tts.prompt_build import build_prompt, build_prompts
 from legato.models.qwen3_tts.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -259,6 +261,11 @@ class Engine:
         client may call it from its own threads and hand the result in `EngineRequest.prompt`, keeping the
         small embedding launches and the host work around them off the engine's critical path."""
         return build_prompt(spec, self.loaded.talker, self.loaded.config)
+
+    def prepare_prompts(self, specs: Sequence[PromptSpec]) -> list[TalkerPrompt | PromptError]:
+        """`prepare_prompt` for many specs in a few launches (each prompt the same bits as alone); a spec that
+        cannot be a prompt gets its PromptError in its place."""
+        return build_prompts(specs, self.loaded.talker, self.loaded.config)
 
     def frame_cap(self, spec: PromptSpec) -> int | None:
         """Most frames a request for this text may run (`EngineConfig.frames_per_text_token`), or None."""

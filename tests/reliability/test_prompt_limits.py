@@ -20,7 +20,8 @@ from legato.engine.engine import Engine, EngineRequest
 from legato.engine.scheduler import RequestTooLargeError
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import load_model
-from legato.models.qwen3_tts.prompt import build_prompt, default_max_prompt_tokens, prompt_length
+from legato.models.qwen3_tts.prompt import default_max_prompt_tokens, prompt_length
+from legato.models.qwen3_tts.prompt_build import build_prompt
 from legato.models.qwen3_tts.sampling import SamplingParams
 from legato.models.qwen3_tts.testing import write_checkpoint
 from legato.models.qwen3_tts.tiny import tiny_config

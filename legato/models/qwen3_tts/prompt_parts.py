@@ -32,6 +32,7 @@ class PromptParts:
         self._lock = threading.Lock()  # admission, warm-up and the offline API may build prompts on other threads
         self._text: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
         self._codec: dict[tuple[int, ...], torch.Tensor] = {}
+        self._zero: torch.Tensor | None = None
 
     def text(self, talker: Talker, ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """T(ids) [len(ids), H], as `talker.embed_text` gives it for these ids uploaded as one tensor."""
@@ -47,6 +48,13 @@ class PromptParts:
                 self._text.popitem(last=False)
         return value
 
+    def zero_row(self, talker: Talker) -> torch.Tensor:
+        """A [1, H] row of zeros in the talker's dtype, on its device (what a prompt row's missing track adds)."""
+        if self._zero is None:
+            weight = talker.codec_head.weight
+            self._zero = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        return self._zero
+
     def codec(self, talker: Talker, ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The codec embedding rows of `ids` (control ids: a handful of distinct tuples per model)."""
         with self._lock:
@@ -60,9 +68,10 @@ class PromptParts:
 
 def parts_of(talker: Talker) -> PromptParts:
     """`talker`'s cache for its current weights (a new one once its text or codec weights changed)."""
-    params = [*talker.model.text_embedding.parameters(), *talker.text_projection.parameters(),
-              *talker.model.codec_embedding.parameters()]
-    key = tuple((p.data_ptr(), p._version) for p in params)
+    proj = talker.text_projection
+    params = (talker.model.text_embedding.weight, proj.linear_fc1.weight, proj.linear_fc1.bias,
+              proj.linear_fc2.weight, proj.linear_fc2.bias, talker.model.codec_embedding.weight)  # named, not walked:
+    key = tuple((p.data_ptr(), p._version) for p in params)  # this runs once per batch of prompts
     cached = getattr(talker, "_prompt_parts", None)
     if cached is None or cached.key != key:
         cached = PromptParts(key)
