@@ -48,6 +48,9 @@ class PacedEngine:
     def prepare_prompt(self, spec):
         return None
 
+    def prepare_prompts(self, specs):
+        return [None] * len(specs)
+
     def add_request(self, er) -> int:
         if er.request_id in self.live:
             raise ValueError(f"duplicate request id {er.request_id!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -541,3 +542,60 @@ def test_cancelling_generate_into_aborts_the_request_and_frees_its_blocks(loaded
     assert task.cancelled()
     assert stats.free_kv_blocks == stats.num_kv_blocks and stats.running == 0
     assert stats.aborted.get("client disconnected") == 1
+
+
+def test_a_burst_admitted_as_one_batch_reaches_the_engine_with_each_prompt_built_alone(loaded):
+    """Requests that queue for the admission thread while it works are prepared as one batch (their prompts built
+    together), reach the engine in the order they came, and carry the prompt each gets alone; a bad request among
+    them is refused alone."""
+    from legato.models.qwen3_tts.inputs import build_spec
+    from legato.models.qwen3_tts.prompt_build import build_prompt
+
+    texts = ["Hello there.", "A longer sentence, with a few more words in it.", "Hi.", "Numbers: 1, 2, 3.",
+             "Streams join and leave.", "The last one."]
+    burst = [request(f"r{i}", frames=2, text=t) for i, t in enumerate(texts)]
+    bad = SynthesisRequest("bad", SpeechInput("Hi", language="klingon", speaker_embedding=EMB, x_vector_only=True),
+                           SamplingParams(seed=1, max_new_tokens=3))
+    burst.insert(3, bad)
+
+    async def main():
+        client = make_client(loaded, max_num_seqs=8, max_waiting=16)
+        reached = []
+        add = client.engine.add_request
+        client.engine.add_request = lambda er: (reached.append(er), add(er))[1]
+        admission = client._admission
+
+        entered = threading.Event()
+
+        def hold_until_the_burst_is_queued():  # the admission thread's first job: the burst queues behind it
+            entered.set()
+            deadline = time.monotonic() + 30
+            while admission._queue.qsize() < len(burst):
+                assert time.monotonic() < deadline, f"the burst never queued ({admission._queue.qsize()})"
+                time.sleep(0.001)
+            raise RuntimeError("held")
+
+        await client.start()
+        try:
+            holder = asyncio.wrap_future(admission.submit(hold_until_the_burst_is_queued))
+            deadline = time.monotonic() + 30
+            while not entered.is_set():  # its batch is formed (the holder alone) before the burst comes
+                assert time.monotonic() < deadline, "the admission thread never started"
+                await asyncio.sleep(0.001)
+            results = await asyncio.gather(*(collect(client, r) for r in burst), return_exceptions=True)
+            with pytest.raises(RuntimeError, match="held"):
+                await holder
+        finally:
+            await client.stop()
+        return results, reached, (admission.batches, admission.requests)
+
+    results, reached, (batches, requests) = asyncio.run(main())
+    assert isinstance(results[3], RequestRejected) and results[3].status == 400 and "klingon" in str(results[3])
+    assert all(not isinstance(r, BaseException) and r[0][-1].finish_reason == "length"
+               for i, r in enumerate(results) if i != 3)
+    assert (batches, requests) == (2, 1 + len(burst))  # the holder, then the burst queued behind it as one batch
+    assert [er.request_id for er in reached] == [r.request_id for r in burst if r is not bad]
+    for er, req in zip(reached, (r for r in burst if r is not bad), strict=True):
+        alone = build_prompt(build_spec(loaded, req.input), loaded.talker, loaded.config)
+        assert torch.equal(er.prompt.embeds, alone.embeds)
+        assert torch.equal(er.prompt.trailing_text, alone.trailing_text)

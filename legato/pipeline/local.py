@@ -44,6 +44,7 @@ from legato.models.qwen3_tts.loader import LoadedModel
 from legato.models.qwen3_tts.prompt import PromptError, open_text_missing, with_more_text
 from legato.models.qwen3_tts.sampling import SamplingParamsError
 from legato.models.qwen3_tts.text_stream import segment_ids
+from legato.pipeline.admission import Admission, AdmissionClosed
 from legato.pipeline.client import (
     EngineClient,
     EngineStats,
@@ -80,8 +81,8 @@ class LocalEngineClient(EngineClient):
         self.engine = Engine(loaded, config)
         self.voices = VoiceCache(config.voice_cache_size)  # used by the encoder and admission threads (thread-safe)
         # One thread: requests reach the engine in the order they arrived, as when the engine prepared them
-        # (one with a new reference clip joins that order once its clip is encoded).
-        self._admission = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admission")
+        # (one with a new reference clip joins that order once its clip is encoded); prompts built in batches.
+        self._admission = Admission(self.engine.prepare_prompts, lambda er: not open_text_missing(er.spec))
         # Reference clips the voice cache lacks are encoded here, so that admission, which every request passes
         # through, never waits behind an encode (see `_voice_of`).
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voice-encoder")
@@ -136,11 +137,11 @@ class LocalEngineClient(EngineClient):
         for waiting in self._text_waits.values():  # requests waiting for text before admission: refused now
             if isinstance(waiting, asyncio.Event):
                 waiting.set()
-        if self._thread.ident is None:  # never started: nothing runs, nothing to wait for
-            return
-        self._submit(("stop", grace_s))
-        await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, grace_s + 30.0)
-        self._admission.shutdown(wait=False, cancel_futures=True)
+        loop = asyncio.get_running_loop()
+        if self._thread.ident is not None:  # never started: nothing runs, nothing to wait for
+            self._submit(("stop", grace_s))
+            await loop.run_in_executor(None, self._stopped.wait, grace_s + 30.0)
+        await loop.run_in_executor(None, self._admission.close)
         self._encoder.shutdown(wait=False, cancel_futures=True)
 
     def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
@@ -193,7 +194,7 @@ class LocalEngineClient(EngineClient):
             if self._stopping:
                 raise RequestRejected(503, "server is shutting down")
             voice = await self._voice_of(req.input)
-            prepared = await self._on_admission_thread(self._engine_request, req, voice)
+            prepared = await self._admitted_request(lambda: self._engine_request(req, voice))
             if prepared.prompt is None:  # an in-context clone whose open text does not fill its prompt yet
                 if req.handoff_only:  # its text goes to the decode side, so this side would wait forever
                     raise RequestRejected(400, "prefill-decode cannot take an in-context clone's streaming text "
@@ -234,8 +235,7 @@ class LocalEngineClient(EngineClient):
             if self._stopping:
                 raise RequestRejected(503, "server is shutting down")
         del self._text_waits[rid]
-        prepared = dataclasses.replace(prepared, spec=spec)
-        return dataclasses.replace(prepared, prompt=await self._on_admission_thread(self.engine.prepare_prompt, spec))
+        return await self._admitted_request(lambda: dataclasses.replace(prepared, spec=spec))
 
     takes_text_input = True
 
@@ -365,8 +365,15 @@ class LocalEngineClient(EngineClient):
         except RequestRejected:
             return None
 
-    async def _on_admission_thread(self, fn, *args):
-        return await self._on_thread(self._admission, fn, *args)
+    async def _admitted_request(self, make) -> EngineRequest:
+        """`make()` (the request without its prompt) on the admission thread, with its prompt built in the batch
+        it joins there; what refuses it comes back as a RequestRejected."""
+        try:
+            return await asyncio.wrap_future(self._admission.submit(make))
+        except AdmissionClosed as e:
+            raise RequestRejected(503, "server is shutting down") from e
+        except Exception as e:
+            raise rejection(e) from e
 
     async def _on_thread(self, executor: ThreadPoolExecutor, fn, *args):
         """`fn(*args)` on `executor`'s thread; what it raises comes back as a RequestRejected."""
@@ -378,15 +385,14 @@ class LocalEngineClient(EngineClient):
             raise rejection(e) from e
 
     def _engine_request(self, req: SynthesisRequest, voice: VoiceFeatures | None = None) -> EngineRequest:
-        """Admission thread: tokenises, takes the voice (`voice`, else the cache, encoding a clip it lacks)
-        and builds the prompt's embeddings."""
+        """Admission thread: tokenises and takes the voice (`voice`, else the cache, encoding a clip it lacks);
+        the prompt's embeddings are built for the batch (`Admission`)."""
         spec = build_spec(self.loaded, req.input, self.voices if voice is None else (lambda *a, **k: voice))
         if req.text_open:
             spec = dataclasses.replace(spec, text_open=True)
         return EngineRequest(
             request_id=req.request_id, spec=spec, sampling=req.sampling, max_frames=req.max_frames,
             ignore_eos=req.ignore_eos, first_chunk_frames=req.first_chunk_frames, handoff_only=req.handoff_only,
-            prompt=None if open_text_missing(spec) else self.engine.prepare_prompt(spec),
         )
 
     def stats(self) -> EngineStats:
