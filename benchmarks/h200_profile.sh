@@ -4,6 +4,8 @@
 #      plus a torch.profiler window that names the host phase open when the GPU idles;
 #   2. the server and its worker (serving_speed.py, c=256, 1,024 prompts so the cell is long), 8 s; SERVE_BASE=1 serves
 #      .base/ (commit BASE) first, in the same call; GIL=1 samples only the thread holding the GIL (py-spy --gil).
+#   0. BURST=1: first a burst of C x-vector requests through LocalEngineClient's admission beside 64 running
+#      streams (admission_burst.py), for .base/ (with SERVE_BASE=1) and the tree: the prepare stage and TTFP.
 # Each profile is summarised by benchmarks/pyspy_summary.py into its .summary.txt.
 # C sets the concurrency (256), PROMPTS the served cell (4 x C). Random 0.6B Base weights, fixed lengths (EOS ignored). OUT: a results folder.
 set -uo pipefail
@@ -15,6 +17,15 @@ CKPT=/tmp/qwen3tts-0.6b-random
 from legato.models.qwen3_tts.testing import write_checkpoint; \
 write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
 C=${C:-256}
+if [ -n "${BURST:-}" ]; then
+  for tree in ${SERVE_BASE:+.base} .; do
+    name=$([ "$tree" = . ] && echo new || echo base)
+    PYTHONPATH=$tree:$PYTHONPATH timeout ${T0:-150} python3 benchmarks/admission_burst.py --size 0.6B --device cuda \
+      --burst $C --background 64 --rounds 3 --label $name --out "$OUT/burst-$name.json" > "$OUT/burst-$name.log" 2>&1
+    python3 -c "import json,sys; [print(sys.argv[2], r) for r in json.load(open(sys.argv[1]))['rounds']]" \
+      "$OUT/burst-$name.json" $name 2>/dev/null || tail -3 "$OUT/burst-$name.log"
+  done
+fi
 rm -f /tmp/loop-ready
 timeout ${T1:-240} python3 benchmarks/engine_loop.py --concurrency $C --max-num-seqs $C --requests $((6 * C)) \
   --variants ${LOOP_VARIANTS:-default,default+trace} --trace-steps 40 --trace-after 60 --ready-file /tmp/loop-ready \

@@ -36,3 +36,20 @@ def test_pyspy_summary_counts_samples_by_thread_and_functions_once_per_sample(tm
     engine = text.index("engine (")
     assert "5  step" in text[engine:] and "5  run" in text[engine:]  # recursion counted once per sample
     assert "2  build" in text[text.index("admission_0 ("):]
+
+
+def test_admission_burst_runs_a_burst_through_the_client_and_reports_its_stages(tmp_path):
+    """benchmarks/admission_burst.py end to end on the tests' tiny model: every request of the burst streams, each
+    reports its prepare stage, and the process exits cleanly (its threads stopped)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "burst.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "admission_burst.py"
+    done = subprocess.run([sys.executable, str(script), "--size", "tiny", "--device", "cpu", "--burst", "6",
+                           "--background", "1", "--frames", "2", "--background-frames", "400", "--rounds", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rounds"]
+    assert row["burst"] == 6 and row["failed"] == 0
+    assert row["prepare_p50_ms"] is not None and row["prepare_p50_ms"] <= row["ttfp_p50_ms"]
