@@ -599,3 +599,19 @@ def test_a_burst_admitted_as_one_batch_reaches_the_engine_with_each_prompt_built
         alone = build_prompt(build_spec(loaded, req.input), loaded.talker, loaded.config)
         assert torch.equal(er.prompt.embeds, alone.embeds)
         assert torch.equal(er.prompt.trailing_text, alone.trailing_text)
+
+
+def test_the_admission_warm_up_builds_one_prompt_on_the_admission_thread_and_nothing_reaches_the_engine(loaded):
+    """On a GPU `start` builds a full batch of throwaway prompts on the admission thread (its first costs a cuBLAS
+    handle, a full batch's pinned buffers); the same call on the CPU: max_batch requests prepared, none reaching
+    the engine."""
+    async def main():
+        client = make_client(loaded)
+        seconds = await client._warm_up_admission()
+        batches = (client._admission.batches, client._admission.requests, client._admission.max_batch)
+        await client.stop()
+        return seconds, batches, client.engine.has_unfinished()
+
+    seconds, batches, unfinished = asyncio.run(main())
+    done, requests, full = batches
+    assert seconds >= 0 and requests == full and 1 <= done <= full and not unfinished

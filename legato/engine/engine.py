@@ -30,6 +30,7 @@ from legato.engine.scheduler import RequestTooLargeError, Scheduler, StepResult
 from legato.engine.slot_state import SlotAssignment
 from legato.engine.step_copies import PendingCopy, StepCopies, StepTimes
 from legato.kv_transfer.handoff import Handoff, KVLayout
+from legato.models.qwen3_tts.config import Qwen3TTSConfig
 from legato.models.qwen3_tts.decoder_layer import pack_projections
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import LoadedModel
@@ -108,6 +109,17 @@ class _Launched:
     errors: list[RequestOutput] = field(default_factory=list)
     copy: PendingCopy | None = None
     stack_check: bool = False  # the copy's last row is the one-launch code predictor's barrier give-ups so far
+
+
+def warm_up_input(cfg: Qwen3TTSConfig) -> SpeechInput:
+    """A throwaway request of the model's kind that takes its prompt's longest path (Base: in-context)."""
+    text = "Warming up the engine before the first request."
+    if cfg.tts_model_type == "custom_voice":
+        return SpeechInput(text, speaker=sorted(cfg.talker_config.spk_id)[0])
+    if cfg.tts_model_type == "voice_design":
+        return SpeechInput(text, instructions="A calm voice.")
+    return SpeechInput(text, speaker_embedding=torch.zeros(cfg.talker_config.hidden_size),
+                       ref_code=torch.zeros(8, 16, dtype=torch.long), ref_text="Warm up.")
 
 
 class Engine:
@@ -307,18 +319,8 @@ class Engine:
         prefill's Triton kernel, the compiled samplers, the codec's chunk sizes and, for Base models, the
         in-context priming), so the first real request pays for none of it. Returns the seconds it took."""
         started = time.perf_counter()
-        cfg = self.loaded.config
-        kind = cfg.tts_model_type
-        text = "Warming up the engine before the first request."
-        if kind == "custom_voice":
-            inp = SpeechInput(text, speaker=sorted(cfg.talker_config.spk_id)[0])
-        elif kind == "voice_design":
-            inp = SpeechInput(text, instructions="A calm voice.")
-        else:
-            inp = SpeechInput(text, speaker_embedding=torch.zeros(cfg.talker_config.hidden_size),
-                              ref_code=torch.zeros(8, 16, dtype=torch.long), ref_text="Warm up.")
         frames = sum(StreamSchedule.of(self.config).chunk_sizes()) + 1
-        spec = build_spec(self.loaded, inp)
+        spec = build_spec(self.loaded, warm_up_input(self.loaded.config))
         # Three at once: compiled functions specialise batch 1 apart from larger batches, and the first
         # burst of prompts ending in one step (their first-token sampling) must not be what compiles them.
         for i in range(min(3, self.config.max_num_seqs)):

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from legato.engine.config import EngineConfig
-from legato.engine.engine import Engine, EngineRequest, RequestOutput
+from legato.engine.engine import Engine, EngineRequest, RequestOutput, warm_up_input
 from legato.engine.scheduler import DuplicateRequestError, QueueFullError, RequestTooLargeError
 from legato.kv_transfer.handoff import Handoff, LayoutMismatch
 from legato.models.qwen3_tts.audio import AudioError
@@ -42,7 +42,7 @@ from legato.models.qwen3_tts.inputs import (
 )
 from legato.models.qwen3_tts.loader import LoadedModel
 from legato.models.qwen3_tts.prompt import PromptError, open_text_missing, with_more_text
-from legato.models.qwen3_tts.sampling import SamplingParamsError
+from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.models.qwen3_tts.text_stream import segment_ids
 from legato.pipeline.admission import Admission, AdmissionClosed
 from legato.pipeline.client import (
@@ -115,6 +115,7 @@ class LocalEngineClient(EngineClient):
         if self.engine.runner.device.type == "cuda":  # where first uses compile and capture: before serving
             loop = asyncio.get_running_loop()
             seconds = await loop.run_in_executor(None, self.engine.warm_up)
+            seconds += await self._warm_up_admission()
             if self.engine.codec is not None or self.loaded.model.speaker_encoder is not None:
                 # On the encoder thread, which runs every later encode: cuDNN and cuBLAS keep a handle per
                 # thread, and the first request with a voice would otherwise create them.
@@ -122,6 +123,16 @@ class LocalEngineClient(EngineClient):
             log.info("engine warmed up in %.1f s (first-use compilation and graph capture done before serving)",
                      seconds)
         self._thread.start()
+
+    async def _warm_up_admission(self) -> float:
+        """Throwaway prompts built on the admission thread, which builds every prompt: what its first batches cost
+        (that thread's cuBLAS handle, pinned host buffers of a full batch's size) is paid before serving, not by
+        the first burst. A full batch's worth, queued at once (they form one or two batches)."""
+        started = time.monotonic()
+        req = SynthesisRequest("__warm_up_admission__", warm_up_input(self.loaded.config), SamplingParams())
+        await asyncio.gather(*(self._admitted_request(lambda: self._engine_request(req))
+                               for _ in range(self._admission.max_batch)))
+        return time.monotonic() - started
 
     def _warm_up_voices(self) -> float:
         """The speaker and codec encoders' first run (Base models), outside the voice cache."""
