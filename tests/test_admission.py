@@ -113,6 +113,30 @@ def test_a_failed_build_fails_its_batch_with_the_reason_and_the_thread_goes_on()
         adm.close()
 
 
+def test_a_batch_whose_build_fails_is_built_again_one_by_one_so_the_bad_request_fails_alone():
+    class OneBreaksTheBatch(Builder):
+        def __call__(self, specs):
+            if any(s.text_ids[1] == 66 for s in specs):
+                self.batches.append([str(s.text_ids[1]) for s in specs])
+                raise RuntimeError("out of memory")
+            return super().__call__(specs)
+
+    build = OneBreaksTheBatch(hold_first=True)
+    adm = Admission(build, needs_prompt=lambda r: True)
+    try:
+        adm.submit(lambda: request("hold", [1, 1, 3]))
+        assert build.entered.wait(DEADLINE_S)
+        futures = [adm.submit(lambda i=i: request(f"r{i}", [1, i, 3])) for i in (65, 66, 67)]
+        build.release.set()
+        assert futures[0].result(DEADLINE_S).prompt == "prompt-65"
+        with pytest.raises(RuntimeError, match="out of memory"):
+            futures[1].result(DEADLINE_S)
+        assert futures[2].result(DEADLINE_S).prompt == "prompt-67"
+        assert build.batches[1:] == [["65", "66", "67"], ["65"], ["66"], ["67"]]
+    finally:
+        adm.close()
+
+
 def test_requests_that_need_no_prompt_skip_the_build():
     build = Builder()
     adm = Admission(build, needs_prompt=lambda r: r.request_id != "open")

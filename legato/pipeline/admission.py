@@ -101,6 +101,12 @@ class Admission:
                 continue
             self._prepare(tickets)
 
+    def _build_alone(self, spec: PromptSpec) -> TalkerPrompt | Exception:
+        try:
+            return self._build([spec])[0]
+        except Exception as e:
+            return e
+
     def _prepare(self, batch: list[_Ticket]) -> None:
         prompted: list[tuple[_Ticket, EngineRequest]] = []
         for t in batch:
@@ -120,9 +126,9 @@ class Admission:
             return
         try:
             prompts = self._build([req.spec for _, req in prompted])
-        except Exception as e:  # the batch's device work failed: every request of it fails with the reason
-            log.exception("building %d prompts failed", len(prompted))
-            prompts = [e] * len(prompted)
+        except Exception:  # the batch's device work failed: each request again alone, so a bad one fails alone
+            log.exception("building %d prompts together failed; building each alone", len(prompted))
+            prompts = [self._build_alone(req.spec) for _, req in prompted]
         for (t, req), prompt in zip(prompted, prompts, strict=True):
             if isinstance(prompt, Exception):
                 t.done.set_exception(prompt)
