@@ -3,9 +3,9 @@ in one run, with the embedded tiny model or (`--paced-step-ms`) a paced stand-in
 (`paced_serve.py`: the tiny model's real engine cannot feed 256 streams on a CPU).
 
 For each variant it starts `legato serve` from that tree (on the CPU), runs the bench
-client of this tree (`legato bench serve`, fixed lengths, voice mode) at each concurrency, reads the server's
-own TTFPs from its log, and with `--profile` samples the server process and its workers with py-spy
-during one cell (`--profile-conc`). Results land in OUT/front_path.json.
+client of this tree (`legato bench serve`, fixed lengths, `--mode`, voice by default) at each concurrency, reads
+the server's own TTFPs and stages from its log, and with `--profile` samples the server process and its workers
+with py-spy during one cell (`--profile-conc`). Results land in OUT/front_path.json.
 
     python3 benchmarks/front_path.py --variant before=/tmp/before --variant new=. --concurrency 64,256 \\
         --frames 25 --paced-step-ms 40 --profile --out docs/benchmarks/front-path-cpu
@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from client_limit import prompt_list  # noqa: E402
-from serving_speed import free_port, percentile, server_ttfps, step_timers  # noqa: E402
+from serving_speed import free_port, percentile, server_stages, server_ttfps, step_timers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,8 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
     url = f"http://127.0.0.1:{port}"
     log_path = out / f"server-{name}.log"
     serve = ["--port", str(port), "--max-num-seqs", str(max(args.concurrency)), *args.server_args.split()]
+    if args.model:
+        serve += ["--model", str(Path(args.model).resolve())]
     if args.paced_step_ms:  # the real front, a paced stand-in for the engine (paced_serve.py), thread workers
         cmd = [args.python, str(ROOT / "benchmarks" / "paced_serve.py"), "--step-ms", str(args.paced_step_ms), "--",
                *serve]
@@ -72,7 +74,7 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
                                             str(out / f"profile-{label}.txt")],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 bench = [args.python, "-m", "legato.cli", "bench", "serve", "--base-url", url, "--dataset-path",
-                         str(data), "--num-prompts", str(conc * args.waves), "--mode", "voice", "--fixed-length",
+                         str(data), "--num-prompts", str(conc * args.waves), "--mode", args.mode, "--fixed-length",
                          "--min-frames", str(args.frames), "--max-frames", str(args.frames), "--max-concurrency",
                          str(conc), "--num-warmups", "2", "--no-progress", "--result-dir", str(out / "runs"),
                          "--label", label, "--client-procs", str(args.client_procs)]
@@ -88,6 +90,7 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
                 agg = json.loads((out / "runs" / f"{label}-server-c{conc}.json").read_text())["aggregates"]
                 log.flush()
                 served = server_ttfps(log_path, at)
+                stages = server_stages(log_path, at)
                 steps = after.get("legato_engine_steps_total", 0) - before.get("legato_engine_steps_total", 0)
                 cell = {"variant": name, "concurrency": conc, "requests": conc * args.waves,
                         "completed": agg["completed"], "failed": agg["failed"],
@@ -95,7 +98,7 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
                         "ttfp_p99_ms": agg["ttfp_ms"]["p99"],
                         "server_ttfp_p50_ms": 1000 * percentile(served, 0.5) if served else None,
                         "server_ttfp_p99_ms": 1000 * percentile(served, 0.99) if served else None,
-                        "continuity": agg["continuity_rate"], "engine_steps": steps}
+                        "server_stages": stages, "continuity": agg["continuity_rate"], "engine_steps": steps}
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
         finally:
@@ -113,6 +116,10 @@ def main() -> int:
     p.add_argument("--variant", action="append", required=True, metavar="NAME=TREE")
     p.add_argument("--concurrency", type=lambda v: [int(c) for c in v.split(",")], default=[64, 256])
     p.add_argument("--frames", type=int, default=25)
+    p.add_argument("--mode", default="voice", help="the bench's request mode (xvec/clone send reference clips: "
+                   "give --data with clips and a Base --model)")
+    p.add_argument("--data", default=None, help="a prompt set (default: one generated line, repeated)")
+    p.add_argument("--model", default=None, help="the checkpoint served (default: the embedded model)")
     p.add_argument("--waves", type=int, default=2)
     p.add_argument("--client-procs", type=int, default=1)
     p.add_argument("--server-args", default="", help="more `legato serve` arguments, e.g. '--workers process'")
@@ -129,7 +136,7 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    data = prompt_list(out / "prompts", max(args.concurrency) * args.waves)
+    data = Path(args.data).resolve() if args.data else prompt_list(out / "prompts", max(args.concurrency) * args.waves)
     cells = []
     for r in range(args.rounds):
         for spec in args.variant:

@@ -84,16 +84,23 @@ def server_ttfps(log_path: Path, start: int) -> list[float]:
 
 
 def server_stages(log_path: Path, start: int) -> dict[str, dict[str, float | None]]:
-    """p50/p99 ms of each engine-side stage the server logged beside its TTFP (`prepare_s=` ...), after `start`."""
+    """p50/p99 ms of each engine-side stage the server logged beside its TTFP (`prepare_s=` ...), after `start`,
+    and of `front`: the TTFP less those stages, per request (the body in, the front's checks and clip, the hops to
+    the worker and back, the first write)."""
     with open(log_path, "rb") as f:
         f.seek(start)
         text = f.read().decode(errors="replace")
-    out = {}
-    for stage in ("prepare", "inbox", "engine"):
-        values = [float(v) for v in re.findall(rf" {stage}_s=([0-9.eE+-]+)", text)]
-        out[stage] = {q: (1000 * percentile(values, p) if values else None) for q, p in (("p50_ms", 0.5),
-                                                                                         ("p99_ms", 0.99))}
-    return out
+    stages = ("prepare", "inbox", "engine")
+    values: dict[str, list[float]] = {k: [] for k in (*stages, "front")}
+    for line in text.splitlines():
+        found = {k: float(v) for k, v in re.findall(r" (ttfp|prepare|inbox|engine)_s=([0-9.eE+-]+)", line)}
+        for k in stages:
+            if k in found:
+                values[k].append(found[k])
+        if "ttfp" in found and all(k in found for k in stages):
+            values["front"].append(found["ttfp"] - sum(found[k] for k in stages))
+    return {k: {q: (1000 * percentile(v, p) if v else None) for q, p in (("p50_ms", 0.5), ("p99_ms", 0.99))}
+            for k, v in values.items()}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -241,7 +248,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
 
 def table(cells: list[dict]) -> str:
     head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "srv TTFP p50/p99", "RTF p50",
-            "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine", "peak MiB")
+            "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine/front", "peak MiB")
     lines = [" | ".join(head)]
     for c in cells:
         if c["kind"] != "cell" or "error" in c:
@@ -253,7 +260,7 @@ def table(cells: list[dict]) -> str:
         timers = (f"{f(c['host_ms_per_step'])}/{f(c['gpu_ms_per_step'])}/{f(c['gap_ms_per_step'])}"
                   if c["gpu_ms_per_step"] is not None else "-")
         st = c.get("server_stages") or {}
-        stages = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f") for k in ("prepare", "inbox", "engine"))
+        stages = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f") for k in ("prepare", "inbox", "engine", "front"))
         lines.append(" | ".join([c["variant"], c["mode"], str(c["concurrency"]), f(c["audio_s_per_s"]),
                                  f(c["req_per_s"], ".2f"), f(c["ttfp_p50_ms"], ".0f"), f(c["ttfp_p99_ms"], ".0f"),
                                  f"{f(c.get('server_ttfp_p50_ms'), '.0f')}/{f(c.get('server_ttfp_p99_ms'), '.0f')}",

@@ -21,6 +21,7 @@ def test_server_stages_reads_the_logged_stage_times_after_the_offset(tmp_path):
     stages = serving_speed.server_stages(log, len(old))
     assert stages["prepare"]["p50_ms"] == 200.0 and stages["prepare"]["p99_ms"] == 300.0
     assert stages["inbox"]["p50_ms"] == 1.0 and stages["engine"]["p50_ms"] == 40.0
+    assert abs(stages["front"]["p50_ms"] - 259.0) < 1e-6 and abs(stages["front"]["p99_ms"] - 359.0) < 1e-6
     assert serving_speed.server_stages(log, log.stat().st_size)["engine"] == {"p50_ms": None, "p99_ms": None}
 
 
