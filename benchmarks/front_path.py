@@ -39,8 +39,8 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
     if args.model:
         serve += ["--model", str(Path(args.model).resolve())]
     if args.paced_step_ms:  # the real front, a paced stand-in for the engine (paced_serve.py), thread workers
-        cmd = [args.python, str(ROOT / "benchmarks" / "paced_serve.py"), "--step-ms", str(args.paced_step_ms), "--",
-               *serve]
+        cmd = [args.python, str(ROOT / "benchmarks" / "paced_serve.py"), "--step-ms", str(args.paced_step_ms),
+               *(["--real-prompts"] if args.real_prompts else []), "--", *serve]
     else:
         cmd = [args.python, "-m", "legato.cli", "serve", "--device", "cpu", *serve]
     with open(log_path, "w") as log:
@@ -125,6 +125,8 @@ def main() -> int:
     p.add_argument("--server-args", default="", help="more `legato serve` arguments, e.g. '--workers process'")
     p.add_argument("--paced-step-ms", type=float, default=None,
                    help="serve a paced stand-in engine (a frame per stream this often) instead of the tiny model")
+    p.add_argument("--real-prompts", action="store_true",
+                   help="with --paced-step-ms: admission builds real prompts from the served weights")
     p.add_argument("--rounds", type=int, default=1, help="variants alternate this many times (noise on a shared host)")
     p.add_argument("--cell-timeout", type=float, default=600)
     p.add_argument("--profile", action="store_true")

@@ -28,12 +28,14 @@ class PacedEngine:
     audio out on the engine's chunk schedule (first chunk, then the ramp up to `chunk_frames`)."""
 
     step_s = 0.04
+    real_prompts = False  # build each request's prompt with the model's weights, as the engine does
 
     def __init__(self, loaded, config) -> None:
         from legato.engine.codec_schedule import next_chunk_frames
 
         self._next = next_chunk_frames
         self.config = config
+        self.loaded = loaded
         self.runner = SimpleNamespace(device=torch.device("cpu"))  # no warm-up: nothing compiles
         self.codec = None
         self.live: dict[str, list] = {}  # id -> [request, frames made, frames sent, next chunk's end]
@@ -46,10 +48,20 @@ class PacedEngine:
         self._next_at = time.perf_counter()
 
     def prepare_prompt(self, spec):
-        return None
+        if not self.real_prompts:
+            return None
+        try:
+            from legato.models.qwen3_tts.prompt_build import build_prompt
+        except ImportError:  # a tree from before batched prompts
+            from legato.models.qwen3_tts.prompt import build_prompt
+        return build_prompt(spec, self.loaded.talker, self.loaded.config)
 
     def prepare_prompts(self, specs):
-        return [None] * len(specs)
+        if not self.real_prompts:
+            return [None] * len(specs)
+        from legato.models.qwen3_tts.prompt_build import build_prompts
+
+        return build_prompts(specs, self.loaded.talker, self.loaded.config)
 
     def add_request(self, er) -> int:
         if er.request_id in self.live:
@@ -109,12 +121,13 @@ class PacedEngine:
         return outs
 
 
-def install(step_ms: float) -> None:
+def install(step_ms: float, real_prompts: bool = False) -> None:
     """Makes every LocalEngineClient of this process build a PacedEngine (`paced/sitecustomize.py` calls it in
-    worker processes, which inherit LEGATO_PACED_STEP_MS and PYTHONPATH)."""
+    worker processes, which inherit LEGATO_PACED_STEP_MS, LEGATO_PACED_PROMPTS and PYTHONPATH)."""
     import legato.pipeline.local as local
 
     PacedEngine.step_s = step_ms / 1000.0
+    PacedEngine.real_prompts = real_prompts
     local.Engine = PacedEngine
 
 
@@ -123,11 +136,14 @@ def main() -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step-ms", type=float, default=40.0, help="one frame per running request this often")
+    p.add_argument("--real-prompts", action="store_true",
+                   help="admission builds each request's prompt with the model's weights, as it does for the engine")
     args = p.parse_args(argv[:split])
     here = Path(__file__).resolve().parent
     os.environ["LEGATO_PACED_STEP_MS"] = str(args.step_ms)
+    os.environ["LEGATO_PACED_PROMPTS"] = "1" if args.real_prompts else ""
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(here / "paced")) if p)
-    install(args.step_ms)
+    install(args.step_ms, args.real_prompts)
     from legato.cli import main as legato_main
 
     return legato_main(["serve", "--device", "cpu", *argv[split + 1:]])
