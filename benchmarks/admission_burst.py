@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ from legato.pipeline.client import SynthesisRequest
 from legato.pipeline.local import LocalEngineClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_loop import TEXTS, random_base_model  # noqa: E402
+from engine_loop import TEXTS, emit_json, random_base_model  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -123,15 +121,8 @@ def main() -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)
     result = asyncio.run(main_async(args))
-    tree = Path(sys.modules["legato"].__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or None
-    out = {"label": args.label, "tree": str(tree), "commit": commit, "args": vars(args),
-           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, **result}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit_json({"label": args.label, "args": vars(args),
+               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, **result}, args.out)
 
 
 if __name__ == "__main__":

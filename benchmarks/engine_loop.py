@@ -235,6 +235,22 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ref-frames", type=int, default=60)
 
 
+def emit_json(out: dict, path: str | None) -> None:
+    """Prints a benchmark's result, with the tree it measured (the `legato` on PYTHONPATH) and that tree's commit
+    where it is a git checkout, and writes it to `path` when given."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tree = Path(sys.modules["legato"].__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or None
+    text = json.dumps({"tree": str(tree), "commit": commit, **out}, indent=1)
+    print(text)
+    if path:
+        Path(path).write_text(text)
+
+
 def random_base_model(size: str, device: str):
     """A Base model of `size` with random weights in bf16; `tiny`: the tests' config in fp32."""
     if size == "tiny":

@@ -12,7 +12,6 @@ the kernels (CUDA) or operators (CPU) one request costs. The tree on PYTHONPATH 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_loop import TEXTS, random_base_model  # noqa: E402
+from engine_loop import TEXTS, emit_json, random_base_model  # noqa: E402
 
 try:
     from legato.models.qwen3_tts.prompt_build import build_prompt, build_prompts
@@ -98,13 +97,8 @@ def main() -> None:
             batched()
             rows[f"batch{size}"] = {"us_per_request": per_request_us(batched, n, args.device, args.repeats),
                                     "launches_per_request": launches_per_request(batched, n, args.device)}
-    out = {"size": args.size, "device": args.device, "batched": build_prompts is not None,
-           "tree": str(Path(sys.modules["legato"].__file__).resolve().parents[1]),
-           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "rows": rows}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit_json({"size": args.size, "device": args.device, "batched": build_prompts is not None,
+               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":
