@@ -46,6 +46,12 @@ class _Piece:
     ready: torch.Tensor | None = None
 
     @property
+    def key(self) -> int:
+        """Pieces with one key are one set of rows in the batch's table: a cached tensor is there once, however
+        many requests read it."""
+        return id(self.ready) if self.ready is not None else id(self)
+
+    @property
     def rows(self) -> int:
         if self.ready is not None:
             return int(self.ready.shape[0])
@@ -254,14 +260,14 @@ def _assemble(layouts: list[_Layout], talker: Talker, zero_row: torch.Tensor) ->
         for _, *tracks in lay.runs:
             for track in tracks:
                 if track is not None:
-                    pieces.setdefault(id(track[0]), track[0])
+                    pieces.setdefault(track[0].key, track[0])
         for _, track in lay.trailing:
             if track is not None:
-                pieces.setdefault(id(track[0]), track[0])
+                pieces.setdefault(track[0].key, track[0])
     order = list(pieces.values())
     offsets, at = {}, 0
     for piece in order:
-        offsets[id(piece)] = at
+        offsets[piece.key] = at
         at += piece.rows
     zero = at  # the row a missing track reads
 
@@ -269,7 +275,7 @@ def _assemble(layouts: list[_Layout], talker: Talker, zero_row: torch.Tensor) ->
         if track is None:
             return [zero] * n
         piece, row, step = track
-        first = offsets[id(piece)] + row
+        first = offsets[piece.key] + row
         return list(range(first, first + n)) if step else [first] * n
 
     text_idx, codec_idx, trail_idx, bounds = [], [], [], []
