@@ -41,6 +41,16 @@ class Builder:
         return [PromptError("refused") if s.text_ids[0] == 0 else f"prompt-{s.text_ids[1]}" for s in specs]
 
 
+def held(max_batch: int = 64, build: Builder | None = None) -> tuple[Builder, Admission]:
+    """An admission thread inside its first batch's build (one "hold" request) until `build.release` is set:
+    whatever is submitted meanwhile queues for the next batch."""
+    build = build or Builder(hold_first=True)
+    adm = Admission(build, needs_prompt=lambda r: True, max_batch=max_batch)
+    adm.submit(lambda: request("hold", [1, 1, 3]))
+    assert build.entered.wait(DEADLINE_S)
+    return build, adm
+
+
 def test_requests_queued_during_a_batch_form_the_next_batch_in_order():
     build = Builder(hold_first=True)
     adm = Admission(build, needs_prompt=lambda r: True, max_batch=64)
@@ -60,11 +70,8 @@ def test_requests_queued_during_a_batch_form_the_next_batch_in_order():
 
 
 def test_a_batch_is_capped_at_max_batch():
-    build = Builder(hold_first=True)
-    adm = Admission(build, needs_prompt=lambda r: True, max_batch=4)
+    build, adm = held(max_batch=4)
     try:
-        adm.submit(lambda: request("a", [1, 100, 3]))
-        assert build.entered.wait(DEADLINE_S)
         futures = [adm.submit(lambda i=i: request(f"r{i}", [1, i, 3])) for i in range(10)]
         build.release.set()
         for f in futures:
@@ -75,11 +82,8 @@ def test_a_batch_is_capped_at_max_batch():
 
 
 def test_a_failing_request_fails_alone():
-    build = Builder(hold_first=True)
-    adm = Admission(build, needs_prompt=lambda r: True)
+    build, adm = held()
     try:
-        adm.submit(lambda: request("hold"))
-        assert build.entered.wait(DEADLINE_S)
 
         def broken():
             raise ValueError("no voice")
@@ -121,11 +125,8 @@ def test_a_batch_whose_build_fails_is_built_again_one_by_one_so_the_bad_request_
                 raise RuntimeError("out of memory")
             return super().__call__(specs)
 
-    build = OneBreaksTheBatch(hold_first=True)
-    adm = Admission(build, needs_prompt=lambda r: True)
+    build, adm = held(build=OneBreaksTheBatch(hold_first=True))
     try:
-        adm.submit(lambda: request("hold", [1, 1, 3]))
-        assert build.entered.wait(DEADLINE_S)
         futures = [adm.submit(lambda i=i: request(f"r{i}", [1, i, 3])) for i in (65, 66, 67)]
         build.release.set()
         assert futures[0].result(DEADLINE_S).prompt == "prompt-65"
@@ -168,11 +169,8 @@ def test_close_fails_what_is_queued_and_refuses_what_comes_after():
 
 
 def test_a_cancelled_request_is_skipped():
-    build = Builder(hold_first=True)
-    adm = Admission(build, needs_prompt=lambda r: True)
+    build, adm = held()
     try:
-        adm.submit(lambda: request("hold"))
-        assert build.entered.wait(DEADLINE_S)
         made = []
         gone = adm.submit(lambda: made.append("gone") or request("gone", [1, 2, 3]))
         kept = adm.submit(lambda: request("kept", [1, 4, 3]))

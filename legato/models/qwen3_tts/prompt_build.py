@@ -210,31 +210,22 @@ def _icl_body(out: _Layout, ref_ids: list[int], text_ids: list[int], ref_code: t
             runs.append((1, eos))
         return runs
 
-    def codec_rows(start: int, count: int) -> list[tuple[int, _Track]]:
-        """Rows [start, start + count) of the codec track: codec_bos, then the reference frames."""
-        runs = []
-        if start == 0 and count > 0:
-            runs.append((1, codec_bos))
-            start, count = 1, count - 1
-        if count > 0:
-            runs.append((count, (frames, start - 1, 1)))
-        return runs
-
+    codec = [(1, codec_bos), (frames.rows, (frames, 0, 1))]  # the codec track's n rows
     total = m + int(with_eos)
     if spec.non_streaming_mode:
         for k, track in text_rows(0, total):
             out.add(k, track, codec_pad)
-        for k, track in codec_rows(0, n):
+        for k, track in codec:
             out.add(k, pad, track)
         out.trail(1, pad)
         return
     # Streaming text: align the text with the codec track; text beyond the reference trails.
     if total > n or spec.text_open:  # an open text is never shorter here, and trails on (maybe from empty)
-        _zip(out, text_rows(0, n), codec_rows(0, n))
+        _zip(out, text_rows(0, n), codec)
         for k, track in text_rows(n, total - n):
             out.trail(k, track)
         return
-    _zip(out, text_rows(0, total) + ([(n - total, pad)] if n > total else []), codec_rows(0, n))
+    _zip(out, text_rows(0, total) + ([(n - total, pad)] if n > total else []), codec)
     out.trail(1, pad)
 
 
