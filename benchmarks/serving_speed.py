@@ -86,19 +86,26 @@ def server_ttfps(log_path: Path, start: int) -> list[float]:
 def server_stages(log_path: Path, start: int) -> dict[str, dict[str, float | None]]:
     """p50/p99 ms of each engine-side stage the server logged beside its TTFP (`prepare_s=` ...), after `start`,
     and of `front`: the TTFP less those stages, per request (the body in, the front's checks and clip, the hops to
-    the worker and back, the first write)."""
+    the worker and back, the first write). Where the front logged its own stamps (`front_in_s`: headers in ->
+    handed to the engine client; `reply_s`: handed over -> first audio pulled), `front_in`, `reply` and `hops`
+    (reply less the engine-side stages: the ways to the worker and back) split `front`."""
     with open(log_path, "rb") as f:
         f.seek(start)
         text = f.read().decode(errors="replace")
     stages = ("prepare", "inbox", "engine")
-    values: dict[str, list[float]] = {k: [] for k in (*stages, "front")}
+    values: dict[str, list[float]] = {k: [] for k in (*stages, "front", "front_in", "reply", "hops")}
     for line in text.splitlines():
-        found = {k: float(v) for k, v in re.findall(r" (ttfp|prepare|inbox|engine)_s=([0-9.eE+-]+)", line)}
-        for k in stages:
+        found = {k: float(v) for k, v in
+                 re.findall(r" (ttfp|prepare|inbox|engine|front_in|reply)_s=([0-9.eE+-]+)", line)}
+        for k in (*stages, "front_in", "reply"):
             if k in found:
                 values[k].append(found[k])
-        if "ttfp" in found and all(k in found for k in stages):
-            values["front"].append(found["ttfp"] - sum(found[k] for k in stages))
+        if all(k in found for k in stages):
+            engine_side = sum(found[k] for k in stages)
+            if "ttfp" in found:
+                values["front"].append(found["ttfp"] - engine_side)
+            if "reply" in found:
+                values["hops"].append(found["reply"] - engine_side)
     return {k: {q: (1000 * percentile(v, p) if v else None) for q, p in (("p50_ms", 0.5), ("p99_ms", 0.99))}
             for k, v in values.items()}
 
@@ -162,9 +169,11 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
         cells.append({"variant": name, "kind": "startup", "ready_s": ready_s, "first_ttfp_s": first,
                       "steady_ttfp_s": steady})
         for mode in args.modes.split(","):
-            for conc in [int(c) for c in args.concurrency.split(",")]:
+            for conc, procs in [(int(c), int(p)) for c in args.concurrency.split(",")
+                                for p in args.client_procs.split(",")]:
                 n = min(args.max_prompts, max(args.min_prompts, args.prompts_per_conc * conc))
-                stem = f"{name}-{mode}-c{conc}"
+                tag = f"-p{procs}" if "," in args.client_procs else ""
+                stem = f"{name}-{mode}-c{conc}{tag}"
                 before = step_timers(url)
                 log.flush()
                 log_at = (Path(args.out) / f"server-{name}.log").stat().st_size
@@ -173,8 +182,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                          "--dataset-path", args.data, "--num-prompts", str(n), "--mode", prompt_mode,
                          "--fixed-length", "--max-concurrency", str(conc), "--num-warmups", "2", "--no-progress",
                          "--timeout", "300", "--result-dir", str(Path(args.out) / "runs"), "--label",
-                         f"{name}-{mode}", "--topology", "single", "--max-num-seqs", str(args.max_num_seqs),
-                         "--num-gpus", "1", "--client-procs", "1" if ws else str(args.client_procs)]
+                         f"{name}-{mode}{tag}", "--topology", "single", "--max-num-seqs", str(args.max_num_seqs),
+                         "--num-gpus", "1", "--client-procs", "1" if ws else str(procs)]
                 if ws:
                     bench += ["--stream-text", "--text-rate", args.text_rate]
                 t1 = time.monotonic()
@@ -187,7 +196,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                                             str(args.profile_seconds), "--rate", "100", "--format", "raw",
                                             "--nonblocking", "--threads", "--subprocesses",
                                             *(["--gil"] if args.profile_gil else []), "--output",
-                                            str(Path(args.out) / f"profile-{name}-{mode}-c{conc}.txt")],
+                                            str(Path(args.out) / f"profile-{stem}.txt")],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 done = subprocess.run(bench, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                     p for p in (str(Path(".").resolve()), os.environ.get("PYTHONPATH")) if p)},
@@ -197,12 +206,12 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 stages = server_stages(Path(args.out) / f"server-{name}.log", log_at)
                 if spy is not None:
                     spy.wait(args.profile_seconds + 30)
-                label = f"{name}-{mode}-stream-text" if ws else f"{name}-{mode}"
+                label = f"{name}-{mode}{tag}-stream-text" if ws else f"{name}-{mode}{tag}"
                 result_path = Path(args.out) / "runs" / f"{label}-single-c{conc}.json"
                 if done.returncode != 0 or not result_path.exists():
                     print(f"[{stem}] bench failed: {done.stderr[-800:]}", flush=True)
                     cells.append({"variant": name, "kind": "cell", "mode": mode, "concurrency": conc,
-                                  "error": done.stderr[-2000:]})
+                                  "client_procs": procs, "error": done.stderr[-2000:]})
                     continue
                 agg = json.loads(result_path.read_text())["aggregates"]
                 gpu = after.get("legato_engine_step_gpu_seconds_total", 0) - before.get(
@@ -215,6 +224,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 host = after.get("legato_engine_step_host_seconds_total", 0) - before.get(
                     "legato_engine_step_host_seconds_total", 0)
                 cell = {"variant": name, "kind": "cell", "mode": mode, "concurrency": conc, "prompts": n,
+                        "client_procs": procs,
                         "wall_s": time.monotonic() - t1, "audio_s_per_s": agg["audio_throughput"],
                         "req_per_s": agg["request_throughput"], "ttfp_p50_ms": agg["ttfp_ms"]["median"],
                         "ttfp_p99_ms": agg["ttfp_ms"]["p99"],
@@ -248,7 +258,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
 
 def table(cells: list[dict]) -> str:
     head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "srv TTFP p50/p99", "RTF p50",
-            "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine/front", "peak MiB")
+            "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine/front", "front_in/hops",
+            "client procs", "peak MiB")
     lines = [" | ".join(head)]
     for c in cells:
         if c["kind"] != "cell" or "error" in c:
@@ -261,11 +272,12 @@ def table(cells: list[dict]) -> str:
                   if c["gpu_ms_per_step"] is not None else "-")
         st = c.get("server_stages") or {}
         stages = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f") for k in ("prepare", "inbox", "engine", "front"))
+        split = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f") for k in ("front_in", "hops"))
         lines.append(" | ".join([c["variant"], c["mode"], str(c["concurrency"]), f(c["audio_s_per_s"]),
                                  f(c["req_per_s"], ".2f"), f(c["ttfp_p50_ms"], ".0f"), f(c["ttfp_p99_ms"], ".0f"),
                                  f"{f(c.get('server_ttfp_p50_ms'), '.0f')}/{f(c.get('server_ttfp_p99_ms'), '.0f')}",
                                  f(c["rtf_p50"], ".3f"), f(c["continuity"], ".2f"), f(c["gpu_busy"], ".2f"),
-                                 timers, stages, str(c["peak_gpu_mib"])]))
+                                 timers, stages, split, str(c.get("client_procs", "-")), str(c["peak_gpu_mib"])]))
     return "\n".join(lines)
 
 
@@ -287,8 +299,9 @@ def main() -> int:
                         "first wave's prefill and the last requests' tail a small part of a cell")
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--cell-timeout", type=float, default=300)
-    p.add_argument("--client-procs", type=int, default=1,
-                   help="bench client processes (legato bench serve --client-procs): 2 or more at c>=256")
+    p.add_argument("--client-procs", default="1",
+                   help="bench client processes (legato bench serve --client-procs): 2 or more at c>=256; a comma "
+                        "list runs each cell once per count on the same server (is the client the limit?)")
     p.add_argument("--profile", default="", metavar="MODE:CONC[,MODE:CONC]",
                    help="py-spy the server during these cells")
     p.add_argument("--profile-seconds", type=int, default=5)

@@ -23,6 +23,16 @@ def test_server_stages_reads_the_logged_stage_times_after_the_offset(tmp_path):
     assert stages["inbox"]["p50_ms"] == 1.0 and stages["engine"]["p50_ms"] == 40.0
     assert abs(stages["front"]["p50_ms"] - 259.0) < 1e-6 and abs(stages["front"]["p99_ms"] - 359.0) < 1e-6
     assert serving_speed.server_stages(log, log.stat().st_size)["engine"] == {"p50_ms": None, "p99_ms": None}
+    assert stages["hops"]["p50_ms"] is None  # no front stamps in these lines
+
+
+def test_server_stages_splits_the_front_by_its_own_stamps(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("".join(f"x speech done ttfp_s=0.5 prepare_s=0.1 inbox_s=0.01 engine_s=0.04 front_in_s={i} "
+                           f"reply_s={r}\n" for i, r in ((0.05, 0.4), (0.1, 0.35), (0.2, 0.25))))
+    stages = serving_speed.server_stages(log, 0)
+    assert abs(stages["front_in"]["p50_ms"] - 100.0) < 1e-6
+    assert abs(stages["hops"]["p50_ms"] - 200.0) < 1e-6 and abs(stages["hops"]["p99_ms"] - 250.0) < 1e-6
 
 
 def test_pyspy_summary_counts_samples_by_thread_and_functions_once_per_sample(tmp_path):

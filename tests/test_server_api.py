@@ -295,6 +295,10 @@ def test_logs_carry_the_request_id_and_usage(cv, caplog):
     # Where the TTFP went on the engine's side, beside it: each stage within it.
     stages = [done[-1].prepare_s, done[-1].inbox_s, done[-1].engine_s]
     assert min(stages) >= 0 and sum(stages) <= done[-1].ttfp_s + 1e-3
+    # The front's share: headers in -> handed to the engine client, then -> first audio pulled (which holds the
+    # engine-side stages and the ways there and back).
+    assert done[-1].front_in_s >= 0 and done[-1].reply_s >= sum(stages) - 1e-3
+    assert done[-1].front_in_s + done[-1].reply_s <= done[-1].ttfp_s + 1e-3
 
 
 def test_json_log_lines_hold_request_id_and_extras():

@@ -68,6 +68,11 @@ class Generation:
         self.error: str | None = None
         self.ttfp: float | None = None
         self.stages: dict[str, float] = {}  # where the TTFP went on the engine's side (StreamChunk.stages)
+        # The front's own share of the TTFP: `front_in` (headers in -> the request handed to the engine client:
+        # body, checks, clip) and `reply` (handed over -> first audio chunk pulled here: the hops to the engine
+        # and back plus the engine's stages), so a slow TTFP names the process it is spent in.
+        self.handed_over = time.perf_counter()
+        self.front_stages: dict[str, float] = {}
         self.outcome: int | None = None
 
     async def next(self) -> StreamChunk:
@@ -88,6 +93,9 @@ class Generation:
         self.seed = chunk.seed
         if chunk.stages:
             self.stages = chunk.stages
+        if chunk.audio.size and not self.front_stages:
+            self.front_stages = {"front_in": self.handed_over - self.started,
+                                 "reply": time.perf_counter() - self.handed_over}
         if chunk.finished:
             self.finish_reason, self.error = chunk.finish_reason, chunk.error
         return chunk
@@ -136,7 +144,8 @@ class Generation:
             "finish_reason": self.finish_reason, "abort_reason": abort_reason, "error": error or self.error,
             "prompt_tokens": self.prompt_tokens, "frames": self.frames, "audio_s": round(self.audio_seconds, 3),
             "ttfp_s": None if self.ttfp is None else round(self.ttfp, 4), "e2e_s": round(e2e, 4), "seed": self.seed,
-            "length_cap": self.length_cap, **{f"{k}_s": round(v, 4) for k, v in self.stages.items()},
+            "length_cap": self.length_cap,
+            **{f"{k}_s": round(v, 4) for k, v in (*self.stages.items(), *self.front_stages.items())},
         })
         if self.length_cap is not None and not self.budget.exact:
             log.info("request %s ended 'length' at %d frames: cut by %s", self.req.request_id, self.frames,
