@@ -88,16 +88,17 @@ def server_stages(log_path: Path, start: int) -> dict[str, dict[str, float | Non
     and of `front`: the TTFP less those stages, per request (the body in, the front's checks and clip, the hops to
     the worker and back, the first write). Where the front logged its own stamps (`front_in_s`: headers in ->
     handed to the engine client; `reply_s`: handed over -> first audio pulled), `front_in`, `reply` and `hops`
-    (reply less the engine-side stages: the ways to the worker and back) split `front`."""
+    (reply less the engine-side stages: the ways to the worker and back) split `front`; `voice`, `queue`, `build`
+    and `resume` split `prepare` where the engine client logged them."""
     with open(log_path, "rb") as f:
         f.seek(start)
         text = f.read().decode(errors="replace")
     stages = ("prepare", "inbox", "engine")
-    values: dict[str, list[float]] = {k: [] for k in (*stages, "front", "front_in", "reply", "hops")}
+    split = ("front_in", "reply", "voice", "queue", "build", "resume")  # logged where the tree has them
+    values: dict[str, list[float]] = {k: [] for k in (*stages, "front", "hops", *split)}
     for line in text.splitlines():
-        found = {k: float(v) for k, v in
-                 re.findall(r" (ttfp|prepare|inbox|engine|front_in|reply)_s=([0-9.eE+-]+)", line)}
-        for k in (*stages, "front_in", "reply"):
+        found = {k: float(v) for k, v in re.findall(r" ([a-z_]+)_s=([0-9.eE+-]+)", line)}
+        for k in (*stages, *split):
             if k in found:
                 values[k].append(found[k])
         if all(k in found for k in stages):
@@ -258,8 +259,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
 
 def table(cells: list[dict]) -> str:
     head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "srv TTFP p50/p99", "RTF p50",
-            "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine/front", "front_in/hops",
-            "client procs", "peak MiB")
+            "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine/front",
+            "front_in/hops/voice/queue/build/resume", "client procs", "peak MiB")
     lines = [" | ".join(head)]
     for c in cells:
         if c["kind"] != "cell" or "error" in c:
@@ -272,7 +273,8 @@ def table(cells: list[dict]) -> str:
                   if c["gpu_ms_per_step"] is not None else "-")
         st = c.get("server_stages") or {}
         stages = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f") for k in ("prepare", "inbox", "engine", "front"))
-        split = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f") for k in ("front_in", "hops"))
+        split = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f")
+                         for k in ("front_in", "hops", "voice", "queue", "build", "resume"))
         lines.append(" | ".join([c["variant"], c["mode"], str(c["concurrency"]), f(c["audio_s_per_s"]),
                                  f(c["req_per_s"], ".2f"), f(c["ttfp_p50_ms"], ".0f"), f(c["ttfp_p99_ms"], ".0f"),
                                  f"{f(c.get('server_ttfp_p50_ms'), '.0f')}/{f(c.get('server_ttfp_p99_ms'), '.0f')}",

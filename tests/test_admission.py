@@ -65,6 +65,12 @@ def test_requests_queued_during_a_batch_form_the_next_batch_in_order():
         assert [r.prompt for r in done] == [f"prompt-{i}" for i in range(10)]
         assert build.batches == [["100"], [str(i) for i in range(10)]]  # the ten queued meanwhile: one batch
         assert (adm.batches, adm.requests) == (2, 11)
+        # Each future says when its batch was taken and built: the ten queued behind the held first batch were
+        # taken after it was built, together.
+        assert first.marks["taken"] <= first.marks["built"]
+        assert {f.marks["taken"] for f in later} == {later[0].marks["taken"]}
+        assert later[0].marks["taken"] >= first.marks["built"]
+        assert all(f.marks["taken"] <= f.marks["built"] for f in later)
     finally:
         adm.close()
 

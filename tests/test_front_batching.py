@@ -106,7 +106,8 @@ def test_the_front_takes_a_steps_message_like_its_chunks(tiny_checkpoint):
 
 
 def test_a_first_chunks_stages_cross_both_message_kinds_and_bad_ones_are_refused():
-    stages = {"prepare": 0.012, "inbox": 0.0005, "engine": 0.04}
+    stages = {"prepare": 0.012, "inbox": 0.0005, "engine": 0.04, "voice": 0.001, "queue": 0.005, "build": 0.004,
+              "resume": 0.002}
     first = StreamChunk(np.ones(3, np.float32), 1, stages=stages)
     [(_, one)] = [(None, m.decode(m.encode(m.Chunk("a", first))).chunk)]
     many = m.decode(m.encode(m.Chunks([("a", first), ("b", _chunk(1, last=False))])))

@@ -508,7 +508,11 @@ def test_generate_into_hands_each_step_over_in_one_call_with_the_streams_chunks(
         # The first chunk with audio says where the time before it went; no other chunk does.
         timed = [c for c in got[rid] if c.stages is not None]
         assert len(timed) == 1 and timed[0] is next(c for c in got[rid] if c.audio.size), rid
-        assert set(timed[0].stages) == {"prepare", "inbox", "engine"} and min(timed[0].stages.values()) >= 0
+        st = timed[0].stages
+        assert set(st) == {"prepare", "inbox", "engine", "voice", "queue", "build", "resume"}, rid
+        assert min(st.values()) >= 0, st
+        # `prepare` split into its steps (voice found, admission queue, the batch's build, the loop resuming).
+        assert abs(st["voice"] + st["queue"] + st["build"] + st["resume"] - st["prepare"]) < 1e-9, st
     # The three ran together: some call carried chunks of more than one request.
     assert max(len({r for r, _ in call}) for call in calls) > 1
     assert err.status == 400 and refused == []

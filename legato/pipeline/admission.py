@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -34,7 +35,7 @@ class AdmissionClosed(RuntimeError):
 @dataclasses.dataclass
 class _Ticket:
     make: Callable[[], EngineRequest]  # the request's host part, on the admission thread
-    done: Future
+    done: Future  # its `marks` (set before its result): perf_counter() when the thread took it, and when built
 
 
 class Admission:
@@ -58,8 +59,10 @@ class Admission:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)  # started by the first submit
 
     def submit(self, make: Callable[[], EngineRequest]) -> Future:
-        """Queues a request; the future gives it back with its prompt, or raises what refused it."""
+        """Queues a request; the future gives it back with its prompt, or raises what refused it. Its `marks`
+        say when the thread took the request (`taken`) and when its prompt was built (`built`)."""
         ticket = _Ticket(make, Future())
+        ticket.done.marks = {}
         with self._lock:
             if self._closed:
                 ticket.done.set_exception(AdmissionClosed("admission has stopped"))
@@ -109,7 +112,9 @@ class Admission:
 
     def _prepare(self, batch: list[_Ticket]) -> None:
         prompted: list[tuple[_Ticket, EngineRequest]] = []
+        taken = time.perf_counter()
         for t in batch:
+            t.done.marks.update(taken=taken, built=taken)
             if not t.done.set_running_or_notify_cancel():
                 continue  # its caller gave up
             try:
@@ -129,7 +134,9 @@ class Admission:
         except Exception:  # the batch's device work failed: each request again alone, so a bad one fails alone
             log.exception("building %d prompts together failed; building each alone", len(prompted))
             prompts = [self._build_alone(req.spec) for _, req in prompted]
+        built = time.perf_counter()
         for (t, req), prompt in zip(prompted, prompts, strict=True):
+            t.done.marks["built"] = built
             if isinstance(prompt, Exception):
                 t.done.set_exception(prompt)
             else:

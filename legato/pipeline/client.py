@@ -60,7 +60,9 @@ class StreamChunk:
 
 # prepare: from the call to the engine thread's inbox (the voice, tokens and prompt, with their queues);
 # inbox: until the engine thread took it in; engine: from then to the first audio handed over.
-STAGES = ("prepare", "inbox", "engine")
+# `prepare` split, where the client saw each step: voice (the clip's voice found or encoded), queue (waiting for
+# the admission thread), build (its batch's host part and prompts), resume (the caller's event loop picking it up).
+STAGES = ("prepare", "inbox", "engine", "voice", "queue", "build", "resume")
 
 
 class RequestRejected(Exception):

@@ -32,6 +32,7 @@ class EngineStream:
     called: float | None = None
     submitted: float = 0.0
     added: float = 0.0
+    marks: dict[str, float] | None = None  # within `prepare`: voice found, admission took it, prompt built
 
 
 class StepHandover:
@@ -46,6 +47,10 @@ class StepHandover:
         if stream.called is not None and chunk.audio.size:
             chunk.stages = {"prepare": stream.submitted - stream.called, "inbox": stream.added - stream.submitted,
                             "engine": time.perf_counter() - stream.added}
+            marks = stream.marks or {}
+            if all(k in marks for k in ("voice", "taken", "built")):  # `prepare`, split
+                chunk.stages.update(voice=marks["voice"] - stream.called, queue=marks["taken"] - marks["voice"],
+                                    build=marks["built"] - marks["taken"], resume=stream.submitted - marks["built"])
             stream.called = None
         if stream.sink is None:
             self._queued.setdefault(stream.loop, []).append((stream.queue, chunk))

@@ -165,11 +165,12 @@ class LocalEngineClient(EngineClient):
         return self._generate(req, owner, called)
 
     async def _generate(self, req: SynthesisRequest, owner: bool, called: float) -> AsyncIterator[StreamChunk]:
-        prepared, then = await self._admit(req, owner)
+        marks: dict[str, float] = {}
+        prepared, then = await self._admit(req, owner, marks)
         if isinstance(prepared, StreamChunk):
             yield prepared
             return
-        async for chunk in self._stream("add", prepared, req.request_id, then, called):
+        async for chunk in self._stream("add", prepared, req.request_id, then, called, marks):
             yield chunk
 
     def generate_into(self, req: SynthesisRequest,
@@ -187,17 +188,21 @@ class LocalEngineClient(EngineClient):
         return self._generate_into(req, sink, owner, called)
 
     async def _generate_into(self, req: SynthesisRequest, sink: ChunkSink, owner: bool, called: float) -> None:
-        prepared, then = await self._admit(req, owner)
+        marks: dict[str, float] = {}
+        prepared, then = await self._admit(req, owner, marks)
         if isinstance(prepared, StreamChunk):
             sink([(req.request_id, prepared)])
             return
         loop = asyncio.get_running_loop()
         await self._run_into("add", prepared, req.request_id, then,
-                             EngineStream(loop, sink=sink, done=loop.create_future(), called=called))
+                             EngineStream(loop, sink=sink, done=loop.create_future(), called=called,
+                                          marks=marks))
 
-    async def _admit(self, req: SynthesisRequest, owner: bool) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
+    async def _admit(self, req: SynthesisRequest, owner: bool,
+                     marks: dict[str, float]) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
         """The request ready for the engine (voice, tokens, prompt) and the text that came meanwhile; or, for an
-        open in-context clone aborted while it waited for text, its last chunk."""
+        open in-context clone aborted while it waited for text, its last chunk. `marks` gets the perf_counter()
+        stamps of the way: the voice found, the admission thread taking it and its prompt built."""
         then: list[tuple] = []
         try:
             if req.text_open and not owner:
@@ -205,7 +210,8 @@ class LocalEngineClient(EngineClient):
             if self._stopping:
                 raise RequestRejected(503, "server is shutting down")
             voice = await self._voice_of(req.input)
-            prepared = await self._admitted_request(lambda: self._engine_request(req, voice))
+            marks["voice"] = time.perf_counter()
+            prepared = await self._admitted_request(lambda: self._engine_request(req, voice), marks)
             if prepared.prompt is None:  # an in-context clone whose open text does not fill its prompt yet
                 if req.handoff_only:  # its text goes to the decode side, so this side would wait forever
                     raise RequestRejected(400, "prefill-decode cannot take an in-context clone's streaming text "
@@ -298,8 +304,9 @@ class LocalEngineClient(EngineClient):
         await self._run_into("handoff", handoff, rid, then, EngineStream(loop, sink=sink, done=loop.create_future()))
 
     async def _stream(self, kind: str, payload: object, request_id: str,
-                      then: list[tuple] = (), called: float | None = None) -> AsyncIterator[StreamChunk]:
-        stream = EngineStream(asyncio.get_running_loop(), queue=asyncio.Queue(), called=called)
+                      then: list[tuple] = (), called: float | None = None,
+                      marks: dict[str, float] | None = None) -> AsyncIterator[StreamChunk]:
+        stream = EngineStream(asyncio.get_running_loop(), queue=asyncio.Queue(), called=called, marks=marks)
         async with self._admitted(kind, payload, request_id, then, stream) as ended:
             while True:
                 chunk = await stream.queue.get()
@@ -376,11 +383,16 @@ class LocalEngineClient(EngineClient):
         except RequestRejected:
             return None
 
-    async def _admitted_request(self, make) -> EngineRequest:
+    async def _admitted_request(self, make, marks: dict[str, float] | None = None) -> EngineRequest:
         """`make()` (the request without its prompt) on the admission thread, with its prompt built in the batch
-        it joins there; what refuses it comes back as a RequestRejected."""
+        it joins there; what refuses it comes back as a RequestRejected. `marks` gets when the thread took it
+        (`taken`) and when its prompt was built (`built`)."""
         try:
-            return await asyncio.wrap_future(self._admission.submit(make))
+            done = self._admission.submit(make)
+            req = await asyncio.wrap_future(done)
+            if marks is not None:
+                marks.update(done.marks)
+            return req
         except AdmissionClosed as e:
             raise RequestRejected(503, "server is shutting down") from e
         except Exception as e:
