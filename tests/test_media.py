@@ -318,6 +318,20 @@ def test_an_inline_clip_is_decoded_once_and_keyed_as_the_voice_cache_keys_it(mon
     assert resolve_clip(url, None).samples.flags.writeable  # no cache, nothing shared
 
 
+def test_a_cached_clip_is_answered_without_a_worker_thread(monkeypatch):
+    cache = ClipCache()
+    url = f"data:audio/wav;base64,{b64(CLIP_BYTES)}"
+    first = resolve_clip(url, cache)
+
+    async def no_thread(*args, **kwargs):
+        raise AssertionError("a cached clip went to a worker thread")
+
+    monkeypatch.setattr(media_module.asyncio, "to_thread", no_thread)
+    assert resolve_clip(url, cache) is first and (cache.hits, cache.misses) == (1, 1)
+    with pytest.raises(AssertionError, match="worker thread"):  # a new clip still decodes off the event loop
+        resolve_clip(b64(CLIP_BYTES), cache)
+
+
 def test_a_refused_clip_is_not_cached_and_is_refused_again():
     cache = ClipCache()
     silent = io.BytesIO()

@@ -164,6 +164,11 @@ async def resolve_ref_clip(value: str, policy: MediaPolicy, cache: ClipCache | N
     m = _SCHEME.match(value)
     scheme = m.group(1).lower() if m else None
     if scheme in ("data", None):
+        # A clip sent before is answered here: a hop to a worker thread and back costs the request two passes
+        # of an event loop that, serving hundreds of streams, takes milliseconds each.
+        known = cache.get(value) if cache is not None else None
+        if known is not None:
+            return known
         return await asyncio.to_thread(_inline_clip, value, scheme == "data", policy, cache)
     if scheme == "file":
         data = await asyncio.to_thread(_read_local, value, policy)
@@ -180,9 +185,6 @@ async def resolve_ref_clip(value: str, policy: MediaPolicy, cache: ClipCache | N
 
 
 def _inline_clip(value: str, is_data_url: bool, policy: MediaPolicy, cache: ClipCache | None) -> Clip:
-    clip = cache.get(value) if cache is not None else None
-    if clip is not None:
-        return clip
     data = _decode_data_url(value, policy) if is_data_url else _decode_base64(value, policy)
     _check_size(data, policy)
     samples, rate = _decode(data, policy)
