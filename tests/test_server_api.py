@@ -212,9 +212,18 @@ def test_malformed_json_and_non_finite_numbers_are_400(cv):
                 headers={"content-type": "application/json"})
     assert_error(r, 400, "finite")
     r = cv.post("/v1/audio/speech", content=b'{"input": ', headers={"content-type": "application/json"})
-    assert_error(r, 400)
+    assert_error(r, 400, "JSON decode error")
     assert_error(cv.get("/v1/nothing"), 404)
     assert_error(cv.get("/v1/audio/speech"), 405)
+
+
+def test_the_speech_body_is_parsed_by_the_fast_parser(cv, monkeypatch):
+    from legato.server import json_body
+
+    monkeypatch.setattr(json_body.json, "loads", lambda *a, **k: pytest.fail("the body went to json.loads"))
+    r = cv.post("/v1/audio/speech", content=b'{"input": "Hi.", "voice": "ryan", "max_new_tokens": 3}',
+                headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.content
 
 
 def test_oversized_bodies_are_413_before_parsing(cv):
