@@ -28,22 +28,56 @@ class StreamCut(Exception):
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Runs `work` while watching the connection; a disconnect cancels it and raises ClientGone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    """Awaits `work` in the calling task while a watcher waits for the client to leave; a disconnect cancels
+    the work and raises ClientGone.
+
+    The work runs in this task, not a task of its own: at hundreds of streams each pass of the event loop takes
+    tens of milliseconds, and a wrapped task cost three of them on a request's way to its first audio (the
+    wrapper starting, the engine request only sent from inside it, and `asyncio.wait` waking this task after the
+    wrapper ended). A cancellation from outside (the server stopping) stays a cancellation."""
+    task = asyncio.current_task()
+    assert task is not None, "until_disconnected runs inside a task"
+    watch = _DisconnectWatch(task)
+    watcher = asyncio.ensure_future(watch.run(request.receive))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except asyncio.CancelledError:
+        if not watch.take_cancel():
+            raise  # not ours: the server is cancelling this request
+        raise ClientGone from None
     finally:
+        watch.working = False
         watcher.cancel()
-        gone = not task.done()
-        if gone:  # the client left, or we were cancelled ourselves
-            # Wait for the work to unwind: until it has, the engine stream it pulls from cannot be closed.
-            task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(task, return_exceptions=True)
-    if gone:
+    if watch.take_cancel():  # the work ignored our cancel and ended anyway: the client is gone all the same
         raise ClientGone
-    return task.result()
+    return result
+
+
+class _DisconnectWatch:
+    """Cancels `task` when the client leaves while the work runs, and remembers having done so."""
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.working = True
+        self.cancelled = False
+
+    async def run(self, receive: Receive) -> None:
+        await _wait_disconnect(receive)
+        # Only while the work runs: once it has ended, this task is on to the response (which watches itself).
+        if self.working:
+            self.cancelled = True
+            self.task.cancel()
+
+    def take_cancel(self) -> bool:
+        """True when the watcher cancelled the task; the cancel request is then withdrawn (Python >= 3.11 counts
+        them), so only a cancellation from outside, if there also was one, is still pending."""
+        if not self.cancelled:
+            return False
+        self.cancelled = False
+        uncancel = getattr(self.task, "uncancel", None)
+        if uncancel is not None and uncancel() > 0:
+            raise asyncio.CancelledError  # cancelled from outside too: that one wins
+        return True
 
 
 async def _wait_disconnect(receive: Receive) -> None:
