@@ -89,13 +89,16 @@ def server_stages(log_path: Path, start: int) -> dict[str, dict[str, float | Non
     the worker and back, the first write). Where the front logged its own stamps (`front_in_s`: headers in ->
     handed to the engine client; `reply_s`: handed over -> first audio pulled), `front_in`, `reply` and `hops`
     (reply less the engine-side stages: the ways to the worker and back) split `front`; `voice`, `queue`, `build`
-    and `resume` split `prepare` where the engine client logged them."""
+    and `resume` split `prepare` where the engine client logged them. Where a worker process logged `worker` (its
+    request's message in -> first audio out), `hops` splits into `in_worker` (worker less the engine-side stages:
+    the worker's own event-loop passes) and `link` (reply less worker: the sockets, and the front's I/O thread and
+    event loop, both ways)."""
     with open(log_path, "rb") as f:
         f.seek(start)
         text = f.read().decode(errors="replace")
     stages = ("prepare", "inbox", "engine")
-    split = ("front_in", "reply", "voice", "queue", "build", "resume")  # logged where the tree has them
-    values: dict[str, list[float]] = {k: [] for k in (*stages, "front", "hops", *split)}
+    split = ("front_in", "reply", "voice", "queue", "build", "resume", "worker")  # logged where the tree has them
+    values: dict[str, list[float]] = {k: [] for k in (*stages, "front", "hops", "in_worker", "link", *split)}
     for line in text.splitlines():
         found = {k: float(v) for k, v in re.findall(r" ([a-z_]+)_s=([0-9.eE+-]+)", line)}
         for k in (*stages, *split):
@@ -107,6 +110,10 @@ def server_stages(log_path: Path, start: int) -> dict[str, dict[str, float | Non
                 values["front"].append(found["ttfp"] - engine_side)
             if "reply" in found:
                 values["hops"].append(found["reply"] - engine_side)
+            if "worker" in found:
+                values["in_worker"].append(found["worker"] - engine_side)
+                if "reply" in found:
+                    values["link"].append(found["reply"] - found["worker"])
     return {k: {q: (1000 * percentile(v, p) if v else None) for q, p in (("p50_ms", 0.5), ("p99_ms", 0.99))}
             for k, v in values.items()}
 

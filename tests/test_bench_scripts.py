@@ -33,6 +33,17 @@ def test_server_stages_splits_the_front_by_its_own_stamps(tmp_path):
     stages = serving_speed.server_stages(log, 0)
     assert abs(stages["front_in"]["p50_ms"] - 100.0) < 1e-6
     assert abs(stages["hops"]["p50_ms"] - 200.0) < 1e-6 and abs(stages["hops"]["p99_ms"] - 250.0) < 1e-6
+    assert stages["link"]["p50_ms"] is None  # no worker stamp in these lines
+
+
+def test_server_stages_splits_the_hops_by_the_worker_s_stamp(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("".join(f"x speech done ttfp_s=0.5 prepare_s=0.1 inbox_s=0.01 engine_s=0.04 front_in_s=0.05 "
+                           f"reply_s={r} worker_s={w}\n" for r, w in ((0.4, 0.2), (0.35, 0.16), (0.25, 0.17))))
+    stages = serving_speed.server_stages(log, 0)
+    # worker less prepare+inbox+engine (0.15): 50, 10, 20 ms; reply less worker: 200, 190, 80 ms
+    assert abs(stages["in_worker"]["p50_ms"] - 20.0) < 1e-6 and abs(stages["in_worker"]["p99_ms"] - 50.0) < 1e-6
+    assert abs(stages["link"]["p50_ms"] - 190.0) < 1e-6 and abs(stages["link"]["p99_ms"] - 200.0) < 1e-6
 
 
 def test_pyspy_summary_counts_samples_by_thread_and_functions_once_per_sample(tmp_path):

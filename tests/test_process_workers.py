@@ -177,6 +177,11 @@ def test_process_single_gives_the_codes_of_thread_single(proc_single, want, conc
         assert chunks[-1].finished and chunks[-1].finish_reason == "length"
         assert _codes(chunks).shape == (5, 16) and np.array_equal(_codes(chunks), want[i])
         assert np.concatenate([c.audio for c in chunks]).shape == (5 * 1920,)
+        timed = [c for c in chunks if c.stages is not None]
+        assert len(timed) == 1 and timed[0].audio.size  # the first chunk with audio, and only it
+        st = timed[0].stages
+        # The worker's span holds the engine client's stages (its message in -> first audio out).
+        assert st["worker"] >= st["prepare"] + st["inbox"] + st["engine"] > 0
 
 
 def test_process_rejection_and_voice(proc_single, tiny_checkpoint):

@@ -62,7 +62,9 @@ class StreamChunk:
 # inbox: until the engine thread took it in; engine: from then to the first audio handed over.
 # `prepare` split, where the client saw each step: voice (the clip's voice found or encoded), queue (waiting for
 # the admission thread), build (its batch's host part and prompts), resume (the caller's event loop picking it up).
-STAGES = ("prepare", "inbox", "engine", "voice", "queue", "build", "resume")
+# worker: in a worker process, from its request's message arriving to its first audio leaving (the three stages and
+# the worker's own event-loop passes either side of them), so the server can tell the link's share of its wait.
+STAGES = ("prepare", "inbox", "engine", "voice", "queue", "build", "resume", "worker")
 
 
 class RequestRejected(Exception):

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -95,10 +96,13 @@ class PassOutbox:
 
 class ChunkOutbox(PassOutbox):
     """Streams' chunks of one pass as one message (`Chunks`, or `Chunk` for one); `before_end` makes a message sent
-    ahead of a batch in which some request ends (None: nothing)."""
+    ahead of a batch in which some request ends (None: nothing); `stamp` sees each batch just before it leaves."""
 
-    def __init__(self, send: Callable[[m.Message], None], before_end: Callable[[], m.Message] | None = None) -> None:
+    def __init__(self, send: Callable[[m.Message], None], before_end: Callable[[], m.Message] | None = None,
+                 stamp: Callable[[list[tuple[str, StreamChunk]]], None] | None = None) -> None:
         def send_chunks(chunks: list[tuple[str, StreamChunk]]) -> None:
+            if stamp is not None:
+                stamp(chunks)
             if before_end is not None and any(c.finished for _, c in chunks):
                 send(before_end())
             send(m.Chunk(*chunks[0]) if len(chunks) == 1 else m.Chunks(chunks))
@@ -119,7 +123,9 @@ class _Worker:
         self.draining = False  # after Shutdown: nothing new is taken, aborts still are
         # Chunks ending a request leave after fresh Stats: whoever reads a request end must see the blocks it gave
         # back, as `finish` promises.
-        self.outbox = ChunkOutbox(lambda msg: self.emit(msg), lambda: m.Stats(self.client.stats()))
+        self.arrived: dict[str, float] = {}  # perf_counter() when each request's message came, until its first audio
+        self.outbox = ChunkOutbox(lambda msg: self.emit(msg), lambda: m.Stats(self.client.stats()),
+                                  self.stamp_first_audio)
 
     async def send(self, msg: m.Message) -> None:
         self.outbox.flush()  # chunks queued before this message leave before it
@@ -129,6 +135,13 @@ class _Worker:
         """A step's chunks of every request `run_request` runs, as the engine thread hands them over; they leave
         in one message with the rest of the event-loop pass."""
         self.outbox.put_all(chunks)
+
+    def stamp_first_audio(self, chunks: list[tuple[str, StreamChunk]]) -> None:
+        """Adds `worker` (its message in -> now, as it leaves) to the stages of a request's first audio chunk."""
+        now = time.perf_counter()
+        for rid, chunk in chunks:
+            if chunk.stages is not None and rid in self.arrived:
+                chunk.stages["worker"] = now - self.arrived.pop(rid)
 
     def flush_chunks(self) -> None:
         self.outbox.flush()
@@ -154,6 +167,7 @@ class _Worker:
             await handle_safely(self.handle, msg)
 
     async def handle(self, msg: m.Message) -> None:
+        arrived = time.perf_counter()
         if self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
             await self.send(m.Rejected(msg.request_id, 503, "the worker is shutting down"))
         elif isinstance(msg, m.Submit):
@@ -161,6 +175,7 @@ class _Worker:
             if req.handoff_to is not None:
                 job = self.prefill_and_send(req) if self.links is not None else self.no_links(req.request_id)
             else:  # asked for now: an open text's next message may be its first AppendText
+                self.arrived[req.request_id] = arrived
                 job = self.run_request(req.request_id, self.client.generate_into(req, self.send_chunks))
             self.tasks[req.request_id] = asyncio.create_task(job)
         elif isinstance(msg, m.AwaitHandoff):
@@ -210,6 +225,7 @@ class _Worker:
         finally:
             self.tasks.pop(rid, None)
             self.cancelled.discard(rid)
+            self.arrived.pop(rid, None)
 
     async def prefill_and_send(self, req) -> None:
         """Prefill worker: run the prefill, then move the handoff over the KV link to decode worker
@@ -247,6 +263,7 @@ class _Worker:
         finally:
             self.tasks.pop(rid, None)
             self.cancelled.discard(rid)
+            self.arrived.pop(rid, None)
 
     async def receive_and_decode(self, msg: m.AwaitHandoff) -> None:
         """Decode worker: wait (bounded) for the handoff from prefill worker `msg.peer`, then decode it."""
