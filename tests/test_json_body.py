@@ -26,6 +26,12 @@ def test_a_body_parses_as_json_loads_parses_it(body):
     assert parse_json(body) == json.loads(body)
 
 
+@pytest.mark.parametrize("text", ['{"a": "\ud800"}', '{"a": "\udcff x"}', '{"text": "naïve ☃", "n": [1, 2.5]}'])
+def test_a_text_message_parses_as_json_loads_parses_it(text):
+    """A WebSocket's text arrives as a str, which may hold a lone surrogate (no UTF-8): pydantic-core refuses it."""
+    assert parse_json(text) == json.loads(text)
+
+
 @pytest.mark.parametrize("body", [b'{"input": ', b'{"a": 1,}', b'{"a": "x\x01y"}', b'{"a": 1} x', b""])
 def test_a_bad_body_raises_json_loads_own_error(body):
     with pytest.raises(json.JSONDecodeError) as got:
@@ -39,3 +45,19 @@ def test_a_clip_sized_body_takes_the_fast_parser(monkeypatch):
     body = json.dumps({"input": "hi", "ref_audio": "data:audio/wav;base64," + "QUJD" * 130_000}).encode()
     monkeypatch.setattr(json_body.json, "loads", lambda *a, **k: pytest.fail("fell back to json.loads"))
     assert parse_json(body)["ref_audio"].endswith("QUJD")
+
+
+def test_a_websocket_message_takes_the_fast_parser_and_keeps_json_loads_errors(monkeypatch):
+    """The streaming-text socket's events (a session message may carry a clip inline) go through `parse_json`."""
+    from legato.server.ws_protocol import ProtocolError, WsLimits, parse_event
+
+    limits = WsLimits(max_message_bytes=2 * 1024 * 1024)
+    raw = json.dumps({"type": "session.update", "session": {"ref_audio": "data:audio/wav;base64," + "QUJD" * 100_000}})
+    bad = '{"type": "session.update", "session": {'
+    with pytest.raises(json.JSONDecodeError) as want:
+        json.loads(bad)
+    with pytest.raises(ProtocolError) as got:
+        parse_event(bad, limits)
+    assert str(want.value)[:100] in str(got.value) and got.value.code == "invalid_json"
+    monkeypatch.setattr(json_body.json, "loads", lambda *a, **k: pytest.fail("fell back to json.loads"))
+    assert parse_event(raw, limits).session["ref_audio"].endswith("QUJD")

@@ -19,10 +19,11 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes | str) -> Any:
+    """`json.loads(body)`, parsed faster: what json.loads refuses, it refuses with json.loads's own error."""
     try:
         return pydantic_core.from_json(body)
-    except ValueError:
+    except (ValueError, TypeError):  # TypeError: a str holding a lone surrogate, which has no UTF-8
         return json.loads(body)
 
 

@@ -11,7 +11,6 @@ sent, `session.updated`, and `error` in OpenAI's shape plus the context and even
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from legato.server.errors import error_body
+from legato.server.json_body import parse_json
 from legato.server.schemas import SpeechRequest
 
 STREAM_PATH = "/v1/audio/speech/stream"
@@ -78,7 +78,7 @@ def parse_event(raw: str, limits: WsLimits) -> ClientEvent:
     if len(raw) > limits.max_message_bytes or len(raw.encode("utf-8", "surrogatepass")) > limits.max_message_bytes:
         raise ProtocolError(f"message exceeds {limits.max_message_bytes} bytes", "message_too_large")
     try:
-        data = json.loads(raw)
+        data = parse_json(raw)  # a session message may carry a clip inline: ~0.5 MB of base64
     except (ValueError, RecursionError) as e:
         raise ProtocolError(f"message is not JSON: {str(e)[:100]}", "invalid_json") from None
     if not isinstance(data, dict):
