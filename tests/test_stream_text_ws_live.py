@@ -121,16 +121,17 @@ def test_compression_is_off_unless_the_flag_asks_and_session_updated_does_not_ec
             assert "ref_audio" not in session and "speaker_embedding" not in session
 
 
-def test_websockets_never_count_against_the_clients_share_of_slow_connections(loaded):
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_websockets_never_count_against_the_clients_share_of_slow_connections(loaded, parser):
     """A WebSocket is a request that finished (its upgrade): however many a client opens one after another,
     and however long each stays open, none is counted as a connection still sending its request. They were,
     from 1 s in and forever, so the client's share ran out after 64 sockets and the next ones had an HTTP 429
     written into their WebSocket stream (the client saw 'reserved bits must be 0')."""
     import time
 
-    from legato.server.connections import guarded_h11
+    from legato.server.connections import guarded_http
 
-    protocol = guarded_h11(10.0, slow_per_client=2, slow_after_s=0.1)
+    protocol = guarded_http(10.0, slow_per_client=2, slow_after_s=0.1, parser=parser)
     app = build_app(local_client(loaded), server_settings(loaded, default_max_new_tokens=20, max_new_tokens_limit=512))
     with LiveServer(app, http=protocol) as server:
         async def one_socket() -> str:

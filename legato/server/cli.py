@@ -45,6 +45,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--port", type=int, default=8000, help="port to listen on")
     h.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    h.add_argument("--http", default="httptools", choices=["httptools", "h11"],
+                   help="HTTP/1.1 parser: httptools (C, less CPU per request) or h11 (pure Python); both guarded alike")
     # slow clients (connections.py)
     h.add_argument("--timeout-header", type=float, default=10.0,
                    help="seconds a connection may take to send a request's line and headers; then it is closed")
@@ -308,7 +310,7 @@ def serve(args: argparse.Namespace) -> int:
     from legato.pipeline.topology import TopologyError, build_client, parse_topology
     from legato.server.app import build_app
     from legato.server.body_deadline import BodyTimeoutMiddleware
-    from legato.server.connections import check_limits, default_slow_share, guarded_h11
+    from legato.server.connections import check_limits, default_slow_share, guarded_http
     from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
     from legato.server.listen import bind_listener
     from legato.server.logs import configure_logging
@@ -412,7 +414,7 @@ def serve(args: argparse.Namespace) -> int:
     slow_share = args.max_slow_connections_per_client or default_slow_share(args.max_connections)
     # uvicorn's limit counts the connection asking too, so one more lets exactly --max-connections in.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
-                            http=guarded_h11(args.timeout_header, slow_share),
+                            http=guarded_http(args.timeout_header, slow_share, parser=args.http),
                             limit_concurrency=args.max_connections + 1,
                             **uvicorn_ws_options(args),
                             timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))

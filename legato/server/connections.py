@@ -3,8 +3,12 @@ share of the connections still sending their request.
 
 uvicorn has no header-read timeout: its keep-alive timer runs only between requests, and the first byte
 of a request cancels it, so a client sending half a request line holds its connection (and a slot of
-`limit_concurrency`) forever. `guarded_h11` arms a timer while a connection is waiting for a request head
+`limit_concurrency`) forever. `guarded_http` arms a timer while a connection is waiting for a request head
 and closes the connection when it runs out. The body's deadlines are body_deadline.py's.
+
+Both of uvicorn's HTTP/1.1 protocols are guarded alike: httptools' (the default: its C parser took ~15 % less of
+the front's CPU per streamed request than h11's pure-Python one, docs/benchmarks.md) and h11's (`--http h11`).
+The guard only asks the protocol where its current request stands (`_Guard`'s three questions).
 
 Deadlines alone do not stop one client from filling `--max-connections`: it opens a new slow connection
 for each one cut, and ~1,100 sockets sending a byte every 20 s left every other client with 503 (issue 20).
@@ -22,6 +26,7 @@ import logging
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from legato.server.errors import error_body
 
@@ -78,36 +83,50 @@ class SlowConnections:
         return len(self._by_client.get(client, ()))
 
 
-class _GuardedH11(H11Protocol):
+class _Guard:
+    """The request-head deadline and the slow-connection share, over a uvicorn HTTP protocol that says where its
+    current request stands: `_owes_head` (a request head is due or part-way in), `_arriving` (a request's head or
+    body is still on its way) and `_between_requests` (a kept-alive connection idle after a complete response,
+    which uvicorn's keep-alive timer looks after)."""
+
     header_timeout_s = 10.0
-    slow: SlowConnections | None = None  # set per server by `guarded_h11`
+    slow: SlowConnections | None = None  # set per server by `guarded_http`
     slow_after_s = SLOW_AFTER_S
+
+    def _owes_head(self) -> bool:
+        raise NotImplementedError
+
+    def _arriving(self) -> bool:
+        raise NotImplementedError
+
+    def _between_requests(self) -> bool:
+        raise NotImplementedError
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
         self._slow_timer: asyncio.TimerHandle | None = None
         self._counted_slow = False
-        super().connection_made(transport)  # type: ignore[arg-type]
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm_head_timer()  # a fresh connection owes us a request head, even if it sends nothing
         self._arm_slow_timer()
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        super().data_received(data)  # type: ignore[misc]
         if self.transport.get_protocol() is not self:
-            # Upgraded to a WebSocket: the connection is no longer ours, and its h11 state stays in SEND_BODY
+            # Upgraded to a WebSocket: the connection is no longer ours, and its request state stays where it was
             # (uvicorn hands over at the request head). Left armed, the timer counted every socket as slow
             # and never released it (connection_lost goes to the WebSocket protocol); past the client's share
             # the next one had a 429 written into its WebSocket stream.
             self._cancel_head_timer()
             self._not_slow()
             return
-        # IDLE: the request head is not complete yet (a first request, or the next one on a kept-alive
-        # connection, whose first bytes cancelled uvicorn's keep-alive timer).
-        if self.conn.their_state is h11.IDLE:
+        # A head still owed: a first request, or the next one on a kept-alive connection, whose first bytes
+        # cancelled uvicorn's keep-alive timer.
+        if self._owes_head():
             self._arm_head_timer()
         else:
             self._cancel_head_timer()
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # the request is still on its way
+        if self._arriving():
             self._arm_slow_timer()
         else:
             self._not_slow()
@@ -115,7 +134,7 @@ class _GuardedH11(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         self._not_slow()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
     # --- the request head's deadline ----------------------------------------------------------------
 
@@ -131,7 +150,7 @@ class _GuardedH11(H11Protocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         # Requests on a kept-alive connection can be in between; only a connection still owing a head is cut.
-        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+        if not self._owes_head() or self.transport.is_closing():
             return
         if self.cycle is not None and not self.cycle.response_complete:
             return
@@ -155,11 +174,8 @@ class _GuardedH11(H11Protocol):
 
     def _became_slow(self) -> None:
         self._slow_timer = None
-        if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+        if self.transport.is_closing() or not self._arriving() or self._between_requests():
             return
-        if self.conn.their_state is h11.IDLE and self.cycle is not None and self.cycle.response_complete \
-                and not self.conn.trailing_data[0]:
-            return  # a kept-alive connection between requests: uvicorn's keep-alive timer has it
         client = _address(self.client)
         if self.slow.admit(client, self):
             self._counted_slow = True
@@ -181,13 +197,75 @@ class _GuardedH11(H11Protocol):
         self.transport.close()  # the app, if it runs, reads a disconnect next (uvicorn's connection_lost)
 
 
+class _GuardedH11(_Guard, H11Protocol):
+    """h11 keeps the request's state itself (`their_state`)."""
+
+    def _owes_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+    def _arriving(self) -> bool:
+        return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+
+    def _between_requests(self) -> bool:
+        return (self.conn.their_state is h11.IDLE and self.cycle is not None and self.cycle.response_complete
+                and not self.conn.trailing_data[0])
+
+
+class _GuardedHttpTools(_Guard, HttpToolsProtocol):
+    """httptools reports a request's parts as callbacks; the guard keeps the phase of the latest one: `head` (owed,
+    or part-way in), `body` (head done, body on its way), `done` (all in)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        self._phase = "head"
+        self._head_started = False  # bytes of the owed head came (between requests: none yet)
+        super().connection_made(transport)
+
+    def on_message_begin(self) -> None:
+        self._phase, self._head_started = "head", True
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._phase, self._head_started = "body", False
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._phase = "done"
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._phase == "done" and not self.pipeline:  # the next request's head is owed now
+            self._phase = "head"
+
+    def _owes_head(self) -> bool:
+        return self._phase == "head"
+
+    def _arriving(self) -> bool:
+        return self._phase in ("head", "body")
+
+    def _between_requests(self) -> bool:
+        return (self._phase == "head" and not self._head_started and self.cycle is not None
+                and self.cycle.response_complete)
+
+
+PROTOCOLS = {"httptools": _GuardedHttpTools, "h11": _GuardedH11}
+
+
+def guarded_http(header_timeout_s: float, slow_per_client: int | None = None, slow_after_s: float = SLOW_AFTER_S,
+                 parser: str = "httptools") -> type:
+    """uvicorn's HTTP/1.1 protocol (`parser`: httptools or h11) with a request-head deadline and, with
+    `slow_per_client`, a per-client share of slow connections (one share table per call: one per server), for
+    `uvicorn.Config(http=...)`."""
+    base = PROTOCOLS[parser]
+    slow = SlowConnections(slow_per_client) if slow_per_client is not None else None
+    return type(f"Guarded{base.__name__[8:]}", (base,), {"header_timeout_s": header_timeout_s, "slow": slow,
+                                                          "slow_after_s": slow_after_s})
+
+
 def guarded_h11(header_timeout_s: float, slow_per_client: int | None = None,
                 slow_after_s: float = SLOW_AFTER_S) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a request-head deadline and, with `slow_per_client`, a per-client share of
-    slow connections (one share table per call: one per server), for `uvicorn.Config(http=...)`."""
-    slow = SlowConnections(slow_per_client) if slow_per_client is not None else None
-    return type("GuardedH11", (_GuardedH11,), {"header_timeout_s": header_timeout_s, "slow": slow,
-                                                "slow_after_s": slow_after_s})
+    """`guarded_http` with h11's parser."""
+    return guarded_http(header_timeout_s, slow_per_client, slow_after_s, parser="h11")
 
 
 def _address(client: tuple[str, int] | None) -> str:

@@ -22,9 +22,14 @@ HANG_GUARD = 30.0
 DIRTY = ("Traceback", "Exception in ASGI application")
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    with ServeProcess(tmp_path_factory.mktemp("slow"), "--timeout-header", "0.5", "--timeout-body", "1") as s:
+# Both HTTP parsers carry the same guards (connections.py): every server here runs once with each.
+PARSERS = ["httptools", "h11"]
+
+
+@pytest.fixture(scope="module", params=PARSERS)
+def srv(tmp_path_factory, request):
+    with ServeProcess(tmp_path_factory.mktemp("slow"), "--timeout-header", "0.5", "--timeout-body", "1",
+                      "--http", request.param) as s:
         yield s
 
 
@@ -98,8 +103,9 @@ def test_a_client_leaving_mid_upload_is_one_quiet_log_line(srv, path):
     assert r.status_code == 200  # and the server keeps serving
 
 
-def test_connections_beyond_the_cap_get_503(tmp_path):
-    with ServeProcess(tmp_path, "--max-connections", "2") as srv:
+@pytest.mark.parametrize("parser", PARSERS)
+def test_connections_beyond_the_cap_get_503(tmp_path, parser):
+    with ServeProcess(tmp_path, "--max-connections", "2", "--http", parser) as srv:
         streams = []
         for i in range(2):  # two connections held open by running streams
             sock = raw_request(srv.port, "POST", "/v1/audio/speech", json.dumps(speech_body(LONG)).encode(),
@@ -130,10 +136,12 @@ def _answer(sock: socket.socket, timeout: float) -> bytes | None:
         return b""
 
 
-def test_a_body_dribbled_inside_the_pause_limit_is_cut_by_its_overall_deadline(tmp_path):
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_body_dribbled_inside_the_pause_limit_is_cut_by_its_overall_deadline(tmp_path, parser):
     # One byte every 0.2 s never pauses for --timeout-body (1 s), so only the overall deadline (1 s plus one
     # second per 50 bytes received) can end it; before, such a client was never cut.
-    with ServeProcess(tmp_path, "--timeout-body", "1", "--min-body-rate", "50") as srv, _connect(srv.port) as sock:
+    flags = ("--timeout-body", "1", "--min-body-rate", "50", "--http", parser)
+    with ServeProcess(tmp_path, *flags) as srv, _connect(srv.port) as sock:
         sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 10000\r\n\r\n")
         answer, sent, guard = None, 0, time.monotonic() + HANG_GUARD
@@ -150,12 +158,13 @@ def test_a_body_dribbled_inside_the_pause_limit_is_cut_by_its_overall_deadline(t
         assert srv.healthy()
 
 
-def test_one_client_cannot_fill_max_connections_with_slow_requests(tmp_path):
+@pytest.mark.parametrize("parser", PARSERS)
+def test_one_client_cannot_fill_max_connections_with_slow_requests(tmp_path, parser):
     # --max-connections 6: six connections that never finish their request (three heads, three bodies) used
     # to hold every slot, and the next request got 503. The client may hold 2 slow ones; the rest get 429.
     flags = ("--max-connections", "6", "--max-slow-connections-per-client", "2", "--timeout-header", "60",
              "--timeout-body", "60")
-    with ServeProcess(tmp_path, *flags) as srv:
+    with ServeProcess(tmp_path, *flags, "--http", parser) as srv:
         slow = [_connect(srv.port) for _ in range(6)]
         try:
             for i, sock in enumerate(slow):
@@ -185,8 +194,9 @@ def test_one_client_cannot_fill_max_connections_with_slow_requests(tmp_path):
     assert len(refused) == 4
 
 
-def test_fast_requests_in_parallel_never_count_as_slow(tmp_path):
-    with ServeProcess(tmp_path, "--max-slow-connections-per-client", "1") as srv:
+@pytest.mark.parametrize("parser", PARSERS)
+def test_fast_requests_in_parallel_never_count_as_slow(tmp_path, parser):
+    with ServeProcess(tmp_path, "--max-slow-connections-per-client", "1", "--http", parser) as srv:
         async def burst() -> list[int]:
             async with httpx.AsyncClient(timeout=HANG_GUARD, limits=httpx.Limits(max_connections=16)) as c:
                 return [r.status_code for r in await asyncio.gather(*(c.get(f"{srv.url}/v1/models")
