@@ -27,12 +27,12 @@ class EngineStream:
     queue: asyncio.Queue | None = None
     sink: ChunkSink | None = None
     done: asyncio.Future | None = None
-    # perf_counter() stamps for the first audio chunk's `stages`: the call, the hand-off to the engine thread, the
-    # engine's taking it (None once the stages went out).
-    called: float | None = None
+    # perf_counter() stamps for the first audio chunk's `stages` (None: none wanted, or they went out): `marks`
+    # from the caller's side (called; voice found, admission took it, prompt built), then the hand-off to the engine
+    # thread and the engine's taking it.
+    marks: dict[str, float] | None = None
     submitted: float = 0.0
     added: float = 0.0
-    marks: dict[str, float] | None = None  # within `prepare`: voice found, admission took it, prompt built
 
 
 class StepHandover:
@@ -44,14 +44,15 @@ class StepHandover:
         self._sunk: dict[tuple[asyncio.AbstractEventLoop, Callable], tuple[list, list]] = {}
 
     def add(self, stream: EngineStream, request_id: str, chunk: StreamChunk) -> None:
-        if stream.called is not None and chunk.audio.size:
-            chunk.stages = {"prepare": stream.submitted - stream.called, "inbox": stream.added - stream.submitted,
+        marks = stream.marks
+        if marks is not None and "called" in marks and chunk.audio.size:
+            called = marks["called"]
+            chunk.stages = {"prepare": stream.submitted - called, "inbox": stream.added - stream.submitted,
                             "engine": time.perf_counter() - stream.added}
-            marks = stream.marks or {}
             if all(k in marks for k in ("voice", "taken", "built")):  # `prepare`, split
-                chunk.stages.update(voice=marks["voice"] - stream.called, queue=marks["taken"] - marks["voice"],
+                chunk.stages.update(voice=marks["voice"] - called, queue=marks["taken"] - marks["voice"],
                                     build=marks["built"] - marks["taken"], resume=stream.submitted - marks["built"])
-            stream.called = None
+            stream.marks = None
         if stream.sink is None:
             self._queued.setdefault(stream.loop, []).append((stream.queue, chunk))
         else:

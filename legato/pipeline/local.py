@@ -156,21 +156,21 @@ class LocalEngineClient(EngineClient):
         self._encoder.shutdown(wait=False, cancel_futures=True)
 
     def generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
-        called = time.perf_counter()
+        marks = {"called": time.perf_counter()}  # the first audio's `stages` are measured from here
         # A text_open request takes text from the moment it is asked for, even before its stream is iterated:
         # what comes before it reaches the engine thread follows it there.
         owner = req.text_open and req.request_id not in self._early_text
         if owner:
             self._early_text[req.request_id] = []
-        return self._generate(req, owner, called)
+        return self._generate(req, owner, marks)
 
-    async def _generate(self, req: SynthesisRequest, owner: bool, called: float) -> AsyncIterator[StreamChunk]:
-        marks: dict[str, float] = {}
+    async def _generate(self, req: SynthesisRequest, owner: bool,
+                        marks: dict[str, float]) -> AsyncIterator[StreamChunk]:
         prepared, then = await self._admit(req, owner, marks)
         if isinstance(prepared, StreamChunk):
             yield prepared
             return
-        async for chunk in self._stream("add", prepared, req.request_id, then, called, marks):
+        async for chunk in self._stream("add", prepared, req.request_id, then, marks):
             yield chunk
 
     def generate_into(self, req: SynthesisRequest,
@@ -181,22 +181,21 @@ class LocalEngineClient(EngineClient):
         returned coroutine ends once the request's last chunk went to `sink`; a refusal raises RequestRejected, as
         `generate` does, and no chunk goes to `sink` then. Cancelled before its end, the request is aborted. As
         with `generate`, an open text takes text from this call on, before the coroutine runs."""
-        called = time.perf_counter()
+        marks = {"called": time.perf_counter()}
         owner = req.text_open and req.request_id not in self._early_text
         if owner:
             self._early_text[req.request_id] = []
-        return self._generate_into(req, sink, owner, called)
+        return self._generate_into(req, sink, owner, marks)
 
-    async def _generate_into(self, req: SynthesisRequest, sink: ChunkSink, owner: bool, called: float) -> None:
-        marks: dict[str, float] = {}
+    async def _generate_into(self, req: SynthesisRequest, sink: ChunkSink, owner: bool,
+                             marks: dict[str, float]) -> None:
         prepared, then = await self._admit(req, owner, marks)
         if isinstance(prepared, StreamChunk):
             sink([(req.request_id, prepared)])
             return
         loop = asyncio.get_running_loop()
         await self._run_into("add", prepared, req.request_id, then,
-                             EngineStream(loop, sink=sink, done=loop.create_future(), called=called,
-                                          marks=marks))
+                             EngineStream(loop, sink=sink, done=loop.create_future(), marks=marks))
 
     async def _admit(self, req: SynthesisRequest, owner: bool,
                      marks: dict[str, float]) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
@@ -304,9 +303,8 @@ class LocalEngineClient(EngineClient):
         await self._run_into("handoff", handoff, rid, then, EngineStream(loop, sink=sink, done=loop.create_future()))
 
     async def _stream(self, kind: str, payload: object, request_id: str,
-                      then: list[tuple] = (), called: float | None = None,
-                      marks: dict[str, float] | None = None) -> AsyncIterator[StreamChunk]:
-        stream = EngineStream(asyncio.get_running_loop(), queue=asyncio.Queue(), called=called, marks=marks)
+                      then: list[tuple] = (), marks: dict[str, float] | None = None) -> AsyncIterator[StreamChunk]:
+        stream = EngineStream(asyncio.get_running_loop(), queue=asyncio.Queue(), marks=marks)
         async with self._admitted(kind, payload, request_id, then, stream) as ended:
             while True:
                 chunk = await stream.queue.get()
