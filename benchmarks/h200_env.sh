@@ -3,7 +3,8 @@
 # .whl/ (git-ignored locally via .git/info/exclude; pass it in the device call's carry) is made on the CPU box with
 #   pip download -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 --platform any fastapi uvicorn websockets pydantic prometheus-client \
-#     python-multipart httpx pyzmq pyyaml soundfile safetensors tokenizers opentelemetry-api annotated-doc py-spy
+#     python-multipart httpx pyzmq pyyaml soundfile safetensors tokenizers opentelemetry-api annotated-doc py-spy \
+#     httptools
 # then the packages the image already has beside torch removed (numpy, filelock, fsspec, typing_extensions).
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -19,5 +20,5 @@ if [ -d .whl ]; then  # once per machine: later parts of the same call find them
 fi
 # Name the tree in LEGATO_COMMIT on the device: git there reported a42d6bf for later trees (docs/benchmarks.md).
 export PYTHONUNBUFFERED=1 LEGATO_COMMIT=${LEGATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
-python3 -c "import torch, triton, fastapi, zmq, soundfile; print('torch', torch.__version__, 'triton', \
+python3 -c "import torch, triton, fastapi, zmq, soundfile, httptools; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name())" || exit 1
