@@ -18,6 +18,8 @@ import time
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from legato.server.timeouts import within
+
 log = logging.getLogger("legato.server.connections")  # with the other slow-client lines
 
 
@@ -76,7 +78,7 @@ class BodyTimeoutMiddleware:
             if body_done:
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), deadline.wait_s(time.monotonic()))
+                message = await within(receive(), deadline.wait_s(time.monotonic()))
             except asyncio.TimeoutError:
                 raise self._timed_out(deadline) from None
             if message["type"] != "http.request" or not message.get("more_body", False):

@@ -21,8 +21,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import numpy as np
@@ -37,9 +36,9 @@ from legato.server.metrics import ServerMetrics
 from legato.server.resample import StreamResampler, resample_all
 from legato.server.settings import ServerSettings
 from legato.server.stream_response import AudioStreamResponse, ClientGone, StreamCut, until_disconnected
+from legato.server.timeouts import within
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 _FAILED = {"error": 500, "abort": 503}
 
@@ -83,7 +82,7 @@ class Generation:
                 chunk = await pending
             else:
                 # On timeout the pull inside the engine iterator is cancelled, which aborts the request.
-                chunk = await _within(pending, max(self.deadline - time.perf_counter(), 0.0))
+                chunk = await within(pending, max(self.deadline - time.perf_counter(), 0.0))
         except StopAsyncIteration:  # a client breaking the contract: say so rather than hang or crash
             chunk = StreamChunk(np.zeros(0, np.float32), self.frames, finished=True, finish_reason="error",
                                 error="the engine stream ended without a final chunk", seed=self.seed or 0)
@@ -336,15 +335,6 @@ class SpeechResponder:
         yield _event({"type": "speech.audio.error", "request_id": gen.req.request_id, "usage": gen.usage(),
                       "error": {"message": message, "type": error_type(status),
                                 "code": status, "partial_audio": gen.samples > 0}})
-
-
-async def _within(pending: Awaitable[T], timeout_s: float) -> T:
-    """`pending` with a deadline (TimeoutError), awaited in this task: before Python 3.12 `wait_for` wraps it in a
-    task of its own, two event-loop passes per chunk that a loaded front cannot spare."""
-    if hasattr(asyncio, "timeout"):  # Python >= 3.11
-        async with asyncio.timeout(timeout_s):
-            return await pending
-    return await asyncio.wait_for(pending, timeout_s)
 
 
 def _rejection_code(status: int) -> str:
