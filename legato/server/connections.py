@@ -262,12 +262,6 @@ def guarded_http(header_timeout_s: float, slow_per_client: int | None = None, sl
                                                           "slow_after_s": slow_after_s})
 
 
-def guarded_h11(header_timeout_s: float, slow_per_client: int | None = None,
-                slow_after_s: float = SLOW_AFTER_S) -> type[H11Protocol]:
-    """`guarded_http` with h11's parser."""
-    return guarded_http(header_timeout_s, slow_per_client, slow_after_s, parser="h11")
-
-
 def _address(client: tuple[str, int] | None) -> str:
     return client[0] if client else "unknown"
 
