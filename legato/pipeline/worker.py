@@ -263,7 +263,6 @@ class _Worker:
         finally:
             self.tasks.pop(rid, None)
             self.cancelled.discard(rid)
-            self.arrived.pop(rid, None)
 
     async def receive_and_decode(self, msg: m.AwaitHandoff) -> None:
         """Decode worker: wait (bounded) for the handoff from prefill worker `msg.peer`, then decode it."""

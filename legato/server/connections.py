@@ -258,8 +258,8 @@ def guarded_http(header_timeout_s: float, slow_per_client: int | None = None, sl
     `uvicorn.Config(http=...)`."""
     base = PROTOCOLS[parser]
     slow = SlowConnections(slow_per_client) if slow_per_client is not None else None
-    return type(f"Guarded{base.__name__[8:]}", (base,), {"header_timeout_s": header_timeout_s, "slow": slow,
-                                                          "slow_after_s": slow_after_s})
+    return type(base.__name__.lstrip("_"), (base,), {"header_timeout_s": header_timeout_s, "slow": slow,
+                                                      "slow_after_s": slow_after_s})
 
 
 def _address(client: tuple[str, int] | None) -> str:

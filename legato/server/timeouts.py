@@ -1,8 +1,10 @@
-"""A deadline on one await, awaited in the caller's task.
+"""A deadline on one await, awaited in the caller's task where Python allows.
 
-`asyncio.wait_for` before Python 3.12 wraps what it waits for in a task of its own: two event-loop passes for
-every awaited chunk or body part, on a loop whose passes take tens of milliseconds at hundreds of streams.
-`asyncio.timeout` (Python >= 3.11) cancels the caller's own await instead; 3.10 keeps `wait_for`.
+`asyncio.wait_for` before Python 3.12 wraps what it waits for in a task of its own (two event-loop passes for
+every awaited chunk or body part, on a loop whose passes take tens of milliseconds at hundreds of streams), and
+it can swallow a cancel of its caller that lands as the awaited thing completes (a WebSocket writer task then
+never ended). `asyncio.timeout` (Python >= 3.11) has neither problem; on 3.10 the await runs in a task raced
+against the deadline with `asyncio.wait`, which never swallows the caller's cancel.
 """
 
 from __future__ import annotations
@@ -19,4 +21,13 @@ async def within(pending: Awaitable[T], timeout_s: float) -> T:
     if hasattr(asyncio, "timeout"):
         async with asyncio.timeout(timeout_s):
             return await pending
-    return await asyncio.wait_for(pending, timeout_s)
+    task = asyncio.ensure_future(pending)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except BaseException:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise TimeoutError
+    return task.result()

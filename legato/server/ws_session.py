@@ -26,6 +26,7 @@ from legato.server.errors import ApiError
 from legato.server.metrics import ServerMetrics
 from legato.server.speech import SpeechService
 from legato.server.streaming import _Encoder
+from legato.server.timeouts import within
 from legato.server.ws_protocol import (
     ClientEvent,
     ProtocolError,
@@ -40,21 +41,6 @@ from legato.server.ws_protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-async def within(aw: Awaitable, seconds: float):
-    """`aw` with a deadline: TimeoutError past it (`aw` cancelled). Not `asyncio.wait_for`: before Python 3.12 it
-    can swallow a cancel of its caller that lands as `aw` completes, and the writer task then never ends."""
-    task = asyncio.ensure_future(aw)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=seconds)
-    except BaseException:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        raise TimeoutError
-    return task.result()
 
 
 class SlowClient(Exception):
