@@ -117,7 +117,7 @@ class _FakeClient:
 def _fake_worker() -> tuple[_Worker, list[m.Message]]:
     spec = WorkerSpec(model_path="", engine_config={}, name="t", label="t-0", cmd_endpoint="", out_endpoint="",
                       parent_pid=0)
-    worker = _Worker(spec, _FakeClient(), out=None)
+    worker = _Worker(spec, _FakeClient(), links=None)
     sent: list[m.Message] = []
 
     async def send(msg: m.Message) -> None:

@@ -7,7 +7,7 @@ only ever builds the types named here, and any header or frame that does not fit
 does a message over `MAX_MESSAGE_BYTES` (both ends also set ZMQ's MAXMSGSIZE, so a far larger frame is never
 even buffered: its connection is dropped).
 
-Direction: Submit, AwaitHandoff, Abort, AppendText, ExtractVoice, Shutdown go server -> worker; Ready, Chunk,
+Direction: Submit, AwaitHandoff, Abort, AppendText, ExtractVoice, Shutdown, Hello go server -> worker; Ready, Chunk,
 Chunks, Rejected, VoiceResult, Stats, LinkStatus, Heartbeat go worker -> server. `request_id` doubles as the call id of
 ExtractVoice/VoiceResult. A codec worker (`split`) takes CodecOpen, CodecFrames, CodecFrameBatch, Abort and
 Shutdown, and answers with Ready, Chunk or Chunks (PCM; `num_frames` counts the frames decoded so far), Rejected,
@@ -180,8 +180,16 @@ class Heartbeat:
     seq: int
 
 
+@dataclass
+class Hello:
+    """From a front process other than the one that started the worker (`legato serve --fronts N`): it asks for
+    Stats and Ready on its own link, whenever it (re)starts."""
+
+    front: int
+
+
 Message = (Submit | AwaitHandoff | Abort | AppendText | Chunk | Chunks | Rejected | ExtractVoice | VoiceResult
-           | Stats | LinkStatus | Ready | Shutdown | Heartbeat | CodecOpen | CodecFrames | CodecFrameBatch)
+           | Stats | LinkStatus | Ready | Shutdown | Heartbeat | Hello | CodecOpen | CodecFrames | CodecFrameBatch)
 
 
 # --- encoding -----------------------------------------------------------------------------------------
@@ -540,6 +548,7 @@ _ENCODERS = {
     Ready: _enc_ready,
     Shutdown: lambda m: ("shutdown", {"grace_s": m.grace_s}, {}),
     Heartbeat: lambda m: ("heartbeat", {"seq": m.seq}, {}),
+    Hello: lambda m: ("hello", {"front": m.front}, {}),
     CodecOpen: lambda m: ("codec_open", {"request_id": m.request_id, "first_chunk_frames": m.first_chunk_frames},
                           {"ref_code": _np(m.ref_code, "int64")}),
     CodecFrames: lambda m: ("codec_frames", {"request_id": m.request_id, "last": m.last},
@@ -565,6 +574,7 @@ _DECODERS = {
     "ready": _dec_ready,
     "shutdown": lambda b: Shutdown(b.get("grace_s", float)),
     "heartbeat": lambda b: Heartbeat(b.get("seq", int)),
+    "hello": lambda b: Hello(b.get("front", int)),
     "codec_open": lambda b: CodecOpen(b.get("request_id", str),
                                       b.array("ref_code", "int64", 2, optional=True, width=16),
                                       b.get("first_chunk_frames", int, optional=True)),

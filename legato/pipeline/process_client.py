@@ -45,6 +45,7 @@ from legato.pipeline.client import (
     refused_stream,
 )
 from legato.pipeline.client import put_all as _put_all
+from legato.pipeline.front_links import front_endpoints
 from legato.pipeline.ipc import zmq_endpoint
 from legato.pipeline.kv_links import KVLinkSpec, socket_path
 from legato.pipeline.launchers import Launcher, LocalLauncher
@@ -94,6 +95,8 @@ class ProcessEngineClient(EngineClient):
         max_message_bytes: int = m.MAX_MESSAGE_BYTES,
         launcher: Launcher | None = None,
         worker_name: str | None = None,
+        front: int = 0,
+        fronts: int = 1,
     ) -> None:
         self.model_path = str(resolve_model_dir(model_path))
         self.role = role  # "engine", or "codec": the split topology's codec worker (see codec_process.py)
@@ -101,9 +104,12 @@ class ProcessEngineClient(EngineClient):
         self.info = model_info(self.model_path, name)
         self.instance_id = instance_id or new_instance_id()
         self.worker_index = worker_index
-        self.label = f"{self.instance_id}-{worker_index}"
-        self.endpoints = (zmq_endpoint(self.instance_id, f"{worker_index}-cmd"),
-                          zmq_endpoint(self.instance_id, f"{worker_index}-out"))
+        self.label = f"{self.instance_id}-{worker_index}" + (f"/front{front}" if front else "")
+        # `legato serve --fronts N`: front 0 starts the worker; front k > 0 attaches to it over links of its own.
+        self.front, self.fronts = front, fronts
+        self.endpoints = front_endpoints((zmq_endpoint(self.instance_id, f"{worker_index}-cmd"),
+                                          zmq_endpoint(self.instance_id, f"{worker_index}-out")), front)
+        self.worker_pid: int | None = None  # from its Ready
         self.torch_threads = torch_threads
         self.start_timeout_s = start_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -137,7 +143,12 @@ class ProcessEngineClient(EngineClient):
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        return self.proc.pid if self.proc else self.worker_pid
+
+    @property
+    def attached(self) -> bool:
+        """A front other than the first: the worker is not its child, and it neither starts nor stops it."""
+        return self.front > 0
 
     # --- life cycle -----------------------------------------------------------------------------------
 
@@ -150,6 +161,9 @@ class ProcessEngineClient(EngineClient):
         for sock in (self._cmd, self._out):
             sock.setsockopt(zmq.LINGER, 0)
         self._out.setsockopt(zmq.MAXMSGSIZE, receive_limit(self.max_message_bytes))
+        if self.attached:
+            await self._attach()
+            return
         try:
             await self._launch()
         except BaseException:  # not placed or not spawned: nothing runs, give back what was taken
@@ -172,6 +186,26 @@ class ProcessEngineClient(EngineClient):
             await asyncio.sleep(0.02)
         log.info("engine worker %s ready (pid %d)", self.label, self.proc.pid)
 
+    async def _attach(self) -> None:
+        """Front k > 0: binds this front's link and says Hello until the worker answers with Ready (it may still be
+        loading, or not yet started by front 0)."""
+        for sock, endpoint in zip((self._cmd, self._out), self.endpoints, strict=True):
+            sock.bind(endpoint)
+        self._threads = [threading.Thread(target=self._io_loop, name=f"worker-io-{self.label}", daemon=True)]
+        self._threads[0].start()
+        deadline = time.monotonic() + self.start_timeout_s
+        next_hello = 0.0
+        while not self._ready.is_set():
+            now = time.monotonic()
+            if now > deadline:
+                await self._detach(0.0)
+                raise RuntimeError(f"engine worker {self.label}: no Ready within {self.start_timeout_s:.0f} s")
+            if now >= next_hello:  # unsent while no worker is connected: asked again until one is
+                self._send(m.Hello(self.front))
+                next_hello = now + 0.5
+            await asyncio.sleep(0.02)
+        log.info("front %d attached to engine worker %s (pid %d)", self.front, self.label, self.worker_pid)
+
     async def _launch(self) -> None:
         placement = await self.launcher.place(self.worker_name)
         if placement.same_node:
@@ -186,7 +220,7 @@ class ProcessEngineClient(EngineClient):
         spec = WorkerSpec(
             model_path=self.model_path, engine_config=dataclasses.asdict(self.config), name=self.info.name,
             label=self.label, cmd_endpoint=self.endpoints[0], out_endpoint=self.endpoints[1],
-            parent_pid=os.getpid(), heartbeat_s=self.heartbeat_s, torch_threads=self.torch_threads,
+            parent_pid=os.getpid(), fronts=self.fronts, heartbeat_s=self.heartbeat_s, torch_threads=self.torch_threads,
             kv=None if self.kv is None else self.kv.to_dict(), role=self.role,
             max_message_bytes=self.max_message_bytes,
         )
@@ -196,6 +230,9 @@ class ProcessEngineClient(EngineClient):
         """Shutdown to the worker, wait for it to exit (grace + a margin), then terminate/kill; closes the
         sockets and removes their files."""
         self._stopping = True
+        if self.attached:
+            await self._detach(grace_s)
+            return
         if self.proc is None or self._closing.is_set():  # never started, or already stopped
             await self.launcher.release(self.worker_name)  # a placed worker that never ran gives its place back
             return
@@ -230,6 +267,30 @@ class ProcessEngineClient(EngineClient):
         if self.kv is not None and self.kv.role == "decode":  # a killed decode worker leaves its listener behind
             ipc.remove(socket_path(self.kv.instance_id, self.kv.index))
         await self.launcher.release(self.worker_name)
+
+    async def _detach(self, grace_s: float) -> None:
+        """Front k > 0 stopping: the worker is front 0's to stop (it drains every front's requests at the same
+        grace); this front waits that long for its own streams to end, aborts what is left, and closes its link."""
+        if self._closing.is_set() or self._ctx is None:
+            return
+        deadline = time.monotonic() + grace_s + SHUTDOWN_SEND_S
+        while self._streams and self.dead_reason is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._lock:
+            left = list(self._streams)
+        for rid in left:
+            self._send(m.Abort(rid, "server is shutting down"))
+        self._closing.set()
+        loop = asyncio.get_running_loop()
+        for t in self._threads:
+            await loop.run_in_executor(None, t.join, 10.0)
+        self._fail_all("server is shutting down")
+        with self._lock:
+            for sock in (self._cmd, self._out):
+                sock.close()
+            self._ctx.term()
+        for endpoint in self.endpoints:
+            ipc.remove(endpoint)
 
     async def _tell_shutdown(self, grace_s: float) -> bool:
         """Sends a ready worker its Shutdown, retrying a send refused for the moment (its command pipe full
@@ -341,8 +402,9 @@ class ProcessEngineClient(EngineClient):
         return self._stats
 
     def is_alive(self) -> bool:
-        return (self._ready.is_set() and self.dead_reason is None and not self._stopping
-                and self.proc is not None and self.proc.poll() is None and not self._liveness.expired)
+        running = _pid_alive(self.worker_pid) if self.attached else self.proc is not None and self.proc.poll() is None
+        return (self._ready.is_set() and self.dead_reason is None and not self._stopping and running
+                and not self._liveness.expired)
 
     def _unavailable(self) -> str:
         if self.dead_reason:
@@ -406,6 +468,12 @@ class ProcessEngineClient(EngineClient):
         """Declares the worker dead when its process exits or its heartbeats stop (then kills it)."""
         if self.dead_reason is not None or self._stopping:
             return
+        if self.attached:  # not our child: seen through its pid and its heartbeats (front 0 kills a silent one)
+            if self._ready.is_set() and not _pid_alive(self.worker_pid):
+                self._died("worker died (its process is gone)")
+            elif self._ready.is_set() and self._liveness.look():
+                self._died(f"worker died (no heartbeat for {self.heartbeat_timeout_s:.0f} s)")
+            return
         code = self.proc.poll()
         if code is not None:
             self._died(f"worker died ({getattr(self.proc, 'death', None) or f'exit code {code}'})")
@@ -466,6 +534,7 @@ class ProcessEngineClient(EngineClient):
         elif isinstance(msg, m.Ready):
             self.info = dataclasses.replace(msg.info, name=self.info.name)
             self.generation_defaults = msg.generation_defaults
+            self.worker_pid = msg.pid
             self._ready.set()
         else:
             log.error("engine worker %s sent a %s: not a worker -> server message", self.label, type(msg).__name__)
@@ -496,6 +565,18 @@ class ProcessEngineClient(EngineClient):
             self._log_tail.append(line)
             print(line, file=sys.stderr, flush=True)
         self.proc.stdout.close()
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's (not expected, but not dead)
+        return True
+    return True
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

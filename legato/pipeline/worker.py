@@ -2,8 +2,9 @@
 
 The worker loads its model on its device, runs a `LocalEngineClient` (the engine on a thread of this
 process) and serves it over two ZMQ sockets the server bound: commands arrive on a PULL socket, and
-chunks, rejections, voice results, stats and heartbeats leave on a PUSH socket (see `messages.py`). It
-sends Ready once the engine runs, and exits on Shutdown or when the process that started it is gone.
+chunks, rejections, voice results, stats and heartbeats leave on a PUSH socket (see `messages.py`); a server
+with several front processes binds a pair per front (`front_links.py`). It sends Ready once the engine runs,
+and exits on Shutdown or when the process that started it is gone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import zmq.asyncio
 from legato.kv_transfer import EventKind
 from legato.pipeline import messages as m
 from legato.pipeline.client import HeldText, RequestRejected, StreamChunk
+from legato.pipeline.front_links import FrontLinks, front_endpoints, request_id_of
 from legato.pipeline.kv_links import KVLinks, KVLinkSpec
 
 log = logging.getLogger("legato.worker")
@@ -42,6 +44,7 @@ class WorkerSpec:
     cmd_endpoint: str  # server -> worker (worker connects a PULL socket)
     out_endpoint: str  # worker -> server (worker connects a PUSH socket)
     parent_pid: int
+    fronts: int = 1  # the server's front processes; front k > 0 binds the endpoints above suffixed with k
     heartbeat_s: float = 0.5
     torch_threads: int | None = None
     kv: dict | None = None  # process MpNd: this worker's KVLinkSpec fields
@@ -111,8 +114,9 @@ class ChunkOutbox(PassOutbox):
 
 
 class _Worker:
-    def __init__(self, spec: WorkerSpec, client, out: zmq.asyncio.Socket) -> None:
-        self.spec, self.client, self.out = spec, client, out
+    def __init__(self, spec: WorkerSpec, client, links: FrontLinks | None) -> None:
+        self.spec, self.client, self.fronts = spec, client, links
+        self.ready: m.Ready | None = None  # what a front that says Hello is answered with
         self.links: KVLinks | None = None
         self.cancelled: set[str] = set()  # aborted while their handoff was held or in transfer
         self.tasks: dict[str, asyncio.Task] = {}
@@ -129,7 +133,7 @@ class _Worker:
 
     async def send(self, msg: m.Message) -> None:
         self.outbox.flush()  # chunks queued before this message leave before it
-        await self.out.send_multipart(m.encode(msg))
+        await self.fronts.send(msg)
 
     def send_chunks(self, chunks: list[tuple[str, StreamChunk]]) -> None:
         """A step's chunks of every request `run_request` runs, as the engine thread hands them over; they leave
@@ -148,11 +152,11 @@ class _Worker:
 
     def emit(self, msg: m.Message) -> None:
         """Sends without waiting (a step's chunks, and the stats before a request's end)."""
-        emit(self.out, msg)
+        self.fronts.emit(msg)
 
-    async def serve(self, cmd: zmq.asyncio.Socket) -> None:
+    async def serve(self) -> None:
         beats = asyncio.create_task(self.heartbeat())
-        receiving = asyncio.create_task(self.receive(cmd))
+        receiving = asyncio.create_task(self.receive_all())
         await self.stop.wait()
         await drain(self.tasks, self.grace_s, receiving, self.client.stop)  # running requests, handoffs
         if self.links is not None:
@@ -162,13 +166,26 @@ class _Worker:
         await self.send(m.Stats(self.client.stats()))
         beats.cancel()
 
-    async def receive(self, cmd: zmq.asyncio.Socket) -> None:
-        async for msg in incoming(cmd, self.spec.max_message_bytes):
-            await handle_safely(self.handle, msg)
+    async def receive_all(self) -> None:
+        await asyncio.gather(*(self.receive(cmd, front) for front, cmd in enumerate(self.fronts.cmds)))
 
-    async def handle(self, msg: m.Message) -> None:
+    async def receive(self, cmd: zmq.asyncio.Socket, front: int = 0) -> None:
+        async for msg in incoming(cmd, self.spec.max_message_bytes):
+            await handle_safely(self.handle, msg, front)
+
+    async def handle(self, msg: m.Message, front: int = 0) -> None:
         arrived = time.perf_counter()
-        if self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
+        refused = self.fronts.admit(msg, front) if self.fronts is not None else None
+        if refused is not None:
+            if isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
+                await self.fronts.send_to(front, m.Rejected(request_id_of(msg), 409, refused))
+            else:
+                log.warning("dropping a %s from front %d: %s", type(msg).__name__, front, refused)
+        elif isinstance(msg, m.Hello):
+            await self.fronts.send_to(front, m.Stats(self.client.stats()))  # before Ready, as at start
+            if self.ready is not None:
+                await self.fronts.send_to(front, self.ready)
+        elif self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
             await self.send(m.Rejected(msg.request_id, 503, "the worker is shutting down"))
         elif isinstance(msg, m.Submit):
             req = msg.request
@@ -328,37 +345,33 @@ async def run(spec: WorkerSpec) -> int:
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     ctx = zmq.asyncio.Context()
-    out = ctx.socket(zmq.PUSH)
-    cmd = ctx.socket(zmq.PULL)
-    out.setsockopt(zmq.LINGER, 2000)  # let the last chunks reach the server after Shutdown
-    cmd.setsockopt(zmq.LINGER, 0)
-    cmd.setsockopt(zmq.MAXMSGSIZE, receive_limit(spec.max_message_bytes))
-    out.connect(spec.out_endpoint)
-    cmd.connect(spec.cmd_endpoint)
+    base = (spec.cmd_endpoint, spec.out_endpoint)
+    fronts = FrontLinks(ctx, [front_endpoints(base, k) for k in range(spec.fronts)],
+                        receive_limit(spec.max_message_bytes))
     try:
         config = EngineConfig(**spec.engine_config)
         if spec.role == "codec":
             from legato.pipeline.codec_process import serve_codec
 
-            await serve_codec(spec, config, out, cmd)
+            await serve_codec(spec, config, fronts.outs[0], fronts.cmds[0])
             return 0
         loaded = load_model(spec.model_path, device=config.device, dtype=getattr(torch, config.dtype))
         client = LocalEngineClient(loaded, config, name=spec.name)
         await client.start()
-        worker = _Worker(spec, client, out)
+        worker = _Worker(spec, client, fronts)
         if spec.kv is not None:
             worker.links = KVLinks(KVLinkSpec(**spec.kv), client.engine.kv_layout, worker.link_changed,
                                    device=config.device)
             worker.links.start()
         # Stats before Ready: the server serves once it reads Ready, and must not serve the stats it assumed.
         await worker.send(m.Stats(client.stats()))
-        await worker.send(m.Ready(client.info, os.getpid(), dict(loaded.generation_defaults)))
+        worker.ready = m.Ready(client.info, os.getpid(), dict(loaded.generation_defaults))
+        await worker.send(worker.ready)
         log.info("ready: %s on %s", spec.model_path, config.device)
-        await worker.serve(cmd)
+        await worker.serve()
         return 0
     finally:
-        cmd.close()
-        out.close()
+        fronts.close()
         ctx.term()
 
 
@@ -377,11 +390,11 @@ async def incoming(cmd: zmq.asyncio.Socket, max_bytes: int = m.MAX_MESSAGE_BYTES
         yield msg
 
 
-async def handle_safely(handle, msg: m.Message) -> None:
-    """`await handle(msg)`, where a failure is logged and costs that one message, not the command loop (whose
-    end would leave the worker heart-beating but deaf)."""
+async def handle_safely(handle, msg: m.Message, *args) -> None:
+    """`await handle(msg, *args)`, where a failure is logged and costs that one message, not the command loop
+    (whose end would leave the worker heart-beating but deaf)."""
     try:
-        await handle(msg)
+        await handle(msg, *args)
     except Exception:
         log.exception("dropping a %s: handling it failed", type(msg).__name__)
 
