@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import socket
 import sys
 
 from legato.cli_help import DefaultsFormatter
@@ -45,6 +46,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--port", type=int, default=8000, help="port to listen on")
     h.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    h.add_argument("--fronts", type=int, default=1, metavar="N",
+                   help="HTTP front processes sharing the port (Linux, engine worker processes, single or replicas "
+                        "topology): one front costs ~1 ms of CPU per streamed request, so past a few hundred streams "
+                        "its event loop delays every first audio; --max-connections and the slow-client share are "
+                        "split between the fronts")
     h.add_argument("--http", default="httptools", choices=["httptools", "h11"],
                    help="HTTP/1.1 parser: httptools (C, less CPU per request) or h11 (pure Python); both guarded alike")
     # slow clients (connections.py)
@@ -311,6 +317,16 @@ def serve(args: argparse.Namespace) -> int:
     from legato.server.app import build_app
     from legato.server.body_deadline import BodyTimeoutMiddleware
     from legato.server.connections import check_limits, default_slow_share, guarded_http
+    from legato.server.fronts import (
+        FrontSupervisor,
+        bind_front_listeners,
+        check_fronts,
+        follow_front0,
+        metrics_dir,
+        remove_metrics_dir,
+        resolved_args,
+        role_from_env,
+    )
     from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
     from legato.server.listen import bind_listener
     from legato.server.logs import configure_logging
@@ -319,6 +335,7 @@ def serve(args: argparse.Namespace) -> int:
     from legato.server.stream_response import install_cut_stream_log_filter
     from legato.server.voices import VoiceStore
 
+    role = role_from_env()  # set when front 0 of `--fronts N` started this process
     args.worker_memory = None
     deploy_note = None
     if args.deploy:
@@ -327,7 +344,8 @@ def serve(args: argparse.Namespace) -> int:
         except DeployError as e:
             print(f"legato serve: error: {e}", file=sys.stderr)
             return 2
-    configure_logging(args.log_format, args.log_level)
+    configure_logging(args.log_format, args.log_level,
+                      front=(role.index if role is not None else 0) if getattr(args, "fronts", 1) > 1 else None)
     if deploy_note:
         log.info("%s", deploy_note)
     if args.model_arg is not None:
@@ -339,13 +357,23 @@ def serve(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     listener = None
+    front_sockets: dict = {}
     try:
         if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
             check_devices([device, *(args.devices.split(",") if args.devices else [])])
         check_limits(args.timeout_header, args.timeout_body, args.max_connections, args.min_body_rate,
                      args.max_slow_connections_per_client)
+        topology = parse_topology(args.topology)
+        check_fronts(args.fronts, resolve_workers(args.workers, args.devices.split(",") if args.devices else [device]),
+                     topology.kind, args.launcher)
         # Before anything loads: a port in use is one line now, not after the model (bound, not yet listening).
-        listener = bind_listener(args.host, args.port)
+        if role is not None:
+            listener = socket.socket(fileno=role.fd)
+        elif args.fronts > 1:
+            listener, *others = bind_front_listeners(args.host, args.port, args.fronts)
+            front_sockets = dict(enumerate(others, start=1))
+        else:
+            listener = bind_listener(args.host, args.port)
         set_gil_switch_interval()  # a bad $LEGATO_GIL_SWITCH_MS is refused here, in one line, not in a worker
         if args.model is None:
             model_path = default_model_dir()
@@ -382,7 +410,6 @@ def serve(args: argparse.Namespace) -> int:
         # The front counts prompt tokens with the tokenizer alone; the engines hold the same limit at admission.
         prompt_limit = PromptLimit.from_model_dir(resolve_model_dir(model_path), settings, engine_config)
         engine_config.max_prompt_tokens = prompt_limit.limit
-        topology = parse_topology(args.topology)
         settings.max_num_seqs = args.max_num_seqs
         settings.decode_slots = args.max_num_seqs * topology.decode_engines
         devices = args.devices.split(",") if args.devices else None
@@ -395,36 +422,67 @@ def serve(args: argparse.Namespace) -> int:
 
         launcher = launcher_of(args)
         args.workers = resolve_workers(args.workers, devices or [device])
+        instance_id, fronts = None, {}
+        if args.fronts > 1:
+            from legato.pipeline.process_client import new_instance_id
+
+            instance_id = role.instance_id if role is not None else new_instance_id()
+            fronts = {"process_options": {"front": role.index if role is not None else 0, "fronts": args.fronts}}
         client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
                               model_path=model_path, memory_shares=args.worker_memory, kv_backend=args.kv_transfer,
-                              pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy, launcher=launcher)
+                              pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy, launcher=launcher,
+                              instance_id=instance_id, **fronts)
         if args.workers == "process":  # the workers load the model; its generation defaults come from disk
             generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
     except (ConfigError, TopologyError, LauncherError, ValueError) as e:
-        if listener is not None:
-            listener.close()
+        for sock in (listener, *front_sockets.values()):
+            if sock is not None:
+                sock.close()
         print(f"legato serve: error: {e}", file=sys.stderr)
         return 2
     settings.generation_defaults = generation_defaults
-    store = VoiceStore(voices_dir, client)  # holds voices only for Base models; lists and refuses otherwise
+    # Front 0 of several: the fronts' metrics meet in one directory (made before any metric exists).
+    metrics_path = metrics_dir() if args.fronts > 1 and role is None else None
+    # Holds voices only for Base models (lists and refuses otherwise); the fronts of --fronts N share them.
+    store = VoiceStore(voices_dir, client, shared=args.fronts > 1, tidy=role is None)
     lifecycle = Lifecycle(client, settings.shutdown_grace_s)
     install_cut_stream_log_filter()
     app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle, prompt_limit), args.timeout_body,
                                 args.min_body_rate)
     slow_share = args.max_slow_connections_per_client or default_slow_share(args.max_connections)
+    # Each front holds its share of the connection limits (the kernel spreads connections evenly).
+    max_connections = -(-args.max_connections // args.fronts)
+    slow_share = -(-slow_share // args.fronts)
     # uvicorn's limit counts the connection asking too, so one more lets exactly --max-connections in.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
                             http=guarded_http(args.timeout_header, slow_share, parser=args.http),
-                            limit_concurrency=args.max_connections + 1,
+                            limit_concurrency=max_connections + 1,
                             **uvicorn_ws_options(args),
                             timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
-    log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s)", args.host,
-             listener.getsockname()[1], name, client.info.model_type, dtype, devices or device, topology)
+    port = listener.getsockname()[1]
+    server = GracefulServer(config, lifecycle)
+    supervisor = None
+    if role is not None:
+        follow_front0(role.parent_pid, server.request_drain)
+    elif front_sockets:
+        supervisor = FrontSupervisor(resolved_args(args), args.host, port, args.fronts, instance_id,
+                                     on_give_up=lambda: server.request_drain(failed=True))
+        server.on_signal = supervisor.drain_all
+        supervisor.start(front_sockets)
+    front = f", front {role.index} of {role.count}" if role is not None else (
+        f", front 0 of {args.fronts}" if args.fronts > 1 else "")
+    log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s%s)", args.host, port, name,
+             client.info.model_type, dtype, devices or device, topology, front)
     try:
-        GracefulServer(config, lifecycle).run(sockets=[listener])
+        server.run(sockets=[listener])
     except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers; nothing left to report
         return 130
-    return 0
+    finally:
+        if supervisor is not None:
+            supervisor.stop(graceful_timeout(settings.shutdown_grace_s))
+        if metrics_path is not None:
+            remove_metrics_dir(metrics_path)
+    return 1 if server.gave_up else 0
 
 
 def _name_of(model: str) -> str:

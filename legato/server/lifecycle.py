@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -122,6 +123,8 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signalled = False
         self._drain_task: asyncio.Task[None] | None = None
+        self.on_signal: Callable[[], None] | None = None  # told of a stop signal (front 0 of --fronts N)
+        self.gave_up = False  # stopped by request_drain(failed=True): the process exits 1
 
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -130,6 +133,8 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in uvicorn's captured signals: it would re-raise them after a clean shutdown, and the
         # process would end "killed by SIGTERM" instead of exiting 0.
+        if self.on_signal is not None:
+            self.on_signal()
         if self._signalled:
             # A signal handler may run while the logging lock is held; write the line directly.
             os.write(2, f"legato: second {signal.Signals(sig).name}: exiting now\n".encode())
@@ -141,8 +146,19 @@ class GracefulServer(uvicorn.Server):
         # The handler runs between two bytecodes of the loop's thread; schedule the work on the loop instead.
         self._loop.call_soon_threadsafe(self._start_drain)
 
+    def request_drain(self, failed: bool = False) -> None:
+        """Drains and exits as on a first signal, from any thread or a signal handler, but never counts as one
+        (front 0 of --fronts N asks the others so: each may have had the signal itself already). `failed`: the
+        process then exits 1."""
+        self.gave_up = self.gave_up or failed
+        if self._loop is not None and self.started:
+            self._loop.call_soon_threadsafe(self._start_drain)
+        else:
+            self.should_exit = True
+
     def _start_drain(self) -> None:
-        self._drain_task = asyncio.ensure_future(self._drain())
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
         try:

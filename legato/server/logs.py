@@ -20,9 +20,17 @@ _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "reque
 
 
 class RequestIdFilter(logging.Filter):
+    """Tags records with the request id, and with the front process (`front=k`) of a server of several."""
+
+    def __init__(self, front: int | None = None) -> None:
+        super().__init__()
+        self.front = front
+
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
             record.request_id = current_request_id.get()
+        if self.front is not None:
+            record.front = self.front
         return True
 
 
@@ -72,11 +80,12 @@ def _short(value: object) -> str:
     return text if " " not in text else json.dumps(text)
 
 
-def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
-    """Routes the root logger (and uvicorn's) through one handler with request ids."""
+def configure_logging(fmt: str = "text", level: str = "INFO", front: int | None = None) -> None:
+    """Routes the root logger (and uvicorn's) through one handler with request ids (and `front`, for a
+    server of several front processes, whose lines meet in one stream)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    handler.addFilter(RequestIdFilter())
+    handler.addFilter(RequestIdFilter(front))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -13,9 +13,19 @@ with vLLM's `model_name` label: `vllm:num_requests_waiting`, `vllm:num_requests_
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -36,6 +46,11 @@ class ServerMetrics:
     def __init__(self, client: EngineClient, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        # `--fronts N` (fronts.py): every front writes its figures to files in this directory, and a scrape of any
+        # front adds them all up; the engine's gauges are read from this front's link as always.
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if self.multiprocess_dir and values.ValueClass is values.MutexValue:
+            values.ValueClass = values.get_value_class()  # prometheus_client was imported before the variable
         self.ttfp = Histogram(
             "legato_time_to_first_audio_seconds", "Request arrival to the first audio byte ready to send.",
             ["mode"], buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -54,9 +69,10 @@ class ServerMetrics:
         self.audio_seconds = Counter(
             "legato_audio_seconds", "Seconds of audio produced.", registry=self.registry)
         # The streaming-text WebSocket (ws_session.py).
-        self.ws_sockets = Gauge("legato_ws_open_sockets", "Streaming-text WebSockets open.", registry=self.registry)
+        self.ws_sockets = Gauge("legato_ws_open_sockets", "Streaming-text WebSockets open.", registry=self.registry,
+                                multiprocess_mode="livesum")
         self.ws_contexts = Gauge("legato_ws_contexts", "Streaming-text contexts open on all sockets.",
-                                 registry=self.registry)
+                                 registry=self.registry, multiprocess_mode="livesum")
         self.ws_cancels = Counter("legato_ws_cancels", "Streaming-text contexts cancelled by their client "
                                   "(response.cancel).", registry=self.registry)
         self.ws_refused = Counter("legato_ws_refused_messages", "Streaming-text client messages answered with an "
@@ -70,7 +86,8 @@ class ServerMetrics:
         self.vllm_e2e = Histogram(
             "vllm:e2e_request_latency_seconds", "End-to-end latency of successful requests (vLLM's name).",
             ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.registry.register(_EngineCollector(client, model_name))
+        self.engine = _EngineCollector(client, model_name)
+        self.registry.register(self.engine)
 
     def observe_ttfp(self, mode: str, seconds: float) -> None:
         self.ttfp.labels(mode).observe(seconds)
@@ -81,7 +98,12 @@ class ServerMetrics:
         self.vllm_e2e.observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if not self.multiprocess_dir:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, self.multiprocess_dir)
+        registry.register(self.engine)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 class _EngineCollector(Collector):

@@ -7,8 +7,10 @@ On disk each voice is one `<lower-cased name>.safetensors` file under the store'
 `speaker_embedding` [hidden] float32 and, for in-context cloning, `ref_code` [T, 16] int64; everything
 else in the file's string metadata. A file is written under a temporary dot-name, fsynced and renamed
 over the final name, so a crash leaves either the old voice, the new one, or an ignored temporary file,
-never half a voice. The store belongs to one server process; processes sharing a directory do not see
-each other's changes until they restart.
+never half a voice. A store belongs to one server process, unless it is `shared` (the fronts of
+`legato serve --fronts N`): then each lookup checks the voice's file (one stat), so a voice one front saves
+or deletes is seen by the others at their next request naming it, and a listing reads the directory. Two
+fronts saving one name at once: the later rename wins.
 
 A voice without `ref_text` (or made with `x_vector_only`) keeps only the x-vector: the reference codes
 are useless without the transcript, so they are not stored and the voice clones in x-vector-only mode.
@@ -116,11 +118,15 @@ class VoiceStore:
     Methods are called from the server's event loop; engine work and file writes run off it.
     """
 
-    def __init__(self, root_dir: str | Path, client: EngineClient, max_voices: int = 1000) -> None:
+    def __init__(self, root_dir: str | Path, client: EngineClient, max_voices: int = 1000, *, shared: bool = False,
+                 tidy: bool = True) -> None:
         self.root = Path(root_dir)
         self.client = client
         self.max_voices = max_voices
+        self.shared = shared  # other processes change the directory too: files are checked at each lookup
+        self.tidy = tidy  # removes unfinished writes and quarantines bad files at start (one process of many)
         self._voices: dict[str, Voice] = {}  # lower-cased name -> voice
+        self._stamps: dict[str, tuple[int, int, int]] = {}  # shared: each loaded file's (inode, size, mtime)
         self._pending: set[str] = set()  # names being created or deleted (reserved across their awaits)
         self.root.mkdir(parents=True, exist_ok=True)
         if client.info.model_type == "base":
@@ -131,9 +137,18 @@ class VoiceStore:
     # --- queries --------------------------------------------------------------------------------------
 
     def get(self, name: str) -> Voice | None:
-        return self._voices.get(name.lower()) if isinstance(name, str) else None
+        if not isinstance(name, str):
+            return None
+        key = name.lower()
+        if self.shared and _NAME.fullmatch(name):
+            self._sync(key)
+        return self._voices.get(key)
 
     def list(self) -> list[VoiceInfo]:
+        if self.shared:
+            on_disk = {p.name[: -len(_SUFFIX)] for p in self.root.glob(f"*{_SUFFIX}") if not p.name.startswith(".")}
+            for key in on_disk | set(self._voices):
+                self._sync(key)
         return [v.info() for _, v in sorted(self._voices.items())]
 
     def __len__(self) -> int:
@@ -169,6 +184,7 @@ class VoiceStore:
                               "embedding")
             await asyncio.to_thread(self._write, key, voice)
             self._voices[key] = voice
+            self._stamps[key] = _stamp(self._path(key))
             return voice
         finally:
             self._pending.discard(key)
@@ -181,6 +197,8 @@ class VoiceStore:
         key = name.lower()
         if key in self._pending:
             raise VoiceError(409, f"voice {name!r} is being changed by another request")
+        if self.shared:
+            self._sync(key)
         if key in self._voices and not replace:
             raise VoiceError(409, f"voice {name!r} already exists (delete it first, or set replace)")
         if key not in self._voices and len(self._voices) + len(self._pending) >= self.max_voices:
@@ -191,6 +209,8 @@ class VoiceStore:
         """Removes a voice; False if there was none by that name. Raises VoiceError(409) while another request
         is creating or replacing it (the key stays reserved across the file removal for the same reason)."""
         key = name.lower() if isinstance(name, str) else None
+        if key is not None and self.shared and _NAME.fullmatch(name):
+            self._sync(key)
         if key is None or key not in self._voices:
             return False
         if key in self._pending:
@@ -199,6 +219,7 @@ class VoiceStore:
         try:
             await asyncio.to_thread(self._unlink, key)
             self._voices.pop(key, None)
+            self._stamps.pop(key, None)
         finally:
             self._pending.discard(key)
         return True
@@ -257,20 +278,44 @@ class VoiceStore:
         self._path(key).unlink(missing_ok=True)
         _fsync_dir(self.root)
 
+    def _sync(self, key: str) -> None:
+        """Shared store: the voice `key` as its file is now (gone, new, or replaced by another process)."""
+        if key in self._pending:  # this process is changing it
+            return
+        path = self._path(key)
+        stamp = _stamp(path)
+        if stamp == self._stamps.get(key):
+            return
+        self._voices.pop(key, None)
+        self._stamps.pop(key, None)
+        if stamp is None:
+            return
+        try:
+            voice = self._read(path)
+        except Exception as e:  # mid-replace or bad: not served; the process that starts first tidies it
+            log.warning("not serving voice file %s: %s", path, e)
+            return
+        self._voices[key], self._stamps[key] = voice, stamp
+
     def _load_all(self) -> None:
         for path in sorted(self.root.iterdir()):
             if path.name.startswith(_TMP_PREFIX):
-                log.warning("removing %s: a voice write that never finished", path)
-                path.unlink(missing_ok=True)
+                if self.tidy:  # another process's write may be under way otherwise
+                    log.warning("removing %s: a voice write that never finished", path)
+                    path.unlink(missing_ok=True)
                 continue
             if path.suffix != _SUFFIX or path.name.startswith("."):
                 continue
             try:
                 voice = self._read(path)
             except Exception as e:  # one bad file must not keep the server from starting, nor be served
-                self._quarantine(path, e)
+                if self.tidy:
+                    self._quarantine(path, e)
+                else:
+                    log.warning("not serving voice file %s: %s", path, e)
                 continue
             self._voices[voice.name.lower()] = voice
+            self._stamps[voice.name.lower()] = _stamp(path)
         if self._voices:
             log.info("loaded %d saved voices from %s", len(self._voices), self.root)
 
@@ -317,6 +362,15 @@ class VoiceStore:
         if source not in ("audio", "embedding"):
             raise ValueError(f"unknown source {source!r}")
         return Voice(name, emb, code, ref_text, float(meta["created_at"]), source)
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """What tells one version of a voice file from another (a replace is a rename: a new inode)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _clean_ref_text(ref_text: object) -> str | None:

@@ -1,0 +1,153 @@
+"""Several front processes on one engine worker (`legato serve --fronts N`): every front gets the codes a single
+front gets, a front that stops or restarts leaves the worker and the other fronts serving, and the server as a
+whole spreads connections over its fronts, adds up their metrics, restarts a front that dies, and drains them
+all on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from serve_process import ServeProcess, speech_body
+
+from legato.cli import main as cli_main
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.inputs import SpeechInput
+from legato.models.qwen3_tts.sampling import SamplingParams
+from legato.pipeline.client import RequestRejected, StreamChunk, SynthesisRequest
+from legato.pipeline.process_client import ProcessEngineClient, new_instance_id
+from legato.pipeline.topology import build_client, parse_topology
+
+EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
+
+
+def _req(rid: str, seed: int, frames: int = 5, **kw) -> SynthesisRequest:
+    inp = SpeechInput(f"Sentence {seed} is here.", language="english", speaker_embedding=EMB, x_vector_only=True)
+    return SynthesisRequest(rid, inp, SamplingParams(seed=seed, max_new_tokens=frames + 1), **kw)
+
+
+def _front(path, instance_id: str, front: int, topology: str = "single"):
+    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=128, max_model_len=512,
+                          max_num_batched_tokens=256)
+    return build_client(parse_topology(topology), None, config, workers="process", model_path=str(path),
+                        instance_id=instance_id,
+                        process_options={"torch_threads": 1, "start_timeout_s": 60, "front": front, "fronts": 2})
+
+
+async def _codes(client, req) -> np.ndarray:
+    chunks: list[StreamChunk] = [c async for c in client.generate(req)]
+    assert chunks[-1].finish_reason == "length", chunks[-1]
+    return np.concatenate([c.codes for c in chunks])
+
+
+async def _until(predicate, timeout_s: float = 30.0) -> None:
+    """Polls `predicate` (a hang guard, not a speed target)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+def test_two_fronts_share_one_worker(tiny_checkpoint):
+    async def main() -> None:
+        iid = new_instance_id()
+        front0, front1 = _front(tiny_checkpoint, iid, 0), _front(tiny_checkpoint, iid, 1)
+        assert isinstance(front1, ProcessEngineClient) and front1.attached
+        await asyncio.gather(front1.start(), front0.start())  # either may come first
+        try:
+            assert front1.pid == front0.pid and front1.proc is None  # one worker, front 0's child
+            alone = [await _codes(front0, _req(f"a{i}", 100 + i)) for i in range(3)]
+            # Both fronts at once, each request on one of them: every front gets single's codes.
+            mixed = await asyncio.gather(*(_codes((front0, front1)[i % 2], _req(f"b{i}", 100 + i % 3))
+                                           for i in range(6)))
+            for i, codes in enumerate(mixed):
+                assert np.array_equal(codes, alone[i % 3]), i
+
+            # An id in flight on one front is refused on the other, and the first stream is untouched.
+            held = front0.generate(_req("dup", 7, frames=300, ignore_eos=True))
+            first = await held.__anext__()
+            with pytest.raises(RequestRejected) as err:
+                await _codes(front1, _req("dup", 8))
+            assert err.value.status == 409
+            assert not first.finished and not (await held.__anext__()).finished
+            await held.aclose()
+            await _until(lambda: front0.stats().running == 0)
+
+            # Front 1 stops (its worker does not) and a new front 1 attaches to the same worker.
+            await front1.stop(1.0)
+            assert front0.is_alive() and np.array_equal(await _codes(front0, _req("c", 100)), alone[0])
+            again = _front(tiny_checkpoint, iid, 1)
+            await again.start()
+            assert np.array_equal(await _codes(again, _req("d", 101)), alone[1])
+
+            # The worker gone: the attached front sees it through the worker's pid, and fails what it runs.
+            stream = again.generate(_req("e", 9, frames=300, ignore_eos=True))
+            await stream.__anext__()
+            os.kill(front0.pid, signal.SIGKILL)
+            rest = [c async for c in stream]
+            assert rest[-1].finish_reason == "error" and "worker died" in rest[-1].error
+            await _until(lambda: not again.is_alive())
+            await again.stop(0.0)
+        finally:
+            await front0.stop(1.0)
+
+    asyncio.run(main())
+
+
+def test_serve_spreads_connections_over_fronts_and_adds_their_metrics(tmp_path):
+    with ServeProcess(tmp_path, "--workers", "process", "--fronts", "2", "--device", "cpu") as server:
+        body = speech_body(4, seed=5)
+
+        async def burst(n: int) -> list[bytes]:
+            async def one() -> bytes:  # a connection each: the kernel picks a front per connection
+                async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                    r = await client.post("/v1/audio/speech", json=body)
+                    assert r.status_code == 200, r.text
+                    return r.content
+
+            return await asyncio.gather(*(one() for _ in range(n)))
+
+        bodies = asyncio.run(burst(24))
+        # Whole answers, whichever front served them (codes across fronts: test_two_fronts_share_one_worker).
+        assert {len(b) for b in bodies} == {4 * 1920 * 2}
+        served_by = [line.get("front") for line in server.log_lines() if "POST /v1/audio/speech" in line["msg"]]
+        assert sorted(set(served_by)) == [0, 1], served_by  # 24 connections on one front: p = 2^-23
+        for _ in range(4):  # whichever front answers the scrape counts every front's requests
+            metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+            assert 'legato_requests_total{status="200"} 24.0' in metrics
+
+        # A front that dies is started again, and serves.
+        started = server.wait_log(lambda line: line["msg"].startswith("front 1 started"))
+        assert started is not None
+        pid = int(started["msg"].split("pid ")[1].rstrip(")"))
+        os.kill(pid, signal.SIGKILL)
+        assert server.wait_log(lambda line: line["msg"].startswith(f"front 1 (pid {pid}) exited")) is not None
+        restarted = server.wait_log(lambda line: line["msg"].startswith("front 1 started") and f"pid {pid})"
+                                    not in line["msg"])
+        assert restarted is not None
+        assert server.wait_log(lambda line: line.get("front") == 1 and "startup complete" in line["msg"]
+                               and line["ts"] > restarted["ts"]) is not None
+        assert {len(b) for b in asyncio.run(burst(8))} == {4 * 1920 * 2}
+
+        # SIGTERM to front 0: every front drains and the server exits 0.
+        server.signal(signal.SIGTERM)
+        assert server.wait_exit() == 0
+        fronts = [line for line in server.log_lines() if line["msg"].startswith("Finished server process")]
+        assert sorted(line.get("front") for line in fronts) == [0, 1]
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--workers", "thread"], "--workers process"),
+    (["--workers", "process", "--topology", "split"], "single and replicas"),
+    (["--fronts", "0"], "must be >= 1"),
+])
+def test_fronts_refused_where_they_cannot_run(flags, why, capsys):
+    args = ["serve", "--device", "cpu", "--port", "0", "--fronts", "2", *flags]
+    assert cli_main(args) == 2
+    assert why in capsys.readouterr().err
