@@ -142,7 +142,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(tree).resolve()),
                                                                      os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", f"{package}.cli", "serve", "--model", str(Path(args.ckpt).resolve()),
-           "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), *args.server_args.split()]
+           "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), *args.server_args.split(),
+           *args.variant_args.get(name, "").split()]
     if any(m.endswith("-ws") for m in args.modes.split(",")):  # a session carries the reference clip inline
         cmd += ["--ws-max-message-bytes", str(8 * 2**20)]
     log = open(Path(args.out) / f"server-{name}.log", "w")
@@ -293,6 +294,8 @@ def table(cells: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", action="append", required=True, metavar="NAME=TREE[:PACKAGE]")
+    p.add_argument("--variant-args", action="append", default=[], metavar="NAME=ARGS",
+                   help="server options of one variant only, after --server-args (e.g. 'f4=--fronts 4')")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--hidden", type=int, default=1024, help="the model's hidden size (x-vector width)")
     p.add_argument("--data", required=True)
@@ -318,6 +321,7 @@ def main() -> int:
                    help="sample only the thread holding the GIL (py-spy --gil): who the others wait for")
     p.add_argument("--text-rate", default="inf", help="tokens a second of the -ws modes' text ('inf': at once)")
     args = p.parse_args()
+    args.variant_args = dict(item.partition("=")[::2] for item in args.variant_args)
     Path(args.out, "runs").mkdir(parents=True, exist_ok=True)
     cells = []
     for spec in args.variant:

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 22, several front processes (`legato serve --fronts N`), in one device call each:
+#   served  serving_speed.py, x-vector, --max-num-seqs 256, 1,024 prompts a cell: the tree in .base/ (one front),
+#           this tree with one front, and this tree with --fronts 4, one server after the other;
+#   engine  engine_loop.py at c=64 and c=256 (the engine alone, for served / engine), then c=512 served with
+#           --fronts 4 and --max-num-seqs 512.
+# Needs the server's wheels in .whl/, the base tree in .base/, prompts in .bench-data/prompts. Random 0.6B Base
+# weights (written first), lengths fixed (EOS ignored).
+set -uo pipefail
+. "$(dirname "$0")/h200_env.sh"
+export PYTHONPATH=.:$PYTHONPATH
+CKPT=/tmp/qwen3tts-0.6b-random
+[ -f $CKPT/model.safetensors ] || python3 -c "import torch; from legato.models.qwen3_tts.config import preset; \
+from legato.models.qwen3_tts.testing import write_checkpoint; \
+write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
+SERVE="python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
+  --client-procs ${PROCS:-6} --min-prompts 1024 --max-prompts 1024 --startup-timeout 150 --cell-timeout 100"
+case ${1:-served} in
+  served)
+    timeout ${T:-450} $SERVE ${VARIANTS:---variant base=.base:legato --variant new=.:legato --variant f4=.:legato} \
+      --variant-args "f4=--fronts 4" --variant-args "f2=--fronts 2" --concurrency ${CONC:-256,64} \
+      --max-num-seqs 256 --out /tmp/served 2>&1 | grep -v '^{' | tail -16
+    cp /tmp/served/summary.json "$OUT/served.json"
+    mkdir -p "$OUT/logs" && for f in /tmp/served/server-*.log; do tail -c 300000 "$f" > "$OUT/logs/$(basename $f)"; done ;;
+  engine)
+    for c in ${LOOP_CONC:-256 64}; do
+      timeout ${TL:-150} python3 benchmarks/engine_loop.py --concurrency $c --max-num-seqs $c --requests $((6 * c)) \
+        --variants default --out "$OUT/loop-c$c.json" 2>&1 | grep '^{' | cut -c1-300
+    done
+    timeout ${T512:-150} $SERVE --variant f4=.:legato --variant-args "f4=--fronts 4" --concurrency 512 \
+      --max-num-seqs 512 --out /tmp/served512 2>&1 | grep -v '^{' | tail -4
+    cp /tmp/served512/summary.json "$OUT/served-c512.json" ;;
+esac
+true
