@@ -35,7 +35,8 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = out / f"server-{name}.log"
-    serve = ["--port", str(port), "--max-num-seqs", str(max(args.concurrency)), *args.server_args.split()]
+    serve = ["--port", str(port), "--max-num-seqs", str(max(args.concurrency)), *args.server_args.split(),
+             *args.variant_args.get(name.split("-r")[0], "").split()]
     if args.model:
         serve += ["--model", str(Path(args.model).resolve())]
     if args.paced_step_ms:  # the real front, a paced stand-in for the engine (paced_serve.py), thread workers
@@ -123,6 +124,8 @@ def main() -> int:
     p.add_argument("--waves", type=int, default=2)
     p.add_argument("--client-procs", type=int, default=1)
     p.add_argument("--server-args", default="", help="more `legato serve` arguments, e.g. '--workers process'")
+    p.add_argument("--variant-args", action="append", default=[], metavar="NAME=ARGS",
+                   help="server options of one variant only, after --server-args (e.g. 'f2=--fronts 2')")
     p.add_argument("--paced-step-ms", type=float, default=None,
                    help="serve a paced stand-in engine (a frame per stream this often) instead of the tiny model")
     p.add_argument("--real-prompts", action="store_true",
@@ -136,6 +139,7 @@ def main() -> int:
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    args.variant_args = dict(item.partition("=")[::2] for item in args.variant_args)
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     data = Path(args.data).resolve() if args.data else prompt_list(out / "prompts", max(args.concurrency) * args.waves)

@@ -151,3 +151,48 @@ def test_fronts_refused_where_they_cannot_run(flags, why, capsys):
     args = ["serve", "--device", "cpu", "--port", "0", "--fronts", "2", *flags]
     assert cli_main(args) == 2
     assert why in capsys.readouterr().err
+
+
+_DYING_FRONT = """
+import asyncio, sys, torch
+sys.path.insert(0, {tests!r})
+from test_fronts import _front, _req
+
+async def main():
+    front = _front({path!r}, {iid!r}, 1)
+    await front.start()
+    stream = front.generate(_req("orphan", 3, frames=2000, ignore_eos=True))
+    await stream.__anext__()
+    print("streaming", flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_front_that_dies_has_its_requests_aborted_in_the_worker(tiny_checkpoint):
+    """Nobody reads a dead front's audio: its requests end in the worker at once, not when their text runs out."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    async def main() -> None:
+        iid = new_instance_id()
+        front0 = _front(tiny_checkpoint, iid, 0)
+        await front0.start()
+        code = _DYING_FRONT.format(tests=str(Path(__file__).parent), path=str(tiny_checkpoint), iid=iid)
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 120)
+            assert line.strip() == "streaming"
+            await _until(lambda: front0.stats().running == 1)
+            child.kill()
+            await _until(lambda: front0.stats().running == 0)
+            assert front0.stats().aborted == {"front process gone": 1}
+            assert np.array_equal(await _codes(front0, _req("after", 100)), await _codes(front0, _req("again", 100)))
+        finally:
+            child.kill()
+            child.wait(30)
+            await front0.stop(1.0)
+
+    asyncio.run(main())

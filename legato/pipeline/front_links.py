@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from legato.pipeline import messages as m
 
@@ -104,6 +106,27 @@ class FrontLinks:
                     log.error("sending a %s failed: %s", type(part).__name__, f.exception())
 
             self.outs[front].send_multipart(m.encode(part)).add_done_callback(check)
+
+    def owned_by(self, front: int) -> list[str]:
+        return [rid for rid, f in self.origin.items() if f == front]
+
+    async def watch_fronts(self, gone: Callable[[int], Awaitable[None]]) -> None:
+        """Calls `gone(k)` each time front k > 0 drops its link (its process died or stopped): nobody reads its
+        requests' audio any more. Front 0 gone is the worker's own end (heartbeats() sees its parent go)."""
+        if self.count == 1:
+            return
+        monitors = [self.outs[k].get_monitor_socket(zmq.EVENT_DISCONNECTED) for k in range(1, self.count)]
+
+        async def watch(front: int, mon: zmq.asyncio.Socket) -> None:
+            try:
+                while True:
+                    event = parse_monitor_message(await mon.recv_multipart())
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        await gone(front)
+            finally:
+                mon.close()
+
+        await asyncio.gather(*(watch(k, mon) for k, mon in enumerate(monitors, start=1)))
 
     def close(self) -> None:
         for sock in (*self.cmds, *self.outs):

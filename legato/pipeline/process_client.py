@@ -194,15 +194,17 @@ class ProcessEngineClient(EngineClient):
         self._threads = [threading.Thread(target=self._io_loop, name=f"worker-io-{self.label}", daemon=True)]
         self._threads[0].start()
         deadline = time.monotonic() + self.start_timeout_s
-        next_hello = 0.0
-        while not self._ready.is_set():
+        next_hello, asked = 0.0, False
+        # A Ready the worker queued at its start may come before its command link to us is up: ready once a Hello
+        # went out (so commands reach it) and a Ready came in.
+        while not (asked and self._ready.is_set()):
             now = time.monotonic()
             if now > deadline:
                 await self._detach(0.0)
                 raise RuntimeError(f"engine worker {self.label}: no Ready within {self.start_timeout_s:.0f} s")
-            if now >= next_hello:  # unsent while no worker is connected: asked again until one is
-                self._send(m.Hello(self.front))
-                next_hello = now + 0.5
+            if not asked and now >= next_hello:  # unsent while no worker is connected: tried again until one is
+                asked = self._send(m.Hello(self.front))
+                next_hello = now + 0.1
             await asyncio.sleep(0.02)
         log.info("front %d attached to engine worker %s (pid %d)", self.front, self.label, self.worker_pid)
 
@@ -280,6 +282,8 @@ class ProcessEngineClient(EngineClient):
             left = list(self._streams)
         for rid in left:
             self._send(m.Abort(rid, "server is shutting down"))
+        with self._lock:
+            self._cmd.setsockopt(zmq.LINGER, 1000)  # those aborts still reach the worker after the close
         self._closing.set()
         loop = asyncio.get_running_loop()
         for t in self._threads:

@@ -157,7 +157,9 @@ class _Worker:
     async def serve(self) -> None:
         beats = asyncio.create_task(self.heartbeat())
         receiving = asyncio.create_task(self.receive_all())
+        watching = asyncio.create_task(self.fronts.watch_fronts(self.front_gone))
         await self.stop.wait()
+        watching.cancel()
         await drain(self.tasks, self.grace_s, receiving, self.client.stop)  # running requests, handoffs
         if self.links is not None:
             await self.links.close()  # fails transfers still in flight: their tasks send error chunks
@@ -165,6 +167,14 @@ class _Worker:
             await asyncio.wait(list(self.tasks.values()), timeout=5.0)
         await self.send(m.Stats(self.client.stats()))
         beats.cancel()
+
+    async def front_gone(self, front: int) -> None:
+        """Front `front` dropped its link: its requests end here (their audio has no reader), freeing their slots."""
+        rids = self.fronts.owned_by(front)
+        if rids:
+            log.warning("front %d dropped its link: aborting its %d request(s)", front, len(rids))
+        for rid in rids:
+            await handle_safely(self.handle, m.Abort(rid, "front process gone"), front)
 
     async def receive_all(self) -> None:
         await asyncio.gather(*(self.receive(cmd, front) for front, cmd in enumerate(self.fronts.cmds)))
