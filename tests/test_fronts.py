@@ -113,14 +113,24 @@ def test_serve_spreads_connections_over_fronts_and_adds_their_metrics(tmp_path):
 
             return await asyncio.gather(*(one() for _ in range(n)))
 
+        # Front 0's /health can answer before front 1 listens (the kernel sends nothing to a front not listening):
+        # ask on fresh connections until front 1 has answered one.
+        deadline = time.monotonic() + 120
+        while not any(line.get("front") == 1 and "GET /health" in line["msg"] for line in server.log_lines()):
+            assert time.monotonic() < deadline, "front 1 never answered"
+            httpx.get(f"{server.url}/health", timeout=10)
         bodies = asyncio.run(burst(24))
         # Whole answers, whichever front served them (codes across fronts: test_two_fronts_share_one_worker).
         assert {len(b) for b in bodies} == {4 * 1920 * 2}
         served_by = [line.get("front") for line in server.log_lines() if "POST /v1/audio/speech" in line["msg"]]
         assert sorted(set(served_by)) == [0, 1], served_by  # 24 connections on one front: p = 2^-23
-        for _ in range(4):  # whichever front answers the scrape counts every front's requests
-            metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-            assert 'legato_requests_total{status="200"} 24.0' in metrics
+        # Whichever front answers a scrape counts every front's requests (each counts its own as the response
+        # ends, so a scrape may come just before the last ones: polled).
+        scrapes, deadline = 0, time.monotonic() + 60
+        while scrapes < 4:
+            assert time.monotonic() < deadline, "the fronts' requests never added up to 24"
+            metrics = httpx.get(f"{server.url}/metrics", timeout=10).text  # a connection each: any front
+            scrapes += 'legato_requests_total{status="200"} 24.0' in metrics
 
         # A front that dies is started again, and serves.
         started = server.wait_log(lambda line: line["msg"].startswith("front 1 started"))

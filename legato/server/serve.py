@@ -1,0 +1,218 @@
+"""`legato serve`'s body: load the configuration, bind the port, build the engine client and the app, start the
+other front processes (`--fronts N`), and run uvicorn until a signal drains the server. The options are
+`legato.server.cli`'s; this module is imported only when a server starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import socket
+import sys
+
+import torch
+import uvicorn
+
+from legato.engine.config import EngineConfig
+from legato.models.qwen3_tts.config import ConfigError
+from legato.models.qwen3_tts.default import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
+from legato.models.qwen3_tts.loader import load_generation_defaults, load_model, resolve_model_dir
+from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
+from legato.pipeline.launchers import LauncherError
+from legato.pipeline.local import set_gil_switch_interval
+from legato.pipeline.topology import TopologyError, build_client, parse_topology
+from legato.server.app import build_app
+from legato.server.body_deadline import BodyTimeoutMiddleware
+from legato.server.cli import (
+    access_settings,
+    check_devices,
+    launcher_of,
+    resolve_workers,
+    uvicorn_ws_options,
+    voice_aliases,
+    ws_settings,
+)
+from legato.server.connections import check_limits, default_slow_share, guarded_http
+from legato.server.fronts import (
+    FrontSupervisor,
+    bind_front_listeners,
+    check_fronts,
+    follow_front0,
+    metrics_dir,
+    remove_metrics_dir,
+    resolved_args,
+    role_from_env,
+)
+from legato.server.lifecycle import GracefulServer, Lifecycle, graceful_timeout
+from legato.server.listen import bind_listener
+from legato.server.logs import configure_logging
+from legato.server.prompt_limit import PromptLimit
+from legato.server.settings import ServerSettings
+from legato.server.stream_response import install_cut_stream_log_filter
+from legato.server.voices import VoiceStore
+
+log = logging.getLogger("legato.serve")
+
+
+def serve(args: argparse.Namespace) -> int:
+    role = role_from_env()  # set when front 0 of `--fronts N` started this process
+    args.worker_memory = None
+    deploy_note = None
+    if args.deploy:
+        try:
+            deploy_note = apply_deploy(args, load_deploy(args.deploy, args.serve_defaults), args.serve_defaults)
+        except DeployError as e:
+            print(f"legato serve: error: {e}", file=sys.stderr)
+            return 2
+    configure_logging(args.log_format, args.log_level,
+                      front=(role.index if role is not None else 0) if getattr(args, "fronts", 1) > 1 else None)
+    if deploy_note:
+        log.info("%s", deploy_note)
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            print(f"legato serve: error: the model is given twice ({args.model_arg!r} and --model {args.model!r})",
+                  file=sys.stderr)
+            return 2
+        args.model = args.model_arg
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    listener = None
+    front_sockets: dict = {}
+    try:
+        if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
+            check_devices([device, *(args.devices.split(",") if args.devices else [])])
+        check_limits(args.timeout_header, args.timeout_body, args.max_connections, args.min_body_rate,
+                     args.max_slow_connections_per_client)
+        topology = parse_topology(args.topology)
+        check_fronts(args.fronts, resolve_workers(args.workers, args.devices.split(",") if args.devices else [device]),
+                     topology.kind, args.launcher)
+        # Before anything loads: a port in use is one line now, not after the model (bound, not yet listening).
+        if role is not None:
+            listener = socket.socket(fileno=role.fd)
+        elif args.fronts > 1:
+            listener, *others = bind_front_listeners(args.host, args.port, args.fronts)
+            front_sockets = dict(enumerate(others, start=1))
+        else:
+            listener = bind_listener(args.host, args.port)
+        set_gil_switch_interval()  # a bad $LEGATO_GIL_SWITCH_MS is refused here, in one line, not in a worker
+        if args.model is None:
+            model_path = default_model_dir()
+            log.warning("no --model: serving the embedded default %s, which has RANDOM weights (its audio is "
+                        "noise); pass --model for real speech", DEFAULT_MODEL_NAME)
+            name = args.served_model_name or DEFAULT_MODEL_NAME
+        else:
+            model_path = args.model
+            name = args.served_model_name or _name_of(args.model)
+        engine_config = EngineConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting, max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+            first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
+            mtp_replicas=args.mtp_replicas, code_predictor_stack=args.code_predictor_stack,
+            chunk_ramp=args.chunk_ramp, voice_cache_size=args.voice_cache_size,
+            codec_decode_every_step=args.codec_decode_every_step, codec_dtype=args.codec_dtype,
+            batch_invariant=args.batch_invariant, invariant_rows=args.invariant_rows,
+            frames_per_text_token=args.frames_per_text_token if args.frames_per_text_token > 0 else None,
+            frame_cap_margin=args.frame_cap_margin,
+            **({"codec_window_frames": None} if args.codec_full_context else {}),
+        )
+        voices_dir = args.voices_dir or str(cache_dir() / "voices" / _safe(name))
+        settings = ServerSettings(
+            model_name=name, max_input_chars=args.max_input_chars,
+            default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
+            max_ref_audio_bytes=args.max_ref_audio_bytes, max_ref_audio_seconds=args.max_ref_audio_seconds,
+            allowed_local_media_path=args.allowed_local_media_path, allow_remote_media=args.allow_remote_media,
+            remote_media_allow_cidrs=tuple(args.remote_media_allow_cidr),
+            request_timeout_s=args.request_timeout if args.request_timeout > 0 else None,
+            shutdown_grace_s=args.shutdown_grace, voices_dir=voices_dir, voice_aliases=voice_aliases(args.voice_alias),
+            max_prompt_tokens=args.max_prompt_tokens, **access_settings(args), **ws_settings(args),
+        )
+        # The front counts prompt tokens with the tokenizer alone; the engines hold the same limit at admission.
+        prompt_limit = PromptLimit.from_model_dir(resolve_model_dir(model_path), settings, engine_config)
+        engine_config.max_prompt_tokens = prompt_limit.limit
+        settings.max_num_seqs = args.max_num_seqs
+        settings.decode_slots = args.max_num_seqs * topology.decode_engines
+        devices = args.devices.split(",") if args.devices else None
+        generation_defaults: dict = {}
+
+        def load(dev: str):
+            loaded = load_model(model_path, device=dev, dtype=getattr(torch, dtype))
+            generation_defaults.update(loaded.generation_defaults)
+            return loaded
+
+        launcher = launcher_of(args)
+        args.workers = resolve_workers(args.workers, devices or [device])
+        instance_id, fronts = None, {}
+        if args.fronts > 1:
+            from legato.pipeline.process_client import new_instance_id
+
+            instance_id = role.instance_id if role is not None else new_instance_id()
+            fronts = {"process_options": {"front": role.index if role is not None else 0, "fronts": args.fronts}}
+        client = build_client(topology, load, engine_config, devices=devices, name=name, workers=args.workers,
+                              model_path=model_path, memory_shares=args.worker_memory, kv_backend=args.kv_transfer,
+                              pairing=args.pd_pairing, on_kv_failure=args.kv_failure_policy, launcher=launcher,
+                              instance_id=instance_id, **fronts)
+        if args.workers == "process":  # the workers load the model; its generation defaults come from disk
+            generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
+    except (ConfigError, TopologyError, LauncherError, ValueError) as e:
+        for sock in (listener, *front_sockets.values()):
+            if sock is not None:
+                sock.close()
+        print(f"legato serve: error: {e}", file=sys.stderr)
+        return 2
+    settings.generation_defaults = generation_defaults
+    # Front 0 of several: the fronts' metrics meet in one directory (made before any metric exists).
+    metrics_path = metrics_dir() if args.fronts > 1 and role is None else None
+    # Holds voices only for Base models (lists and refuses otherwise); the fronts of --fronts N share them.
+    store = VoiceStore(voices_dir, client, shared=args.fronts > 1, tidy=role is None)
+    lifecycle = Lifecycle(client, settings.shutdown_grace_s)
+    install_cut_stream_log_filter()
+    app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle, prompt_limit), args.timeout_body,
+                                args.min_body_rate)
+    slow_share = args.max_slow_connections_per_client or default_slow_share(args.max_connections)
+    # Each front holds its share of the connection limits (the kernel spreads connections evenly).
+    max_connections = -(-args.max_connections // args.fronts)
+    slow_share = -(-slow_share // args.fronts)
+    # uvicorn's limit counts the connection asking too, so one more lets exactly --max-connections in.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
+                            http=guarded_http(args.timeout_header, slow_share, parser=args.http),
+                            limit_concurrency=max_connections + 1,
+                            **uvicorn_ws_options(args),
+                            timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
+    port = listener.getsockname()[1]
+    server = GracefulServer(config, lifecycle)
+    supervisor = None
+    if role is not None:
+        follow_front0(role.parent_pid, server.request_drain)
+    elif front_sockets:
+        supervisor = FrontSupervisor(resolved_args(args), args.host, port, args.fronts, instance_id,
+                                     on_give_up=lambda: server.request_drain(failed=True))
+        server.on_signal = supervisor.drain_all
+        supervisor.start(front_sockets)
+    front = f", front {role.index} of {role.count}" if role is not None else (
+        f", front 0 of {args.fronts}" if args.fronts > 1 else "")
+    log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s%s)", args.host, port, name,
+             client.info.model_type, dtype, devices or device, topology, front)
+    try:
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers; nothing left to report
+        return 130
+    finally:
+        if supervisor is not None:
+            supervisor.stop(graceful_timeout(settings.shutdown_grace_s))
+        if metrics_path is not None:
+            remove_metrics_dir(metrics_path)
+    return 1 if server.gave_up else 0
+
+
+def _name_of(model: str) -> str:
+    """A local directory is named by its last component, a hub id by itself."""
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
