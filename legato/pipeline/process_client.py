@@ -255,17 +255,7 @@ class ProcessEngineClient(EngineClient):
                 if action is not None:
                     log.warning("engine worker %s did not exit in %.0f s: %s", self.label, wait_s, action.__name__)
                     action()
-        self._closing.set()
-        for t in self._threads:
-            await loop.run_in_executor(None, t.join, 10.0)
-        self._holds_nothing()  # its final Stats may be unread, and it is gone either way
-        self._fail_all("worker stopped")
-        with self._lock:
-            for sock in (self._cmd, self._out):
-                sock.close()
-            self._ctx.term()
-        for endpoint in self.endpoints:
-            ipc.remove(endpoint)
+        await self._close_link("worker stopped")
         if self.kv is not None and self.kv.role == "decode":  # a killed decode worker leaves its listener behind
             ipc.remove(socket_path(self.kv.instance_id, self.kv.index))
         await self.launcher.release(self.worker_name)
@@ -284,11 +274,16 @@ class ProcessEngineClient(EngineClient):
             self._send(m.Abort(rid, "server is shutting down"))
         with self._lock:
             self._cmd.setsockopt(zmq.LINGER, 1000)  # those aborts still reach the worker after the close
+        await self._close_link("server is shutting down")
+
+    async def _close_link(self, reason: str) -> None:
+        """Stops the I/O thread, ends what is still open with `reason`, closes the sockets and their files."""
         self._closing.set()
         loop = asyncio.get_running_loop()
         for t in self._threads:
             await loop.run_in_executor(None, t.join, 10.0)
-        self._fail_all("server is shutting down")
+        self._holds_nothing()  # the worker's final Stats may be unread, and it is gone (or not ours) either way
+        self._fail_all(reason)
         with self._lock:
             for sock in (self._cmd, self._out):
                 sock.close()
