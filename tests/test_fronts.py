@@ -6,6 +6,7 @@ all on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -132,6 +133,10 @@ def test_serve_spreads_connections_over_fronts_and_adds_their_metrics(tmp_path):
             metrics = httpx.get(f"{server.url}/metrics", timeout=10).text  # a connection each: any front
             scrapes += 'legato_requests_total{status="200"} 24.0' in metrics
 
+        # Streaming text over WebSockets, with sockets on both fronts (opened until front 1 has accepted one): each
+        # front's appends reach the worker over its own link.
+        assert all(n > 0 for n in asyncio.run(_ws_sessions(server)))
+
         # A front that dies is started again, and serves.
         started = server.wait_log(lambda line: line["msg"].startswith("front 1 started"))
         assert started is not None
@@ -150,6 +155,49 @@ def test_serve_spreads_connections_over_fronts_and_adds_their_metrics(tmp_path):
         assert server.wait_exit() == 0
         fronts = [line for line in server.log_lines() if line["msg"].startswith("Finished server process")]
         assert sorted(line.get("front") for line in fronts) == [0, 1]
+
+
+async def _ws_sessions(server: ServeProcess) -> list[int]:
+    """Opens streaming-text sockets until front 1 has accepted one (at least two), streams a text on each, and
+    returns each one's audio bytes."""
+    from websockets.asyncio.client import connect
+
+    from legato.server.ws_protocol import STREAM_PATH
+
+    def accepted_by_front_1() -> bool:
+        return any(line.get("front") == 1 and "WebSocket" in line["msg"] and "accepted" in line["msg"]
+                   for line in server.log_lines())
+
+    sockets = []
+    deadline = time.monotonic() + 60
+    try:
+        while len(sockets) < 2 or not accepted_by_front_1():
+            assert time.monotonic() < deadline and len(sockets) < 64, "no socket reached front 1"
+            sockets.append(await connect(f"ws://127.0.0.1:{server.port}{STREAM_PATH}", open_timeout=30))
+            await asyncio.sleep(0.05)  # the accepting front writes its log line
+
+        async def session(ws) -> int:
+            audio = 0
+            await ws.send(json.dumps({"type": "session.update", "session": {"voice": "ryan", "seed": 3,
+                                                                            "max_new_tokens": 8}}))
+            for word in ("Streaming ", "text ", "arrives."):
+                await ws.send(json.dumps({"type": "input_text.append", "context_id": "a", "text": word}))
+            await ws.send(json.dumps({"type": "input_text.end", "context_id": "a"}))
+            async with asyncio.timeout(120):
+                while True:
+                    msg = await ws.recv()
+                    if isinstance(msg, bytes):
+                        audio += len(msg)
+                        continue
+                    event = json.loads(msg)
+                    assert event["type"] != "error", event
+                    if event["type"] == "response.audio.done":
+                        return audio
+
+        return await asyncio.gather(*(session(ws) for ws in sockets))
+    finally:
+        for ws in sockets:
+            await ws.close()
 
 
 @pytest.mark.parametrize("flags, why", [
