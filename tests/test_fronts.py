@@ -101,6 +101,34 @@ def test_two_fronts_share_one_worker(tiny_checkpoint):
     asyncio.run(main())
 
 
+def test_two_fronts_over_replicas_give_singles_codes(tiny_checkpoint):
+    """Each front's router holds a link to every replica; a request gets single's codes on either front."""
+
+    async def main() -> tuple[list[np.ndarray], list[np.ndarray]]:
+        single = _front(tiny_checkpoint, new_instance_id(), 0)
+        await single.start()
+        try:
+            want = [await _codes(single, _req(f"s{i}", 100 + i)) for i in range(2)]
+        finally:
+            await single.stop(1.0)
+        iid = new_instance_id()
+        front0, front1 = (_front(tiny_checkpoint, iid, k, "replicas:2") for k in (0, 1))
+        await front0.start()
+        await front1.start()
+        try:
+            assert [r.pid for r in front1.replicas] == [r.pid for r in front0.replicas]
+            got = await asyncio.gather(*(_codes((front0, front1)[i % 2], _req(f"r{i}", 100 + i // 4))
+                                         for i in range(8)))
+        finally:
+            await front1.stop(1.0)
+            await front0.stop(1.0)
+        return want, got
+
+    want, got = asyncio.run(main())
+    for i, codes in enumerate(got):
+        assert np.array_equal(codes, want[i // 4]), i
+
+
 def test_serve_spreads_connections_over_fronts_and_adds_their_metrics(tmp_path):
     with ServeProcess(tmp_path, "--workers", "process", "--fronts", "2", "--device", "cpu") as server:
         body = speech_body(4, seed=5)
