@@ -184,3 +184,17 @@ def test_a_worker_is_ready_with_its_own_stats(tiny_checkpoint):
     after_start = asyncio.run(main())
     assert client.at_ready is not None and _idle(client.at_ready, 64), client.at_ready
     assert _idle(after_start, 64)
+
+
+def test_a_draining_worker_refuses_each_new_request_by_its_id():
+    """After Shutdown, a new request (its id inside the Submit) or voice call gets a 503 its front can read."""
+    worker, sent = _fake_worker()
+    worker.draining = True
+    submit = m.Submit(SynthesisRequest("late", SpeechInput("hi"), SamplingParams()))
+
+    async def main() -> None:
+        await worker.handle(submit)
+        await worker.handle(m.ExtractVoice("voice-1", np.zeros(4, np.float32), 16000))
+
+    asyncio.run(main())
+    assert [(x.request_id, x.status) for x in sent] == [("late", 503), ("voice-1", 503)]

@@ -196,7 +196,7 @@ class _Worker:
             if self.ready is not None:
                 await self.fronts.send_to(front, self.ready)
         elif self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
-            await self.send(m.Rejected(msg.request_id, 503, "the worker is shutting down"))
+            await self.send(m.Rejected(request_id_of(msg), 503, "the worker is shutting down"))
         elif isinstance(msg, m.Submit):
             req = msg.request
             if req.handoff_to is not None:
