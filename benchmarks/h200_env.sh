@@ -22,3 +22,10 @@ fi
 export PYTHONUNBUFFERED=1 LEGATO_COMMIT=${LEGATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
 python3 -c "import torch, triton, fastapi, zmq, soundfile, httptools; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name())" || exit 1
+# The random 0.6B Base checkpoint the serving scripts run (written once per machine): `random_checkpoint; ... $CKPT`.
+random_checkpoint() {
+  CKPT=/tmp/qwen3tts-0.6b-random
+  [ -f $CKPT/model.safetensors ] || PYTHONPATH=.:${PYTHONPATH:-} python3 -c "import torch; \
+from legato.models.qwen3_tts.config import preset; from legato.models.qwen3_tts.testing import write_checkpoint; \
+write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
+}

@@ -9,10 +9,7 @@
 set -uo pipefail
 . "$(dirname "$0")/h200_env.sh"
 export PYTHONPATH=.:$PYTHONPATH
-CKPT=/tmp/qwen3tts-0.6b-random
-[ -f $CKPT/model.safetensors ] || python3 -c "import torch; from legato.models.qwen3_tts.config import preset; \
-from legato.models.qwen3_tts.testing import write_checkpoint; \
-write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
+random_checkpoint
 SERVE="python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
   --client-procs ${PROCS:-6} --min-prompts 1024 --max-prompts 1024 --startup-timeout 150 --cell-timeout 100"
 case ${1:-served} in
