@@ -25,7 +25,12 @@ from legato.layers.small_matmul import Tiles
 
 
 def shapes(size: str) -> list[tuple[str, int, int, bool]]:
-    """(name, N, K, gated) of a size's talker layers, heads and (the same for both sizes) code predictor."""
+    """(name, N, K, gated) of a size's talker layers, heads and (the same for both sizes) code predictor; "codec":
+    the codec decoder's transformer (hidden 512, 16 heads of 64, MLP 1024, latent 1024)."""
+    if size == "codec":
+        return [("codec qkv", 3 * 1024, 512, False), ("codec o", 512, 1024, False),
+                ("codec gate_up", 2 * 1024, 512, True), ("codec in", 512, 1024, False),
+                ("codec out", 1024, 512, False)]
     hidden, inter = (2048, 6144) if size == "1.7B" else (1024, 3072)
     q, kv = 16 * 128, 8 * 128
     talker = [(f"{size} talker qkv", q + 2 * kv, hidden, False), (f"{size} talker o", hidden, q, False),
