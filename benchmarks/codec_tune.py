@@ -44,6 +44,12 @@ WIDE = [  # (..., BLOCK_N2): tried where BLOCK_N < Cout <= BLOCK_N + BLOCK_N2
 ]
 
 
+# Narrow tiles with K split over several programs, tried for convs of few rows (`--narrow-rows`): there the
+# weight (up to 38 MB) is what streams, and wide tiles leave most SMs without a program. (..., BLOCK_N2, SPLIT).
+NARROW = [(64, 32, 128, 4, 4), (128, 32, 128, 4, 3), (128, 64, 128, 4, 3), (64, 64, 64, 4, 4)]
+SPLITS = [0, 2, 4, 8]
+
+
 def record(codec: StreamingCodecDecoder, b: int, n: int) -> list[dict]:
     calls = []
     launch = cc._launch_conv
@@ -87,7 +93,7 @@ def choice(name: str):
         return None, None
     if name == "tap":
         return None, False
-    return ast.literal_eval(name), None
+    return tuple(ast.literal_eval(name)), None
 
 
 # Whole-step variants beyond the conv tiles: module knobs set for the variant's graph only.
@@ -165,6 +171,8 @@ def main() -> None:
     ap.add_argument("--cells", default="64x1,256x4")
     ap.add_argument("--min-gflop", type=float, default=1.0)
     ap.add_argument("--step-only", default="", help="cells whose convs are not tuned one by one, only the step")
+    ap.add_argument("--max-rows", type=int, default=1 << 30, help="convs of more rows are not tuned one by one")
+    ap.add_argument("--narrow-rows", type=int, default=256, help="convs of at most this many rows also try NARROW")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = []
@@ -177,12 +185,14 @@ def main() -> None:
                 row = {"cell": cell, "index": i, "m": m, "cin": cin, "cout": cout, "taps": c["taps"],
                        "phases": c["phases"], "epilogue": c["epilogue"], "gflop": gflop,
                        "default": conv_blocks(m, cin, cout, c["taps"], c["phases"])}
-                if gflop < args.min_gflop or cell in args.step_only.split(","):
+                if gflop < args.min_gflop or m > args.max_rows or cell in args.step_only.split(","):
                     continue
                 out = c["out"]
                 saved = out.clone()
                 times = {}
                 wide = [w for w in WIDE if w[1] < cout <= w[1] + w[5]]
+                if m <= args.narrow_rows and c["phases"] * cout >= 256:
+                    wide += [(*t, 0, s) for t in NARROW for s in SPLITS]
                 for name, cfg, flat in [("None", None, None), ("tap", None, False),
                                         *((str(w), w, None) for w in [*CONFIGS, *wide])]:
                     if cfg is not None and cfg[1] > 2 * cout:

@@ -290,10 +290,12 @@ if triton is not None:
 
 def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None, flat=None,
                 staged=None):
-    """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2]), else `conv_blocks`' choice (or,
-    for one output channel, a dot product per row: `_column_kernel`);
-    `split`: K parts, else `split_k`'s choice; `flat`: K blocks over the flattened (tap, channel) index, else
-    (None) where the channels are not a multiple of BLOCK_K (so no tap is padded) and are a multiple of 8;
+    """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2[, SPLIT]]), else `conv_blocks`'
+    choice (or, for one output channel, a dot product per row: `_column_kernel`); BLOCK_N2 0 is none, SPLIT 0
+    leaves the K parts to `split_k`;
+    `split`: K parts (overrides the config's), else the config's, else `split_k`'s choice;
+    `flat`: K blocks over the flattened (tap, channel) index, else (None) where the channels are not a multiple
+    of BLOCK_K (so no tap is padded) and are a multiple of 8;
     `staged`: (S, SnakeBeta or None), S [B, H + length * phases, Cout] the next conv's input, whose rows after
     its H history rows the epilogue also writes."""
     b, rows, cin = p.shape
@@ -318,7 +320,9 @@ def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, 
                                                    EPILOGUE=EPILOGUES.index(epilogue), BLOCK_M=block_m,
                                                    BLOCK_C=block_c, FAST_SIN=FAST_SIN, num_warps=warps)
         return
-    block_m, block_n, block_k, warps, stages, block_n2 = (*(config or conv_blocks(m, cin, cout, taps, phases)), 0)[:6]
+    block_m, block_n, block_k, warps, stages, block_n2, config_split = \
+        (*(config or conv_blocks(m, cin, cout, taps, phases)), 0, 0)[:7]
+    split = split or config_split or None
     kt = triton.cdiv(cin, block_k)
     if flat is None:
         flat = cin % block_k != 0 and cin % 8 == 0

@@ -12,7 +12,8 @@ def pow2_at_least(n: int, lo: int = 16) -> int:
 # Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, BLOCK_N2]) measured per conv of the full-size decoder in
 # bf16 on an H200 (benchmarks/codec_tune.py; docs/benchmarks.md): rows are (taps > 1, lowest Cout, highest Cout,
 # fewest rows m) -> config, the first match wins. Shapes they do not cover use `_fitted_blocks`. A sixth entry
-# is a second column block: 64 + 32 columns cover the last block's 96 channels with none padded.
+# is a second column block: 64 + 32 columns cover the last block's 96 channels with none padded (0: none); a
+# seventh the K parts (0: `conv_kernels.split_k` chooses).
 Config = tuple[int, ...]
 TUNED_CONFIGS: list[tuple[bool, int, int, int, Config]] = [
     (True, 65, 96, 0, (128, 64, 32, 4, 4, 32)),  # 96 channels (the last block, and the conv up into it)
@@ -32,7 +33,8 @@ TUNED_CONFIGS: list[tuple[bool, int, int, int, Config]] = [
 
 
 def conv_blocks(m: int, cin: int, cout: int, taps: int = 1, phases: int = 1) -> Config:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2]) for a conv GEMM of m rows, cin -> cout."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2[, SPLIT]]) for a conv GEMM of m rows,
+    cin -> cout."""
     if cin % 32 == 0:
         for wide, lo, hi, rows, config in TUNED_CONFIGS:
             if wide == (taps > 1) and lo <= cout <= hi and m >= rows:
