@@ -99,6 +99,9 @@ def choice(name: str):
 # Whole-step variants beyond the conv tiles: module knobs set for the variant's graph only.
 KNOBS = {
     "no feed (every staged input through the staging kernel)": {(codec_stages, "FEED_NEXT"): False},
+    "fused transformer (few-row GEMMs with norm, SiLU, residual)": {(codec_stages, "FUSED_TRANSFORMER"): True},
+    "fused transformer, window 64 keys, 2 warps": {(codec_stages, "FUSED_TRANSFORMER"): True,
+                                                  (wa, "KEY_BLOCK"): 64, (wa, "WARPS"): 2},
     "window 128 keys, 4 warps": {(wa, "KEY_BLOCK"): 128, (wa, "WARPS"): 4},
     "window 128 keys, 2 warps": {(wa, "KEY_BLOCK"): 128, (wa, "WARPS"): 2},
     "window 64 keys, 2 warps": {(wa, "KEY_BLOCK"): 64, (wa, "WARPS"): 2},

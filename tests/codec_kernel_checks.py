@@ -186,23 +186,31 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         errors[f"window attention T={frames}"] = max(_err(a, b) for a, b in zip(*outs, strict=True))
 
     if device == "cpu":  # the whole decoder, kernels against twins, two calls (a fresh slot joins the second)
+        from legato.models.qwen3_tts import codec_stages
         from legato.models.qwen3_tts.codec_decoder import CodecDecoder
         from legato.models.qwen3_tts.streaming_codec import StreamingCodecDecoder
         from legato.models.qwen3_tts.testing import randomize_codec_decoder_
         from legato.models.qwen3_tts.tiny import tiny_speech_tokenizer_config
 
         dec = randomize_codec_decoder_(CodecDecoder(tiny_speech_tokenizer_config().decoder_config).eval(), seed=3)
-        codecs = [StreamingCodecDecoder(dec, 4, kernels=k) for k in (True, False)]
-        wavs: list[list[torch.Tensor]] = [[], []]
+        # kernels, twins, and kernels with the transformer's fused few-row GEMMs (codec_stages.FUSED_TRANSFORMER)
+        codecs = [StreamingCodecDecoder(dec, 4, kernels=k) for k in (True, False, True)]
+        wavs: list[list[torch.Tensor]] = [[], [], []]
         for call, (order, frames) in enumerate((([2, 0], 1), ([0, 3], 2))):
             index = torch.tensor(order)
             codes = torch.randint(0, dec.config.codebook_size, (len(order), frames, dec.num_quantizers),
                                   generator=torch.Generator().manual_seed(call))
-            for codec, out in zip(codecs, wavs, strict=True):
+            saved = codec_stages.FUSED_TRANSFORMER
+            for i, (codec, out) in enumerate(zip(codecs, wavs, strict=True)):
                 if call == 0:
                     codec.reset(torch.arange(4))
-                out.append(codec.step(index, codes))
-        errors["whole decoder, 2 calls"] = max(_err(a, b) for a, b in zip(*wavs, strict=True))
+                codec_stages.FUSED_TRANSFORMER = i == 2
+                try:
+                    out.append(codec.step(index, codes))
+                finally:
+                    codec_stages.FUSED_TRANSFORMER = saved
+        errors["whole decoder, 2 calls"] = max(_err(a, b) for a, b in zip(wavs[0], wavs[1], strict=True))
+        errors["whole decoder, fused transformer"] = max(_err(a, b) for a, b in zip(wavs[2], wavs[1], strict=True))
 
     x = _rand(7, 40, gen=gen, device=device, dtype=dtype)
     errors["rms"] = _err(rw.rms_normalize(x, 1e-5, kernel=True), rw.rms_normalize(x, 1e-5, kernel=False))

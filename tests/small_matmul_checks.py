@@ -58,6 +58,23 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         got = small_matmul.matmul(x, w, gated=gated, tiles=tiles)
         name = f"{m}x{k} @ {n}x{k}{' gated' if gated else ''}{f' {tiles}' if tiles else ''}"
         errors[name] = _err(got, _want(x, w, gated)) + float(got.shape != (m, n // 2 if gated else n))
+    # A weightless RMSNorm of x's rows inside the kernel, and the product added into a residual in place (the codec
+    # transformer's fused forms): against the normalised rows in float64, and against the residual plus F.linear.
+    for m, n, k, gated, tiles in [(20, 48, 96, False, Tiles(16, 32)), (5, 64, 64, True, Tiles(16, 16)),
+                                  (66, 40, 160, False, Tiles(32, 64, split=2))]:
+        x = (3 * torch.randn(m, k, generator=gen)).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+        xd = x.double()
+        normed = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        got = small_matmul.matmul(x, w, gated=gated, tiles=tiles, norm_eps=1e-5)
+        errors[f"norm {m}x{k} @ {n}x{k}{' gated' if gated else ''}"] = _err(got, _want(normed, w, gated))
+    for m, n, k, tiles in [(20, 48, 96, Tiles(16, 32)), (66, 40, 160, Tiles(32, 64, split=2))]:
+        x = torch.randn(m, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+        residual = torch.randn(m, n, generator=gen).to(device, dtype)
+        want = residual.double() + _want(x, w, False)
+        got = small_matmul.matmul(x, w, tiles=tiles, add_to=residual)
+        errors[f"add {m}x{k} @ {n}x{k} {tiles}"] = _err(residual, want) + float(got.data_ptr() != residual.data_ptr())
     # A strided input with leading dimensions: [2, 3, K] taken from a wider buffer.
     buf = torch.randn(2, 3, 2 * 64, generator=gen).to(device, dtype)
     x, w = buf[..., ::2], (torch.randn(40, 64, generator=gen) / 8).to(device, dtype)

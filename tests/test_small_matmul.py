@@ -19,7 +19,7 @@ def test_small_matmul_equals_f_linear_under_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
     run = run_checks_script("small_matmul_checks.py")
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    assert run.stdout.count(" ok\n") == 7  # every case and the strided input
+    assert run.stdout.count(" ok\n") == 12  # every case, the normalised and residual forms, the strided input
 
 
 def test_cpu_and_fp32_calls_keep_the_unfused_math():

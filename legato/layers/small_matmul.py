@@ -136,10 +136,16 @@ def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     return plan(x, weight, gated) is not None
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Tiles | None = None,
+           norm_eps: float | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N]; gated: weight is [gate; up] ([2I, K]) and the result
     silu(x @ gate^T) * (x @ up^T) [..., I]. Any dtype Triton takes (tests run fp32 under the interpreter);
-    `tiles` overrides the table (the tune script)."""
+    `tiles` overrides the table (the tune script).
+
+    `norm_eps`: x's rows are RMS-normalised first (a weightless RMSNorm: fold its weight into `weight`): the
+    program sums each row's squares as it walks K and scales the fp32 product by rsqrt(mean + eps), so the
+    normalised rows never go through memory (K is not split then). `add_to` [..., N] (contiguous): the product
+    is added into it, in place, and it is returned (a residual stream: `h += x @ W^T` in one kernel)."""
     k = x.shape[-1]
     n_w = weight.shape[0]
     if weight.shape[1] != k:
@@ -153,10 +159,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     m = rows.shape[0]
     t = tiles or tiles_for(m, n_w, k, gated) or rule_of_thumb(m, n, k, gated)
     bm = block_m(m)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if add_to is not None:
+        if add_to.numel() != m * n or not add_to.is_contiguous() or add_to.dtype != x.dtype:
+            raise ValueError(f"add_to {tuple(add_to.shape)} {add_to.dtype} is not {m} x {n} contiguous {x.dtype}")
+        out = add_to.view(m, n)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # Each split's share of K is whole K steps, so no program's strip straddles another's.
     k_steps = -(-k // t.block_k)
-    split = max(1, min(t.split, k_steps))
+    split = 1 if norm_eps is not None else max(1, min(t.split, k_steps))
     per_split = -(-k_steps // split) * t.block_k
     split = -(-k // per_split)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, bm), split)
@@ -164,14 +175,19 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     parts = out if split == 1 else torch.empty(split, planes, m, n, dtype=torch.float32, device=x.device)
     _rows_kernel[grid](
         rows, weight, out, parts, m, n, k, per_split, rows.stride(0), weight.stride(0),
+        0.0 if norm_eps is None else float(norm_eps),
         BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GATED=gated, PARTS=split > 1,
+        NORM=norm_eps is not None, ADD=add_to is not None,
         # fp32 (the interpreter's tests) sums exactly; half-precision inputs are exact on tensor cores anyway.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.warps,
         num_stages=t.stages,
     )
     if split > 1:
         block = 256
-        _sum_parts_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, split, GATED=gated, BLOCK=block)
+        _sum_parts_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, split, GATED=gated,
+                                                        ADD=add_to is not None, BLOCK=block)
+    if add_to is not None:
+        return add_to
     return out.view(*x.shape[:-1], n)
 
 
@@ -185,9 +201,9 @@ if triton is not None:
         return g / (1.0 + tl.exp(-g)) * u
 
     @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, per_split, stride_xm, stride_wn,
+    def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, per_split, stride_xm, stride_wn, EPS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                     PARTS: tl.constexpr, PRECISION: tl.constexpr):
+                     PARTS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, PRECISION: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -197,6 +213,7 @@ if triton is not None:
         w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        squares = tl.zeros([BLOCK_M], tl.float32)
         k_lo = split * per_split
         k_hi = tl.minimum(k_lo + per_split, K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -206,9 +223,16 @@ if triton is not None:
                         other=0.0)
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if NORM:  # the row's sum of squares, from the tile already loaded (K is whole in this program)
+                xf = x.to(tl.float32)
+                squares += tl.sum(xf * xf, axis=1)
             if GATED:  # the up rows sit N rows below the gate rows
                 wu = tl.load(w_rows + N * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=PRECISION)
+        if NORM:
+            scale = tl.rsqrt(squares / K + EPS)[:, None]
+            acc = acc * scale
+            acc_up = acc_up * scale
         mask = row_ok[:, None] & col_ok[None, :]
         at = rows[:, None] * N + cols[None, :]
         if PARTS:  # fp32 partial sums, [split, plane, M, N]; _sum_parts_kernel finishes them
@@ -221,12 +245,16 @@ if triton is not None:
         else:
             ty = y_ptr.dtype.element_ty
             if GATED:
-                tl.store(y_ptr + at, _silu_mul(acc, acc_up, ty).to(ty), mask=mask)
+                y = _silu_mul(acc, acc_up, ty)
             else:
-                tl.store(y_ptr + at, acc.to(ty), mask=mask)
+                y = acc
+            if ADD:  # in fp32, one rounding, as cuBLAS's addmm (beta 1) does it
+                y = y + tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + at, y.to(ty), mask=mask)
 
     @triton.jit
-    def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, ADD: tl.constexpr,
+                          BLOCK: tl.constexpr):
         at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = at < size
         acc = tl.zeros([BLOCK], tl.float32)
@@ -239,6 +267,9 @@ if triton is not None:
                 acc += tl.load(part_ptr + s * size + at, mask=ok, other=0.0)
         ty = y_ptr.dtype.element_ty
         if GATED:
-            tl.store(y_ptr + at, _silu_mul(acc, acc_up, ty).to(ty), mask=ok)
+            y = _silu_mul(acc, acc_up, ty)
         else:
-            tl.store(y_ptr + at, acc.to(ty), mask=ok)
+            y = acc
+        if ADD:
+            y = y + tl.load(y_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + at, y.to(ty), mask=ok)

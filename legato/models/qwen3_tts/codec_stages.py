@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from legato.layers import small_matmul
 from legato.layers.causal_conv import (
     codebook_stage,
     conv_gemm,
@@ -41,6 +42,11 @@ FEED_NEXT = True
 # faster than its two kernels at one frame per call and slower at 256 x 4 (docs/benchmarks.md). Its kernel
 # cannot feed the next conv, so it runs only where FEED_NEXT is off.
 FUSE_UNITS = False
+
+# The transformer's layers in four kernels of the few-row GEMM (`small_matmul`) instead of eight: the RMSNorm
+# inside the q/k/v and gate/up products, SiLU inside gate/up, the residual adds inside o and down. Off: cuBLAS,
+# with the norms and the SiLU as kernels of their own (codec_tune.py measures both).
+FUSED_TRANSFORMER = False
 
 
 @dataclass
@@ -260,10 +266,24 @@ class Transformer:
         self.w_out = _store(f(module.output_proj.weight) * f(module.norm.weight), dtype, device)
         self.b_out = _store(module.output_proj.bias, dtype, device)
 
+    def fused(self, h: torch.Tensor, ctx: StepContext) -> bool:
+        """Whether this call's layers run as the few-row GEMM's fused forms (`FUSED_TRANSFORMER`)."""
+        return (FUSED_TRANSFORMER and ctx.kernels and self.layers[0]["qkv_bias"] is None
+                and 0 < h.shape[0] <= small_matmul.MAX_ROWS)
+
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [N, latent] (N = B * frames) -> [N, latent]."""
         bank, k = ctx.bank, ctx.kernels
         h = torch.addmm(self.b_in, x, self.w_in.t())
+        if self.fused(h, ctx):
+            mm = small_matmul.matmul
+            for i, w in enumerate(self.layers):
+                qkv = mm(h, w["qkv"], norm_eps=self.eps)
+                a = window_attention(qkv, bank.keys[i], bank.values[i], bank.position, ctx.slots, ctx.frames,
+                                     self.heads, self.window, self.inv_freq, kernel=k)
+                mm(a, w["o"], add_to=h)
+                mm(mm(h, w["gate_up"], gated=True, norm_eps=self.eps), w["down"], add_to=h)
+            return torch.addmm(self.b_out, rms_normalize(h, self.eps, kernel=k), self.w_out.t())
         for i, w in enumerate(self.layers):
             n = rms_normalize(h, self.eps, kernel=k)
             qkv = n @ w["qkv"].t() if w["qkv_bias"] is None else torch.addmm(w["qkv_bias"], n, w["qkv"].t())
