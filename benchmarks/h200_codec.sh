@@ -5,6 +5,8 @@
 #   benchmarks/h200_codec.sh tune    # the codec's GPU tests, then codec_tune.py (tile sizes per conv)
 #   benchmarks/h200_codec.sh loop    # engine_loop.py at c=64 and c=256, 8c76ab2 (.base/) vs this tree
 #   benchmarks/h200_codec.sh unit    # unit_tune.py: one-kernel residual units and split-K against their plain paths
+#   benchmarks/h200_codec.sh narrow  # the few-row GEMM's checks and codec shapes, then codec_tune.py on the convs of
+#                                    # few rows (narrow tiles, K split) and the whole step under each knob
 #   benchmarks/h200_codec.sh serve   # serving_speed.py at c=1/8/64 and 256, both modes, 8c76ab2 vs this tree
 # Needs: the server's wheels in .whl/ (see docs/benchmarks.md), the tree of 8c76ab2 in .base/ for `loop`,
 # prompts in .bench-data/prompts for `serve`, OUT a results folder. Random weights throughout; lengths fixed (EOS ignored).
@@ -39,6 +41,12 @@ case "$PART" in
         --requests $((4 * c)) --variants ${VARIANTS:-default,no-audio} --out "$OUT/loop-new-c$c.json" \
         2>&1 | grep '^{' | cut -c1-400
     done ;;
+  narrow)
+    PYTHONPATH=.:tests:$PYTHONPATH timeout 150 python3 tests/small_matmul_checks.py cuda 2>&1 | grep -v ' ok$' | tail -8
+    PYTHONPATH=.:$PYTHONPATH timeout 150 python3 benchmarks/matmul_tune.py --sizes codec --rows 64,256 \
+      --block-n 16,32,64 --block-k 64,128 --splits 1,2,4 --out "$OUT/mm-codec.json" 2>&1 | grep '^\[tune\]'
+    PYTHONPATH=.:$PYTHONPATH timeout ${TUNE_TIMEOUT:-420} python3 benchmarks/codec_tune.py --cells "${CELLS:-64x1,256x4}" \
+      --max-rows 256 --step-only "${STEP_ONLY:-256x4}" --out "$OUT/codec_tune.json" 2>&1 ;;
   unit)
     PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/unit_tune.py --out "$OUT/unit_tune.json" 2>&1 \
       | cut -c1-600 ;;
