@@ -36,13 +36,13 @@ from legato.pipeline.codec_worker import (
     codec_engine_options,
     load_codec_decoder,
 )
+from legato.pipeline.front_links import emit
 from legato.pipeline.process_client import ProcessEngineClient, model_info
 from legato.pipeline.worker import (
     ChunkOutbox,
     PassOutbox,
     WorkerSpec,
     drain,
-    emit,
     handle_safely,
     heartbeats,
     incoming,

@@ -35,6 +35,16 @@ def request_id_of(msg: m.Message) -> str | None:
     return msg.request.request_id if isinstance(msg, m.Submit) else getattr(msg, "request_id", None)
 
 
+
+def emit(out: zmq.asyncio.Socket, msg: m.Message) -> None:
+    """Sends without waiting (the socket keeps sends in order); a failure still reaches the log."""
+
+    def check(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            log.error("sending a %s failed: %s", type(msg).__name__, f.exception())
+
+    out.send_multipart(m.encode(msg)).add_done_callback(check)
+
 class FrontLinks:
     """The worker's (cmd, out) socket pairs, one per front, and which front each live request came from."""
 
@@ -101,11 +111,7 @@ class FrontLinks:
     def emit(self, msg: m.Message) -> None:
         """Sends without waiting (each socket keeps its sends in order); a failure still reaches the log."""
         for front, part in self.route(msg):
-            def check(f: asyncio.Future, part=part) -> None:
-                if not f.cancelled() and f.exception() is not None:
-                    log.error("sending a %s failed: %s", type(part).__name__, f.exception())
-
-            self.outs[front].send_multipart(m.encode(part)).add_done_callback(check)
+            emit(self.outs[front], part)
 
     def owned_by(self, front: int) -> list[str]:
         return [rid for rid, f in self.origin.items() if f == front]

@@ -59,16 +59,6 @@ class WorkerSpec:
         return cls(**json.loads(text))
 
 
-def emit(out: zmq.asyncio.Socket, msg: m.Message) -> None:
-    """Sends without waiting (the socket keeps sends in order); a failure still reaches the log."""
-
-    def check(f: asyncio.Future) -> None:
-        if not f.cancelled() and f.exception() is not None:
-            log.error("sending a %s failed: %s", type(msg).__name__, f.exception())
-
-    out.send_multipart(m.encode(msg)).add_done_callback(check)
-
-
 class PassOutbox:
     """Items queued during one event-loop pass, handed over as one list when the pass ends (`send_batch`). A
     worker's thread hands a step's outputs to their streams in one event-loop callback, so every stream's task runs

@@ -92,20 +92,7 @@ def bind_front_listeners(host: str, port: int, count: int) -> list[socket.socket
     probe = bind_listener(host, port)
     port = probe.getsockname()[1]  # port 0: the one the kernel picked
     probe.close()
-    return [_reuseport_socket(host, port) for _ in range(count)]
-
-
-def _reuseport_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host.strip("[]"), port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} for another front: {e.strerror or e}") from e
-    return sock
+    return [bind_listener(host, port, reuse_port=True) for _ in range(count)]
 
 
 def resolved_args(args: argparse.Namespace) -> dict:
@@ -168,7 +155,7 @@ class FrontSupervisor:
                     self.on_give_up()
                     return
                 try:
-                    self._spawn(index, _reuseport_socket(self.host, self.port))
+                    self._spawn(index, bind_listener(self.host, self.port, reuse_port=True))
                 except (OSError, ValueError) as e:
                     log.error("front %d could not be started again: %s", index, e)
                     with self._lock:

@@ -12,9 +12,10 @@ import errno
 import socket
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
+def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to (host, port), as uvicorn binds its own (SO_REUSEADDR, IPv6 for a host with a
-    colon). ValueError with one line saying what to change when the address cannot be bound."""
+    colon); `reuse_port`: one of a SO_REUSEPORT group (the fronts of `--fronts N`). ValueError with one line
+    saying what to change when the address cannot be bound."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port {port} is not a TCP port (0-65535)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -22,6 +23,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
     try:
         # What uvicorn sets: a restarted server may bind while the old one's connections sit in TIME_WAIT.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host.strip("[]"), port))
     except OSError as e:
         sock.close()

@@ -85,8 +85,9 @@ def serve(args: argparse.Namespace) -> int:
         check_limits(args.timeout_header, args.timeout_body, args.max_connections, args.min_body_rate,
                      args.max_slow_connections_per_client)
         topology = parse_topology(args.topology)
-        check_fronts(args.fronts, resolve_workers(args.workers, args.devices.split(",") if args.devices else [device]),
-                     topology.kind, args.launcher)
+        devices = args.devices.split(",") if args.devices else None
+        args.workers = resolve_workers(args.workers, devices or [device])
+        check_fronts(args.fronts, args.workers, topology.kind, args.launcher)
         # Before anything loads: a port in use is one line now, not after the model (bound, not yet listening).
         if role is not None:
             listener = socket.socket(fileno=role.fd)
@@ -133,7 +134,6 @@ def serve(args: argparse.Namespace) -> int:
         engine_config.max_prompt_tokens = prompt_limit.limit
         settings.max_num_seqs = args.max_num_seqs
         settings.decode_slots = args.max_num_seqs * topology.decode_engines
-        devices = args.devices.split(",") if args.devices else None
         generation_defaults: dict = {}
 
         def load(dev: str):
@@ -142,7 +142,6 @@ def serve(args: argparse.Namespace) -> int:
             return loaded
 
         launcher = launcher_of(args)
-        args.workers = resolve_workers(args.workers, devices or [device])
         instance_id, fronts = None, {}
         if args.fronts > 1:
             from legato.pipeline.process_client import new_instance_id
