@@ -151,6 +151,25 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         errors[f"staged conv taps={taps} phases={phases} {cin}->{cout} {epi} H'={h_next} split={split}"] = max(
             _err(a, b) for a, b in zip(*outs, strict=True))
 
+    # restage_group: up to four staged inputs of one shape family (histories of 2, 6, 18 and 0 rows, lengths
+    # below and above them) in a launch to fill them and one to write their next histories, against `restage`
+    for length in (3, 11):
+        c, slots_n = 20, 5
+        heights = (2, 6, 18, 0)
+        calls = torch.randint(0, 5, (slots_n,), generator=gen).to(device)
+        pos = torch.randint(0, 4, (slots_n,), generator=gen).to(device)
+        pos[1] = 0
+        hists = [_rand(slots_n, 2, h, c, gen=gen, device=device, dtype=dtype) for h in heights]
+        ps = [_rand(len(slots), h + length, c, gen=gen, device=device, dtype=dtype) for h in heights]
+        got_p, got_h = [p.clone() for p in ps], [h.clone() for h in hists]
+        cc.restage_group(got_p, got_h, calls, pos, slots, 4, copy_in=True, copy_out=False, kernel=True)
+        cc.restage_group(got_p, got_h, calls, pos, slots, 4, copy_in=False, copy_out=True, kernel=True)
+        want_p, want_h = [p.clone() for p in ps], [h.clone() for h in hists]
+        for p, h in zip(want_p, want_h, strict=True):
+            cc.restage(p, h, calls, pos, slots, 4, kernel=False)
+        errors[f"restage_group L={length}"] = max(_err(a, b) for a, b in zip(got_p + got_h, want_p + want_h,
+                                                                            strict=True))
+
     # a residual unit as one kernel, against its two GEMMs (channels below and at a power of two)
     for c, taps, dil, length in ((12, 7, 3, 5), (32, 7, 1, 9), (40, 3, 2, 4)):
         h = (taps - 1) * dil
@@ -200,17 +219,18 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
             index = torch.tensor(order)
             codes = torch.randint(0, dec.config.codebook_size, (len(order), frames, dec.num_quantizers),
                                   generator=torch.Generator().manual_seed(call))
-            saved = codec_stages.FUSED_TRANSFORMER
+            saved = codec_stages.FUSED_TRANSFORMER, codec_stages.GROUP_RESTAGE
             for i, (codec, out) in enumerate(zip(codecs, wavs, strict=True)):
                 if call == 0:
                     codec.reset(torch.arange(4))
-                codec_stages.FUSED_TRANSFORMER = i == 2
+                codec_stages.FUSED_TRANSFORMER = codec_stages.GROUP_RESTAGE = i == 2
                 try:
                     out.append(codec.step(index, codes))
                 finally:
-                    codec_stages.FUSED_TRANSFORMER = saved
+                    codec_stages.FUSED_TRANSFORMER, codec_stages.GROUP_RESTAGE = saved
         errors["whole decoder, 2 calls"] = max(_err(a, b) for a, b in zip(wavs[0], wavs[1], strict=True))
-        errors["whole decoder, fused transformer"] = max(_err(a, b) for a, b in zip(wavs[2], wavs[1], strict=True))
+        errors["whole decoder, fused transformer, grouped restage"] = max(
+            _err(a, b) for a, b in zip(wavs[2], wavs[1], strict=True))
 
     x = _rand(7, 40, gen=gen, device=device, dtype=dtype)
     errors["rms"] = _err(rw.rms_normalize(x, 1e-5, kernel=True), rw.rms_normalize(x, 1e-5, kernel=False))

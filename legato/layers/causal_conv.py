@@ -79,6 +79,38 @@ def restage(p: torch.Tensor, hist: torch.Tensor, calls: torch.Tensor, positions:
     return _with_history(None, hist, calls, positions, slots, rate, p)
 
 
+def restage_group(ps: list[torch.Tensor], hists: list[torch.Tensor], calls: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor, rate: int, copy_in: bool, copy_out: bool, kernel: bool | None = None) -> None:
+    """`restage`'s two halves for up to four staged inputs of one (streams, length, channels, rate) in one
+    launch: `copy_in` fills each P's history rows from its bank; `copy_out` writes each slot's next history from
+    P's last rows, so it must come after the conv that feeds P. A vocoder block stages its three residual units'
+    inputs and the next conv's this way, in two launches instead of four (`codec_stages.GROUP_RESTAGE`)."""
+    if not ps:
+        return
+    if len(ps) > 4 or len(hists) != len(ps):
+        raise ValueError(f"restage_group takes 1 to 4 (P, history) pairs, got {len(ps)} and {len(hists)}")
+    b, rows0, c = ps[0].shape
+    length = rows0 - hists[0].shape[2]
+    for p, hist in zip(ps, hists, strict=True):
+        if p.shape != (b, hist.shape[2] + length, c) or hist.shape[3] != c:
+            raise ValueError(f"restage_group: P {tuple(p.shape)} and history {tuple(hist.shape)} do not share "
+                             f"{b} streams of {length} rows of {c} channels")
+    if kernel if kernel is not None else use_triton(hists[0]):
+        _launch_restage_group(ps, hists, calls, positions, slots, rate, length, copy_in, copy_out)
+        return
+    for p, hist in zip(ps, hists, strict=True):
+        h = hist.shape[2]
+        if not h:
+            continue
+        par = calls[slots] & 1
+        if copy_in:
+            index = (positions[slots] * rate - h)[:, None] + torch.arange(h, device=p.device)
+            old = hist[slots, par]
+            p[:, :h] = torch.where((index >= 0)[:, :, None], old, torch.zeros((), dtype=old.dtype, device=old.device))
+        if copy_out:
+            hist[slots, 1 - par] = p[:, length:]
+
+
 def codebook_stage(codes: torch.Tensor, tables: torch.Tensor, first: int, hist: torch.Tensor, calls: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
     """codes [B, T, Q] -> P [B, H + T, 2D]: the sum of codebooks [0, first) in channels [0, D) and of the rest in
@@ -289,6 +321,39 @@ if triton is not None:
                  tl.where(from_hist[:, None], prev, cur), mask=live[:, None] & cmask[None, :])
 
     @triton.jit
+    def _restage_group_kernel(p0, p1, p2, p3, h0, h1, h2, h3, H0, H1, H2, H3, calls_ptr, pos_ptr, slots_ptr, L, C,
+                              RATE, C_BLOCKS, COPY_IN: tl.constexpr, COPY_OUT: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
+        # `_restage_kernel`'s work for pair `job` of up to four (P, history) pairs.
+        b = tl.program_id(0)
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        job = tl.program_id(2) // C_BLOCKS
+        c = (tl.program_id(2) % C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+        if job == 0:
+            p_ptr, hist_ptr, H = p0, h0, H0
+        elif job == 1:
+            p_ptr, hist_ptr, H = p1, h1, H1
+        elif job == 2:
+            p_ptr, hist_ptr, H = p2, h2, H2
+        else:
+            p_ptr, hist_ptr, H = p3, h3, H3
+        cmask = c < C
+        live = r < H
+        hbase, par, first = _slot_bank(hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, H, C, RATE)
+        pbase = p_ptr + (b * (H + L)).to(tl.int64) * C
+        if COPY_IN:
+            tl.store(pbase + r[:, None] * C + c[None, :], _old_history(hbase, par, first, r, c, cmask, H, C),
+                     mask=live[:, None] & cmask[None, :])
+        if COPY_OUT:
+            src = L + r
+            from_hist = src < H
+            prev = _old_history(hbase, par, first, src, c, cmask, H, C)
+            cur = tl.load(pbase + src[:, None].to(tl.int64) * C + c[None, :],
+                          mask=(live & ~from_hist)[:, None] & cmask[None, :], other=0.0)
+            tl.store(hbase + (1 - par) * (H * C) + r[:, None] * C + c[None, :],
+                     tl.where(from_hist[:, None], prev, cur), mask=live[:, None] & cmask[None, :])
+
+    @triton.jit
     def _codebook_kernel(codes_ptr, tables_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, out_ptr,
                          T, H, D, SIZE, Q: tl.constexpr, FIRST: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_C: tl.constexpr):
@@ -374,6 +439,18 @@ def _launch_restage(p, hist, calls, positions, slots, rate):
     block_r, block_c = _stage_blocks(h, c)
     grid = (b, triton.cdiv(h, block_r), triton.cdiv(c, block_c))
     _restage_kernel[grid](p, hist, calls, positions, slots, rows - h, h, c, rate, BLOCK_R=block_r, BLOCK_C=block_c)
+
+
+def _launch_restage_group(ps, hists, calls, positions, slots, rate, length, copy_in, copy_out):
+    b, _, c = ps[0].shape
+    heights = [h.shape[2] for h in hists]
+    block_r, block_c = _stage_blocks(max(heights), c)
+    c_blocks = triton.cdiv(c, block_c)
+    pad = 4 - len(ps)  # unused pairs: height 0, never touched
+    ps, hists, heights = [*ps, *[ps[0]] * pad], [*hists, *[hists[0]] * pad], [*heights, *[0] * pad]
+    grid = (b, max(1, triton.cdiv(max(heights), block_r)), (4 - pad) * c_blocks)
+    _restage_group_kernel[grid](*ps, *hists, *heights, calls, positions, slots, length, c, rate, c_blocks,
+                                COPY_IN=copy_in, COPY_OUT=copy_out, BLOCK_R=block_r, BLOCK_C=block_c)
 
 
 def _launch_codebook_stage(codes, tables, first, hist, calls, positions, slots, out):

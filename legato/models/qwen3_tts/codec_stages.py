@@ -12,7 +12,7 @@ frame count, the slot bank, and whether to run the Triton kernels or their PyTor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from legato.layers.causal_conv import (
     fused_unit_fits,
     residual_unit,
     restage,
+    restage_group,
     stage,
 )
 from legato.layers.rows import rms_normalize, silu_mul_packed
@@ -43,6 +44,11 @@ FEED_NEXT = True
 # cannot feed the next conv, so it runs only where FEED_NEXT is off.
 FUSE_UNITS = False
 
+# A vocoder block's staged inputs (its three residual units' and the next conv's) get their history rows in one
+# launch at the block's start and write their next histories in one at its end (`restage_group`), instead of a
+# `restage` launch before each conv. Off: a launch per conv (codec_tune.py measures both).
+GROUP_RESTAGE = False
+
 # The transformer's layers in four kernels of the few-row GEMM (`small_matmul`) instead of eight: the RMSNorm
 # inside the q/k/v and gate/up products, SiLU inside gate/up, the residual adds inside o and down. Off: cuBLAS,
 # with the norms and the SiLU as kernels of their own (codec_tune.py measures both).
@@ -55,6 +61,9 @@ class StepContext:
     frames: int
     bank: CodecSlots
     kernels: bool  # Triton kernels (CUDA, reduced precision) or the PyTorch twins
+    # Staged inputs (by id) whose history rows a `restage_group` launch fills and whose next history it writes:
+    # the conv reading one adds nothing.
+    grouped: set[int] = field(default_factory=set)
 
     @property
     def rows(self) -> int:
@@ -106,6 +115,8 @@ class Conv:
         if not self.staged:
             return x
         bank = ctx.bank
+        if pre is not None and id(pre[0]) in ctx.grouped:
+            return pre[0]
         if pre is not None:
             return restage(pre[0], bank.hist[self.name], bank.calls, bank.position, ctx.slots, self.rate,
                            kernel=ctx.kernels)
@@ -190,10 +201,26 @@ class VocoderBlock:
         length *= self.factor
         feeds = [unit.conv7.new_input(b, length, ctx) for unit in self.units]
         feeds.append(then.new_input(b, length, ctx) if then is not None else None)
+        group = self.group(feeds, [*(unit.conv7 for unit in self.units), then], ctx)
+        if group:
+            restage_group(*group, copy_in=True, copy_out=False, kernel=ctx.kernels)
         x = self.up(x, ctx, pre=pre, feed=feeds[0]).view(b, length, self.up.cout)
         for i, unit in enumerate(self.units):
             x = unit(x, ctx, pre=feeds[i], feed=feeds[i + 1])
+        if group:
+            restage_group(*group, copy_in=False, copy_out=True, kernel=ctx.kernels)
         return x, feeds[-1]
+
+    def group(self, feeds: list[Staged | None], convs: list[Conv | None], ctx: StepContext) -> tuple | None:
+        """`restage_group`'s leading arguments for the staged inputs this block feeds (marked in `ctx.grouped`),
+        or None where each conv restages its own (`GROUP_RESTAGE` off, or no kernels: the twins keep one path)."""
+        pairs = [(f[0], c) for f, c in zip(feeds, convs, strict=True) if f is not None and c.history]
+        if not (GROUP_RESTAGE and ctx.kernels and pairs):
+            return None
+        bank = ctx.bank
+        ctx.grouped.update(id(p) for p, _ in pairs)
+        return ([p for p, _ in pairs], [bank.hist[c.name] for _, c in pairs], bank.calls, bank.position, ctx.slots,
+                pairs[0][1].rate)
 
 
 class UpsampleStage:
