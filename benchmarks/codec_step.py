@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 
@@ -114,48 +115,71 @@ def time_step(step, device: str, replays: int) -> dict:
     return {"median_ms": statistics.median(times), "p10_ms": sorted(times)[len(times) // 10], "graph": True}
 
 
+# Variant suffixes: "+name" switches a codec_stages knob on for that variant, "-name" off ("new+group-tr").
+KNOBS = {"group": "GROUP_RESTAGE", "tr": "FUSED_TRANSFORMER", "dead": "SKIP_DEAD_OUTPUT"}
+
+
+def set_knobs(variant: str) -> str:
+    """Sets the module knobs a variant names (from the tree's defaults) and returns its base name."""
+    base, *parts = re.split(r"(?=[+-])", variant)
+    for attr, value in DEFAULTS.items():
+        setattr(codec_stages, attr, value)
+    # "plain": without split-K; "fused": with the one-kernel residual units too; "nofeed": every staged conv's
+    # input through the staging kernel, none written by the conv before
+    conv_kernels.SPLIT_K = base != "plain"
+    codec_stages.FUSE_UNITS = base == "fused"
+    codec_stages.FEED_NEXT = base != "nofeed"
+    for part in parts:
+        setattr(codec_stages, KNOBS[part[1:]], part[0] == "+")
+    return base
+
+
+DEFAULTS = {attr: getattr(codec_stages, attr) for attr in KNOBS.values()}
+
+
 def speed(args, cfg: CodecDecoderConfig) -> list[dict]:
+    """Every (variant, dtype, cell) timed once a round; rounds repeat the whole set in the same order, so a
+    variant's median over rounds is compared with the others' under the same drift."""
     rows = []
     base = randomize_codec_decoder_(CodecDecoder(cfg).eval(), seed=1).to(args.device)
     cells = [tuple(int(v) for v in c.split("x")) for c in args.cells.split(",")]
-    for variant in args.variants.split(","):
+    for rnd in range(args.rounds):
         for dtype_name in args.dtypes.split(","):
             dtype = DTYPES[dtype_name]
             for b, n in cells:
-                torch.manual_seed(0)
-                if variant == "old":
-                    decoder = CodecDecoder(cfg).to(args.device)
-                    decoder.load_state_dict(base.state_dict())
-                    decoder = decoder.to(dtype).eval()
-                    step = old_step(decoder, b, n, args.device)
-                else:
-                    # "plain": without split-K; "fused": with the one-kernel residual units too; "nofeed": every
-                    # staged conv's input through the staging kernel, none written by the conv before
-                    conv_kernels.SPLIT_K = variant != "plain"
-                    codec_stages.FUSE_UNITS = variant == "fused"
-                    codec_stages.FEED_NEXT = variant != "nofeed"
-                    decoder = StreamingCodecDecoder(base, b + 1, dtype=dtype)
-                    step = new_step(decoder, b, n, args.device)
-                try:
-                    with torch.inference_mode():
-                        kernels = count_kernels(step)
-                        timing = time_step(step, args.device, args.replays)
-                        profile = (kernel_profile(step) if args.device == "cuda" and f"{b}x{n}" in
-                                   args.profile_cells.split(",") else None)
-                except torch.OutOfMemoryError:
-                    rows.append({"variant": variant, "dtype": dtype_name, "streams": b, "frames": n, "error": "OOM"})
-                    print(json.dumps(rows[-1]), flush=True)
-                    continue
-                finally:
-                    del step, decoder
-                    if args.device == "cuda":
-                        torch.cuda.empty_cache()
-                row = {"variant": variant, "dtype": dtype_name, "streams": b, "frames": n, "kernels": kernels,
-                       **timing, "us_per_frame": 1000 * timing["median_ms"] / (b * n)}
-                if profile is not None:
-                    row["profile"] = profile
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for variant in args.variants.split(","):
+                    torch.manual_seed(0)
+                    if variant == "old":
+                        decoder = CodecDecoder(cfg).to(args.device)
+                        decoder.load_state_dict(base.state_dict())
+                        decoder = decoder.to(dtype).eval()
+                        step = old_step(decoder, b, n, args.device)
+                    else:
+                        set_knobs(variant)
+                        decoder = StreamingCodecDecoder(base, b + 1, dtype=dtype)
+                        step = new_step(decoder, b, n, args.device)
+                    try:
+                        with torch.inference_mode():
+                            kernels = count_kernels(step)
+                            timing = time_step(step, args.device, args.replays)
+                            profile = (kernel_profile(step) if args.device == "cuda" and rnd == 0 and f"{b}x{n}" in
+                                       args.profile_cells.split(",") else None)
+                    except torch.OutOfMemoryError:
+                        rows.append({"variant": variant, "dtype": dtype_name, "streams": b, "frames": n,
+                                     "round": rnd, "error": "OOM"})
+                        print(json.dumps(rows[-1]), flush=True)
+                        continue
+                    finally:
+                        del step, decoder
+                        set_knobs("new")
+                        if args.device == "cuda":
+                            torch.cuda.empty_cache()
+                    row = {"variant": variant, "dtype": dtype_name, "streams": b, "frames": n, "round": rnd,
+                           "kernels": kernels, **timing, "us_per_frame": 1000 * timing["median_ms"] / (b * n)}
+                    if profile is not None:
+                        row["profile"] = profile
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     return rows
 
 
@@ -215,6 +239,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--cells", default="64x1,64x4,64x25,256x4", help="streams x frames per call")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=1, help="times the whole set of variants is timed, in turn")
     ap.add_argument("--profile-cells", default="64x1", help="cells whose eager call is profiled by kernel")
     ap.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--fidelity-frames", type=int, default=60)
@@ -231,10 +256,14 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+    by_cell: dict[tuple, list[dict]] = {}
     for r in result.get("speed", []):
         if "us_per_frame" in r:
-            print(f"{r['variant']:4} {r['dtype']:9} B={r['streams']:<4} n={r['frames']:<3} "
-                  f"{r['us_per_frame']:9.1f} us/frame  {r['kernels']} kernels")
+            by_cell.setdefault((r["variant"], r["dtype"], r["streams"], r["frames"]), []).append(r)
+    for (variant, dtype_name, b, n), rs in by_cell.items():
+        us = sorted(r["us_per_frame"] for r in rs)
+        print(f"{variant:24} {dtype_name:9} B={b:<4} n={n:<3} {statistics.median(us):9.2f} us/frame (median of "
+              f"{len(us)}: {', '.join(f'{u:.2f}' for u in us)})  {rs[0]['kernels']} kernels")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@
 #   benchmarks/h200_codec.sh tune    # the codec's GPU tests, then codec_tune.py (tile sizes per conv)
 #   benchmarks/h200_codec.sh loop    # engine_loop.py at c=64 and c=256, 8c76ab2 (.base/) vs this tree
 #   benchmarks/h200_codec.sh unit    # unit_tune.py: one-kernel residual units and split-K against their plain paths
+#   benchmarks/h200_codec.sh knobs   # codec_step.py: the tree's step with each codec_stages knob off in turn (rounds),
+#                                    # then the fidelity report of the tree's defaults
+#   benchmarks/h200_codec.sh tests   # the codec's and the few-row GEMM's GPU tests
 #   benchmarks/h200_codec.sh narrow  # the few-row GEMM's checks and codec shapes, then codec_tune.py on the convs of
 #                                    # few rows (narrow tiles, K split) and the whole step under each knob
 #   benchmarks/h200_codec.sh serve   # serving_speed.py at c=1/8/64 and 256, both modes, 8c76ab2 vs this tree
@@ -41,6 +44,15 @@ case "$PART" in
         --requests $((4 * c)) --variants ${VARIANTS:-default,no-audio} --out "$OUT/loop-new-c$c.json" \
         2>&1 | grep '^{' | cut -c1-400
     done ;;
+  knobs)
+    PYTHONPATH=.:$PYTHONPATH timeout ${T_STEP:-300} python3 benchmarks/codec_step.py --dtypes bfloat16 --no-fidelity \
+      --variants "${VARIANTS:-new,new-group-tr-dead,new-tr,new-group,new-dead}" --cells "${CELLS:-64x1,64x4,256x4}" \
+      --rounds ${ROUNDS:-3} --out "$OUT/codec_step-knobs.json" 2>&1 | grep -v '^{'
+    PYTHONPATH=.:$PYTHONPATH timeout ${T_FID:-150} python3 benchmarks/codec_step.py --no-speed --dtypes float32,bfloat16 \
+      --variants new --out "$OUT/codec_fidelity.json" 2>&1 | cut -c1-260 ;;
+  tests)
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TESTS:-400} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "${TESTS:-codec or snake or small_matmul}" 2>&1 | grep -E "^E |passed|failed|Error" | tail -30 ;;
   narrow)
     PYTHONPATH=.:tests:$PYTHONPATH timeout 150 python3 tests/small_matmul_checks.py cuda 2>&1 | grep -v ' ok$' | tail -8
     PYTHONPATH=.:$PYTHONPATH timeout 150 python3 benchmarks/matmul_tune.py --sizes codec --rows 64,256 \

@@ -151,6 +151,16 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         errors[f"staged conv taps={taps} phases={phases} {cin}->{cout} {epi} H'={h_next} split={split}"] = max(
             _err(a, b) for a, b in zip(*outs, strict=True))
 
+    # a staged conv that writes its output to the next conv's input only (keep_out=False): the output untouched
+    p, w, b, e, base = _conv_inputs(3, 6, 5, 7, 1, 24, 20, gen, device, dtype)
+    s_buf = _rand(3, 4 + 5, 20, gen=gen, device=device, dtype=dtype)
+    outs = []
+    for k, keep in ((True, False), (False, True)):
+        out, s2 = base.clone(), s_buf.clone()
+        cc.conv_gemm(p, w, b, 5, 7, 1, 1, "residual", out=out, kernel=k, staged=(s2, e), keep_out=keep)
+        outs.append((out, s2))
+    errors["staged conv, output kept out"] = max(_err(outs[0][0], base), _err(outs[0][1], outs[1][1]))
+
     # restage_group: up to four staged inputs of one shape family (histories of 2, 6, 18 and 0 rows, lengths
     # below and above them) in a launch to fill them and one to write their next histories, against `restage`
     for length in (3, 11):
@@ -219,17 +229,20 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
             index = torch.tensor(order)
             codes = torch.randint(0, dec.config.codebook_size, (len(order), frames, dec.num_quantizers),
                                   generator=torch.Generator().manual_seed(call))
-            saved = codec_stages.FUSED_TRANSFORMER, codec_stages.GROUP_RESTAGE
+            knobs = ("FUSED_TRANSFORMER", "GROUP_RESTAGE", "SKIP_DEAD_OUTPUT")
+            saved = {k: getattr(codec_stages, k) for k in knobs}
             for i, (codec, out) in enumerate(zip(codecs, wavs, strict=True)):
                 if call == 0:
                     codec.reset(torch.arange(4))
-                codec_stages.FUSED_TRANSFORMER = codec_stages.GROUP_RESTAGE = i == 2
+                for k in knobs:
+                    setattr(codec_stages, k, i == 2)
                 try:
                     out.append(codec.step(index, codes))
                 finally:
-                    codec_stages.FUSED_TRANSFORMER, codec_stages.GROUP_RESTAGE = saved
+                    for k, v in saved.items():
+                        setattr(codec_stages, k, v)
         errors["whole decoder, 2 calls"] = max(_err(a, b) for a, b in zip(wavs[0], wavs[1], strict=True))
-        errors["whole decoder, fused transformer, grouped restage"] = max(
+        errors["whole decoder, fused transformer, grouped restage, no dead output"] = max(
             _err(a, b) for a, b in zip(wavs[2], wavs[1], strict=True))
 
     x = _rand(7, 40, gen=gen, device=device, dtype=dtype)

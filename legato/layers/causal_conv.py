@@ -159,7 +159,8 @@ def conv_gemm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
               phases: int = 1, epilogue: str = "none", epi: tuple[torch.Tensor, torch.Tensor] | None = None,
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
               kernel: bool | None = None,
-              staged: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
+              staged: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+              keep_out: bool = True) -> torch.Tensor:
     """Causal conv over P [B, H + length, Cin] -> [B * length * phases, Cout] (time-major, phase-interleaved).
 
     `weight [taps * Cin, phases * Cout]`: row (tap, cin), column (phase, cout); tap i reads P row
@@ -170,7 +171,8 @@ def conv_gemm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     `staged` = (S, SnakeBeta or None): the result also goes, through that SnakeBeta, into the rows of the next
     conv's input S [B', H' + L', Cout] (B' x L' = the output's rows) after its H' history rows, as `stage`
     would put it there (`restage` then fills the history rows): one pass over the activation instead of a
-    write and a re-read."""
+    write and a re-read. `keep_out` False (with `staged`, on the kernel path): the result goes to S only and
+    `out` is left as it was, for an output nothing reads but the next conv through S."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}")
     b, rows, cin = p.shape
@@ -190,7 +192,8 @@ def conv_gemm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
             raise ValueError(f"conv_gemm: staged {tuple(staged[0].shape)} does not fit {b * length * phases} rows "
                              f"of {cout}")
     if kernel if kernel is not None else use_triton(p):
-        _launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, staged=staged)
+        _launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, staged=staged,
+                     keep_out=keep_out or staged is None)
         return out
     off0 = h - (taps - 1) * dil
     cols = torch.cat([p[:, off0 + i * dil: off0 + i * dil + length] for i in range(taps)], dim=-1)

@@ -88,10 +88,11 @@ if triton is not None:
     @triton.jit
     def _finish(acc, rn, nmask, bcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS: tl.constexpr,
                 EPILOGUE: tl.constexpr, FAST_SIN: tl.constexpr, orow, s_ptr, sf_ptr, si_ptr, LOUT, SH, COUT,
-                STAGED: tl.constexpr, STAGED_SNAKE: tl.constexpr):
+                STAGED: tl.constexpr, STAGED_SNAKE: tl.constexpr, KEEP_OUT: tl.constexpr):
         """Bias (column `bcol`), the epilogue, the store. STAGED: the stored rows (output rows `orow`, LOUT per
         stream) also go, through SnakeBeta (sf, si) where STAGED_SNAKE, into the next conv's staged input S
-        [B, SH + LOUT, COUT] after its SH history rows, as `stage` would have put them there."""
+        [B, SH + LOUT, COUT] after its SH history rows, as `stage` would have put them there; not KEEP_OUT: they
+        go there only (nothing reads the output itself)."""
         if HAS_BIAS:
             acc += tl.load(b_ptr + bcol, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if EPILOGUE == 1:  # snake
@@ -105,7 +106,8 @@ if triton is not None:
         elif EPILOGUE == 4:
             acc = tl.minimum(tl.maximum(acc, -1.0), 1.0)
         val = acc.to(optrs.dtype.element_ty)
-        tl.store(optrs, val, mask=omask)
+        if KEEP_OUT:
+            tl.store(optrs, val, mask=omask)
         if STAGED:
             sv = val.to(tl.float32)
             if STAGED_SNAKE:
@@ -163,13 +165,13 @@ if triton is not None:
     def _finish_or_park(acc, rn, nmask, bcol, orow, mmask, part, ROWS, COUT, out_ptr, ws_ptr, b_ptr, f_ptr, i_ptr,
                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
                         FAST_SIN: tl.constexpr, s_ptr, sf_ptr, si_ptr, LOUT, SH, STAGED: tl.constexpr,
-                        STAGED_SNAKE: tl.constexpr):
+                        STAGED_SNAKE: tl.constexpr, KEEP_OUT: tl.constexpr):
         """The finished tile into the output, or (split-K) its partial sums into [SPLIT, ROWS, COUT] fp32."""
         omask = mmask[:, None] & nmask[None, :]
         if SPLIT == 1:
             optrs = out_ptr + orow[:, None].to(tl.int64) * COUT + rn[None, :]
             _finish(acc, rn, nmask, bcol, optrs, omask, b_ptr, f_ptr, i_ptr, HAS_BIAS, EPILOGUE, FAST_SIN,
-                    orow, s_ptr, sf_ptr, si_ptr, LOUT, SH, COUT, STAGED, STAGED_SNAKE)
+                    orow, s_ptr, sf_ptr, si_ptr, LOUT, SH, COUT, STAGED, STAGED_SNAKE, KEEP_OUT)
         else:
             wptrs = ws_ptr + (part * ROWS + orow)[:, None].to(tl.int64) * COUT + rn[None, :]
             tl.store(wptrs, acc, mask=omask)
@@ -181,7 +183,7 @@ if triton is not None:
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KT: tl.constexpr,
                      IEEE: tl.constexpr, FAST_SIN: tl.constexpr, FLAT: tl.constexpr, VEC: tl.constexpr,
                      BLOCK_N2: tl.constexpr, s_ptr, sf_ptr, si_ptr, LOUT, SH, STAGED: tl.constexpr,
-                     STAGED_SNAKE: tl.constexpr):
+                     STAGED_SNAKE: tl.constexpr, KEEP_OUT: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         phase = tl.program_id(2) // SPLIT
@@ -206,17 +208,18 @@ if triton is not None:
         orow = rm * PHASES + phase
         _finish_or_park(acc, rn, nmask, wcol, orow, mmask, part, M * PHASES, COUT, out_ptr, ws_ptr, b_ptr, f_ptr,
                         i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN, s_ptr, sf_ptr, si_ptr, LOUT, SH, STAGED,
-                        STAGED_SNAKE)
+                        STAGED_SNAKE, KEEP_OUT)
         if BLOCK_N2 > 0:
             _finish_or_park(acc2, rn2, nmask2, wcol2, orow, mmask, part, M * PHASES, COUT, out_ptr,
                             ws_ptr, b_ptr, f_ptr, i_ptr, SPLIT, HAS_BIAS, EPILOGUE, FAST_SIN, s_ptr, sf_ptr, si_ptr,
-                            LOUT, SH, STAGED, STAGED_SNAKE)
+                            LOUT, SH, STAGED, STAGED_SNAKE, KEEP_OUT)
 
     @triton.jit
     def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, f_ptr, i_ptr, ROWS, COUT, PHASES,
                              SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FAST_SIN: tl.constexpr, s_ptr, sf_ptr,
-                             si_ptr, LOUT, SH, STAGED: tl.constexpr, STAGED_SNAKE: tl.constexpr):
+                             si_ptr, LOUT, SH, STAGED: tl.constexpr, STAGED_SNAKE: tl.constexpr,
+                             KEEP_OUT: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         rmask = r < ROWS
@@ -230,7 +233,7 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(b_ptr + (r % PHASES)[:, None] * COUT + c[None, :], mask=mask, other=0.0).to(tl.float32)
         _finish(acc, c, cmask, c, out_ptr + offs, mask, b_ptr, f_ptr, i_ptr, False, EPILOGUE, FAST_SIN, r, s_ptr,
-                sf_ptr, si_ptr, LOUT, SH, COUT, STAGED, STAGED_SNAKE)
+                sf_ptr, si_ptr, LOUT, SH, COUT, STAGED, STAGED_SNAKE, KEEP_OUT)
 
     @triton.jit
     def _column_kernel(p_ptr, w_ptr, b_ptr, out_ptr, f_ptr, i_ptr, M, L, PL, CIN, OFF0, DIL,
@@ -256,7 +259,7 @@ if triton is not None:
         cmask = col < 1
         _finish(tl.sum(acc, axis=1)[:, None], col, cmask, col, out_ptr + rm[:, None] + col[None, :],
                 mmask[:, None] & cmask[None, :], b_ptr, f_ptr, i_ptr, HAS_BIAS, EPILOGUE, FAST_SIN, rm, out_ptr,
-                f_ptr, i_ptr, 1, 0, 1, False, False)
+                f_ptr, i_ptr, 1, 0, 1, False, False, True)
 
     @triton.jit
     def _unit_kernel(p_ptr, w7_ptr, b7_ptr, f_ptr, i_ptr, w1_ptr, b1_ptr, x_ptr,
@@ -289,7 +292,7 @@ if triton is not None:
 
 
 def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, config=None, split=None, flat=None,
-                staged=None):
+                staged=None, keep_out=True):
     """`config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_N2[, SPLIT]]), else `conv_blocks`'
     choice (or, for one output channel, a dot product per row: `_column_kernel`); BLOCK_N2 0 is none, SPLIT 0
     leaves the K parts to `split_k`;
@@ -297,7 +300,7 @@ def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, 
     `flat`: K blocks over the flattened (tap, channel) index, else (None) where the channels are not a multiple
     of BLOCK_K (so no tap is padded) and are a multiple of 8;
     `staged`: (S, SnakeBeta or None), S [B, H + length * phases, Cout] the next conv's input, whose rows after
-    its H history rows the epilogue also writes."""
+    its H history rows the epilogue also writes; `keep_out` False (with `staged`): it writes only those."""
     b, rows, cin = p.shape
     cout = weight.shape[1] // phases
     m = b * length
@@ -306,9 +309,10 @@ def launch_conv(p, weight, bias, length, taps, dil, phases, epilogue, epi, out, 
         s_freq, s_inv = s_snake if s_snake is not None else (out, out)
         s_len = m * phases // s_buf.shape[0]  # S's streams, not necessarily P's (a 1x1 conv over [1, B * L, C])
         s_args = dict(s_ptr=s_buf, sf_ptr=s_freq, si_ptr=s_inv, LOUT=s_len, SH=s_buf.shape[1] - s_len, STAGED=True,
-                      STAGED_SNAKE=s_snake is not None)
+                      STAGED_SNAKE=s_snake is not None, KEEP_OUT=keep_out)
     else:
-        s_args = dict(s_ptr=out, sf_ptr=out, si_ptr=out, LOUT=1, SH=0, STAGED=False, STAGED_SNAKE=False)
+        s_args = dict(s_ptr=out, sf_ptr=out, si_ptr=out, LOUT=1, SH=0, STAGED=False, STAGED_SNAKE=False,
+                      KEEP_OUT=True)
     freq, inv = epi if epi is not None else (out, out)
     bias_arg = bias if bias is not None else out
     if cout == 1 and phases == 1 and config is None and staged is None:

@@ -47,12 +47,16 @@ FUSE_UNITS = False
 # A vocoder block's staged inputs (its three residual units' and the next conv's) get their history rows in one
 # launch at the block's start and write their next histories in one at its end (`restage_group`), instead of a
 # `restage` launch before each conv. Off: a launch per conv (codec_tune.py measures both).
-GROUP_RESTAGE = False
+GROUP_RESTAGE = True
+
+# A block's last residual unit writes its output only into the next conv's staged input: the block's output
+# itself is never read again (the next conv reads it through that input). Off: it writes both.
+SKIP_DEAD_OUTPUT = True
 
 # The transformer's layers in four kernels of the few-row GEMM (`small_matmul`) instead of eight: the RMSNorm
 # inside the q/k/v and gate/up products, SiLU inside gate/up, the residual adds inside o and down. Off: cuBLAS,
 # with the norms and the SiLU as kernels of their own (codec_tune.py measures both).
-FUSED_TRANSFORMER = False
+FUSED_TRANSFORMER = True
 
 
 @dataclass
@@ -102,12 +106,13 @@ class Conv:
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, pre: Staged | None = None,
-                 feed: Staged | None = None) -> torch.Tensor:
+                 feed: Staged | None = None, keep_out: bool = True) -> torch.Tensor:
         """x [B, L, Cin] -> [B * L * phases, Cout]. `pre`: x's rows already staged into this conv's input by the
-        conv before (`feed` there); `feed`: the next conv's input, which the epilogue also writes."""
+        conv before (`feed` there); `feed`: the next conv's input, which the epilogue also writes (and, with
+        `keep_out` False, writes alone)."""
         return conv_gemm(self.staged_input(x, ctx, pre), self.weight, self.bias, x.shape[1], self.taps, self.dil,
                          self.phases, self.epilogue, self.epi, out=out, out_dtype=out_dtype, kernel=ctx.kernels,
-                         staged=feed)
+                         staged=feed, keep_out=keep_out)
 
     def staged_input(self, x: torch.Tensor, ctx: StepContext, pre: Staged | None = None) -> torch.Tensor:
         """P: the history rows then x's (through the input SnakeBeta), or x itself for a 1x1 conv without one.
@@ -168,7 +173,8 @@ class ResidualUnit:
         self.bias1 = self.conv1.bias if self.conv1.bias is not None else zeros(self.conv1)
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, pre: Staged | None = None,
-                 feed: Staged | None = None) -> torch.Tensor:
+                 feed: Staged | None = None, keep_out: bool = True) -> torch.Tensor:
+        """x += the unit's output, in place (and into `feed`; only there with `keep_out` False)."""
         b, length, c = x.shape
         p = self.conv7.staged_input(x, ctx, pre)
         if FUSE_UNITS and feed is None and fused_unit_fits(p, ctx.kernels):
@@ -178,7 +184,7 @@ class ResidualUnit:
             return x
         h = conv_gemm(p, self.conv7.weight, self.conv7.bias, length, self.conv7.taps, self.conv7.dil, 1, "snake",
                       self.conv7.epi, kernel=ctx.kernels)
-        self.conv1(h.view(1, b * length, c), ctx, out=x.view(b * length, c), feed=feed)
+        self.conv1(h.view(1, b * length, c), ctx, out=x.view(b * length, c), feed=feed, keep_out=keep_out)
         return x
 
 
@@ -196,7 +202,8 @@ class VocoderBlock:
     def __call__(self, x: torch.Tensor, ctx: StepContext, pre: Staged | None = None,
                  then: Conv | None = None) -> tuple[torch.Tensor, Staged | None]:
         """x [B, L, C] -> [B, L * factor, C']; `pre`: x staged for `up` already; `then`: the conv after the block,
-        whose staged input is returned beside the output."""
+        whose staged input is returned beside the output (with `SKIP_DEAD_OUTPUT`, on the kernel path, the output's
+        last residual add went there only: read the staged input, not the output's values)."""
         b, length, _ = x.shape
         length *= self.factor
         feeds = [unit.conv7.new_input(b, length, ctx) for unit in self.units]
@@ -205,8 +212,11 @@ class VocoderBlock:
         if group:
             restage_group(*group, copy_in=True, copy_out=False, kernel=ctx.kernels)
         x = self.up(x, ctx, pre=pre, feed=feeds[0]).view(b, length, self.up.cout)
+        last = len(self.units) - 1
         for i, unit in enumerate(self.units):
-            x = unit(x, ctx, pre=feeds[i], feed=feeds[i + 1])
+            # The last unit's output reaches the next conv only through its staged input (`then`'s `pre`).
+            keep = not (SKIP_DEAD_OUTPUT and i == last and feeds[i + 1] is not None)
+            x = unit(x, ctx, pre=feeds[i], feed=feeds[i + 1], keep_out=keep)
         if group:
             restage_group(*group, copy_in=False, copy_out=True, kernel=ctx.kernels)
         return x, feeds[-1]
