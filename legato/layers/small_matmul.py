@@ -100,6 +100,12 @@ _H200: dict[tuple[int, int, bool], dict[int, Tiles | None]] = {
                           64: _T(64, 128, 1), 128: None, 256: None},
     (2048, 6144, False): {1: _T(32, 128, 4), 16: _T(64, 256, 4), 32: None, 64: _T(64, 128, 4), 128: None, 256: None},
     (3072, 2048, False): {1: _T(32, 256, 1), 16: None, 32: None, 64: None, 128: None, 256: None},
+    # The codec decoder's transformer (q/k/v, o and down, gate/up) at 64 and 256 rows, K whole (its fused forms
+    # normalise rows inside the product): measured on an H100 (`matmul_tune.py --sizes codec`, session of
+    # 2026-12-05), where these beat cuBLAS by 1.08-1.49x at 64 rows.
+    (3072, 512, False): {64: _T(32, 128, 1), 256: _T(64, 64, 1)},
+    (512, 1024, False): {64: _T(16, 128, 1), 256: _T(16, 128, 1)},
+    (2048, 512, True): {64: _T(16, 128, 1), 256: _T(32, 128, 1)},
 }
 TABLE: dict[tuple[int, int, int, bool], Tiles | None] = {
     (rows, n, k, gated): tiles for (n, k, gated), by_rows in _H200.items() for rows, tiles in by_rows.items()
