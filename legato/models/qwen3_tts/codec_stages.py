@@ -44,9 +44,12 @@ FEED_NEXT = True
 # cannot feed the next conv, so it runs only where FEED_NEXT is off.
 FUSE_UNITS = False
 
+# The next three, each switched off in turn by `codec_step.py --variants new-group,new-tr,...` (docs/benchmarks.md,
+# session of 2026-12-05 (5)): together 134 -> 102 kernels and 1.06x at 64 streams x 1 frame on an H100.
+
 # A vocoder block's staged inputs (its three residual units' and the next conv's) get their history rows in one
 # launch at the block's start and write their next histories in one at its end (`restage_group`), instead of a
-# `restage` launch before each conv. Off: a launch per conv (codec_tune.py measures both).
+# `restage` launch before each conv (17 launches -> 8). Off: a launch per conv.
 GROUP_RESTAGE = True
 
 # A block's last residual unit writes its output only into the next conv's staged input: the block's output
@@ -54,8 +57,8 @@ GROUP_RESTAGE = True
 SKIP_DEAD_OUTPUT = True
 
 # The transformer's layers in four kernels of the few-row GEMM (`small_matmul`) instead of eight: the RMSNorm
-# inside the q/k/v and gate/up products, SiLU inside gate/up, the residual adds inside o and down. Off: cuBLAS,
-# with the norms and the SiLU as kernels of their own (codec_tune.py measures both).
+# inside the q/k/v and gate/up products, SiLU inside gate/up, the residual adds inside o and down (up to 256 rows;
+# more go to cuBLAS). Off: cuBLAS, with the norms and the SiLU as kernels of their own.
 FUSED_TRANSFORMER = True
 
 
