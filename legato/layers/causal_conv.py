@@ -301,45 +301,11 @@ if triton is not None:
                  mask=keep[:, None] & cmask[None, :])
 
     @triton.jit
-    def _restage_kernel(p_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, L, H, C, RATE, BLOCK_R: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
-        # Row r < H of P from the current history, and row r of the next history from P's row L + r: the old
-        # history where L + r < H (read from the bank, not from P, which this kernel is writing), else the row
-        # the previous conv's epilogue wrote.
-        b = tl.program_id(0)
-        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = c < C
-        live = r < H
-        hbase, par, first = _slot_bank(hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, H, C, RATE)
-        pbase = p_ptr + (b * (H + L)).to(tl.int64) * C
-        tl.store(pbase + r[:, None] * C + c[None, :], _old_history(hbase, par, first, r, c, cmask, H, C),
-                 mask=live[:, None] & cmask[None, :])
-        src = L + r
-        from_hist = src < H
-        prev = _old_history(hbase, par, first, src, c, cmask, H, C)
-        cur = tl.load(pbase + src[:, None].to(tl.int64) * C + c[None, :],
-                      mask=(live & ~from_hist)[:, None] & cmask[None, :], other=0.0)
-        tl.store(hbase + (1 - par) * (H * C) + r[:, None] * C + c[None, :],
-                 tl.where(from_hist[:, None], prev, cur), mask=live[:, None] & cmask[None, :])
-
-    @triton.jit
-    def _restage_group_kernel(p0, p1, p2, p3, h0, h1, h2, h3, H0, H1, H2, H3, calls_ptr, pos_ptr, slots_ptr, L, C,
-                              RATE, C_BLOCKS, COPY_IN: tl.constexpr, COPY_OUT: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK_C: tl.constexpr):
-        # `_restage_kernel`'s work for pair `job` of up to four (P, history) pairs.
-        b = tl.program_id(0)
-        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        job = tl.program_id(2) // C_BLOCKS
-        c = (tl.program_id(2) % C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
-        if job == 0:
-            p_ptr, hist_ptr, H = p0, h0, H0
-        elif job == 1:
-            p_ptr, hist_ptr, H = p1, h1, H1
-        elif job == 2:
-            p_ptr, hist_ptr, H = p2, h2, H2
-        else:
-            p_ptr, hist_ptr, H = p3, h3, H3
+    def _restage_rows(p_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, r, c, L, H, C, RATE,
+                      COPY_IN: tl.constexpr, COPY_OUT: tl.constexpr):
+        # Row r < H of P from the current history (COPY_IN), and row r of the next history from P's row L + r
+        # (COPY_OUT): the old history where L + r < H (read from the bank, not from P, which may be being
+        # written), else the row the previous conv's epilogue wrote.
         cmask = c < C
         live = r < H
         hbase, par, first = _slot_bank(hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, H, C, RATE)
@@ -355,6 +321,33 @@ if triton is not None:
                           mask=(live & ~from_hist)[:, None] & cmask[None, :], other=0.0)
             tl.store(hbase + (1 - par) * (H * C) + r[:, None] * C + c[None, :],
                      tl.where(from_hist[:, None], prev, cur), mask=live[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _restage_kernel(p_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, L, H, C, RATE, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        b = tl.program_id(0)
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        _restage_rows(p_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, r, c, L, H, C, RATE, True, True)
+
+    @triton.jit
+    def _restage_group_kernel(p0, p1, p2, p3, h0, h1, h2, h3, H0, H1, H2, H3, calls_ptr, pos_ptr, slots_ptr, L, C,
+                              RATE, C_BLOCKS, COPY_IN: tl.constexpr, COPY_OUT: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
+        # `_restage_kernel`'s work (or one of its halves) for pair `job` of up to four (P, history) pairs.
+        b = tl.program_id(0)
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        job = tl.program_id(2) // C_BLOCKS
+        c = (tl.program_id(2) % C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+        if job == 0:
+            p_ptr, hist_ptr, H = p0, h0, H0
+        elif job == 1:
+            p_ptr, hist_ptr, H = p1, h1, H1
+        elif job == 2:
+            p_ptr, hist_ptr, H = p2, h2, H2
+        else:
+            p_ptr, hist_ptr, H = p3, h3, H3
+        _restage_rows(p_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, r, c, L, H, C, RATE, COPY_IN, COPY_OUT)
 
     @triton.jit
     def _codebook_kernel(codes_ptr, tables_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, out_ptr,
