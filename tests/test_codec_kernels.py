@@ -43,7 +43,8 @@ def _compile_for_hopper(kernel, constexprs: dict) -> int:
     """sm_90 cubin size of a codec kernel: bf16 tensors, int64 slot and position tensors, fp32 parameters."""
     i64 = {"calls_ptr", "pos_ptr", "slots_ptr", "codes_ptr"}
     fp32 = {"f_ptr", "i_ptr", "freq_ptr", "inv_ptr", "sf_ptr", "si_ptr", "ws_ptr"}
-    return compile_for_hopper(kernel, constexprs, {**{n: "*i64" for n in i64}, **{n: "*fp32" for n in fp32}})
+    pairs = {f"{k}{i}": "*bf16" for k in "ph" for i in range(4)}  # restage_group's (P, history) pointers
+    return compile_for_hopper(kernel, constexprs, {**{n: "*i64" for n in i64}, **{n: "*fp32" for n in fp32}, **pairs})
 
 
 def test_the_codec_kernels_compile_for_hopper():
@@ -56,18 +57,21 @@ def test_the_codec_kernels_compile_for_hopper():
     from legato.layers import conv_kernels as ck
 
     conv = dict(TAPS=7, HAS_BIAS=True, EPILOGUE=1, SPLIT=1, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, KT=3, IEEE=False,
-                FAST_SIN=True, FLAT=False, VEC=8, BLOCK_N2=32, STAGED=True, STAGED_SNAKE=True)
+                FAST_SIN=True, FLAT=False, VEC=8, BLOCK_N2=32, STAGED=True, STAGED_SNAKE=True, KEEP_OUT=True)
     cases = [
         (ck._conv_kernel, conv),  # the last block's 7-tap conv, feeding the next
         (ck._conv_kernel, {**conv, "TAPS": 1, "EPILOGUE": 3, "BLOCK_K": 64, "KT": 2, "FLAT": True}),  # flat K
         (ck._conv_kernel, {**conv, "SPLIT": 4, "BLOCK_N": 128, "BLOCK_N2": 0, "STAGED": False}),  # split-K parts
+        (ck._conv_kernel, {**conv, "TAPS": 1, "EPILOGUE": 3, "KEEP_OUT": False}),  # writes the staged input only
         (ck._split_reduce_kernel, dict(SPLIT=4, HAS_BIAS=True, EPILOGUE=3, BLOCK_R=32, BLOCK_C=128, FAST_SIN=True,
-                                       STAGED=True, STAGED_SNAKE=True)),
+                                       STAGED=True, STAGED_SNAKE=True, KEEP_OUT=False)),
         (ck._column_kernel, dict(TAPS=7, HAS_BIAS=True, EPILOGUE=4, BLOCK_M=128, BLOCK_C=32, FAST_SIN=True)),
         (ck._unit_kernel, dict(TAPS=7, BLOCK_M=128, BLOCK_C=128, BLOCK_K=32, KT=3, CHUNK=128, IEEE=False,
                                FAST_SIN=True)),
         (cc._stage_kernel, dict(SNAKE=True, FAST_SIN=True, BLOCK_R=32, BLOCK_C=128)),
         (cc._restage_kernel, dict(BLOCK_R=32, BLOCK_C=128)),
+        (cc._restage_group_kernel, dict(COPY_IN=True, COPY_OUT=False, BLOCK_R=32, BLOCK_C=128)),
+        (cc._restage_group_kernel, dict(COPY_IN=False, COPY_OUT=True, BLOCK_R=32, BLOCK_C=128)),
         (cc._codebook_kernel, dict(Q=16, FIRST=1, BLOCK_R=16, BLOCK_C=128)),
     ]
     for kernel, constexprs in cases:

@@ -57,12 +57,16 @@ def test_a_tune_table_file_replaces_the_measured_tiles(tmp_path):
 
 def test_the_small_matmul_kernels_compile_for_hopper():
     """The interpreter runs the kernels' semantics, not the GPU compiler: each form (plain and gated, whole K and
-    split) compiles as far as an sm_90 cubin, so a construct the GPU backend refuses fails on the CPU too."""
+    split, the row norm inside, the residual add) compiles as far as an sm_90 cubin, so a construct the GPU backend
+    refuses fails on the CPU too."""
     skip_unless_ptxas()
     fp32 = {"part_ptr": "*fp32"}
     for gated in (False, True):
-        for parts in (False, True):
+        for parts, norm, add in ((False, False, False), (True, False, False), (False, True, False),
+                                 (False, False, True), (True, False, True)):
             size = compile_for_hopper(small_matmul._rows_kernel, dict(
-                BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GATED=gated, PARTS=parts, PRECISION="tf32"), fp32)
+                BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GATED=gated, PARTS=parts, NORM=norm, ADD=add,
+                PRECISION="tf32"), fp32)
             assert size > 0
-        assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=gated, BLOCK=256), fp32) > 0
+        for add in (False, True):
+            assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=gated, ADD=add, BLOCK=256), fp32) > 0
