@@ -53,8 +53,8 @@ def test_the_codec_kernels_compile_for_hopper():
     one-kernel residual unit) as far as an sm_90 cubin, so a construct the GPU backend refuses fails on the CPU
     too."""
     skip_unless_ptxas()
-    from legato.layers import causal_conv as cc
     from legato.layers import conv_kernels as ck
+    from legato.layers import stage_kernels as sk
 
     conv = dict(TAPS=7, HAS_BIAS=True, EPILOGUE=1, SPLIT=1, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, KT=3, IEEE=False,
                 FAST_SIN=True, FLAT=False, VEC=8, BLOCK_N2=32, STAGED=True, STAGED_SNAKE=True, KEEP_OUT=True)
@@ -68,11 +68,11 @@ def test_the_codec_kernels_compile_for_hopper():
         (ck._column_kernel, dict(TAPS=7, HAS_BIAS=True, EPILOGUE=4, BLOCK_M=128, BLOCK_C=32, FAST_SIN=True)),
         (ck._unit_kernel, dict(TAPS=7, BLOCK_M=128, BLOCK_C=128, BLOCK_K=32, KT=3, CHUNK=128, IEEE=False,
                                FAST_SIN=True)),
-        (cc._stage_kernel, dict(SNAKE=True, FAST_SIN=True, BLOCK_R=32, BLOCK_C=128)),
-        (cc._restage_kernel, dict(BLOCK_R=32, BLOCK_C=128)),
-        (cc._restage_group_kernel, dict(COPY_IN=True, COPY_OUT=False, BLOCK_R=32, BLOCK_C=128)),
-        (cc._restage_group_kernel, dict(COPY_IN=False, COPY_OUT=True, BLOCK_R=32, BLOCK_C=128)),
-        (cc._codebook_kernel, dict(Q=16, FIRST=1, BLOCK_R=16, BLOCK_C=128)),
+        (sk._stage_kernel, dict(SNAKE=True, FAST_SIN=True, BLOCK_R=32, BLOCK_C=128)),
+        (sk._restage_kernel, dict(BLOCK_R=32, BLOCK_C=128)),
+        (sk._restage_group_kernel, dict(COPY_IN=True, COPY_OUT=False, BLOCK_R=32, BLOCK_C=128)),
+        (sk._restage_group_kernel, dict(COPY_IN=False, COPY_OUT=True, BLOCK_R=32, BLOCK_C=128)),
+        (sk._codebook_kernel, dict(Q=16, FIRST=1, BLOCK_R=16, BLOCK_C=128)),
     ]
     for kernel, constexprs in cases:
         assert _compile_for_hopper(kernel, constexprs) > 0, kernel.__name__
