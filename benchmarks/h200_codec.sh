@@ -47,7 +47,7 @@ case "$PART" in
   knobs)
     PYTHONPATH=.:$PYTHONPATH timeout ${T_STEP:-300} python3 benchmarks/codec_step.py --dtypes bfloat16 --no-fidelity \
       --variants "${VARIANTS:-new,new-group-tr-dead,new-tr,new-group,new-dead}" --cells "${CELLS:-64x1,64x4,256x4}" \
-      --rounds ${ROUNDS:-3} --out "$OUT/codec_step-knobs.json" 2>&1 | grep -v '^{'
+      --rounds ${ROUNDS:-3} --out "$OUT/codec_step-knobs.json" 2>&1 | cut -c1-240  # rows as they come: a cut call keeps them
     PYTHONPATH=.:$PYTHONPATH timeout ${T_FID:-150} python3 benchmarks/codec_step.py --no-speed --dtypes float32,bfloat16 \
       --variants new --out "$OUT/codec_fidelity.json" 2>&1 | cut -c1-260 ;;
   tests)
