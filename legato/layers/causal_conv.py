@@ -100,16 +100,10 @@ def restage_group(ps: list[torch.Tensor], hists: list[torch.Tensor], calls: torc
         _launch_restage_group(ps, hists, calls, positions, slots, rate, length, copy_in, copy_out)
         return
     for p, hist in zip(ps, hists, strict=True):
-        h = hist.shape[2]
-        if not h:
-            continue
-        par = calls[slots] & 1
         if copy_in:
-            index = (positions[slots] * rate - h)[:, None] + torch.arange(h, device=p.device)
-            old = hist[slots, par]
-            p[:, :h] = torch.where((index >= 0)[:, :, None], old, torch.zeros((), dtype=old.dtype, device=old.device))
+            _history_in(hist, calls, positions, slots, rate, p)
         if copy_out:
-            hist[slots, 1 - par] = p[:, length:]
+            _history_out(hist, calls, slots, p)
 
 
 def codebook_stage(codes: torch.Tensor, tables: torch.Tensor, first: int, hist: torch.Tensor, calls: torch.Tensor,
@@ -140,17 +134,27 @@ def _with_history(x: torch.Tensor | None, hist: torch.Tensor, calls: torch.Tenso
     """The history rows (zero before the stream's start) then `x` into `out` (x None: `out` holds its rows
     already); the last H rows become the next history. Masked with `where`, never a multiply: a reused slot's
     old rows may hold anything."""
-    h = hist.shape[2]
-    length = out.shape[1] - h
-    par = calls[slots] & 1
-    index = (positions[slots] * rate - h)[:, None] + torch.arange(h, device=out.device)
-    old = hist[slots, par]
-    out[:, :h] = torch.where((index >= 0)[:, :, None], old, torch.zeros((), dtype=old.dtype, device=old.device))
+    _history_in(hist, calls, positions, slots, rate, out)
     if x is not None:
-        out[:, h:] = x.to(out.dtype)
-    if h:
-        hist[slots, 1 - par] = out[:, length:]
+        out[:, hist.shape[2]:] = x.to(out.dtype)
+    _history_out(hist, calls, slots, out)
     return out
+
+
+def _history_in(hist: torch.Tensor, calls: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rate: int,
+                out: torch.Tensor) -> None:
+    """Each slot's current history (zero before the stream's start) into out's first H rows."""
+    h = hist.shape[2]
+    index = (positions[slots] * rate - h)[:, None] + torch.arange(h, device=out.device)
+    old = hist[slots, calls[slots] & 1]
+    out[:, :h] = torch.where((index >= 0)[:, :, None], old, torch.zeros((), dtype=old.dtype, device=old.device))
+
+
+def _history_out(hist: torch.Tensor, calls: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+    """out's last H rows become each slot's next history (the other copy)."""
+    h = hist.shape[2]
+    if h:
+        hist[slots, 1 - (calls[slots] & 1)] = out[:, out.shape[1] - h:]
 
 
 # --- the conv as a GEMM -----------------------------------------------------------------------------------
@@ -255,5 +259,3 @@ def depthwise_layernorm(p: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     out.copy_(F.layer_norm(y, (c,), eps=eps).reshape(b * length, c))
     return out
 
-
-# --- Triton kernels ---------------------------------------------------------------------------------------
