@@ -8,7 +8,7 @@
 #      streams (admission_burst.py), for .base/ (with SERVE_BASE=1) and the tree: the prepare stage and TTFP.
 # Each profile is summarised by benchmarks/pyspy_summary.py into its .summary.txt.
 # C sets the concurrency (256), PROMPTS the served cell (4 x C), CLIENT_PROCS the bench client's processes (a comma
-# list runs the cell once per count: is the client the limit?). Random 0.6B Base weights, fixed lengths (EOS ignored). OUT: a results folder.
+# list runs the cell once per count: is the client the limit?), FRONTS the served tree's --fronts. Random 0.6B Base weights, fixed lengths (EOS ignored). OUT: a results folder.
 set -uo pipefail
 . "$(dirname "$0")/h200_env.sh"
 export PATH=/tmp/site/bin:$PATH PYTHONPATH=.:$PYTHONPATH
@@ -39,7 +39,7 @@ wait $pid
 grep '^{' "$OUT/loop-c$C.log" | cut -c1-600
 timeout ${T2:-300} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
   --client-procs ${CLIENT_PROCS:-2} --startup-timeout 200 --cell-timeout 150 ${SERVE_BASE:+--variant base=.base:legato} \
-  --variant new=.:legato --concurrency $C ${GIL:+--profile-gil} \
+  --variant new=.:legato ${FRONTS:+--variant-args "new=--fronts $FRONTS"} --concurrency $C ${GIL:+--profile-gil} \
   --max-num-seqs $C --min-prompts ${PROMPTS:-$((4 * C))} --max-prompts ${PROMPTS:-$((4 * C))} --profile xvec:$C --profile-seconds 8 \
   --out /tmp/served 2>&1 | grep -v '^{' | tail -6
 cp /tmp/served/summary.json "$OUT/served-c$C.json"
