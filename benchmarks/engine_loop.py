@@ -26,6 +26,7 @@ from collections import defaultdict
 
 import torch
 
+from legato.bench.steady import Sample, steady_summary
 from legato.engine.config import EngineConfig
 from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset
@@ -170,6 +171,7 @@ def run(lm, args, variant: str) -> dict:
     times0 = (engine.times.steps, engine.times.host_s, engine.times.gpu_s, engine.times.gap_s)
     outside = 0.0
     prof, step_no, trace = None, 0, None
+    samples: list[Sample] = []  # the engine's counters after each step, for the rates over the steady middle
     last = time.perf_counter()
     while live:
         if traced and step_no == args.trace_after:
@@ -179,6 +181,9 @@ def run(lm, args, variant: str) -> dict:
         s = time.perf_counter()
         outside += s - last
         outs = engine.step()
+        now = engine.times
+        samples.append(Sample(time.perf_counter(), {"decode_rows": now.decode_rows, "steps": now.steps,
+                                                    "gpu_s": now.gpu_s, "gap_s": now.gap_s}))
         for o in outs:
             if o.audio is not None and o.audio.size:
                 audio_samples += o.audio.size
@@ -216,6 +221,7 @@ def run(lm, args, variant: str) -> dict:
         "ttfp_p50_ms": 1000 * ttfp[len(ttfp) // 2] if ttfp else None,
         "ttfp_p99_ms": 1000 * ttfp[min(len(ttfp) - 1, int(0.99 * len(ttfp)))] if ttfp else None,
         "trace": trace,
+        "steady": steady_summary(samples),
     }
     if "prio" in flags:
         torch.cuda.synchronize()

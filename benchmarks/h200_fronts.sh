@@ -3,7 +3,9 @@
 #   served  serving_speed.py, x-vector, --max-num-seqs 256, 1,024 prompts a cell: the tree in .base/ (one front),
 #           this tree with one front, and this tree with --fronts 4, one server after the other;
 #   engine  engine_loop.py at c=64 and c=256 (the engine alone, for served / engine), then c=512 served with
-#           --fronts 4 and --max-num-seqs 512.
+#           --fronts 4 and --max-num-seqs 512;
+#   steady  engine_loop.py at c=256 and 64 (6 x c requests), then one front and four served at the same c and request
+#           counts: each run's rates over its steady middle (legato/bench/steady.py) beside the whole-run figures.
 # Needs the server's wheels in .whl/, the base tree in .base/, prompts in .bench-data/prompts. Random 0.6B Base
 # weights (written first), lengths fixed (EOS ignored).
 set -uo pipefail
@@ -27,5 +29,17 @@ case ${1:-served} in
     timeout ${T512:-150} $SERVE --variant f4=.:legato --variant-args "f4=--fronts 4" --concurrency 512 \
       --max-num-seqs 512 --out /tmp/served512 2>&1 | grep -v '^{' | tail -4
     cp /tmp/served512/summary.json "$OUT/served-c512.json" ;;
+  steady)  # the engine alone, then one front and four, at c=256 and 64 with 6 x c requests each: steady middles
+    for c in ${LOOP_CONC:-256 64}; do
+      timeout ${TL:-150} python3 benchmarks/engine_loop.py --concurrency $c --max-num-seqs $c --requests $((6 * c)) \
+        --variants default --out "$OUT/loop-c$c.json" 2>&1 | grep '^{' | cut -c1-200
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print('engine alone c=$c', \
+round(r['audio_s_per_s'], 1), 'audio-s/s; steady', r['steady'])" "$OUT/loop-c$c.json"
+    done
+    timeout ${T:-420} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
+      --client-procs ${PROCS:-6} --prompts-per-conc 6 --min-prompts 0 --max-prompts 100000 --startup-timeout 150 \
+      --cell-timeout 100 ${VARIANTS:---variant f1=.:legato --variant f4=.:legato} --variant-args "f4=--fronts 4" \
+      --concurrency ${CONC:-256,64} --max-num-seqs 256 --out /tmp/steady 2>&1 | grep -v '^{' | tail -12
+    cp /tmp/steady/summary.json "$OUT/served-steady.json" ;;
 esac
 true

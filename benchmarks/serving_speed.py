@@ -75,6 +75,39 @@ def step_timers(url: str) -> dict:
     return {k: v for k in keys if (v := metric(text, k)) is not None}
 
 
+STEADY_KEYS = {"legato_engine_decode_rows_total": "decode_rows", "legato_engine_steps_total": "steps",
+               "legato_engine_step_gpu_seconds_total": "gpu_s", "legato_engine_step_gap_seconds_total": "gap_s",
+               "legato_engine_step_host_seconds_total": "host_s"}
+
+
+class MetricsPoller(threading.Thread):
+    """The server's engine counters every `every` seconds while a cell runs, for the rates over its steady middle
+    (`legato.bench.steady`): a tree without the decode-rows counter gives none."""
+
+    def __init__(self, url: str, every: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.url, self.every = url, every
+        self.samples: list = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from legato.bench.steady import Sample
+        with httpx.Client(timeout=2) as client:
+            while not self.stop.is_set():
+                try:
+                    text = client.get(f"{self.url}/metrics").text
+                except httpx.HTTPError:
+                    text = ""
+                values = {short: v for name, short in STEADY_KEYS.items() if (v := metric(text, name)) is not None}
+                if "decode_rows" in values:
+                    self.samples.append(Sample(time.monotonic(), values))
+                self.stop.wait(self.every)
+
+    def steady(self) -> dict | None:
+        from legato.bench.steady import steady_summary
+        return steady_summary(self.samples)
+
+
 def server_ttfps(log_path: Path, start: int) -> list[float]:
     """TTFP the server itself logged (request in to first audio out, `ttfp_s=`) after byte `start`."""
     with open(log_path, "rb") as f:
@@ -196,6 +229,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 if ws:
                     bench += ["--stream-text", "--text-rate", args.text_rate]
                 t1 = time.monotonic()
+                poller = MetricsPoller(url)
+                poller.start()
                 spy = None
                 profiled = f"{mode}:{conc}" in args.profile.split(",")  # a sampling profile of the server
                 if profiled and shutil.which("py-spy") is None:
@@ -210,6 +245,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 done = subprocess.run(bench, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                     p for p in (str(Path(".").resolve()), os.environ.get("PYTHONPATH")) if p)},
                     capture_output=True, text=True, timeout=args.cell_timeout)
+                poller.stop.set()
+                poller.join(10)
                 after = step_timers(url)
                 served = server_ttfps(Path(args.out) / f"server-{name}.log", log_at)
                 stages = server_stages(Path(args.out) / f"server-{name}.log", log_at)
@@ -247,7 +284,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                         "host_ms_per_step": 1000 * host / steps if steps else None,
                         "gpu_ms_per_step": 1000 * gpu / steps if steps else None,
                         "gap_ms_per_step": 1000 * gap / steps if steps else None,
-                        "loop_other_ms_per_step": 1000 * other / steps if steps else None}
+                        "loop_other_ms_per_step": 1000 * other / steps if steps else None,
+                        "steady": poller.steady()}
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
     finally:
@@ -265,10 +303,17 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
     return cells
 
 
+def steady_cols(st: dict | None) -> str:
+    """The steady middle's decoded rows a second, steps a second and rows a step (`MetricsPoller.steady`)."""
+    if not st:
+        return "-"
+    return f"{st['decode_rows_per_s']:.0f}, {st['steps_per_s'] or 0:.1f}, {st['rows_per_step'] or 0:.1f}"
+
+
 def table(cells: list[dict]) -> str:
     head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "srv TTFP p50/p99", "RTF p50",
             "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine/front",
-            "front_in/hops/voice/queue/build/resume", "client procs", "peak MiB")
+            "front_in/hops/voice/queue/build/resume", "steady rows/s, steps/s, rows/step", "client procs", "peak MiB")
     lines = [" | ".join(head)]
     for c in cells:
         if c["kind"] != "cell" or "error" in c:
@@ -287,7 +332,8 @@ def table(cells: list[dict]) -> str:
                                  f(c["req_per_s"], ".2f"), f(c["ttfp_p50_ms"], ".0f"), f(c["ttfp_p99_ms"], ".0f"),
                                  f"{f(c.get('server_ttfp_p50_ms'), '.0f')}/{f(c.get('server_ttfp_p99_ms'), '.0f')}",
                                  f(c["rtf_p50"], ".3f"), f(c["continuity"], ".2f"), f(c["gpu_busy"], ".2f"),
-                                 timers, stages, split, str(c.get("client_procs", "-")), str(c["peak_gpu_mib"])]))
+                                 timers, stages, split, steady_cols(c.get("steady")), str(c.get("client_procs", "-")),
+                                 str(c["peak_gpu_mib"])]))
     return "\n".join(lines)
 
 

@@ -75,3 +75,45 @@ def test_admission_burst_runs_a_burst_through_the_client_and_reports_its_stages(
     (row,) = json.loads(out.read_text())["rounds"]
     assert row["burst"] == 6 and row["failed"] == 0
     assert row["prepare_p50_ms"] is not None and row["prepare_p50_ms"] <= row["ttfp_p50_ms"]
+
+
+def test_metrics_poller_reads_the_engine_counters_and_gives_the_steady_rates():
+    """serving_speed.py's poller against a stand-in /metrics whose counters rise by one step of 100 rows a read."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    reads = {"n": 0}
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            n = reads["n"] = reads["n"] + 1
+            body = (f"legato_engine_steps_total {n}.0\nlegato_engine_decode_rows_total {100 * n}.0\n"
+                    f"legato_engine_step_gpu_seconds_total {0.008 * n}\nlegato_engine_step_gap_seconds_total "
+                    f"{0.002 * n}\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    poller = serving_speed.MetricsPoller(f"http://127.0.0.1:{server.server_address[1]}", every=0.005)
+    try:
+        poller.start()
+        deadline = time.monotonic() + 30
+        while len(poller.samples) < 12 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        poller.stop.set()
+        poller.join(10)
+        server.shutdown()
+        server.server_close()
+    assert len(poller.samples) >= 12
+    st = poller.steady()
+    assert abs(st["rows_per_step"] - 100.0) < 1e-9 and abs(st["gpu_busy"] - 0.8) < 1e-9
+    assert st["decode_rows_per_s"] > 0 and "-" != serving_speed.steady_cols(st)
+    assert serving_speed.steady_cols(None) == "-"

@@ -219,6 +219,8 @@ def test_64_requests_none_lost_or_duplicated(root):
         assert out.finish_count.get(r.request_id) == 1, r.request_id
         assert out.finished[r.request_id] == "length"
         assert out.frames(r.request_id).shape[0] == r.max_frames
+    # every frame is one stream's row of one decode step (a prefill gives only its first codebook 0)
+    assert engine.times.decode_rows == sum(r.max_frames for r in reqs)
     assert engine.block_manager.num_free_blocks == 96
     assert not engine.live and not engine.codec.streams
 

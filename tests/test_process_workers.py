@@ -84,7 +84,8 @@ def test_messages_round_trip():
 
     info = ModelInfo("n", "base", "0b6", 24000, ["auto"], ["x"], 64)
     simple = [m.Abort("a", "gone"), m.Rejected("a", 429, "busy", 1.0), m.Rejected("b", 400, "bad"),
-              m.Stats(EngineStats(1, 2, 0.5, 10, 5, {"client disconnected": 3})), m.Ready(info, 42, {"top_k": 50}),
+              m.Stats(EngineStats(1, 2, 0.5, 10, 5, {"client disconnected": 3}, steps=4, decode_rows=9)),
+              m.Ready(info, 42, {"top_k": 50}),
               m.Shutdown(2.5), m.Heartbeat(9)]
     for msg in simple:
         assert m.decode(m.encode(msg)) == msg

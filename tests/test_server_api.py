@@ -284,6 +284,7 @@ def test_models_health_and_metrics(cv):
                  "legato_num_requests_running", "legato_kv_cache_usage_ratio",
                  'legato_requests_total{status="200"}', 'legato_requests_total{status="400"}',
                  "legato_kv_handoffs_recomputed_total 0.0", "legato_engine_steps_total",
+                 "legato_engine_decode_rows_total",
                  "legato_engine_step_host_seconds_total", "legato_engine_loop_other_seconds_total",
                  # vLLM's names, for routers that balance model servers on them
                  'vllm:num_requests_waiting{model_name="tiny"} 0.0', 'vllm:num_requests_running{model_name="tiny"}',

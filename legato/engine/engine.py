@@ -393,6 +393,7 @@ class Engine:
             launched.rows.clear()
             return launched
         results += [StepResult(r.request_id, 1, 1) for r in decodes]
+        self.times.decode_rows += len(decodes)
         for req in self.scheduler.update(results):  # max_frames reached, or a handoff made
             launched.ending[req.request_id] = req
         launched.copy = self.copies.submit(torch.cat(rows) if len(rows) > 1 else rows[0], begun)

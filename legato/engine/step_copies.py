@@ -39,6 +39,7 @@ class StepTimes:
     """Totals since the engine started (seconds); rates and means are for whoever reads them."""
 
     steps: int = 0
+    decode_rows: int = 0  # streams decoded, summed over steps: / steps, the streams a step carries
     host_s: float = 0.0
     gpu_s: float = 0.0
     gap_s: float = 0.0

@@ -97,6 +97,7 @@ class EngineStats:
     # Engine step timers, totals since start (EngineStats of several engines add up): steps, the host's time in
     # them, the device's time on their work, and the device's idle gaps between them (engine/step_copies.py).
     steps: int = 0
+    decode_rows: int = 0  # streams decoded, summed over the steps: / steps, the streams a step carries
     step_host_s: float = 0.0
     step_gpu_s: float = 0.0
     step_gap_s: float = 0.0

@@ -561,7 +561,8 @@ class LocalEngineClient(EngineClient):
         return EngineStats(
             waiting=sched.num_waiting, running=sched.num_running, kv_usage=bm.usage,
             num_kv_blocks=bm.num_blocks, free_kv_blocks=bm.num_free_blocks,
-            aborted=dict(self._aborted), steps=times.steps, step_host_s=times.host_s, step_gpu_s=times.gpu_s,
-            step_gap_s=times.gap_s, loop_other_s=self._loop_other_s, text_wait_s=self.engine.text_wait_s,
+            aborted=dict(self._aborted), steps=times.steps, decode_rows=times.decode_rows,
+            step_host_s=times.host_s, step_gpu_s=times.gpu_s, step_gap_s=times.gap_s, loop_other_s=self._loop_other_s,
+            text_wait_s=self.engine.text_wait_s,
             waiting_for_text=self.engine.num_waiting_for_text,
         )

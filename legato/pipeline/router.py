@@ -133,6 +133,7 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         aborted=aborted,
         recomputed=sum(p.recomputed for p in parts),
         steps=sum(p.steps for p in parts),
+        decode_rows=sum(p.decode_rows for p in parts),
         step_host_s=sum(p.step_host_s for p in parts),
         step_gpu_s=sum(p.step_gpu_s for p in parts),
         step_gap_s=sum(p.step_gap_s for p in parts),

@@ -134,6 +134,8 @@ class _EngineCollector(Collector):
                                   value=s.recomputed)
         for name, doc, value in (
             ("legato_engine_steps", "Engine steps run.", s.steps),
+            ("legato_engine_decode_rows", "Streams decoded, summed over engine steps (per step: the streams a "
+             "step carries).", s.decode_rows),
             ("legato_engine_step_host_seconds", "Host time spent in engine steps.", s.step_host_s),
             ("legato_engine_step_gpu_seconds", "Device time of the engine steps' work on the compute stream.",
              s.step_gpu_s),
