@@ -173,7 +173,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(tree).resolve()),
-                                                                     os.environ.get("PYTHONPATH")) if p)}
+                                                                     os.environ.get("PYTHONPATH")) if p),
+           **dict(kv.partition("=")[::2] for kv in args.variant_env.get(name, "").split())}
     cmd = [sys.executable, "-m", f"{package}.cli", "serve", "--model", str(Path(args.ckpt).resolve()),
            "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), *args.server_args.split(),
            *args.variant_args.get(name, "").split()]
@@ -342,6 +343,8 @@ def main() -> int:
     p.add_argument("--variant", action="append", required=True, metavar="NAME=TREE[:PACKAGE]")
     p.add_argument("--variant-args", action="append", default=[], metavar="NAME=ARGS",
                    help="server options of one variant only, after --server-args (e.g. 'f4=--fronts 4')")
+    p.add_argument("--variant-env", action="append", default=[], metavar="NAME=K=V[ K=V]",
+                   help="environment of one variant's server only (e.g. 'g02=LEGATO_GIL_SWITCH_MS=0.2')")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--hidden", type=int, default=1024, help="the model's hidden size (x-vector width)")
     p.add_argument("--data", required=True)
@@ -368,6 +371,7 @@ def main() -> int:
     p.add_argument("--text-rate", default="inf", help="tokens a second of the -ws modes' text ('inf': at once)")
     args = p.parse_args()
     args.variant_args = dict(item.partition("=")[::2] for item in args.variant_args)
+    args.variant_env = dict(item.partition("=")[::2] for item in args.variant_env)
     Path(args.out, "runs").mkdir(parents=True, exist_ok=True)
     cells = []
     for spec in args.variant:
