@@ -439,7 +439,7 @@ def test_stats_count_steps_and_the_loop_time_around_them(loaded):
         try:
             await collect(client, request("timed", frames=6))
             ok = await asyncio.to_thread(_wait_for, lambda: client.stats().steps >= 6 and
-                                         client.stats().loop_other_s > 0, 30)
+                                         client.stats().loop_other_s > 0 and client.stats().decode_rows > 0, 30)
         finally:
             await client.stop()
         return ok, client.stats()
@@ -447,6 +447,7 @@ def test_stats_count_steps_and_the_loop_time_around_them(loaded):
     ok, stats = asyncio.run(main())
     assert ok, stats
     assert stats.step_host_s > 0 and stats.loop_other_s > 0 and stats.running == 0
+    assert 0 < stats.decode_rows <= stats.steps  # one stream: at most one decoded row a step
 
 
 def _wait_for(cond, timeout: float) -> bool:

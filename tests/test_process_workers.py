@@ -273,3 +273,13 @@ def test_killed_worker_fails_its_requests_and_the_other_replica_serves(tiny_chec
     assert glob.glob(f"/tmp/legato-{instance}-*") == []
     with pytest.raises(RequestRejected, match="shutting down"):
         asyncio.run(_collect(survivor, _req(3)))
+
+
+def test_summed_stats_add_every_engine_s_counters():
+    """replicas and MpNd report one EngineStats for all their engines: steps, decoded rows and timers add up."""
+    from legato.pipeline.router import sum_stats
+    a = EngineStats(running=2, num_kv_blocks=10, free_kv_blocks=5, steps=3, decode_rows=7, step_host_s=0.5)
+    b = EngineStats(running=1, num_kv_blocks=10, free_kv_blocks=10, steps=4, decode_rows=2, step_host_s=0.25)
+    s = sum_stats([a, b])
+    assert (s.running, s.steps, s.decode_rows, s.step_host_s) == (3, 7, 9, 0.75)
+    assert s.kv_usage == 0.25
