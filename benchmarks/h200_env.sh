@@ -22,6 +22,9 @@ fi
 export PYTHONUNBUFFERED=1 LEGATO_COMMIT=${LEGATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
 python3 -c "import torch, triton, fastapi, zmq, soundfile, httptools; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name())" || exit 1
+# The host beside the GPU: served figures depend on it (an H100 host served c=256 at half an H200 host's rate while
+# the engine alone matched, docs/benchmarks.md, session of 2026-12-05 (6)).
+echo "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'), load $(cut -d' ' -f1-3 /proc/loadavg)"
 # The random 0.6B Base checkpoint the serving scripts run (written once per machine): `random_checkpoint; ... $CKPT`.
 random_checkpoint() {
   CKPT=/tmp/qwen3tts-0.6b-random

@@ -4,8 +4,9 @@
 #           this tree with one front, and this tree with --fronts 4, one server after the other;
 #   engine  engine_loop.py at c=64 and c=256 (the engine alone, for served / engine), then c=512 served with
 #           --fronts 4 and --max-num-seqs 512;
-#   steady  engine_loop.py at c=256 and 64 (6 x c requests), then one front and four served at the same c and request
-#           counts: each run's rates over its steady middle (legato/bench/steady.py) beside the whole-run figures;
+#   steady  engine_loop.py at c=256 and 64 (6 x c requests, at most 1,024), then one front and four served at the
+#           same c and request counts: each run's rates over its steady middle (legato/bench/steady.py) beside the
+#           whole-run figures;
 #           f4g is four fronts with the worker's GIL switch interval at 0.25 ms (default 1 ms).
 # Needs the server's wheels in .whl/, the base tree in .base/, prompts in .bench-data/prompts. Random 0.6B Base
 # weights (written first), lengths fixed (EOS ignored).
@@ -31,14 +32,17 @@ case ${1:-served} in
       --max-num-seqs 512 --out /tmp/served512 2>&1 | grep -v '^{' | tail -4
     cp /tmp/served512/summary.json "$OUT/served-c512.json" ;;
   steady)  # the engine alone, then one front and four, at c=256 and 64 with 6 x c requests each: steady middles
+    # 6 x c requests, at most 1,024 (the prompt list holds 1,132), the same count for the engine and the server
     for c in ${LOOP_CONC:-256 64}; do
-      timeout ${TL:-150} python3 benchmarks/engine_loop.py --concurrency $c --max-num-seqs $c --requests $((6 * c)) \
-        --variants default --out "$OUT/loop-c$c.json" 2>&1 | grep '^{' | cut -c1-200
+      n=$((6 * c > 1024 ? 1024 : 6 * c))
+      timeout ${TL:-150} python3 benchmarks/engine_loop.py --concurrency $c --max-num-seqs $c --requests $n \
+        --variants default --out "$OUT/loop-c$c.json" > "$OUT/loop-c$c.log" 2>&1
       python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print('engine alone c=$c', \
-round(r['audio_s_per_s'], 1), 'audio-s/s; steady', r['steady'])" "$OUT/loop-c$c.json"
+round(r['audio_s_per_s'], 1), 'audio-s/s; steady', r['steady'])" "$OUT/loop-c$c.json" 2>/dev/null \
+        || tail -5 "$OUT/loop-c$c.log"
     done
     timeout ${T:-420} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
-      --client-procs ${PROCS:-6} --prompts-per-conc 6 --min-prompts 0 --max-prompts 100000 --startup-timeout 150 \
+      --client-procs ${PROCS:-6} --prompts-per-conc 6 --min-prompts 0 --max-prompts 1024 --startup-timeout 150 \
       --cell-timeout 100 ${VARIANTS:---variant f1=.:legato --variant f4=.:legato --variant f4g=.:legato} \
       --variant-args "f4=--fronts 4" --variant-args "f4g=--fronts 4" --variant-env "f4g=LEGATO_GIL_SWITCH_MS=0.25" \
       --concurrency ${CONC:-256,64} --max-num-seqs 256 --out /tmp/steady 2>&1 | grep -v '^{' | tail -12
