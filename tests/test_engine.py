@@ -122,6 +122,14 @@ def test_seeded_request_is_placement_invariant(root):
     for r in reqs:
         assert torch.equal(joining.frames(r.request_id), batch.frames(r.request_id)), r.request_id
 
+    # Prompts that arrive one by one and join every third step together (`prefill_interval`): the same codes.
+    reqs = _mixed_requests(lm)
+    held = run_all(Engine(lm, engine_config(max_num_seqs=4, prefill_interval=3)), reqs[:1],
+                   join_at={t: [reqs[t]] for t in range(1, 8)})
+    for r in reqs:
+        assert held.finish_count[r.request_id] == 1
+        assert torch.equal(held.frames(r.request_id), batch.frames(r.request_id)), r.request_id
+
 
 def test_unseeded_requests_draw_a_seed_that_reproduces(root):
     lm = tiny_model(root, "base")

@@ -601,3 +601,52 @@ def test_random_simulation(seed):
             assert r.status in (S.FINISHED_ABORTED, S.FINISHED_ERROR) and r.error
     assert s.stats.num_finished == 64
     assert_idle(s)
+
+
+# ---- prefill_interval ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_prefill_interval_takes_prompts_arriving_one_by_one_together(fair):
+    """With k = 3 and one prompt arriving each step beside a running decode, prompts join on every third step
+    only, together; nothing is lost and each still gets its whole life."""
+    s = make(max_num_seqs=8, prefill_interval=3, fair_prefill=fair)
+    s.add(Request("long", prompt_len=2, max_frames=30))
+    out, _ = step(s)
+    assert out.new_requests[0].request_id == "long"  # nothing decoding: admitted at once
+    admitted_at = {}
+    for t in range(1, 10):
+        s.add(Request(f"q{t}", prompt_len=2, max_frames=2))
+        out, _ = step(s)
+        for r in out.new_requests:
+            admitted_at[r.request_id] = t
+    # step 1 and 2 hold (the last admission was step 0), step 3 takes q1..q3, step 6 q4..q6, step 9 q7..q9
+    assert admitted_at == {f"q{t}": 3 * ((t + 2) // 3) for t in range(1, 10)}
+
+
+def test_prefill_interval_never_delays_a_request_to_an_idle_engine_or_after_a_quiet_spell():
+    s = make(max_num_seqs=8, prefill_interval=4)
+    s.add(Request("a", prompt_len=2, max_frames=12))
+    out, _ = step(s)
+    assert [r.request_id for r in out.new_requests] == ["a"]
+    for _ in range(5):  # a quiet spell: only a decoding
+        out, _ = step(s)
+        assert out.decodes and not out.new_requests
+    s.add(Request("b", prompt_len=2, max_frames=2))
+    out, _ = step(s)
+    assert [r.request_id for r in out.new_requests] == ["b"]  # four steps passed since the last admission
+
+
+def test_prefill_interval_holds_no_handoff():
+    s = make(max_num_seqs=8, prefill_interval=5)
+    s.add(Request("a", prompt_len=2, max_frames=12))
+    step(s)
+    s.add(h := Request("h", prompt_len=9, max_frames=4, kv_handoff=True))
+    out, _ = step(s)
+    assert out.kv_receives == [h] and h.status is S.WAITING_FOR_HANDOFF
+
+
+def test_prefill_interval_must_be_a_positive_int():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_interval"):
+            EngineConfig(prefill_interval=bad)

@@ -46,6 +46,16 @@ def test_an_address_this_machine_lacks_is_one_line(tmp_path):
         "legato serve: error: cannot listen on 192.0.2.1:8000: this machine has no such address; check --host"]
 
 
+def test_a_bad_prefill_interval_is_one_line(tmp_path):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    proc = serve(tmp_path, "--host", "127.0.0.1", "--port", str(port), "--prefill-interval", "0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "legato serve: error: EngineConfig.prefill_interval must be a positive int, got 0"), proc.stderr
+
+
 @pytest.mark.slow
 def test_the_fix_the_cuda_deploy_error_suggests_starts_the_deployment(tmp_path):
     fix = ["--device", "cpu"]

@@ -70,6 +70,12 @@ class EngineConfig:
     prompt cannot hold the whole budget for many steps while short prompts behind it wait. Applies with
     chunked prefill outside `batch_invariant` (whose chunks are cut at fixed sizes); off: the earliest
     admitted prompt takes what it can first."""
+    prefill_interval: int = 1
+    """Waiting prompts join the running batch at most every this many steps (1: every step). Served requests
+    arrive one by one, so at high load nearly every step carries a small prefill, and each prefill costs the host
+    about as much whatever its size (its graph launch, copies and first-token sampling); with k > 1 they are
+    taken together. A request waits up to k - 1 more steps for its first frame; an engine with no decodes
+    running admits at once, so a lone request never waits. Handoffs (MpNd decode engines) are never held."""
     invariant_rows: int = 32
     """The fixed decode chunk of `batch_invariant`; engines compared for identical codes must agree on it."""
     first_chunk_frames: int = 1
@@ -122,7 +128,7 @@ class EngineConfig:
                              f"got {self.cuda_graph_max_batch!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "max_waiting",
                      "first_chunk_frames", "chunk_frames", "max_text_tokens",
-                     "invariant_rows"):
+                     "invariant_rows", "prefill_interval"):
             value = getattr(self, name)
             if not _is_positive_int(value):
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")

@@ -131,6 +131,7 @@ class Scheduler:
         self._free_slots = list(range(config.max_num_seqs))
         # Request id -> tokens scheduled in the step awaiting update().
         self._in_flight: dict[str, int] = {}
+        self._steps_since_admit = 0  # steps since one admitted a waiting prompt (`prefill_interval`)
 
     # ---- queries -------------------------------------------------------------------------------------
 
@@ -201,9 +202,11 @@ class Scheduler:
             self._in_flight[req.request_id] = 1
             budget -= 1
 
+        hold = not self._may_admit(out)
         if self._fair:
-            budget -= self._schedule_fair(partial, budget, out)
+            budget -= self._schedule_fair(partial, budget, out, hold)
             out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+            self._count_admits(out)
             return out
 
         for req in partial:
@@ -220,7 +223,7 @@ class Scheduler:
                 if not self._admit_handoff(req, out):
                     break
                 continue
-            if budget == 0:
+            if budget == 0 or hold:
                 break
             cached = bm.match_prefix(req)
             chunk = req.prompt_len - cached
@@ -241,7 +244,20 @@ class Scheduler:
             budget -= self._schedule_chunk(req, budget, out)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        self._count_admits(out)
         return out
+
+    def _may_admit(self, out: SchedulerOutput) -> bool:
+        """Whether this step may admit waiting prompts (`prefill_interval`): every k-th step, or at once when
+        nothing decodes (an idle engine, or one only prefilling, gains nothing by waiting)."""
+        k = self.config.prefill_interval
+        return k <= 1 or not out.decodes or self._steps_since_admit + 1 >= k
+
+    def _count_admits(self, out: SchedulerOutput) -> None:
+        if any(not r.kv_handoff for r in out.new_requests):
+            self._steps_since_admit = 0
+        else:
+            self._steps_since_admit += 1
 
     def update(self, results: Sequence[StepResult]) -> list[Request]:
         """Apply the runner's report of the last step; returns the requests that finished.
@@ -342,9 +358,10 @@ class Scheduler:
         cfg = self.config
         return cfg.fair_prefill and cfg.enable_chunked_prefill and not cfg.batch_invariant
 
-    def _schedule_fair(self, partial: list[Request], budget: int, out: SchedulerOutput) -> int:
-        """Admit in FIFO order, then split ``budget`` among every prompt being prefilled (``fair_shares``),
-        so a long prompt cannot hold the whole budget while short ones behind it wait. Returns tokens used."""
+    def _schedule_fair(self, partial: list[Request], budget: int, out: SchedulerOutput, hold: bool = False) -> int:
+        """Admit in FIFO order (prompts only when not ``hold``), then split ``budget`` among every prompt being
+        prefilled (``fair_shares``), so a long prompt cannot hold the whole budget while short ones behind it
+        wait. Returns tokens used."""
         bm = self.block_manager
         prefilling = list(partial)
         floor = self.config.block_size  # a share below one KV block is not worth admitting another request for
@@ -355,7 +372,7 @@ class Scheduler:
                 if not self._admit_handoff(req, out):
                     break
                 continue
-            if demand >= budget:
+            if demand >= budget or hold:
                 break
             # Blocks for one token now; the chunk grows into the reservation once its share is known.
             cached = bm.allocate(req, bm.match_prefix(req) + 1, reserve_tokens=req.max_tokens)

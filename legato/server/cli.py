@@ -140,6 +140,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoding at once")
     e.add_argument("--max-num-batched-tokens", type=int, default=4096,
                    help="token budget of one engine step (decodes count 1, prefill chunks their length)")
+    e.add_argument("--prefill-interval", type=int, default=1,
+                   help="waiting prompts join the running batch at most every this many steps (1: every step): "
+                        "fewer, larger prefills at high load, up to N - 1 steps more before a request's first "
+                        "frame; an engine with nothing decoding admits at once")
     e.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue bound; beyond it: 429")
     e.add_argument("--max-model-len", type=int, default=32768, help="most positions of one request (prompt + frames)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9,

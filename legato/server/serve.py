@@ -107,7 +107,7 @@ def serve(args: argparse.Namespace) -> int:
             name = args.served_model_name or _name_of(args.model)
         engine_config = EngineConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_waiting=args.max_waiting, max_model_len=args.max_model_len,
+            max_waiting=args.max_waiting, max_model_len=args.max_model_len, prefill_interval=args.prefill_interval,
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
             first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames, device=device, dtype=dtype,
             mtp_replicas=args.mtp_replicas, code_predictor_stack=args.code_predictor_stack,
