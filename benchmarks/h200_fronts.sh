@@ -7,7 +7,8 @@
 #   steady  engine_loop.py at c=256 and 64 (6 x c requests, at most 1,024), then one front and four served at the
 #           same c and request counts: each run's rates over its steady middle (legato/bench/steady.py) beside the
 #           whole-run figures;
-#           f4g is four fronts with the worker's GIL switch interval at 0.25 ms (default 1 ms).
+#           f4p3 is four fronts with --prefill-interval 3; f4g (VARIANTS=... --variant f4g=.:legato) four fronts with
+#           the worker's GIL switch interval at 0.25 ms (default 1 ms).
 # Needs the server's wheels in .whl/, the base tree in .base/, prompts in .bench-data/prompts. Random 0.6B Base
 # weights (written first), lengths fixed (EOS ignored).
 set -uo pipefail
@@ -43,8 +44,9 @@ round(r['audio_s_per_s'], 1), 'audio-s/s; steady', r['steady'])" "$OUT/loop-c$c.
     done
     timeout ${T:-420} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
       --client-procs ${PROCS:-6} --prompts-per-conc 6 --min-prompts 0 --max-prompts 1024 --startup-timeout 150 \
-      --cell-timeout 100 ${VARIANTS:---variant f1=.:legato --variant f4=.:legato --variant f4g=.:legato} \
-      --variant-args "f4=--fronts 4" --variant-args "f4g=--fronts 4" --variant-env "f4g=LEGATO_GIL_SWITCH_MS=0.25" \
+      --cell-timeout 100 ${VARIANTS:---variant f4=.:legato --variant f4p3=.:legato --variant f1=.:legato} \
+      --variant-args "f4=--fronts 4" --variant-args "f4p3=--fronts 4 --prefill-interval 3" \
+      --variant-args "f4g=--fronts 4" --variant-env "f4g=LEGATO_GIL_SWITCH_MS=0.25" \
       --concurrency ${CONC:-256,64} --max-num-seqs 256 --out /tmp/steady 2>&1 | grep -v '^{' | tail -12
     cp /tmp/steady/summary.json "$OUT/served-steady.json" ;;
 esac
