@@ -486,8 +486,8 @@ def _enc_stats(m: Stats):
     return "stats", {"waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
                      "num_kv_blocks": s.num_kv_blocks, "free_kv_blocks": s.free_kv_blocks,
                      "aborted": dict(s.aborted), "steps": s.steps, "decode_rows": s.decode_rows,
-                     "step_host_s": s.step_host_s,
-                     "step_gpu_s": s.step_gpu_s, "step_gap_s": s.step_gap_s, "loop_other_s": s.loop_other_s}, {}
+                     "step_host_s": s.step_host_s, "step_gpu_s": s.step_gpu_s, "step_gap_s": s.step_gap_s,
+                     "loop_other_s": s.loop_other_s}, {}
 
 
 def _dec_stats(b: _Body) -> Stats:
@@ -498,9 +498,8 @@ def _dec_stats(b: _Body) -> Stats:
                              kv_usage=b.get("kv_usage", float), num_kv_blocks=b.get("num_kv_blocks", int),
                              free_kv_blocks=b.get("free_kv_blocks", int), aborted=aborted,
                              steps=b.get("steps", int), decode_rows=b.get("decode_rows", int),
-                             step_host_s=b.get("step_host_s", float),
-                             step_gpu_s=b.get("step_gpu_s", float), step_gap_s=b.get("step_gap_s", float),
-                             loop_other_s=b.get("loop_other_s", float)))
+                             step_host_s=b.get("step_host_s", float), step_gpu_s=b.get("step_gpu_s", float),
+                             step_gap_s=b.get("step_gap_s", float), loop_other_s=b.get("loop_other_s", float)))
 
 
 def _enc_ready(m: Ready):
