@@ -30,6 +30,16 @@ if triton is not None:
                        mask=((r < H) & ((first + r) >= 0))[:, None] & cmask[None, :], other=0.0)
 
     @triton.jit
+    def _store_staged(out_ptr, hbase, par, val, b, r, c, valid, cmask, rows, L, H, C):
+        """Rows r of P (history, then the call's L rows) into `out`, and P's last H rows into the slot's next
+        history (the other copy)."""
+        tl.store(out_ptr + (b * rows + r)[:, None].to(tl.int64) * C + c[None, :], val,
+                 mask=valid[:, None] & cmask[None, :])
+        keep = valid & (r >= L)
+        tl.store(hbase + (1 - par) * (H * C) + (r - L)[:, None] * C + c[None, :], val,
+                 mask=keep[:, None] & cmask[None, :])
+
+    @triton.jit
     def _stage_kernel(x_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, freq_ptr, inv_ptr, out_ptr,
                       L, H, C, RATE, SNAKE: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_C: tl.constexpr):
@@ -50,11 +60,7 @@ if triton is not None:
             inv = tl.load(inv_ptr + c, mask=cmask, other=0.0)
             new = snake_fn(new, freq[None, :], inv[None, :], FAST_SIN)
         val = tl.where(in_hist[:, None], old.to(tl.float32), new).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + (b * rows + r)[:, None].to(tl.int64) * C + c[None, :], val,
-                 mask=valid[:, None] & cmask[None, :])
-        keep = valid & (r >= L)
-        tl.store(hbase + (1 - par) * (H * C) + (r - L)[:, None] * C + c[None, :], val,
-                 mask=keep[:, None] & cmask[None, :])
+        _store_staged(out_ptr, hbase, par, val, b, r, c, valid, cmask, rows, L, H, C)
 
     @triton.jit
     def _restage_rows(p_ptr, hist_ptr, calls_ptr, pos_ptr, slots_ptr, b, r, c, L, H, C, RATE,
@@ -132,11 +138,7 @@ if triton is not None:
                         mask=live[:, None] & (cmask & mine)[None, :], other=0.0)
             acc += e.to(tl.float32)
         val = tl.where(in_hist[:, None], old, acc).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + (b * rows + r)[:, None].to(tl.int64) * C + c[None, :], val,
-                 mask=valid[:, None] & cmask[None, :])
-        keep = valid & (r >= T)
-        tl.store(hbase + (1 - par) * (H * C) + (r - T)[:, None] * C + c[None, :], val,
-                 mask=keep[:, None] & cmask[None, :])
+        _store_staged(out_ptr, hbase, par, val, b, r, c, valid, cmask, rows, T, H, C)
 
     @triton.jit
     def _dwln_kernel(p_ptr, w_ptr, b_ptr, out_ptr, L, PL, C, EPS, TAPS: tl.constexpr,
