@@ -33,6 +33,8 @@ from pathlib import Path
 
 import httpx
 
+from legato.bench.steady import Sample, steady_summary
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -87,11 +89,10 @@ class MetricsPoller(threading.Thread):
     def __init__(self, url: str, every: float = 0.1) -> None:
         super().__init__(daemon=True)
         self.url, self.every = url, every
-        self.samples: list = []
+        self.samples: list[Sample] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
-        from legato.bench.steady import Sample
         with httpx.Client(timeout=2) as client:
             while not self.stop.is_set():
                 try:
@@ -104,7 +105,6 @@ class MetricsPoller(threading.Thread):
                 self.stop.wait(self.every)
 
     def steady(self) -> dict | None:
-        from legato.bench.steady import steady_summary
         return steady_summary(self.samples)
 
 

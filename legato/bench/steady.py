@@ -28,8 +28,8 @@ def steady_rates(samples: Sequence[Sample], key: str = "decode_rows", lo: float 
         raise ValueError(f"need 0 <= lo < hi <= 1, got lo={lo}, hi={hi}")
     if len(samples) < 3:
         return None
-    base, total = samples[0].counters.get(key, 0.0), samples[-1].counters.get(key, 0.0) - samples[0].counters.get(
-        key, 0.0)
+    base = samples[0].counters.get(key, 0.0)
+    total = samples[-1].counters.get(key, 0.0) - base
     if total <= 0:
         return None
     start = next(s for s in samples if s.counters.get(key, 0.0) - base >= lo * total)

@@ -358,7 +358,7 @@ class Scheduler:
         cfg = self.config
         return cfg.fair_prefill and cfg.enable_chunked_prefill and not cfg.batch_invariant
 
-    def _schedule_fair(self, partial: list[Request], budget: int, out: SchedulerOutput, hold: bool = False) -> int:
+    def _schedule_fair(self, partial: list[Request], budget: int, out: SchedulerOutput, hold: bool) -> int:
         """Admit in FIFO order (prompts only when not ``hold``), then split ``budget`` among every prompt being
         prefilled (``fair_shares``), so a long prompt cannot hold the whole budget while short ones behind it
         wait. Returns tokens used."""
