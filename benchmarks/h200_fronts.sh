@@ -8,7 +8,9 @@
 #           same c and request counts: each run's rates over its steady middle (legato/bench/steady.py) beside the
 #           whole-run figures;
 #           f4p3 is four fronts with --prefill-interval 3; f4g (VARIANTS=... --variant f4g=.:legato) four fronts with
-#           the worker's GIL switch interval at 0.25 ms (default 1 ms).
+#           the worker's GIL switch interval at 0.25 ms (default 1 ms); f4n four fronts with the engine thread at
+#           nice -10 (LEGATO_ENGINE_NICE). Each served cell prints the CPU census of its steady middle (host cores
+#           busy; each thread group's CPU and run-queue cores, legato/bench/cpu_census.py).
 # Needs the server's wheels in .whl/, the base tree in .base/, prompts in .bench-data/prompts. Random 0.6B Base
 # weights (written first), lengths fixed (EOS ignored).
 set -uo pipefail
@@ -47,7 +49,8 @@ round(r['audio_s_per_s'], 1), 'audio-s/s; steady', r['steady'])" "$OUT/loop-c$c.
       --cell-timeout 100 ${VARIANTS:---variant f4=.:legato --variant f4p3=.:legato --variant f1=.:legato} \
       --variant-args "f4=--fronts 4" --variant-args "f4p3=--fronts 4 --prefill-interval 3" \
       --variant-args "f4g=--fronts 4" --variant-env "f4g=LEGATO_GIL_SWITCH_MS=0.25" \
-      --concurrency ${CONC:-256,64} --max-num-seqs 256 --out /tmp/steady 2>&1 | grep -v '^{' | tail -12
+      --variant-args "f4n=--fronts 4" --variant-env "f4n=LEGATO_ENGINE_NICE=-10" \
+      --concurrency ${CONC:-256,64} --max-num-seqs 256 --out /tmp/steady 2>&1 | grep -v '^{' | tail -24
     cp /tmp/steady/summary.json "$OUT/served-steady.json" ;;
 esac
 true

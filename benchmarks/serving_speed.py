@@ -33,7 +33,8 @@ from pathlib import Path
 
 import httpx
 
-from legato.bench.steady import Sample, steady_summary
+from legato.bench.cpu_census import busiest, census
+from legato.bench.steady import Sample, steady_rates, steady_summary
 
 
 def free_port() -> int:
@@ -79,7 +80,8 @@ def step_timers(url: str) -> dict:
 
 STEADY_KEYS = {"legato_engine_decode_rows_total": "decode_rows", "legato_engine_steps_total": "steps",
                "legato_engine_step_gpu_seconds_total": "gpu_s", "legato_engine_step_gap_seconds_total": "gap_s",
-               "legato_engine_step_host_seconds_total": "host_s"}
+               "legato_engine_step_host_seconds_total": "host_s",
+               "legato_engine_loop_other_seconds_total": "loop_other_s"}
 
 
 class MetricsPoller(threading.Thread):
@@ -101,11 +103,23 @@ class MetricsPoller(threading.Thread):
                     text = ""
                 values = {short: v for name, short in STEADY_KEYS.items() if (v := metric(text, name)) is not None}
                 if "decode_rows" in values:
+                    values.update(census())  # every thread of the server and the bench client below this process
                     self.samples.append(Sample(time.monotonic(), values))
                 self.stop.wait(self.every)
 
     def steady(self) -> dict | None:
-        return steady_summary(self.samples)
+        """The steady middle's rates, with `cpu`: the busiest thread groups' CPU and run-queue cores there and
+        `host_cores`, the machine's busy cores (of `os.cpu_count()`)."""
+        summary = steady_summary(self.samples)
+        rates = steady_rates(self.samples)
+        if summary is not None and rates is not None:
+            steps = rates.get("steps") or 0.0
+            for key in ("host_s", "loop_other_s"):  # the engine thread's time in step() and around it, per step
+                summary[f"{key[:-2]}_ms_per_step"] = 1000 * rates[key] / steps if steps and key in rates else None
+            summary["cpu"] = busiest(rates)
+            summary["host_cores"] = rates.get("cpu:host")
+            summary["cpu_count"] = os.cpu_count()
+        return summary
 
 
 def server_ttfps(log_path: Path, start: int) -> list[float]:
@@ -289,6 +303,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                         "steady": poller.steady()}
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
+                print(f"[{stem}] steady cpu: {cpu_line(cell['steady'])}", flush=True)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -309,6 +324,16 @@ def steady_cols(st: dict | None) -> str:
     if not st:
         return "-"
     return f"{st['decode_rows_per_s']:.0f}, {st['steps_per_s'] or 0:.1f}, {st['rows_per_step'] or 0:.1f}"
+
+
+def cpu_line(st: dict | None) -> str:
+    """The steady middle's host cores busy and its busiest thread groups' CPU / run-queue cores, on one line."""
+    if not st or "cpu" not in st:
+        return "-"
+    groups = ", ".join(f"{g} {v['cpu']:.2f}/{v['runq']:.2f}" for g, v in st["cpu"].items())
+    host = st.get("host_cores")
+    return (f"host {host or 0:.1f} of {st.get('cpu_count')} cores; engine step host "
+            f"{st.get('host_ms_per_step') or 0:.1f} + other {st.get('loop_other_ms_per_step') or 0:.1f} ms; {groups}")
 
 
 def table(cells: list[dict]) -> str:

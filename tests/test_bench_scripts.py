@@ -3,6 +3,7 @@ profile): they run on the CPU, so a script that reads them wrong fails here, not
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def test_metrics_poller_reads_the_engine_counters_and_gives_the_steady_rates():
             n = reads["n"] = reads["n"] + 1
             body = (f"legato_engine_steps_total {n}.0\nlegato_engine_decode_rows_total {100 * n}.0\n"
                     f"legato_engine_step_gpu_seconds_total {0.008 * n}\nlegato_engine_step_gap_seconds_total "
-                    f"{0.002 * n}\n").encode()
+                    f"{0.002 * n}\nlegato_engine_step_host_seconds_total {0.006 * n}\n"
+                    f"legato_engine_loop_other_seconds_total {0.001 * n}\n").encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -117,3 +119,7 @@ def test_metrics_poller_reads_the_engine_counters_and_gives_the_steady_rates():
     assert abs(st["rows_per_step"] - 100.0) < 1e-9 and abs(st["gpu_busy"] - 0.8) < 1e-9
     assert st["decode_rows_per_s"] > 0 and "-" != serving_speed.steady_cols(st)
     assert serving_speed.steady_cols(None) == "-"
+    # The engine thread's time per step, and the CPU census of this process's threads over the same window.
+    assert abs(st["host_ms_per_step"] - 6.0) < 1e-6 and abs(st["loop_other_ms_per_step"] - 1.0) < 1e-6
+    assert st["cpu_count"] == os.cpu_count() and isinstance(st["cpu"], dict)
+    assert serving_speed.cpu_line(st).startswith("host ") and serving_speed.cpu_line(None) == "-"

@@ -10,7 +10,12 @@ import threading
 
 import pytest
 
-from legato.pipeline.threads import ENGINE_THREAD_NAME, run_on_engine_thread
+from legato.pipeline.threads import (
+    ENGINE_THREAD_NAME,
+    name_native_thread,
+    raise_engine_thread_priority,
+    run_on_engine_thread,
+)
 
 
 def test_the_loop_runs_on_an_engine_thread_and_its_result_comes_back(monkeypatch):
@@ -57,3 +62,43 @@ def test_an_interrupted_caller_stops_the_loop():
         signal.signal(signal.SIGINT, previous)
     assert ended.wait(timeout=30.0), "the loop did not end after the interrupt"
     assert saw_stop == [True], "the loop ended without seeing stop"
+
+
+def _on_a_thread(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(result=fn()), name="probe-thread")
+    t.start()
+    t.join(30)
+    return out["result"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="native thread names and priorities: Linux")
+def test_the_engine_thread_has_its_name_at_the_os_level_too():
+    def named():
+        name_native_thread()
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            return f.read().strip()
+
+    assert _on_a_thread(named) == "probe-thread"
+    assert run_on_engine_thread(lambda stop: open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
+                                ) == ENGINE_THREAD_NAME
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values: Linux")
+def test_legato_engine_nice_sets_the_calling_thread_s_priority_only(monkeypatch, caplog):
+    import os
+
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    wanted = min(base + 3, 19)  # lowering the priority needs no privilege
+    monkeypatch.setenv("LEGATO_ENGINE_NICE", str(wanted))
+
+    def applied():
+        raise_engine_thread_priority()
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert _on_a_thread(applied) == wanted
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller's thread keeps its own
+    monkeypatch.setenv("LEGATO_ENGINE_NICE", "fast")
+    with caplog.at_level("WARNING"):
+        assert _on_a_thread(applied) == base  # a bad value is logged, not raised
+    assert "LEGATO_ENGINE_NICE=fast not applied" in caplog.text

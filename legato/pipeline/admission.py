@@ -22,6 +22,7 @@ from concurrent.futures import Future
 
 from legato.engine.engine import EngineRequest
 from legato.models.qwen3_tts.prompt import PromptSpec, TalkerPrompt
+from legato.pipeline.threads import name_native_thread
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class Admission:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        name_native_thread()
         while True:
             batch = [self._queue.get()]
             while batch[-1] is not None and len(batch) < self.max_batch:

@@ -36,6 +36,7 @@ from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.config import load_speech_tokenizer_config
 from legato.models.qwen3_tts.loader import load_into, read_safetensors
 from legato.pipeline.client import put_all
+from legato.pipeline.threads import name_native_thread
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,7 @@ class LocalCodecClient:
     # --- codec thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_native_thread()
         try:
             with self._device_stream():
                 while True:

@@ -55,7 +55,12 @@ from legato.pipeline.client import (
 )
 from legato.pipeline.drain import DrainRate
 from legato.pipeline.handover import ChunkSink, EngineStream, StepHandover, settle
-from legato.pipeline.threads import ENGINE_THREAD_NAME, set_gil_switch_interval
+from legato.pipeline.threads import (
+    ENGINE_THREAD_NAME,
+    name_native_thread,
+    raise_engine_thread_priority,
+    set_gil_switch_interval,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +90,8 @@ class LocalEngineClient(EngineClient):
         self._admission = Admission(self.engine.prepare_prompts, lambda er: not open_text_missing(er.spec))
         # Reference clips the voice cache lacks are encoded here, so that admission, which every request passes
         # through, never waits behind an encode (see `_voice_of`).
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voice-encoder")
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voice-encoder",
+                                           initializer=name_native_thread)
         self.info = ModelInfo.from_configs(name, loaded.config, loaded.speech_config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, EngineStream] = {}
@@ -433,6 +439,8 @@ class LocalEngineClient(EngineClient):
     # --- engine thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_native_thread()
+        raise_engine_thread_priority()
         try:
             while True:
                 # Requests that only wait for text leave nothing to step: wait for a command (50 ms at most).

@@ -50,6 +50,7 @@ from legato.pipeline.ipc import zmq_endpoint
 from legato.pipeline.kv_links import KVLinkSpec, socket_path
 from legato.pipeline.launchers import Launcher, LocalLauncher
 from legato.pipeline.liveness import Liveness
+from legato.pipeline.threads import name_native_thread
 from legato.pipeline.worker import WorkerSpec, receive_limit
 
 log = logging.getLogger(__name__)
@@ -436,6 +437,7 @@ class ProcessEngineClient(EngineClient):
     # --- I/O thread -----------------------------------------------------------------------------------
 
     def _io_loop(self) -> None:
+        name_native_thread()
         poller = zmq.Poller()
         poller.register(self._out, zmq.POLLIN)
         while True:

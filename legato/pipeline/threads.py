@@ -15,6 +15,7 @@ machine is busy.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -45,6 +46,31 @@ def set_gil_switch_interval() -> None:
         sys.setswitchinterval(ms / 1000.0)
 
 
+def name_native_thread(name: str | None = None) -> None:
+    """Gives the calling thread its Python name (or `name`) at the OS level too (Linux: 15 characters), so `top -H`,
+    py-spy's native view and the CPU census of the benchmarks (`legato.bench.cpu_census`) can tell the engine thread
+    from the admission thread and the event loop. Python 3.12 leaves every thread named after the process."""
+    name = (name or threading.current_thread().name)[:15]
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name)
+    except OSError:  # not Linux, or /proc not writable: the name is only for observers
+        pass
+
+
+def raise_engine_thread_priority() -> None:
+    """Applies $LEGATO_ENGINE_NICE (a nice value, e.g. -5) to the calling thread, so that on a busy host the
+    scheduler runs the engine thread ahead of the event loops and bench clients beside it; unset: nothing. A
+    value the process may not set (a negative one needs CAP_SYS_NICE) is logged and left."""
+    raw = os.environ.get("LEGATO_ENGINE_NICE")
+    if not raw:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(raw))
+    except (ValueError, OSError, AttributeError) as e:
+        logging.getLogger(__name__).warning("LEGATO_ENGINE_NICE=%s not applied: %s", raw, e)
+
+
 def run_on_engine_thread(loop: Callable[[threading.Event], T]) -> T:
     """Runs `loop(stop)` on an engine thread with the server's settings and returns what it returns (or raises
     what it raises). The caller waits; if the wait is interrupted (Ctrl-C), `stop` is set so the loop can end
@@ -53,6 +79,7 @@ def run_on_engine_thread(loop: Callable[[threading.Event], T]) -> T:
     outcome: dict[str, object] = {}
 
     def target() -> None:
+        name_native_thread()
         try:
             outcome["result"] = loop(stop)
         except BaseException as e:  # handed to the caller's thread, which raises it
