@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from client_limit import prompt_list  # noqa: E402
 from serving_speed import free_port, percentile, server_stages, server_ttfps, step_timers  # noqa: E402
 
+from legato.bench.cpu_census import census  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,6 +43,7 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
         serve += ["--model", str(Path(args.model).resolve())]
     if args.paced_step_ms:  # the real front, a paced stand-in for the engine (paced_serve.py), thread workers
         cmd = [args.python, str(ROOT / "benchmarks" / "paced_serve.py"), "--step-ms", str(args.paced_step_ms),
+               "--host-ops", str(args.paced_host_ops),
                *(["--real-prompts"] if args.real_prompts else []), "--", *serve]
     else:
         cmd = [args.python, "-m", "legato.cli", "serve", "--device", "cpu", *serve]
@@ -67,6 +70,8 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
                 log.flush()
                 at = log_path.stat().st_size
                 before = step_timers(url)
+                cpu_before = census()  # every live thread below this process: the server's
+                children_before = _children_cpu_s()
                 spy = None
                 if args.profile and conc == args.profile_conc:
                     spy = subprocess.Popen([args.py_spy, "record", "--pid", str(proc.pid), "--subprocesses",
@@ -81,6 +86,8 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
                          "--label", label, "--client-procs", str(args.client_procs)]
                 done = subprocess.run(bench, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                       capture_output=True, text=True, timeout=args.cell_timeout)
+                cpu = cpu_per_request(cpu_before, census(), conc * args.waves)
+                cpu["client"] = round(1000 * (_children_cpu_s() - children_before) / (conc * args.waves), 3)
                 if spy is not None:
                     spy.wait(args.profile_seconds + 60)
                 after = step_timers(url)
@@ -93,13 +100,17 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
                 served = server_ttfps(log_path, at)
                 stages = server_stages(log_path, at)
                 steps = after.get("legato_engine_steps_total", 0) - before.get("legato_engine_steps_total", 0)
+                host = (after.get("legato_engine_step_host_seconds_total", 0)
+                        - before.get("legato_engine_step_host_seconds_total", 0))
                 cell = {"variant": name, "concurrency": conc, "requests": conc * args.waves,
                         "completed": agg["completed"], "failed": agg["failed"],
                         "audio_s_per_s": agg["audio_throughput"], "ttfp_p50_ms": agg["ttfp_ms"]["median"],
                         "ttfp_p99_ms": agg["ttfp_ms"]["p99"],
                         "server_ttfp_p50_ms": 1000 * percentile(served, 0.5) if served else None,
                         "server_ttfp_p99_ms": 1000 * percentile(served, 0.99) if served else None,
-                        "server_stages": stages, "continuity": agg["continuity_rate"], "engine_steps": steps}
+                        "server_stages": stages, "continuity": agg["continuity_rate"], "engine_steps": steps,
+                        "engine_host_ms_per_step": 1000 * host / steps if steps else None,
+                        "cpu_ms_per_request": cpu}
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
         finally:
@@ -110,6 +121,25 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return cells
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's ended and waited-for children (the bench client, once its cell is over)."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, float]:
+    """CPU milliseconds a request cost each thread group over a cell (`cpu_census` counters before and after), the
+    busiest first, groups under 0.05 ms left out; `all` sums the groups (the host's total is left aside: it counts
+    whatever else ran on the machine). The bench client has ended by then: its share is added by the caller."""
+    used = {k[4:]: after[k] - before.get(k, 0.0) for k in after if k.startswith("cpu:") and k != "cpu:host"}
+    per = {g: round(1000 * v / requests, 3) for g, v in sorted(used.items(), key=lambda kv: -kv[1])
+           if 1000 * v / requests >= 0.05}
+    per["all"] = round(1000 * sum(v for v in used.values() if v > 0) / requests, 3)
+    return per
 
 
 def main() -> int:
@@ -128,6 +158,8 @@ def main() -> int:
                    help="server options of one variant only, after --server-args (e.g. 'f2=--fronts 2')")
     p.add_argument("--paced-step-ms", type=float, default=None,
                    help="serve a paced stand-in engine (a frame per stream this often) instead of the tiny model")
+    p.add_argument("--paced-host-ops", type=int, default=0,
+                   help="small torch ops the paced engine thread runs a step (its step time then shows GIL waits)")
     p.add_argument("--real-prompts", action="store_true",
                    help="with --paced-step-ms: admission builds real prompts from the served weights")
     p.add_argument("--rounds", type=int, default=1, help="variants alternate this many times (noise on a shared host)")

@@ -3,7 +3,8 @@
 #   1. the engine alone (engine_loop.py, 256 live streams, 6 x 256 requests), 5 s of its measured loop,
 #      plus a torch.profiler window that names the host phase open when the GPU idles;
 #   2. the server and its worker (serving_speed.py, c=256, 1,024 prompts so the cell is long), 8 s; SERVE_BASE=1 serves
-#      .base/ (commit BASE) first, in the same call; GIL=1 samples only the thread holding the GIL (py-spy --gil).
+#      .base/ (commit BASE) first, in the same call; GIL=1 samples only the thread holding the GIL (py-spy --gil),
+#      NATIVE=1 adds C frames (py-spy --native: a CUDA driver call or a lock the engine thread waits in).
 #   0. BURST=1: first a burst of C x-vector requests through LocalEngineClient's admission beside 64 running
 #      streams (admission_burst.py), for .base/ (with SERVE_BASE=1) and the tree: the prepare stage and TTFP.
 # Each profile is summarised by benchmarks/pyspy_summary.py into its .summary.txt.
@@ -39,7 +40,7 @@ wait $pid
 grep '^{' "$OUT/loop-c$C.log" | cut -c1-600
 timeout ${T2:-300} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
   --client-procs ${CLIENT_PROCS:-2} --startup-timeout 200 --cell-timeout 150 ${SERVE_BASE:+--variant base=.base:legato} \
-  --variant new=.:legato ${FRONTS:+--variant-args "new=--fronts $FRONTS"} --concurrency $C ${GIL:+--profile-gil} \
+  --variant new=.:legato ${FRONTS:+--variant-args "new=--fronts $FRONTS"} --concurrency $C ${GIL:+--profile-gil} ${NATIVE:+--profile-native} \
   --max-num-seqs $C --min-prompts ${PROMPTS:-$((4 * C))} --max-prompts ${PROMPTS:-$((4 * C))} --profile xvec:$C --profile-seconds 8 \
   --out /tmp/served 2>&1 | grep -v '^{' | tail -6
 cp /tmp/served/summary.json "$OUT/served-c$C.json"

@@ -29,6 +29,9 @@ class PacedEngine:
 
     step_s = 0.04
     real_prompts = False  # build each request's prompt with the model's weights, as the engine does
+    # Small torch ops a step (each releases the GIL and must win it back, as the real engine's launches do), so
+    # that the engine thread's step time shows what the threads beside it cost it (`--host-ops`).
+    host_ops = 0
 
     def __init__(self, loaded, config) -> None:
         from legato.engine.codec_schedule import next_chunk_frames
@@ -42,9 +45,10 @@ class PacedEngine:
         self.done: list = []  # aborted: their last output goes out with the next step
         self.scheduler = SimpleNamespace(num_waiting=0, num_running=0)
         self.block_manager = SimpleNamespace(usage=0.0, num_blocks=1024, num_free_blocks=1024)
-        self.times = SimpleNamespace(steps=0, host_s=0.0, gpu_s=0.0, gap_s=0.0)
+        self.times = SimpleNamespace(steps=0, decode_rows=0, host_s=0.0, gpu_s=0.0, gap_s=0.0)
         self.text_wait_s, self.num_waiting_for_text = 0.0, 0
         self._frame = (np.random.default_rng(0).standard_normal(1920) * 0.05).astype(np.float32)
+        self._ops = (torch.ones(16), torch.ones(16), torch.empty(16))
         self._next_at = time.perf_counter()
 
     def prepare_prompt(self, spec):
@@ -97,10 +101,14 @@ class PacedEngine:
             time.sleep(delay)
         started = time.perf_counter()
         self._next_at = max(self._next_at + self.step_s, started)
+        a, b, out = self._ops
+        for _ in range(self.host_ops if self.live else 0):
+            torch.add(a, b, out=out)
         outs = [RequestOutput(rid, torch.zeros((0, 16), dtype=torch.int64), None, True, reason, num_frames=made)
                 for rid, made, reason in self.done]
         self.done = []
         cfg = self.config
+        self.times.decode_rows += len(self.live)  # one frame per running request, as the engine counts
         for rid, e in list(self.live.items()):
             # Like the engine: a request's output comes when its next chunk of audio is due, with the codes since.
             e[1] += 1
@@ -121,13 +129,15 @@ class PacedEngine:
         return outs
 
 
-def install(step_ms: float, real_prompts: bool = False) -> None:
+def install(step_ms: float, real_prompts: bool = False, host_ops: int = 0) -> None:
     """Makes every LocalEngineClient of this process build a PacedEngine (`paced/sitecustomize.py` calls it in
-    worker processes, which inherit LEGATO_PACED_STEP_MS, LEGATO_PACED_PROMPTS and PYTHONPATH)."""
+    worker processes, which inherit LEGATO_PACED_STEP_MS, LEGATO_PACED_PROMPTS, LEGATO_PACED_HOST_OPS and
+    PYTHONPATH)."""
     import legato.pipeline.local as local
 
     PacedEngine.step_s = step_ms / 1000.0
     PacedEngine.real_prompts = real_prompts
+    PacedEngine.host_ops = host_ops
     local.Engine = PacedEngine
 
 
@@ -138,12 +148,15 @@ def main() -> int:
     p.add_argument("--step-ms", type=float, default=40.0, help="one frame per running request this often")
     p.add_argument("--real-prompts", action="store_true",
                    help="admission builds each request's prompt with the model's weights, as it does for the engine")
+    p.add_argument("--host-ops", type=int, default=0,
+                   help="small torch ops the engine thread runs each step while requests run (GIL hand-overs)")
     args = p.parse_args(argv[:split])
     here = Path(__file__).resolve().parent
     os.environ["LEGATO_PACED_STEP_MS"] = str(args.step_ms)
     os.environ["LEGATO_PACED_PROMPTS"] = "1" if args.real_prompts else ""
+    os.environ["LEGATO_PACED_HOST_OPS"] = str(args.host_ops)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(here / "paced")) if p)
-    install(args.step_ms, args.real_prompts)
+    install(args.step_ms, args.real_prompts, args.host_ops)
     from legato.cli import main as legato_main
 
     return legato_main(["serve", "--device", "cpu", *argv[split + 1:]])

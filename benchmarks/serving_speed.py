@@ -254,7 +254,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                     spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration",
                                             str(args.profile_seconds), "--rate", "100", "--format", "raw",
                                             "--nonblocking", "--threads", "--subprocesses",
-                                            *(["--gil"] if args.profile_gil else []), "--output",
+                                            *(["--gil"] if args.profile_gil else []),
+                                            *(["--native"] if args.profile_native else []), "--output",
                                             str(Path(args.out) / f"profile-{stem}.txt")],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 done = subprocess.run(bench, env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -393,6 +394,8 @@ def main() -> int:
     p.add_argument("--profile-seconds", type=int, default=5)
     p.add_argument("--profile-gil", action="store_true",
                    help="sample only the thread holding the GIL (py-spy --gil): who the others wait for")
+    p.add_argument("--profile-native", action="store_true",
+                   help="py-spy --native: C frames too (a CUDA driver call or lock the engine thread waits in)")
     p.add_argument("--text-rate", default="inf", help="tokens a second of the -ws modes' text ('inf': at once)")
     args = p.parse_args()
     args.variant_args = dict(item.partition("=")[::2] for item in args.variant_args)

@@ -59,6 +59,16 @@ def test_pyspy_summary_counts_samples_by_thread_and_functions_once_per_sample(tm
     engine = text.index("engine (")
     assert "5  step" in text[engine:] and "5  run" in text[engine:]  # recursion counted once per sample
     assert "2  build" in text[text.index("admission_0 ("):]
+    assert "innermost frames" in text and "5  step (engine.py)" in text
+
+
+def test_pyspy_summary_reads_native_frames_as_innermost(tmp_path):
+    raw = tmp_path / "profile.txt"
+    raw.write_text('process 7:"python -m legato.pipeline.worker";thread (8): engine;'
+                   "step (legato/engine/engine.py:2);cuLaunchKernel (libcuda.so.1);"
+                   "pthread_mutex_lock (libc.so.6) 3\n")
+    text = pyspy_summary.summarise(str(raw), threads=1, top=5)
+    assert "3  step" in text and "3  pthread_mutex_lock (libc.so.6)" in text
 
 
 def test_admission_burst_runs_a_burst_through_the_client_and_reports_its_stages(tmp_path):
@@ -123,3 +133,41 @@ def test_metrics_poller_reads_the_engine_counters_and_gives_the_steady_rates():
     assert abs(st["host_ms_per_step"] - 6.0) < 1e-6 and abs(st["loop_other_ms_per_step"] - 1.0) < 1e-6
     assert st["cpu_count"] == os.cpu_count() and isinstance(st["cpu"], dict)
     assert serving_speed.cpu_line(st).startswith("host ") and serving_speed.cpu_line(None) == "-"
+
+
+def test_the_paced_stand_in_serves_through_the_local_client(tiny_checkpoint, monkeypatch):
+    """paced_serve.py's engine stand-in (the CPU proxy of the served host path) against today's LocalEngineClient:
+    a client change that reads something the stand-in lacks fails here, not at the next CPU profile."""
+    import asyncio
+
+    import numpy as np
+    import paced_serve
+    import torch
+
+    import legato.pipeline.local as local
+    from legato.engine.config import EngineConfig
+    from legato.models.qwen3_tts.inputs import SpeechInput
+    from legato.models.qwen3_tts.loader import load_model
+    from legato.models.qwen3_tts.sampling import SamplingParams
+    from legato.pipeline.client import SynthesisRequest
+
+    monkeypatch.setattr(local, "Engine", local.Engine)  # install() replaces it: put it back after the test
+    monkeypatch.setattr(paced_serve.PacedEngine, "step_s", paced_serve.PacedEngine.step_s)
+    monkeypatch.setattr(paced_serve.PacedEngine, "host_ops", paced_serve.PacedEngine.host_ops)
+    paced_serve.install(step_ms=1.0, real_prompts=False, host_ops=3)
+    loaded = load_model(tiny_checkpoint)
+    inp = SpeechInput("Hello there.", language="english", speaker_embedding=torch.zeros(64), x_vector_only=True)
+
+    async def main():
+        client = local.LocalEngineClient(loaded, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
+        await client.start()
+        try:
+            req = SynthesisRequest("p", inp, SamplingParams(seed=1), max_frames=5, ignore_eos=True)
+            return [c async for c in client.generate(req)], client.stats()
+        finally:
+            await client.stop()
+
+    chunks, stats = asyncio.run(main())
+    assert chunks[-1].finished and chunks[-1].num_frames == 5
+    assert np.concatenate([c.audio for c in chunks]).shape == (5 * 1920,)
+    assert stats.decode_rows == 5 and stats.steps >= 5

@@ -8,4 +8,5 @@ if os.environ.get("LEGATO_PACED_STEP_MS"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import paced_serve
 
-    paced_serve.install(float(os.environ["LEGATO_PACED_STEP_MS"]), bool(os.environ.get("LEGATO_PACED_PROMPTS")))
+    paced_serve.install(float(os.environ["LEGATO_PACED_STEP_MS"]), bool(os.environ.get("LEGATO_PACED_PROMPTS")),
+                        int(os.environ.get("LEGATO_PACED_HOST_OPS") or 0))
