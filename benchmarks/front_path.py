@@ -86,8 +86,10 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
                          "--label", label, "--client-procs", str(args.client_procs)]
                 done = subprocess.run(bench, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                       capture_output=True, text=True, timeout=args.cell_timeout)
-                cpu = cpu_per_request(cpu_before, census(), conc * args.waves)
+                cpu_after = census()
+                cpu = cpu_per_request(cpu_before, cpu_after, conc * args.waves)
                 cpu["client"] = round(1000 * (_children_cpu_s() - children_before) / (conc * args.waves), 3)
+                runq = cpu_per_request(cpu_before, cpu_after, conc * args.waves, "runq:")
                 if spy is not None:
                     spy.wait(args.profile_seconds + 60)
                 after = step_timers(url)
@@ -110,7 +112,7 @@ def run_variant(args, name: str, tree: Path, data: Path, out: Path) -> list[dict
                         "server_ttfp_p99_ms": 1000 * percentile(served, 0.99) if served else None,
                         "server_stages": stages, "continuity": agg["continuity_rate"], "engine_steps": steps,
                         "engine_host_ms_per_step": 1000 * host / steps if steps else None,
-                        "cpu_ms_per_request": cpu}
+                        "cpu_ms_per_request": cpu, "runq_ms_per_request": runq}
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
         finally:
@@ -131,11 +133,13 @@ def _children_cpu_s() -> float:
     return use.ru_utime + use.ru_stime
 
 
-def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, float]:
+def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int,
+                    kind: str = "cpu:") -> dict[str, float]:
     """CPU milliseconds a request cost each thread group over a cell (`cpu_census` counters before and after), the
     busiest first, groups under 0.05 ms left out; `all` sums the groups (the host's total is left aside: it counts
-    whatever else ran on the machine). The bench client has ended by then: its share is added by the caller."""
-    used = {k[4:]: after[k] - before.get(k, 0.0) for k in after if k.startswith("cpu:") and k != "cpu:host"}
+    whatever else ran on the machine). The bench client has ended by then: its share is added by the caller.
+    `kind` "runq:" gives the milliseconds a request's threads waited for a CPU instead."""
+    used = {k[len(kind):]: after[k] - before.get(k, 0.0) for k in after if k.startswith(kind) and k != "cpu:host"}
     per = {g: round(1000 * v / requests, 3) for g, v in sorted(used.items(), key=lambda kv: -kv[1])
            if 1000 * v / requests >= 0.05}
     per["all"] = round(1000 * sum(v for v in used.values() if v > 0) / requests, 3)

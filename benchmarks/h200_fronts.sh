@@ -10,7 +10,8 @@
 #           f4p3 is four fronts with --prefill-interval 3; f4g (VARIANTS=... --variant f4g=.:legato) four fronts with
 #           the worker's GIL switch interval at 0.25 ms (default 1 ms); f4n four fronts with the engine thread at
 #           nice -10 (LEGATO_ENGINE_NICE). Each served cell prints the CPU census of its steady middle (host cores
-#           busy; each thread group's CPU and run-queue cores, legato/bench/cpu_census.py).
+#           busy; each thread group's CPU and run-queue cores, legato/bench/cpu_census.py). PROFILE=1 then serves
+#           one more c=256 cell (four fronts) under py-spy --native --idle, 4 s of its steady middle.
 # Needs the server's wheels in .whl/, the base tree in .base/, prompts in .bench-data/prompts. Random 0.6B Base
 # weights (written first), lengths fixed (EOS ignored).
 set -uo pipefail
@@ -51,6 +52,19 @@ round(r['audio_s_per_s'], 1), 'audio-s/s; steady', r['steady'])" "$OUT/loop-c$c.
       --variant-args "f4g=--fronts 4" --variant-env "f4g=LEGATO_GIL_SWITCH_MS=0.25" \
       --variant-args "f4n=--fronts 4" --variant-env "f4n=LEGATO_ENGINE_NICE=-10" \
       --concurrency ${CONC:-256,64} --max-num-seqs 256 --out /tmp/steady 2>&1 | grep -v '^{' | tail -24
-    cp /tmp/steady/summary.json "$OUT/served-steady.json" ;;
+    cp /tmp/steady/summary.json "$OUT/served-steady.json"
+    if [ -n "${PROFILE:-}" ]; then  # then where the served engine thread's time goes: a profile of its steady middle
+      # py-spy --native --idle from 2 s into a c=256 cell of four fronts, 4 s: GIL waits (take_gil), driver calls
+      # and locks, device syncs, by thread (pauses the processes 100 times a second: a separate, unmeasured cell)
+      timeout ${TP:-200} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
+        --client-procs ${PROCS:-6} --min-prompts 1024 --max-prompts 1024 --startup-timeout 150 --cell-timeout 100 \
+        --variant f4prof=.:legato --variant-args "f4prof=--fronts 4" --concurrency 256 --max-num-seqs 256 \
+        --profile xvec:256 --profile-native --profile-idle --profile-delay 2 --profile-seconds 4 \
+        --out /tmp/steady-prof 2>&1 | grep -v '^{' | tail -3
+      for f in /tmp/steady-prof/profile-*.txt; do
+        [ -f "$f" ] && python3 benchmarks/pyspy_summary.py "$f" --threads 8 --top 25 > "$OUT/$(basename "${f%.txt}").summary.txt"
+      done
+      grep -h -A12 "Samples by" "$OUT"/profile-*.summary.txt 2>/dev/null | head -14
+    fi ;;
 esac
 true

@@ -122,6 +122,40 @@ class MetricsPoller(threading.Thread):
         return summary
 
 
+def pyspy_command(args, pid: int, out: Path) -> list[str]:
+    """py-spy sampling the server and its workers at 100 Hz: `--gil` only the thread holding the GIL; `--native`
+    with C frames (the process is paused for each sample then: native unwinding needs it); `--idle` threads that
+    wait too (a GIL or lock wait, a device sync)."""
+    return ["py-spy", "record", "--pid", str(pid), "--duration", str(args.profile_seconds), "--rate", "100",
+            "--format", "raw", "--threads", "--subprocesses", *([] if args.profile_native else ["--nonblocking"]),
+            *(["--gil"] if args.profile_gil else []), *(["--native"] if args.profile_native else []),
+            *(["--idle"] if args.profile_idle else []), "--output", str(out)]
+
+
+class DelayedProfile:
+    """A profiler started `delay_s` after now (so that it samples a cell's steady middle, not its first burst)."""
+
+    def __init__(self, command: list[str], delay_s: float) -> None:
+        self.proc: subprocess.Popen | None = None
+        self._timer = threading.Timer(delay_s, self._start, (command,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _start(self, command: list[str]) -> None:
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float) -> None:
+        self._timer.join(timeout)
+        if self.proc is None:  # the cell ended before the delay: no profile
+            self._timer.cancel()
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def server_ttfps(log_path: Path, start: int) -> list[float]:
     """TTFP the server itself logged (request in to first audio out, `ttfp_s=`) after byte `start`."""
     with open(log_path, "rb") as f:
@@ -251,13 +285,8 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 if profiled and shutil.which("py-spy") is None:
                     print(f"[{stem}] py-spy is not on PATH: no profile of this cell", flush=True)
                 elif profiled:
-                    spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration",
-                                            str(args.profile_seconds), "--rate", "100", "--format", "raw",
-                                            "--nonblocking", "--threads", "--subprocesses",
-                                            *(["--gil"] if args.profile_gil else []),
-                                            *(["--native"] if args.profile_native else []), "--output",
-                                            str(Path(args.out) / f"profile-{stem}.txt")],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                    spy = DelayedProfile(pyspy_command(args, proc.pid, Path(args.out) / f"profile-{stem}.txt"),
+                                         args.profile_delay)
                 done = subprocess.run(bench, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                     p for p in (str(Path(".").resolve()), os.environ.get("PYTHONPATH")) if p)},
                     capture_output=True, text=True, timeout=args.cell_timeout)
@@ -267,7 +296,7 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                 served = server_ttfps(Path(args.out) / f"server-{name}.log", log_at)
                 stages = server_stages(Path(args.out) / f"server-{name}.log", log_at)
                 if spy is not None:
-                    spy.wait(args.profile_seconds + 30)
+                    spy.wait(args.profile_delay + args.profile_seconds + 30)
                 label = f"{name}-{mode}{tag}-stream-text" if ws else f"{name}-{mode}{tag}"
                 result_path = Path(args.out) / "runs" / f"{label}-single-c{conc}.json"
                 if done.returncode != 0 or not result_path.exists():
@@ -396,6 +425,9 @@ def main() -> int:
                    help="sample only the thread holding the GIL (py-spy --gil): who the others wait for")
     p.add_argument("--profile-native", action="store_true",
                    help="py-spy --native: C frames too (a CUDA driver call or lock the engine thread waits in)")
+    p.add_argument("--profile-idle", action="store_true", help="py-spy --idle: waiting threads' samples too")
+    p.add_argument("--profile-delay", type=float, default=0.0,
+                   help="seconds into the cell before the profile starts (its steady middle)")
     p.add_argument("--text-rate", default="inf", help="tokens a second of the -ws modes' text ('inf': at once)")
     args = p.parse_args()
     args.variant_args = dict(item.partition("=")[::2] for item in args.variant_args)

@@ -171,3 +171,21 @@ def test_the_paced_stand_in_serves_through_the_local_client(tiny_checkpoint, mon
     assert chunks[-1].finished and chunks[-1].num_frames == 5
     assert np.concatenate([c.audio for c in chunks]).shape == (5 * 1920,)
     assert stats.decode_rows == 5 and stats.steps >= 5
+
+
+def test_pyspy_command_and_a_delayed_profile(tmp_path):
+    import argparse
+    import sys as _sys
+
+    args = argparse.Namespace(profile_seconds=4, profile_native=True, profile_gil=False, profile_idle=True)
+    cmd = serving_speed.pyspy_command(args, 123, tmp_path / "p.txt")
+    assert "--native" in cmd and "--idle" in cmd and "--nonblocking" not in cmd  # native needs the pauses
+    args.profile_native = False
+    assert "--nonblocking" in serving_speed.pyspy_command(args, 123, tmp_path / "p.txt")
+    marker = tmp_path / "started"
+    late = serving_speed.DelayedProfile([_sys.executable, "-c", f"open({str(marker)!r}, 'w')"], 0.05)
+    late.wait(30)
+    assert marker.exists()
+    never = serving_speed.DelayedProfile([_sys.executable, "-c", "raise SystemExit(3)"], 3600)
+    never.wait(0.01)  # the cell ended first: the profiler never starts
+    assert never.proc is None
