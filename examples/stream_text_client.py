@@ -2,9 +2,9 @@
 
     pip install websockets
     legato serve &                                   # the embedded tiny model (random weights: noise, but timed)
-    python examples/stream_text_client.py --out out.wav --tokens-per-s 40 "Sure! The weather in Paris is sunny."
+    python examples/stream_text_client.py --voice ryan --tokens-per-s 40 "Sure! The weather in Paris is sunny."
 
-It sends the text word by word at an LLM's pace (`--tokens-per-s`), writes the audio to a WAV file as it
+It sends the text word by word at an LLM's pace (`--tokens-per-s`), writes the audio to a WAV file (`--out`) as it
 arrives, and prints the time from the first word sent to the first audio received. `--cancel-after-s` sends a
 barge-in `response.cancel` (once some audio has come) and prints how much audio had been sent.
 Protocol: docs/streaming-text.md.
@@ -48,26 +48,27 @@ async def speak(url: str, text: str, out: str, voice: str | None, tokens_per_s: 
             wav.setnchannels(1)
             wav.setsampwidth(2)
             wav.setframerate(SAMPLE_RATE)
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    barge_in = cancel_after_s is not None and result["ttfp_s"] is not None
-                    if barge_in and time.monotonic() - started > cancel_after_s:  # the user spoke over it
-                        await ws.send(json.dumps({"type": "response.cancel", "context_id": "turn-1"}))
-                        cancel_after_s = None
-                    msg = await ws.recv()
-                    if isinstance(msg, bytes):  # one byte N, N bytes of context id, then the audio
-                        audio = msg[1 + msg[0]:]
-                        if result["ttfp_s"] is None:
-                            result["ttfp_s"] = time.monotonic() - started
-                        result["audio_bytes"] += len(audio)
-                        wav.writeframes(audio)
-                        continue
-                    event = json.loads(msg)
-                    if event["type"] == "error":
-                        raise RuntimeError(event["error"]["message"])
-                    if event["type"] in ("response.audio.done", "response.cancelled"):
-                        result["end"] = event
-                        break
+            deadline = started + timeout_s
+            while True:
+                barge_in = cancel_after_s is not None and result["ttfp_s"] is not None
+                if barge_in and time.monotonic() - started > cancel_after_s:  # the user spoke over it
+                    await ws.send(json.dumps({"type": "response.cancel", "context_id": "turn-1"}))
+                    cancel_after_s = None
+                # wait_for, not asyncio.timeout: the example runs on Python 3.10 too
+                msg = await asyncio.wait_for(ws.recv(), max(0.0, deadline - time.monotonic()))
+                if isinstance(msg, bytes):  # one byte N, N bytes of context id, then the audio
+                    audio = msg[1 + msg[0]:]
+                    if result["ttfp_s"] is None:
+                        result["ttfp_s"] = time.monotonic() - started
+                    result["audio_bytes"] += len(audio)
+                    wav.writeframes(audio)
+                    continue
+                event = json.loads(msg)
+                if event["type"] == "error":
+                    raise RuntimeError(event["error"]["message"])
+                if event["type"] in ("response.audio.done", "response.cancelled"):
+                    result["end"] = event
+                    break
         feeder.cancel()
     return result
 
@@ -77,7 +78,9 @@ def main() -> None:
     p.add_argument("text")
     p.add_argument("--url", default="ws://127.0.0.1:8000/v1/audio/speech/stream")
     p.add_argument("--out", default="out.wav")
-    p.add_argument("--voice", default=None)
+    p.add_argument("--voice", required=True,
+                   help="a preset speaker (the embedded model's: dylan, eric, ryan, serena), an OpenAI voice name such "
+                        "as alloy, or a saved voice's id")
     p.add_argument("--tokens-per-s", type=float, default=40.0, help="the pace of the simulated LLM, in words/s")
     p.add_argument("--api-key", default=None)
     p.add_argument("--cancel-after-s", type=float, default=None, help="barge in after this many seconds")

@@ -105,3 +105,27 @@ def test_a_run_shows_its_frames_and_warns_before_the_first_timeout(monkeypatch):
         f"legato bench: warning: {warning['message']}"]
     shown = [p for p in bars[-1].postfixes if not p.startswith("0/")]
     assert shown and all(p.endswith("/72 frames") for p in shown)
+
+
+def test_a_run_at_the_bench_s_own_concurrency_stops_once_it_cannot_meet_its_timeout(monkeypatch):
+    """`stop_on_pace` (the CLI sets it when the concurrency is the server's default): six 120-frame requests, three
+    at a time, a frame every 0.3 s (36 s each) against a 30 s timeout. The run stops at the verdict, long before any
+    timeout: what was in flight and what was never sent fail as "stopped", with the concurrency that would fit."""
+    bars: list[_Bar] = []
+    monkeypatch.setattr(bench_client, "_progress", lambda total, desc, enabled: bars.append(_Bar()) or bars[-1])
+    reqs = [BenchRequest(f"u{i}", {"input": "slow", "num_frames": 120}, 4, 120) for i in range(6)]
+
+    async def go():
+        server = await FakeSpeechServer(frame_delay_s=0.3).start()
+        try:
+            cfg = ClientConfig(base_url=server.url, timeout_s=30.0, tick_s=0.1, max_concurrency=3, stop_on_pace=True)
+            return await run_benchmark(cfg, reqs)
+        finally:
+            await server.close()
+
+    out = asyncio.run(go())
+    assert [r.error_kind for r in out.records] == ["stopped"] * 6
+    assert out.duration_s < 30.0 and not any(r.ok for r in out.records)
+    assert sum(r.sent_s is not None for r in out.records) == 3  # three were in flight, three never went
+    assert "rerun with --max-concurrency" in out.records[0].error
+    assert bars[-1].written[-1] == f"legato bench: {out.records[0].error}"

@@ -19,6 +19,7 @@ from legato.bench.stream_text import (
     run_stream_text,
     split_stalls,
     stream_text_summary,
+    summary_line,
     text_tokens,
 )
 from legato.server.app import build_app
@@ -105,6 +106,9 @@ def test_a_barge_in_cancel_is_acknowledged_and_timed(server):
     assert all(r.ok for r in out.records), [(r.error_kind, r.error) for r in out.records]
     summary = stream_text_summary(feed, out.records, extras)
     assert summary["cancelled"] == 2 and summary["cancel_ack_ms"]["n"] == 2
+    # Their stalls are not split by cause, and the summary says of how many requests it counts stalls
+    assert summary["uncancelled"] == 0 and summary["requests_with_engine_underruns"] == 0
+    assert "of 0 uncancelled requests" in summary_line(summary) and "not split" in summary_line(summary)
     assert all(extras[r.index].cancel_ack_s >= 0 for r in out.records)
     metrics = __import__("httpx").get(f"{live.url}/metrics", timeout=30).text
     assert "legato_ws_cancels_total 2.0" in metrics

@@ -91,7 +91,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="bearer token of a server run with --api-key (default: $LEGATO_API_KEY when set)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight (default: the requests the server decodes at once, from its "
-                        "/v1/models; unbounded when it does not say)")
+                        "/v1/models, and a run at that default stops as soon as its pace shows its requests cannot "
+                        "finish within --timeout; unbounded when the server does not say)")
     p.add_argument("--client-procs", type=int, default=1,
                    help="run the client in this many processes (requests and the concurrency cap split between "
                         "them, results merged exactly): for loads one process cannot read in time")
@@ -232,7 +233,7 @@ def _prepare(args: argparse.Namespace):
                         model=args.model, max_concurrency=getattr(args, "max_concurrency", None),
                         request_rate=args.request_rate, num_warmups=args.num_warmups, timeout_s=args.timeout,
                         seed=args.seed, sample_rate=args.sample_rate, progress=not args.no_progress,
-                        api_key=api_key(args))
+                        api_key=api_key(args), stop_on_pace=getattr(args, "concurrency_from_server", False))
     request_cfg = {k: v for k, v in asdict(spec).items() if k != "fixed_length"}
     request_cfg["fixed_length"] = {**asdict(fixed), "rule": fixed.describe()} if fixed else None
     config = {
@@ -258,6 +259,8 @@ def _serve(args: argparse.Namespace) -> int:
         check_stream_text_args(args)
     if args.max_concurrency is None:
         args.max_concurrency = concurrency_of_server(args)
+        # A concurrency the bench chose is given up, not sat through, when its requests cannot meet --timeout.
+        args.concurrency_from_server = args.max_concurrency is not None
     card = server_card(args)
     served_seqs = card.get("max_num_seqs") if isinstance(card, dict) else None
     requests, ccfg, slo, config = _prepare(args)
@@ -271,6 +274,10 @@ def _serve(args: argparse.Namespace) -> int:
                      ccfg.sample_rate)
     print(run_table(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    stopped = next((r.error for r in out.records if r.error_kind == "stopped"), None)
+    if stopped is not None:  # the run did not go to its end: say so last, where the eye lands
+        print(f"legato bench: {stopped}", file=sys.stderr)
+        return 1
     return 0 if result["aggregates"]["completed"] else 1
 
 

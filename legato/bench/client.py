@@ -39,6 +39,9 @@ class ClientConfig:
     progress: bool = True
     api_key: str | None = None  # sent as `Authorization: Bearer` (a server run with --api-key)
     tick_s: float = 0.5  # how often the progress line and the pace check (pace.py) are brought up to date
+    # Stop the run once the pace check shows its requests cannot meet the timeout (the bench's own default
+    # concurrency, not one the user chose): what is still in flight or unsent fails as "stopped".
+    stop_on_pace: bool = False
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -111,6 +114,7 @@ class _Runner:
         self.check_pcm: bytes | None = None
         self.check_utt_id: str | None = None
         self.warnings: list[dict] = []
+        self.stopped: str | None = None  # why the run was stopped early (`ClientConfig.stop_on_pace`)
 
     def body(self, req: BenchRequest) -> dict:
         body = {"model": self.cfg.model} if self.cfg.model else {}
@@ -173,7 +177,7 @@ class _Runner:
         bar = _progress(len(reqs), desc, self.cfg.progress)
         pace = pace or Pace(records, self.cfg.timeout_s, self.cfg.sample_rate)
         t0 = time.perf_counter()
-        ticker = asyncio.create_task(self._tick(bar, pace, t0, desc))
+        finished: set[int] = set()
 
         async def one(req: BenchRequest, rec: RequestRecord) -> None:
             delay = t0 + rec.scheduled_s - time.perf_counter()
@@ -181,17 +185,30 @@ class _Runner:
                 await asyncio.sleep(delay)
             async with self.connections.slot() as client:
                 await self.send(client, req, rec, t0, capture)
+            finished.add(rec.index)
             bar.update(1)
 
+        everything = asyncio.ensure_future(asyncio.gather(*(one(q, r) for q, r in zip(reqs, records, strict=True))))
+        ticker = asyncio.create_task(self._tick(bar, pace, t0, desc, everything))
         try:
-            await asyncio.gather(*(one(q, r) for q, r in zip(reqs, records, strict=True)))
+            await everything
+        except asyncio.CancelledError:
+            if self.stopped is None:  # cancelled from outside, not by the pace check
+                raise
+            for rec in records:  # in flight or never sent: failed, with the reason the run stopped
+                if rec.index not in finished:
+                    rec.fail("stopped", self.stopped)
+                    if rec.sent_s is not None and rec.end_s is None:
+                        rec.end_s = time.perf_counter() - (t0 + rec.sent_s)
+                    rec.finalize(self.cfg.sample_rate)
         finally:
             ticker.cancel()
             bar.close()
         return t0, time.perf_counter() - t0
 
-    async def _tick(self, bar, pace: Pace, t0: float, run: str) -> None:
-        """Every `tick_s`: the frames received on the progress line, and the pace check, which warns once."""
+    async def _tick(self, bar, pace: Pace, t0: float, run: str, everything: asyncio.Future) -> None:
+        """Every `tick_s`: the frames received on the progress line, and the pace check, which warns once (and,
+        with `stop_on_pace`, stops the run: `everything` is cancelled)."""
         expected = pace.expected_total()
         while True:
             await asyncio.sleep(self.cfg.tick_s)
@@ -202,6 +219,13 @@ class _Runner:
                 at = time.perf_counter() - t0
                 self.warnings.append({"run": run, "at_s": round(at, 3), "message": verdict.message()})
                 bar.write(f"legato bench: warning: {verdict.message()}", file=sys.stderr)
+                if self.cfg.stop_on_pace:
+                    self.stopped = (f"stopped after {at:.0f} s: the run could not meet its timeout at this "
+                                    f"concurrency (the server's decode slots); rerun with --max-concurrency "
+                                    f"{verdict.fitting_concurrency}, or pass --max-concurrency to run at it anyway")
+                    bar.write(f"legato bench: {self.stopped}", file=sys.stderr)
+                    everything.cancel()
+                    return
 
 
 class _NoProgress:

@@ -294,13 +294,15 @@ def stream_text_summary(feed: TextFeed, records: list[RequestRecord], extras: di
                 "p50": scale * percentile(values, 50.0), "p99": scale * percentile(values, 99.0)}
 
     cancels = [e for e in ex if e.cancelled]
+    # Stalls are split by cause only where the audio covers the whole text: a cancelled context's are not.
+    whole = [e for e in ex if not e.cancelled]
     return {
         "tokens_per_s": feed.tokens_per_s, "token_chars": feed.token_chars, "cancel_after_s": feed.cancel_after_s,
-        "completed": len(done),
-        "text_stall_s": stats([e.text_stall_s for e in ex]),
-        "engine_underrun_s": stats([e.engine_underrun_s for e in ex]),
-        "requests_with_text_stalls": sum(e.text_stall_s > 0 for e in ex),
-        "requests_with_engine_underruns": sum(e.engine_underrun_s > 0 for e in ex),
+        "completed": len(done), "uncancelled": len(whole),
+        "text_stall_s": stats([e.text_stall_s for e in whole]),
+        "engine_underrun_s": stats([e.engine_underrun_s for e in whole]),
+        "requests_with_text_stalls": sum(e.text_stall_s > 0 for e in whole),
+        "requests_with_engine_underruns": sum(e.engine_underrun_s > 0 for e in whole),
         "cancelled": len(cancels),
         "cancel_ack_ms": stats([e.cancel_ack_s for e in cancels if e.cancel_ack_s is not None], 1000.0),
         "cancel_tail_ms": stats([e.cancel_tail_s for e in cancels if e.cancel_tail_s is not None], 1000.0),
@@ -311,9 +313,11 @@ def summary_line(s: dict) -> str:
     def ms(d: dict) -> str:
         return f"p50 {d['p50']:.0f} / p99 {d['p99']:.0f} ms" if d.get("n") else "-"
 
+    whole = s.get("uncancelled", s["completed"])
     line = (f"stream-text ({s['tokens_per_s']:g} tokens/s of {s['token_chars']} chars): text stalls in "
-            f"{s['requests_with_text_stalls']} of {s['completed']} requests, engine underruns in "
-            f"{s['requests_with_engine_underruns']}")
+            f"{s['requests_with_text_stalls']} of {whole} {'uncancelled ' if s['cancelled'] else ''}requests, "
+            f"engine underruns in {s['requests_with_engine_underruns']}")
     if s["cancelled"]:
-        line += f"; {s['cancelled']} cancelled: reply {ms(s['cancel_ack_ms'])}, last audio {ms(s['cancel_tail_ms'])}"
+        line += (f"; {s['cancelled']} cancelled (their stalls not split by cause; the table's underrun_s counts "
+                 f"them): reply {ms(s['cancel_ack_ms'])}, last audio {ms(s['cancel_tail_ms'])}")
     return line
