@@ -14,7 +14,7 @@ from legato.models.qwen3_tts.loader import load_model
 from legato.models.qwen3_tts.sampling import SamplingParams
 from legato.pipeline.client import RequestRejected, SynthesisRequest
 from legato.pipeline.router import ReplicaRouter
-from legato.pipeline.topology import Topology, TopologyError, build_client, parse_topology
+from legato.pipeline.topology import Topology, TopologyError, build_client, parse_topology, shared_gpu_note
 
 EMB = torch.randn(64, generator=torch.Generator().manual_seed(0))
 
@@ -152,3 +152,12 @@ def test_process_pd_gives_each_kv_link_the_backend_of_its_two_devices(tiny_check
         ("prefill", ["cuda_ipc", "shm"]), ("decode", ["cuda_ipc"]), ("decode", ["shm"])]
     assert links("auto", ["cpu"]) == [("prefill", ["shm", "shm"]), ("decode", ["shm"]), ("decode", ["shm"])]
     assert links("shm", ["cuda:0", "cuda:1", "cuda:1"]) == [("prefill", []), ("decode", []), ("decode", [])]
+
+
+def test_replicas_sharing_a_gpu_are_told_what_to_expect():
+    two = parse_topology("replicas:2")
+    note = shared_gpu_note(two, ["cuda:0"])
+    assert note is not None and "2 engines on cuda:0" in note and "single" in note
+    assert shared_gpu_note(parse_topology("replicas:3"), ["cuda:0", "cuda:1"]) is not None  # cuda:0 holds two
+    assert shared_gpu_note(two, ["cuda:0", "cuda:1"]) is None  # a GPU each
+    assert shared_gpu_note(two, ["cpu"]) is None and shared_gpu_note(parse_topology("1p1d"), ["cuda:0"]) is None

@@ -12,6 +12,7 @@ applies them to its decode engines only.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from legato.pipeline.launchers import Launcher, WorkerPlan
 from legato.pipeline.local import LocalEngineClient
 from legato.pipeline.pd import LinkedPrefillDecodeRouter, PrefillDecodeRouter, check_pd_options
 from legato.pipeline.router import ReplicaRouter
+
+log = logging.getLogger(__name__)
 
 
 class TopologyError(ValueError):
@@ -143,6 +146,9 @@ def build_client(
         if kv_backend == "cuda_ipc" and any(not str(d).startswith("cuda") for d in devices):
             raise TopologyError(f"the cuda_ipc KV backend moves handoffs between CUDA devices; the workers run on "
                                 f"{', '.join(map(str, devices))} (use shm)")
+    note = shared_gpu_note(topology, devices)
+    if note is not None:
+        log.warning(note)
     names = worker_names(topology)
     if launcher is not None and workers == "process":
         launcher.plan([WorkerPlan(n, gpu_share(devices[i % len(devices)], devices, topology.num_workers,
@@ -182,6 +188,22 @@ def build_client(
             return LinkedPrefillDecodeRouter(prefill, decode, pairing=pairing, on_kv_failure=on_kv_failure)
         return PrefillDecodeRouter(prefill, decode, pairing=pairing)
     return clients[0] if topology.kind == "single" else ReplicaRouter(clients)
+
+
+def shared_gpu_note(topology: Topology, devices: list[str]) -> str | None:
+    """What to expect of replicas on one GPU (None when no GPU holds two of them). Their processes time-slice the
+    GPU, and a decode step costs about as much at 32 streams as at 64, so two half batches cost nearly two full
+    steps: on an H200, replicas:2 on one GPU served 0.65x single's audio-s/s at 64 streams (docs/benchmarks.md)."""
+    if topology.kind != "replicas":
+        return None
+    on = [str(devices[i % len(devices)]) for i in range(topology.num_workers)]
+    shared = sorted({d for d in on if d.startswith("cuda") and on.count(d) > 1})
+    if not shared:
+        return None
+    return (f"{topology} puts {max(on.count(d) for d in shared)} engines on {', '.join(shared)}: they take turns "
+            "on one GPU and each step costs nearly what a full batch's does, so they serve less than one engine "
+            "there (0.65x single at 64 streams on an H200). Replicas pay off with a GPU each; on one GPU serve "
+            "single (with --fronts for many streams)")
 
 
 def worker_names(topology: Topology) -> list[str]:
