@@ -283,3 +283,40 @@ def test_summed_stats_add_every_engine_s_counters():
     s = sum_stats([a, b])
     assert (s.running, s.steps, s.decode_rows, s.step_host_s) == (3, 7, 9, 0.75)
     assert s.kv_usage == 0.25
+
+
+def test_a_worker_whose_engine_loop_crashed_exits_and_the_server_sees_it_down(tiny_checkpoint, tmp_path,
+                                                                               monkeypatch):
+    """The engine thread of a worker process ending on its own (a crash the per-request guards did not catch,
+    injected here into the worker's first step) must not leave a live process whose heartbeats say all is well
+    while every request is refused: the worker exits, the client reports it not alive (the server's /health then
+    answers 503), and the request in flight ends with the reason."""
+    site = tmp_path / "inject"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('LEGATO_TEST_CRASH_STEP'):\n"
+        "    import legato.engine.engine as e\n"
+        "    def step(self):\n"
+        "        raise RuntimeError('injected engine loop fault')\n"
+        "    e.Engine.step = step\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("LEGATO_TEST_CRASH_STEP", "1")
+    client = _process_client(tiny_checkpoint, "single")
+
+    async def run():
+        await client.start()
+        try:
+            chunks = await asyncio.wait_for(_collect(client, _req(0)), 60)
+            deadline = time.monotonic() + 60
+            while client.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return chunks, client.is_alive(), client.proc.wait(60)
+        finally:
+            await client.stop()
+
+    chunks, alive, rc = asyncio.run(run())
+    assert chunks[-1].finish_reason == "error" and "engine loop crashed" in chunks[-1].error
+    assert not alive and rc == 1
+    with pytest.raises(RequestRejected):
+        asyncio.run(_collect(client, _req(1)))

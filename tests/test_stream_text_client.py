@@ -115,6 +115,37 @@ def test_abort_ends_a_request_waiting_for_text(loaded):
     assert chunks[-1].finished and chunks[-1].finish_reason == "abort"
 
 
+def test_a_command_that_fails_on_the_engine_thread_ends_its_request_not_the_engine(loaded, monkeypatch):
+    """Whatever handling one request's text raises on the engine thread aborts that request with the reason;
+    the thread, and every other request, go on (an append that raised once ended the engine for all)."""
+    async def main():
+        client = make_client(loaded)
+
+        def broken(rid, ids, close=False):
+            raise RuntimeError("a fault in the text path")
+
+        monkeypatch.setattr(client.engine, "append_text", broken)
+        await client.start()
+        try:
+            chunks: list = []
+            task = asyncio.create_task(drain(client.generate(request("w", "Hello there", True)), chunks))
+            await wait_for(lambda: client.stats().waiting_for_text == 1, "the request to run out of text")
+            await client.append_text("w", " more words")
+            await asyncio.wait_for(task, 60)
+            other = [c async for c in client.generate(request("after", "Hello again.", False))]
+            alive = client.is_alive()
+            stats = client.stats()
+        finally:
+            await client.stop()
+        return chunks, other, alive, stats
+
+    chunks, other, alive, stats = asyncio.run(main())
+    assert chunks[-1].finished and chunks[-1].finish_reason == "abort"
+    assert "a fault in the text path" in chunks[-1].error
+    assert other[-1].finished and other[-1].finish_reason in ("stop", "length") and alive
+    assert stats.free_kv_blocks == stats.num_kv_blocks
+
+
 def test_split_holds_text_until_its_talker_stream_opens(loaded):
     """split in threads: text sent before the stream is read (the talker has not seen the request yet) is held
     and handed on in order, and the request waits for more; codes and audio equal the whole text's, a second

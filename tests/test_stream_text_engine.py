@@ -247,3 +247,32 @@ def test_an_in_context_clones_open_prompt_exists_once_its_text_fills_the_referen
     assert torch.equal(got.embeds, want.embeds)
     assert torch.equal(got.trailing_text, want.trailing_text[:-1])  # no eos until the close
     assert not with_more_text(open_spec, [], close=True).text_open
+
+
+def test_text_for_a_request_its_frame_limit_just_ended_is_dropped_and_the_engine_goes_on(root):
+    """A request whose text is still open can reach its frame limit: the scheduler ends it when that step is
+    launched (freeing its slot), and its final output comes when the step is collected, a step later. Text that
+    arrives in between is for a request that has ended: it is dropped. It once reached the freed slot and raised
+    in the engine thread, which stopped the engine for every client (found by an outside probe)."""
+    lm = tiny_model(root, "custom_voice")
+    engine = Engine(lm, engine_config(async_scheduling=True))
+    spec = build_spec(lm, SpeechInput("Hello there ", language="english", speaker="ryan", non_streaming_mode=False))
+    engine.add_request(EngineRequest("r", dataclasses.replace(spec, text_open=True), greedy(3)))
+    ids = segment_ids(lm.text_tokenizer, "more words ", first=False)
+    out, seen_window = Collected(), False
+    for _ in range(50):
+        out.take(engine.step())
+        live = engine.live.get("r")
+        if live is not None and live.req.status.is_finished:  # ended at launch, not yet collected
+            seen_window = True
+            assert engine.append_text("r", ids) is False
+            assert engine.append_text("r", [], close=True) is False
+        if not engine.has_unfinished():
+            break
+    assert seen_window
+    assert out.finished["r"] == "length" and out.finish_count["r"] == 1
+    # The engine serves on: another request runs to its end.
+    engine.add_request(EngineRequest("next", spec, greedy(4)))
+    while engine.has_unfinished():
+        out.take(engine.step())
+    assert out.finished["next"] == "length"

@@ -217,6 +217,10 @@ class Engine:
         if live is None:
             return False
         req = live.req
+        if req.status.is_finished:
+            # Ended by the scheduler at a launch (its frame limit) and not yet collected: it has no slot any
+            # more, and its final output is on its way. Text for it is dropped, as for one already gone.
+            return False
         if req.text_frames is None:
             raise ValueError(f"request {request_id!r} takes no more text (its text is closed)")
         vocab = self.loaded.config.talker_config.text_vocab_size

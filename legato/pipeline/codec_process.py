@@ -163,7 +163,9 @@ class _CodecWorker:
         return EngineStats(running=s.streams, aborted=dict(s.failures))
 
     async def serve(self, cmd: zmq.asyncio.Socket) -> None:
-        beats = asyncio.create_task(heartbeats(self.spec, self.send, self.stats, self.stop))
+        # A codec thread that ended on its own (crashed) ends the worker, so the server sees it down.
+        alive = lambda: self.draining or self.codec.is_alive()  # noqa: E731
+        beats = asyncio.create_task(heartbeats(self.spec, self.send, self.stats, self.stop, alive=alive))
         receiving = asyncio.create_task(self.receive(cmd))
         await self.stop.wait()
         await drain(self.tasks, self.grace_s, receiving, self.codec.stop)  # the codec fails what stays open

@@ -495,11 +495,26 @@ class LocalEngineClient(EngineClient):
         except queue.Empty:
             return
         while True:
-            self._handle(cmd)
+            self._handle_safely(cmd)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _handle_safely(self, cmd: tuple) -> None:
+        """`_handle(cmd)`, where a command that fails costs its own request (aborted with the reason), never the
+        loop: one client's text must not stop every other stream (an append to a request the scheduler had just
+        ended once raised here and ended the engine thread)."""
+        try:
+            self._handle(cmd)
+        except Exception as e:
+            log.exception("engine thread: a %r command failed", cmd[0])
+            rid = cmd[1] if cmd[0] in ("abort", "text") else None
+            if rid is not None:
+                try:
+                    self.engine.abort(rid, f"internal error handling its {cmd[0]}: {type(e).__name__}: {e}")
+                except Exception:
+                    log.exception("engine thread: aborting %s failed too", rid)
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]

@@ -115,6 +115,7 @@ class _Worker:
         self.stop = asyncio.Event()
         self.grace_s = 0.0
         self.draining = False  # after Shutdown: nothing new is taken, aborts still are
+        self.engine_died = False  # the engine thread ended on its own: the worker exits with 1
         # Chunks ending a request leave after fresh Stats: whoever reads a request end must see the blocks it gave
         # back, as `finish` promises.
         self.arrived: dict[str, float] = {}  # perf_counter() when each request's message came, until its first audio
@@ -332,7 +333,15 @@ class _Worker:
 
     async def heartbeat(self) -> None:
         await heartbeats(self.spec, self.send, self.client.stats, self.stop,
-                         self.links.report_all if self.links is not None else None)
+                         self.links.report_all if self.links is not None else None, self.engine_running)
+
+    def engine_running(self) -> bool:
+        """False once the engine thread has ended on its own (crashed): the worker then exits, so the server sees
+        it down (its /health 503, its requests refused) instead of a live process whose engine is gone."""
+        if self.draining or self.client.is_alive():
+            return True
+        self.engine_died = True
+        return False
 
 
 async def run(spec: WorkerSpec) -> int:
@@ -369,7 +378,7 @@ async def run(spec: WorkerSpec) -> int:
         await worker.send(worker.ready)
         log.info("ready: %s on %s", spec.model_path, config.device)
         await worker.serve()
-        return 0
+        return 1 if worker.engine_died else 0
     finally:
         fronts.close()
         ctx.term()
@@ -417,13 +426,17 @@ async def drain(tasks: dict[str, asyncio.Task], grace_s: float, receiving: async
     await stop_engine(max(0.0, deadline - loop.time()))
 
 
-async def heartbeats(spec: WorkerSpec, send, stats, stop: asyncio.Event, each_beat=None) -> None:
+async def heartbeats(spec: WorkerSpec, send, stats, stop: asyncio.Event, each_beat=None, alive=None) -> None:
     """Every `spec.heartbeat_s`: a Heartbeat and the worker's Stats (`stats()`), until the process that
-    started this worker is gone, which sets `stop`."""
+    started this worker is gone, or `alive()` says the worker's engine is, either of which sets `stop`."""
     seq = 0
     while True:
         if os.getppid() != spec.parent_pid:  # orphaned: nobody reads our output any more
             log.error("parent process %d is gone; exiting", spec.parent_pid)
+            stop.set()
+            return
+        if alive is not None and not alive():
+            log.error("the engine thread has ended (see above); exiting so that the server sees this worker down")
             stop.set()
             return
         seq += 1
