@@ -285,6 +285,39 @@ def test_summed_stats_add_every_engine_s_counters():
     assert s.kv_usage == 0.25
 
 
+def _every_field_set(scale: int) -> EngineStats:
+    """An EngineStats whose every number differs from its default (so a field a path forgets shows)."""
+    import dataclasses
+
+    values = {}
+    for i, f in enumerate(dataclasses.fields(EngineStats)):
+        if f.name == "aborted":
+            values[f.name] = {"gone": scale}
+        elif f.name == "kv_usage":
+            values[f.name] = 0.5
+        else:
+            values[f.name] = (i + 1) * scale * (0.5 if f.type == "float" else 1)
+    return EngineStats(**values)
+
+
+def test_every_stats_field_crosses_the_worker_link_and_adds_up_over_engines():
+    """The streaming-text gauges once read 0 with worker processes or replicas (neither path carried them)."""
+    import dataclasses
+
+    from legato.pipeline.router import sum_stats
+
+    sent = _every_field_set(1)
+    got = m.decode(m.encode(m.Stats(sent))).stats
+    # `recomputed` is the MpNd router's own count: no worker has one to send
+    assert got == dataclasses.replace(sent, recomputed=0)
+    a, b = _every_field_set(1), _every_field_set(3)
+    total = sum_stats([a, b])
+    for f in dataclasses.fields(EngineStats):
+        if f.name not in ("kv_usage", "aborted"):
+            assert getattr(total, f.name) == getattr(a, f.name) + getattr(b, f.name), f.name
+    assert total.aborted == {"gone": 4}
+
+
 def test_a_worker_whose_engine_loop_crashed_exits_and_the_server_sees_it_down(tiny_checkpoint, tmp_path,
                                                                                monkeypatch):
     """The engine thread of a worker process ending on its own (a crash the per-request guards did not catch,

@@ -175,6 +175,54 @@ def test_bad_messages_get_errors_and_the_socket_stays_usable(loaded):
         assert 'legato_ws_refused_messages_total{code="unknown_context"} 3.0' in metrics
 
 
+def test_a_context_of_invisible_or_control_characters_is_refused_as_http_refuses_blank_input(loaded):
+    """Zero-width spaces or control characters are no text to speak: HTTP answers 400 "input is blank", and a
+    context of only those ends with an error at its end instead of being synthesized (an outside probe found it
+    spoken: 33 frames of noise for two zero-width spaces)."""
+    app, client = make_app(loaded)
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="session.update", session={"voice": client.info.speakers[0], "max_new_tokens": 40})
+        c.event("session.updated")
+        for i, text in enumerate(("\u200b\u200b", "\u0001\u0002", " \u2060 ")):
+            c.send(type="input_text.append", context_id=f"b{i}", text=text)
+            c.send(type="input_text.end", context_id=f"b{i}")
+            err = c.event("error")
+            assert err["context_id"] == f"b{i}" and err["error"]["code"] == "empty_text", text
+        # invisible characters ahead of real words are kept, as HTTP keeps them
+        c.send(type="input_text.append", context_id="real", text="\u200bHello there.")
+        c.send(type="input_text.end", context_id="real")
+        c.until(lambda e: e["type"] == "response.audio.done" and e.get("context_id") == "real", "the real one done")
+        assert not [e for e in c.events if e["type"] == "response.audio.done" and e["context_id"] != "real"]
+        c.close_and_wait(http)
+    blank = http.post("/v1/audio/speech", json={"input": "\u200b\u200b", "voice": client.info.speakers[0]})
+    assert blank.status_code == 400 and "blank" in blank.json()["error"]["message"]
+
+
+def test_a_session_update_leaves_a_running_context_s_audio_transport_alone(loaded):
+    """session.update applies to contexts started after it: a context that began with binary audio frames keeps
+    them to its end after the session switches to base64 events, which the next context gets."""
+    app, client = make_app(loaded)
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="session.update", session={"voice": client.info.speakers[0], "max_new_tokens": 60})
+        c.event("session.updated")
+        c.send(type="input_text.append", context_id="c1", text="Hello there, this is the first ")
+        c.until(lambda m: m["type"] == "audio" and m["context_id"] == "c1", "c1's first audio")
+        c.send(type="session.update", session={"voice": client.info.speakers[0], "max_new_tokens": 60,
+                                               "audio_transport": "base64"})
+        c.event("session.updated")
+        c.send(type="input_text.append", context_id="c1", text="context, still speaking.")
+        c.send(type="input_text.end", context_id="c1")
+        c.event("response.audio.done", "c1")
+        c.send(type="input_text.append", context_id="c2", text="And a second one.")
+        c.send(type="input_text.end", context_id="c2")
+        c.event("response.audio.done", "c2")
+        c.close_and_wait(http)
+    deltas = [e["context_id"] for e in c.events if e["type"] == "response.audio.delta"]
+    assert "c1" not in deltas and "c2" in deltas and "c2" not in c.audio and len(c.audio["c1"]) > 0
+
+
 def test_access_rules_are_those_of_http(loaded):
     app, _ = make_app(loaded, api_keys=("k1",), allowed_origins=("https://app.example",))
     with TestClient(app) as http:

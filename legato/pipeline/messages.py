@@ -487,7 +487,8 @@ def _enc_stats(m: Stats):
                      "num_kv_blocks": s.num_kv_blocks, "free_kv_blocks": s.free_kv_blocks,
                      "aborted": dict(s.aborted), "steps": s.steps, "decode_rows": s.decode_rows,
                      "step_host_s": s.step_host_s, "step_gpu_s": s.step_gpu_s, "step_gap_s": s.step_gap_s,
-                     "loop_other_s": s.loop_other_s}, {}
+                     "loop_other_s": s.loop_other_s, "waiting_for_text": s.waiting_for_text,
+                     "text_wait_s": s.text_wait_s}, {}
 
 
 def _dec_stats(b: _Body) -> Stats:
@@ -499,7 +500,9 @@ def _dec_stats(b: _Body) -> Stats:
                              free_kv_blocks=b.get("free_kv_blocks", int), aborted=aborted,
                              steps=b.get("steps", int), decode_rows=b.get("decode_rows", int),
                              step_host_s=b.get("step_host_s", float), step_gpu_s=b.get("step_gpu_s", float),
-                             step_gap_s=b.get("step_gap_s", float), loop_other_s=b.get("loop_other_s", float)))
+                             step_gap_s=b.get("step_gap_s", float), loop_other_s=b.get("loop_other_s", float),
+                             waiting_for_text=b.get("waiting_for_text", int, optional=True, default=0),
+                             text_wait_s=b.get("text_wait_s", float, optional=True, default=0.0)))
 
 
 def _enc_ready(m: Ready):

@@ -138,4 +138,6 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         step_gpu_s=sum(p.step_gpu_s for p in parts),
         step_gap_s=sum(p.step_gap_s for p in parts),
         loop_other_s=sum(p.loop_other_s for p in parts),
+        waiting_for_text=sum(p.waiting_for_text for p in parts),
+        text_wait_s=sum(p.text_wait_s for p in parts),
     )

@@ -26,6 +26,7 @@ from legato.server.errors import ApiError
 from legato.server.metrics import ServerMetrics
 from legato.server.speech import SpeechService
 from legato.server.streaming import _Encoder
+from legato.server.text import is_blank
 from legato.server.timeouts import within
 from legato.server.ws_protocol import (
     ClientEvent,
@@ -60,6 +61,7 @@ class Context:
     ended: bool = False  # input_text.end received
     cancelled: bool = False
     samples_sent: int = 0  # model-rate samples of audio handed to the socket
+    transport: str = "binary"  # how its audio goes out: the session's at the context's start, kept to its end
 
 
 @dataclass
@@ -206,10 +208,11 @@ class StreamSession:
                 await self.client.append_text(ctx.request_id, piece, close=close)
             return
         ctx.lead += piece
-        if not ctx.lead.strip():
+        if is_blank(ctx.lead):  # what HTTP refuses as blank input (invisible and control characters too)
             if close:
                 await self._drop(ctx, None)
-                raise ProtocolError("the context ended without any text to speak", "empty_text", "text")
+                raise ProtocolError("the context ended without any text to speak (only spaces, control or "
+                                    "invisible characters)", "empty_text", "text")
             return
         await self._start(ctx, ctx.lead, close)
 
@@ -219,6 +222,7 @@ class StreamSession:
             raise ProtocolError("this deployment's engine client cannot take streaming text",
                                 "unsupported_topology", status=501)
         ctx.request_id = uuid.uuid4().hex
+        ctx.transport = self.config.transport  # a later session.update applies to later contexts only
         body = self.config.speech.model_copy(update={"input": first})
         try:
             prepared = await self.service.prepare(body, ctx.request_id, text_open=True)
@@ -294,7 +298,7 @@ class StreamSession:
     async def _audio(self, ctx: Context, data: bytes, samples: int) -> None:
         if not data and not samples:
             return
-        if self.config.transport == "binary":
+        if ctx.transport == "binary":
             await self._put(_Out(audio=binary_frame(ctx.id, data), context=ctx, samples=samples))
         else:
             event = {"type": "response.audio.delta", "context_id": ctx.id,
