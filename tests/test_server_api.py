@@ -212,7 +212,13 @@ def test_malformed_json_and_non_finite_numbers_are_400(cv):
                 headers={"content-type": "application/json"})
     assert_error(r, 400, "finite")
     r = cv.post("/v1/audio/speech", content=b'{"input": ', headers={"content-type": "application/json"})
-    assert_error(r, 400, "JSON decode error")
+    assert assert_error(r, 400, "not valid JSON (at character 10)")["param"] is None  # an offset, not a field
+    r = cv.post("/v1/audio/speech", content=b'{"voice": "ryan"}', headers={"content-type": ""})
+    assert_error(r, 400, "must be a JSON object", "Content-Type: application/json")
+    r = cv.post("/v1/audio/speech", content=b'[1, 2]', headers={"content-type": "application/json"})
+    assert_error(r, 400, "must be a JSON object")
+    r = cv.post("/v1/audio/speech", content=b'', headers={"content-type": "application/json"})
+    assert assert_error(r, 400, "no body")["param"] is None
     assert_error(cv.get("/v1/nothing"), 404)
     assert_error(cv.get("/v1/audio/speech"), 405)
 

@@ -80,11 +80,30 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable line for all of a request's validation errors, and the first offending field."""
     parts, param = [], None
     for err in exc.errors():
+        whole = _whole_body_problem(err)
+        if whole is not None:  # about the body itself, not a field: no `param`
+            parts.append(whole)
+            continue
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         field = ".".join(loc)
         param = param or field or None
         parts.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))
     return "; ".join(parts) or "invalid request", param
+
+
+def _whole_body_problem(err: dict) -> str | None:
+    """A readable line for an error about the request body as a whole (bad JSON, no body, not an object), whose
+    pydantic location names no field (for bad JSON it is a character offset, once reported as the field)."""
+    kind, loc = err.get("type"), tuple(err.get("loc", ()))
+    if kind == "json_invalid":
+        at = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+        detail = (err.get("ctx") or {}).get("error") or err.get("msg")
+        return f"the body is not valid JSON{f' (at character {at})' if at is not None else ''}: {detail}"
+    if loc == ("body",) and kind == "missing":
+        return "the request has no body: send a JSON object"
+    if loc == ("body",) and kind in ("model_attributes_type", "dict_type"):
+        return "the body must be a JSON object, sent as Content-Type: application/json"
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:
