@@ -26,9 +26,10 @@ def loaded(tiny_checkpoint):
     return load_model(tiny_checkpoint)
 
 
-def engine(loaded) -> LocalEngineClient:
+def engine(loaded, prefill_only: bool = False) -> LocalEngineClient:
     return LocalEngineClient(loaded, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=96,
-                                                  max_model_len=512, max_num_batched_tokens=64))
+                                                  max_model_len=512, max_num_batched_tokens=64,
+                                                  prefill_only=prefill_only))
 
 
 def requests(n: int) -> list[SynthesisRequest]:
@@ -48,7 +49,7 @@ def outcome(chunks):
 def test_pd_gives_the_codes_of_single(loaded, m, n, concurrency):
     reqs = requests(8)
     want = asyncio.run(run(engine(loaded), reqs, concurrency))
-    prefill = [engine(loaded) for _ in range(m)]
+    prefill = [engine(loaded, prefill_only=True) for _ in range(m)]  # as the topology builds them
     decode = [engine(loaded) for _ in range(n)]
     router = PrefillDecodeRouter(prefill, decode)
     got = asyncio.run(run(router, reqs, concurrency))
@@ -181,3 +182,36 @@ def test_stop_is_in_order_so_a_handoff_on_its_way_still_decodes(loaded):
     held = asyncio.Event()
     chunks = asyncio.run(go())
     assert chunks[-1].finish_reason == "length" and chunks[-1].num_frames == 8
+
+
+def test_a_prefill_only_engine_has_no_codec_takes_only_handoffs_and_warms_up_with_them(loaded):
+    """What the MpNd topology builds its prefill engines as: no codec decoder (nor, on a GPU, decode graphs), a
+    request that would decode there refused with the reason, and a warm-up of requests that end at their handoff
+    (it ran full requests, decoding frames a prefill engine never decodes)."""
+    from legato.engine.engine import Engine, EngineRequest
+    from legato.models.qwen3_tts.inputs import build_spec
+
+    cfg = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=96, max_model_len=512,
+                       max_num_batched_tokens=64, prefill_only=True)
+    eng = Engine(loaded, cfg)
+    assert eng.codec is None
+    spec = build_spec(loaded, SpeechInput("Hello there.", language="english", speaker_embedding=EMB,
+                                          x_vector_only=True))
+    with pytest.raises(ValueError, match="only prefills"):
+        eng.add_request(EngineRequest("full", spec, SamplingParams(seed=1)))
+    assert eng.warm_up() >= 0 and not eng.has_unfinished()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.times.decode_rows == 0  # nothing was decoded
+    with pytest.raises(ValueError, match="prefill_only must be a bool"):
+        EngineConfig(device="cpu", prefill_only="yes")
+
+
+def test_the_mpnd_topology_builds_its_prefill_engines_prefill_only(loaded):
+    from legato.pipeline.topology import build_client, parse_topology
+
+    router = build_client(parse_topology("1p1d"), lambda device: loaded,
+                          EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=96,
+                                       max_model_len=512, max_num_batched_tokens=64))
+    (prefill,), (decode,) = router.prefill.replicas, router.decode
+    assert prefill.engine.config.prefill_only and prefill.engine.codec is None
+    assert not decode.engine.config.prefill_only and decode.engine.codec is not None

@@ -121,6 +121,10 @@ class EngineConfig:
     emit_audio: bool = True
     """Decode audio in this engine. False: a talker-only engine (`split`) that never runs the codec decoder
     and streams each step's codes with empty audio; a codec worker turns them into PCM."""
+    prefill_only: bool = False
+    """An MpNd prefill engine: it takes only requests that hand their prefill on (`handoff_only`), so it builds
+    no codec decoder and captures no decode graphs (their memory goes to its KV blocks, and its start is
+    shorter), and it warms up with such requests."""
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_batch is not None and not _is_positive_int(self.cuda_graph_max_batch):
@@ -188,6 +192,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}")
         if not isinstance(self.emit_audio, bool):
             raise ValueError(f"EngineConfig.emit_audio must be a bool, got {self.emit_audio!r}")
+        if not isinstance(self.prefill_only, bool):
+            raise ValueError(f"EngineConfig.prefill_only must be a bool, got {self.prefill_only!r}")
         per_token = self.frames_per_text_token
         if per_token is not None and not (isinstance(per_token, (int, float)) and not isinstance(per_token, bool)
                                           and 0 < per_token < float("inf")):

@@ -148,7 +148,7 @@ class Engine:
         codec_dtype = getattr(torch, codec_dtype_name(config.codec_dtype, config.device))
         self.codec = (CodecStreamer(loaded.speech_tokenizer.decoder, StreamSchedule.of(config), config.max_num_seqs,
                                     graphs=graphs, dtype=codec_dtype)
-                      if config.emit_audio else None)
+                      if config.emit_audio and not config.prefill_only else None)
         self.live: dict[str, _Live] = {}
         self._done: list[RequestOutput] = []
         self.eos_id = loaded.config.talker_config.codec_eos_token_id
@@ -167,6 +167,9 @@ class Engine:
         """Admits a request to the waiting queue; returns its seed. Raises for bad or oversized requests."""
         if er.request_id in self.live:
             raise ValueError(f"duplicate request id {er.request_id!r}")
+        if self.config.prefill_only and not er.handoff_only:
+            raise ValueError("this engine only prefills (an MpNd prefill engine): its requests hand their prefill "
+                             "on to a decode engine (handoff_only)")
         er.sampling.validate()
         if er.first_chunk_frames is not None and not (isinstance(er.first_chunk_frames, int) and
                                                       er.first_chunk_frames >= 1):
@@ -326,10 +329,11 @@ class Engine:
         frames = sum(StreamSchedule.of(self.config).chunk_sizes()) + 1
         spec = build_spec(self.loaded, warm_up_input(self.loaded.config))
         # Three at once: compiled functions specialise batch 1 apart from larger batches, and the first
-        # burst of prompts ending in one step (their first-token sampling) must not be what compiles them.
+        # burst of prompts ending in one step (their first-token sampling) must not be what compiles them. A
+        # prefill engine's requests end at their handoff, as every request it serves does.
         for i in range(min(3, self.config.max_num_seqs)):
             self.add_request(EngineRequest(f"__warm_up_{i}__", spec, SamplingParams(seed=i), max_frames=frames,
-                                           ignore_eos=True))
+                                           ignore_eos=True, handoff_only=self.config.prefill_only))
         while self.has_unfinished():
             self.step()
         return time.perf_counter() - started

@@ -96,7 +96,8 @@ class ModelRunner:
         self.graph_bytes = 0
         self.prefill_buckets: PrefillBuckets | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self._capture_graphs()
+            if not config.prefill_only:  # a prefill engine never decodes
+                self._capture_graphs()
             if not config.batch_invariant:  # there each chunk runs alone, at its own length
                 self.prefill_buckets = self.make_prefill_buckets(graphs=True)
                 self.graph_bytes += self.prefill_buckets.graph_bytes

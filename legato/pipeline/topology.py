@@ -160,6 +160,7 @@ def build_client(
         cfg = dataclasses.replace(config, device=device)
         if topology.kind == "pd" and i < topology.replicas:
             cfg.mtp_replicas = 1  # the prefill engines never run the code predictor's decode loop
+            cfg.prefill_only = True  # nor the codec, nor decode graphs
         if memory_shares is not None:
             cfg.gpu_memory_utilization = memory_shares[i]
         elif len(devices) == 1 and topology.num_workers > 1:
