@@ -4,6 +4,8 @@
 # server: the first burst after the start and the second (the first-burst ratio). serving_speed.py does the
 # work; its probe requests (one at a time) come before the first cell, as a health check's would.
 #   OUT=... TOPOS="single replicas:2 split 1p1d" benchmarks/h200_topologies.sh
+# TREE serves another source tree (e.g. .base, an earlier commit's, for a before/after in the same call); its
+# results are named after the tree too.
 # Random 0.6B Base weights, fixed lengths (EOS ignored). PER_CONC x 64 prompts per cell (default 8 = 512).
 set -uo pipefail
 . "$(dirname "$0")/h200_env.sh"
@@ -12,9 +14,9 @@ CKPT=/tmp/qwen3tts-0.6b-random
 from legato.models.qwen3_tts.config import preset; from legato.models.qwen3_tts.testing import write_checkpoint; \
 write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
 for t in ${TOPOS:-single replicas:2 split 1p1d}; do
-  tag=${t//:/}
+  tag=${t//:/}$([ "${TREE:-.}" = . ] || echo "-${TREE//[^a-zA-Z0-9]/}")
   PYTHONPATH=.:$PYTHONPATH timeout ${T:-200} python3 benchmarks/serving_speed.py --ckpt $CKPT \
-    --data .bench-data/prompts --variant "$tag=.:legato" --out /tmp/topo-$tag --concurrency 64,64 --modes xvec \
+    --data .bench-data/prompts --variant "$tag=${TREE:-.}:legato" --out /tmp/topo-$tag --concurrency 64,64 --modes xvec \
     --max-num-seqs 64 --server-args "--topology $t --devices cuda:0 ${SERVER_ARGS:-}" --min-prompts 8 \
     --prompts-per-conc ${PER_CONC:-8} --max-prompts 1024 --startup-timeout 150 --cell-timeout 90 2>&1 \
     | grep -E '^\{|ready in|failed|Error' | cut -c1-700
