@@ -95,7 +95,8 @@ def profile_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
     # Activations of the largest step, CUDA graphs, codec streaming state. With mtp_replicas = K there are K
     # graph pools, but each group's buckets stop at ceil(batch / K), so together they hold about one pool.
     reserve = 4 << 30
-    if config.emit_audio:  # the streaming codec's slot bank: two slots a stream (window handover) and a scratch
+    if config.emit_audio and not config.prefill_only:
+        # The streaming codec's slot bank: two slots a stream (window handover) and a scratch.
         codec_dtype = getattr(torch, codec_dtype_name(config.codec_dtype, config.device))
         reserve += (2 * config.max_num_seqs + 1) * slot_bytes(loaded.speech_config.decoder_config, codec_dtype)
     budget = min(int(total * config.gpu_memory_utilization) - own - reserve, free - reserve)
