@@ -267,6 +267,43 @@ def test_abort_frees_blocks_in_every_state(root):
     assert not engine.codec.streams
 
 
+@pytest.mark.parametrize("every_step", [True, False])
+def test_an_id_is_free_again_only_once_its_earlier_request_has_all_come_out(root, every_step):
+    """Abort a running request and add another under its id at once (a client that drops a request and retries
+    with the same X-Request-Id): the old one's final output, its launched row and its audio are still on their
+    way, and a new request live under the id would be handed them. The engine refuses the id (RequestIdEnding)
+    until one step has let them out; then the new request runs as if the id were new."""
+    from legato.engine.engine import RequestIdEnding
+    from legato.engine.scheduler import DuplicateRequestError
+
+    lm = tiny_model(root, "base")
+    spec = build_spec(lm, base_inputs(1)[0])
+    engine = Engine(lm, engine_config(max_num_seqs=2, codec_decode_every_step=every_step))
+    engine.add_request(EngineRequest("x", spec, sampled(1, 40), ignore_eos=True))
+    with pytest.raises(DuplicateRequestError):
+        engine.add_request(EngineRequest("x", spec, sampled(1, 40), ignore_eos=True))  # live: a conflict
+    outs = []
+    for _ in range(6):
+        outs += engine.step()
+    assert engine.abort("x", "client disconnected")
+    with pytest.raises(RequestIdEnding, match="still ending"):
+        engine.add_request(EngineRequest("x", spec, sampled(2, 6), ignore_eos=True))
+    old = [o for o in engine.step() if o.request_id == "x"]
+    assert old and old[-1].finished and old[-1].finish_reason == "abort"
+    while True:  # a step or two lets the rest out
+        try:
+            engine.add_request(EngineRequest("x", spec, sampled(2, 6), ignore_eos=True))
+            break
+        except RequestIdEnding:
+            old += engine.step()
+    new = run_all(engine, [])
+    assert new.finished["x"] == "length" and new.finish_count["x"] == 1
+    fresh = run_all(Engine(lm, engine_config(max_num_seqs=2, codec_decode_every_step=every_step)),
+                    [EngineRequest("y", spec, sampled(2, 6), ignore_eos=True)])
+    assert torch.equal(torch.cat(new.codes["x"]), torch.cat(fresh.codes["y"]))  # nothing of the old one in it
+    assert np.concatenate(new.audio["x"]).shape == np.concatenate(fresh.audio["y"]).shape
+
+
 def test_bad_requests_are_refused_before_allocation(root):
     lm = tiny_model(root, "base")
     spec = build_spec(lm, base_inputs()[0])

@@ -190,7 +190,7 @@ def test_a_refused_duplicate_id_does_not_abort_the_live_request(loaded):
         return err.value, chunks
 
     err, chunks = asyncio.run(main())
-    assert err.status == 400 and "duplicate" in err.message
+    assert err.status == 409 and "duplicate" in err.message  # a conflict, as the server and worker links say
     assert chunks[-1].finish_reason == "length" and chunks[-1].num_frames == 8
 
 

@@ -353,3 +353,38 @@ def test_a_worker_whose_engine_loop_crashed_exits_and_the_server_sees_it_down(ti
     assert not alive and rc == 1
     with pytest.raises(RequestRejected):
         asyncio.run(_collect(client, _req(1)))
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_an_id_reused_right_after_its_request_was_dropped_gets_a_request_of_its_own(tiny_checkpoint, workers):
+    """A client drops a request and at once sends another under the same id (an HTTP retry with its
+    X-Request-Id): the old request's end must not reach the new one, which runs to its own end (an outside
+    probe saw the new request fail with the old one's 'client disconnected' and then run with nobody reading)."""
+    from legato.models.qwen3_tts.loader import load_model
+
+    if workers == "process":
+        client = _process_client(tiny_checkpoint, "single")
+    else:
+        client = build_client(parse_topology("single"), lambda device: load_model(tiny_checkpoint), _config())
+
+    async def run():
+        await client.start()
+        try:
+            results = []
+            for _ in range(3):
+                gen = client.generate(_req(0, frames=60, ignore_eos=True))
+                await gen.__anext__()
+                await gen.aclose()  # the client left: its request is aborted
+                results.append(await asyncio.wait_for(_collect(client, _req(0, frames=5, ignore_eos=True)), 60))
+            deadline = time.monotonic() + 60
+            while client.stats().running and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return results, client.stats()
+        finally:
+            await client.stop()
+
+    results, stats = asyncio.run(run())
+    for chunks in results:
+        assert chunks[-1].finished and chunks[-1].finish_reason == "length", chunks[-1]
+        assert _codes(chunks).shape == (5, 16) and chunks[-1].num_frames == 5
+    assert stats.running == 0 and stats.free_kv_blocks == stats.num_kv_blocks

@@ -382,6 +382,33 @@ def test_a_draining_server_refuses_new_sockets(loaded):
         assert e.value.code == 1013
 
 
+def test_a_running_context_counts_in_flight_so_the_drain_lets_it_finish(loaded):
+    """SIGTERM drains: requests in flight get the grace. A streaming-text context is one: the drain waits for it
+    (the server then closes the socket), instead of finding nothing in flight and letting the socket be closed at
+    once with no final event (an outside probe saw 1012 within 60 ms of the signal, no audio after it)."""
+    app, client = make_app(loaded)
+    lifecycle = app.state.lifecycle
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="session.update", session={"voice": client.info.speakers[0], "num_frames": 40,
+                                               "ignore_eos": True})
+        c.event("session.updated")
+        assert lifecycle.in_flight == 0
+        c.send(type="input_text.append", context_id="t", text="Hello there, this runs through the drain.")
+        c.send(type="input_text.end", context_id="t")
+        c.until(lambda m: m["type"] == "audio" and m["context_id"] == "t", "its first audio")
+        assert lifecycle.in_flight == 1
+        http.portal.call(lifecycle.begin_drain)  # as the first SIGTERM does
+        assert not http.portal.call(lifecycle.wait_idle, 0.0)  # the drain has something to wait for
+        done = c.event("response.audio.done", "t")
+        assert done["finish_reason"] == "length" and done["usage"]["frames"] == 40  # it ran to its end
+        deadline = time.monotonic() + 30
+        while lifecycle.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lifecycle.in_flight == 0 and http.portal.call(lifecycle.wait_idle, 5.0)
+        c.close_and_wait(http)
+
+
 def test_the_servers_websocket_limits_come_from_its_settings_and_flags(loaded):
     """`legato serve --ws-*` reach the socket through ServerSettings; out-of-range values are refused naming
     the flag, before anything loads."""

@@ -55,6 +55,10 @@ class AudioReadback:
         held.release = True
         self._backlog[rid] = held
 
+    def holds(self, rid: str) -> bool:
+        """Whether audio or a closing mark of `rid` is still queued here."""
+        return rid in self._backlog or any(rid in rb.closing or rid in rb.rids for rb in self._queue)
+
     def take(self, wait: bool = False) -> tuple[dict[str, np.ndarray], set[str]]:
         """The audio that has come back, in order (waiting for all of it with `wait`), and the streams whose
         last audio is in it. Never blocks without `wait`."""

@@ -114,6 +114,10 @@ class CodecStreamer:
             if s.next_slot is not None:
                 self._give_slot(s.next_slot)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether anything of `request_id` is here: its stream, or audio (or its closing mark) on its way back."""
+        return request_id in self.streams or self.readback.holds(request_id)
+
     def release(self, request_id: str, on: bool) -> None:
         """`on`: the request is out of input (its text has not arrived), so the audio of the frames it has goes
         out now instead of waiting for a chunk that will not fill; off again when its input comes."""

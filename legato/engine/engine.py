@@ -26,7 +26,7 @@ from legato.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
 from legato.engine.mtp_replicas import replica_group
 from legato.engine.request import Request
 from legato.engine.sampler import draw_seed
-from legato.engine.scheduler import RequestTooLargeError, Scheduler, StepResult
+from legato.engine.scheduler import DuplicateRequestError, RequestTooLargeError, Scheduler, StepResult
 from legato.engine.slot_state import SlotAssignment
 from legato.engine.step_copies import PendingCopy, StepCopies, StepTimes
 from legato.kv_transfer.handoff import Handoff, KVLayout
@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 STACK_GAVE_UP = ("engine step failed: the code predictor's one-launch pass gave up waiting for its programs at a "
                  "grid barrier (they could not all run at once), so this step's codes are not valid; serve without "
                  "--code-predictor-stack if this repeats")
+
+
+class RequestIdEnding(DuplicateRequestError):
+    """The id's earlier request has ended, but its last output is still on its way out of the engine: the id is
+    free once that is delivered (a step or so). The engine's thread may hold the request until then."""
 
 
 @dataclass
@@ -165,8 +170,7 @@ class Engine:
 
     def add_request(self, er: EngineRequest) -> int:
         """Admits a request to the waiting queue; returns its seed. Raises for bad or oversized requests."""
-        if er.request_id in self.live:
-            raise ValueError(f"duplicate request id {er.request_id!r}")
+        self._check_id_free(er.request_id)
         if self.config.prefill_only and not er.handoff_only:
             raise ValueError("this engine only prefills (an MpNd prefill engine): its requests hand their prefill "
                              "on to a decode engine (handoff_only)")
@@ -293,8 +297,7 @@ class Engine:
     def add_handoff(self, h: Handoff, stream_audio: bool = True) -> int:
         """Admits a request prefilled by another engine; it decodes from the handoff's KV and side state.
         Raises LayoutMismatch when the handoff's KV layout is not this engine's."""
-        if h.request_id in self.live:
-            raise ValueError(f"duplicate request id {h.request_id!r}")
+        self._check_id_free(h.request_id)
         self.kv_layout.check_compatible(h.layout)
         h.validate()
         prompt = TalkerPrompt(embeds=h.trailing_text[:0], trailing_text=h.trailing_text, tts_pad=self.runner.tts_pad)
@@ -309,6 +312,21 @@ class Engine:
         self.scheduler.add(req)
         self.live[h.request_id] = live
         return h.seed
+
+    def _check_id_free(self, request_id: str) -> None:
+        """Raises DuplicateRequestError for an id that is live here, RequestIdEnding for one whose earlier
+        request has ended but not all of it has come out: its final output, a launched step's row, or audio on
+        its way back. A new request under that id would be handed what is left of the old one (a client that
+        reuses an id right after dropping its request; an outside probe found the old end delivered to the new
+        stream, which then ran with nobody reading it)."""
+        if request_id in self.live:
+            raise DuplicateRequestError(f"duplicate request id {request_id!r}")
+        launched = self._in_flight
+        if (request_id in self._tails or any(o.request_id == request_id for o in self._done)
+                or (launched is not None and any(rid == request_id for rid, _ in launched.rows))
+                or (self.codec is not None and self.codec.holds(request_id))):
+            raise RequestIdEnding(f"request id {request_id!r} is still ending (its earlier request's last output "
+                                  "is on its way); retry it shortly")
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Frees the request's blocks and slot at once; its final output says `abort`. Unknown ids: False."""

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from legato.engine.config import EngineConfig
-from legato.engine.engine import Engine, EngineRequest, RequestOutput, warm_up_input
+from legato.engine.engine import Engine, EngineRequest, RequestIdEnding, RequestOutput, warm_up_input
 from legato.engine.scheduler import DuplicateRequestError, QueueFullError, RequestTooLargeError
 from legato.kv_transfer.handoff import Handoff, LayoutMismatch
 from legato.models.qwen3_tts.audio import AudioError
@@ -64,6 +64,10 @@ from legato.pipeline.threads import (
 
 log = logging.getLogger(__name__)
 
+# How long a request waits on the engine thread for the earlier request of its id to finish ending, before it is
+# refused (409): that takes a step or so; the bound is for an engine that stops stepping.
+ENDING_WAIT_S = 5.0
+
 
 def rejection(exc: Exception, retry_after: float = 1.0) -> RequestRejected:
     """Maps an engine-side refusal to an HTTP-style rejection; `retry_after` is what a 429 tells the client."""
@@ -95,6 +99,9 @@ class LocalEngineClient(EngineClient):
         self.info = ModelInfo.from_configs(name, loaded.config, loaded.speech_config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, EngineStream] = {}
+        # Engine thread: requests whose id's earlier request is still ending (RequestIdEnding), with when they
+        # give up; retried after each step until the old one's last output is out.
+        self._deferred: list[tuple[tuple, float]] = []
         self._aborted: Counter[str] = Counter()
         self._loop_other_s = 0.0  # engine thread: host time outside engine.step() while work runs
         # A snapshot read from any thread; the engine thread renews it whenever what it reports changes. Taken
@@ -176,8 +183,10 @@ class LocalEngineClient(EngineClient):
         if isinstance(prepared, StreamChunk):
             yield prepared
             return
-        async for chunk in self._stream("add", prepared, req.request_id, then, marks):
-            yield chunk
+        # Closed with this generator, not when the loop finalizes it: a client leaving aborts at once.
+        async with contextlib.aclosing(self._stream("add", prepared, req.request_id, then, marks)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def generate_into(self, req: SynthesisRequest,
                       sink: ChunkSink) -> Coroutine[None, None, None]:
@@ -287,8 +296,9 @@ class LocalEngineClient(EngineClient):
         if handoff.text_open and not owner:
             raise RequestRejected(409, f"duplicate request id {rid!r}")
         then = self._early_text.pop(rid, []) if owner else []
-        async for chunk in self._stream("handoff", handoff, rid, then):
-            yield chunk
+        async with contextlib.aclosing(self._stream("handoff", handoff, rid, then)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def generate_from_handoff_into(self, handoff: Handoff,
                                    sink: ChunkSink) -> Coroutine[None, None, None]:
@@ -444,7 +454,7 @@ class LocalEngineClient(EngineClient):
         try:
             while True:
                 # Requests that only wait for text leave nothing to step: wait for a command (50 ms at most).
-                idle = not self.engine.has_unfinished() or self.engine.waits_for_text_only()
+                idle = (not self.engine.has_unfinished() or self.engine.waits_for_text_only()) and not self._deferred
                 block = idle and self._deadline is None
                 started = time.perf_counter()
                 self._drain(block=block)
@@ -463,6 +473,7 @@ class LocalEngineClient(EngineClient):
                 # Stats first: whoever sees a request's last chunk must see the blocks it gave back.
                 self._refresh_stats()
                 self._deliver(outputs)
+                self._retry_deferred()  # an id whose old request's end just went out is free now
                 self._loop_other_s += time.perf_counter() - started
         except Exception:  # the loop itself failing is fatal for this worker: fail every stream loudly
             log.exception("engine loop crashed")
@@ -476,6 +487,9 @@ class LocalEngineClient(EngineClient):
             with self._inbox_lock:
                 self._closed = True
             self._refuse_queued()
+            for cmd, _ in self._deferred:
+                settle(cmd[2], error=RequestRejected(503, "the engine is not running"))
+            self._deferred.clear()
             self._stopped.set()
 
     def _refuse_queued(self) -> None:
@@ -501,12 +515,12 @@ class LocalEngineClient(EngineClient):
             except queue.Empty:
                 return
 
-    def _handle_safely(self, cmd: tuple) -> None:
+    def _handle_safely(self, cmd: tuple, give_up_at: float | None = None) -> None:
         """`_handle(cmd)`, where a command that fails costs its own request (aborted with the reason), never the
         loop: one client's text must not stop every other stream (an append to a request the scheduler had just
         ended once raised here and ended the engine thread)."""
         try:
-            self._handle(cmd)
+            self._handle(cmd, give_up_at)
         except Exception as e:
             log.exception("engine thread: a %r command failed", cmd[0])
             rid = cmd[1] if cmd[0] in ("abort", "text") else None
@@ -516,13 +530,18 @@ class LocalEngineClient(EngineClient):
                 except Exception:
                     log.exception("engine thread: aborting %s failed too", rid)
 
-    def _handle(self, cmd: tuple) -> None:
+    def _handle(self, cmd: tuple, give_up_at: float | None = None) -> None:
         kind = cmd[0]
         if kind in ("add", "handoff"):
             _, payload, admitted, stream = cmd
-            self._add(payload, admitted, stream)
+            self._add(payload, admitted, stream, give_up_at)
         elif kind == "abort":
             _, rid, reason = cmd
+            waiting = [d for d in self._deferred if d[0][1].request_id == rid]  # EngineRequest or Handoff
+            if waiting:  # not in the engine yet (its id was still ending): it never will be
+                self._deferred = [d for d in self._deferred if d not in waiting]
+                for (_, _, admitted, _), _ in waiting:
+                    settle(admitted, error=RequestRejected(409, f"request {rid!r} was aborted: {reason}"))
             if self.engine.abort(rid, reason):
                 self._aborted[reason] += 1
                 self._refresh_stats()  # its blocks are free now, not after the next step
@@ -538,12 +557,31 @@ class LocalEngineClient(EngineClient):
             if self._deadline is None:
                 self._deadline = time.monotonic() + cmd[1]
 
-    def _add(self, req: EngineRequest | Handoff, admitted: asyncio.Future, stream: EngineStream) -> None:
+    def _retry_deferred(self) -> None:
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        for cmd, give_up_at in deferred:
+            self._handle_safely(cmd, give_up_at)
+
+    def _add(self, req: EngineRequest | Handoff, admitted: asyncio.Future, stream: EngineStream,
+             give_up_at: float | None = None) -> None:
         if self._stopping:
             settle(admitted, error=RequestRejected(503, "server is shutting down"))
             return
         try:
             seed = self.engine.add_handoff(req) if isinstance(req, Handoff) else self.engine.add_request(req)
+        except RequestIdEnding as e:
+            # The id's earlier request (its client gone, say) still has its last output on the way: this one
+            # waits for it, a step or so, rather than being handed what is left of the old one.
+            now = time.monotonic()
+            give_up_at = give_up_at if give_up_at is not None else now + ENDING_WAIT_S
+            if now < give_up_at:
+                self._deferred.append(((("handoff" if isinstance(req, Handoff) else "add"), req, admitted, stream),
+                                       give_up_at))
+            else:
+                settle(admitted, error=rejection(e))
+            return
         except Exception as e:
             wait = (self._drain_rate.retry_after(self.engine.scheduler.num_waiting + 1)
                     if isinstance(e, QueueFullError) else 1.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 
 BATCH_ITEMS = 256  # the most chunks the I/O thread holds before handing them over, however busy the socket
 SHUTDOWN_SEND_S = 5.0  # how long a stop keeps offering a live worker its Shutdown before it terminates it
+# How long a request waits for the worker's last chunk of an abandoned earlier request under its id (a step or so).
+ENDING_WAIT_S = 5.0
 
 
 def new_instance_id() -> str:
@@ -75,6 +78,9 @@ def model_info(model_path: str | Path, name: str) -> ModelInfo:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    # Its reader left before its end (client gone): the worker was told to abort it, and the stream stays listed
+    # until the worker's last chunk for it comes, so that a new request under its id is not handed that chunk.
+    abandoned: bool = False
 
 
 class ProcessEngineClient(EngineClient):
@@ -317,9 +323,12 @@ class ProcessEngineClient(EngineClient):
         return self._generate(req)
 
     async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
+        await self._until_ended(req.request_id)
         stream = self._open(req.request_id, m.Submit(req))
-        async for chunk in self._read(req.request_id, stream):
-            yield chunk
+        # Closed with this generator (not whenever the loop finalizes it): a client leaving aborts at once.
+        async with contextlib.aclosing(self._read(req.request_id, stream)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     @property
     def takes_text_input(self) -> bool:
@@ -346,13 +355,29 @@ class ProcessEngineClient(EngineClient):
         """Queues one more message to the worker (e.g. a stream's next input); False when it cannot."""
         return self._send(msg)
 
+    async def _until_ended(self, rid: str) -> None:
+        """Waits (ENDING_WAIT_S at most) for the worker's last chunk of an abandoned earlier request under `rid`, so
+        that a client retrying with the id it just dropped gets a request of its own, not the old one's end."""
+        with self._lock:
+            old = self._streams.get(rid)
+        if old is None or not old.abandoned or old.loop is not asyncio.get_running_loop():
+            return
+        try:
+            await asyncio.wait_for(_last_item(old.queue), ENDING_WAIT_S)
+        except (asyncio.TimeoutError, TimeoutError):
+            pass  # _open refuses the id (409) while the old stream is still listed
+
     def _open(self, rid: str, msg: m.Message) -> _Stream:
         if not self.is_alive():
             raise RequestRejected(503, self._unavailable())
         frames = self._encode(msg)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            if rid in self._streams:
+            old = self._streams.get(rid)
+            if old is not None and old.abandoned:
+                raise RequestRejected(409, f"request id {rid!r} is still ending (its earlier request was left and "
+                                           "is being aborted); retry it shortly")
+            if old is not None:
                 raise RequestRejected(409, f"request id {rid!r} is already in flight")
             self._streams[rid] = stream
         if not self._send(msg, frames):
@@ -375,8 +400,11 @@ class ProcessEngineClient(EngineClient):
         finally:
             if not done:  # closed early (client gone): the worker frees the request's blocks
                 with self._lock:
-                    self._streams.pop(rid, None)
-                self._send(m.Abort(rid, "client disconnected"))
+                    stream.abandoned = True  # listed until the worker's last chunk for it: see _Stream
+                if not self._send(m.Abort(rid, "client disconnected")):
+                    with self._lock:  # the worker cannot hear it (gone): nothing more will come for it
+                        if self._streams.get(rid) is stream:
+                            del self._streams[rid]
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
         self._send(m.Abort(request_id, reason))
@@ -578,6 +606,14 @@ def _pid_alive(pid: int | None) -> bool:
     except PermissionError:  # alive, someone else's (not expected, but not dead)
         return True
     return True
+
+
+async def _last_item(queue: asyncio.Queue) -> None:
+    """Reads an abandoned stream's queue until its last item (a finished chunk, or a refusal)."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, RequestRejected) or item.finished:
+            return
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

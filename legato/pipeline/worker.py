@@ -188,6 +188,10 @@ class _Worker:
                 await self.fronts.send_to(front, self.ready)
         elif self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
             await self.send(m.Rejected(request_id_of(msg), 503, "the worker is shutting down"))
+        elif isinstance(msg, (m.Submit, m.AwaitHandoff)) and request_id_of(msg) in self.tasks:
+            # Its id's earlier request is still ending here: a second task under one id would lose the first.
+            await self.send(m.Rejected(request_id_of(msg), 409, f"request id {request_id_of(msg)!r} is still "
+                                                                 "ending on its worker; retry it shortly"))
         elif isinstance(msg, m.Submit):
             req = msg.request
             if req.handoff_to is not None:
@@ -241,9 +245,10 @@ class _Worker:
             log.exception("running %s failed", rid)
             await self.finish(rid, _end("error", f"worker error: {e}"))
         finally:
-            self.tasks.pop(rid, None)
-            self.cancelled.discard(rid)
-            self.arrived.pop(rid, None)
+            if self.tasks.get(rid) is asyncio.current_task():  # not a later request's under the same id
+                del self.tasks[rid]
+                self.cancelled.discard(rid)
+                self.arrived.pop(rid, None)
 
     async def prefill_and_send(self, req) -> None:
         """Prefill worker: run the prefill, then move the handoff over the KV link to decode worker

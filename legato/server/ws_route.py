@@ -29,7 +29,8 @@ def build_stream_router(client: EngineClient, service: SpeechService, metrics: S
         metrics.ws_sockets.inc()
         try:
             session = StreamSession(client, service, metrics, limits, websocket.receive, websocket.send_text,
-                                    websocket.send_bytes, lambda code, reason: websocket.close(code, reason))
+                                    websocket.send_bytes, lambda code, reason: websocket.close(code, reason),
+                                    in_flight=lifecycle)
             await session.run()
         finally:
             metrics.ws_sockets.dec()

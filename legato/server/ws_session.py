@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from legato.models.qwen3_tts.text_stream import TextStream
 from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk
@@ -46,6 +47,14 @@ log = logging.getLogger(__name__)
 
 class SlowClient(Exception):
     """The client did not take its messages within `send_timeout_s`."""
+
+
+class InFlight(Protocol):
+    """What counts requests in flight for the server's drain (`lifecycle.Lifecycle`)."""
+
+    def enter(self) -> None: ...
+
+    def leave(self) -> None: ...
 
 
 @dataclass
@@ -77,8 +86,11 @@ class _Out:
 class StreamSession:
     def __init__(self, client: EngineClient, service: SpeechService, metrics: ServerMetrics, limits: WsLimits,
                  receive: Callable[[], Awaitable[dict]], send_text: Callable[[str], Awaitable[None]],
-                 send_bytes: Callable[[bytes], Awaitable[None]], close: Callable[[int, str], Awaitable[None]]) -> None:
+                 send_bytes: Callable[[bytes], Awaitable[None]], close: Callable[[int, str], Awaitable[None]],
+                 in_flight: InFlight | None = None) -> None:
         self.client, self.service, self.metrics, self.limits = client, service, metrics, limits
+        # Each running context counts as a request in flight (the server's drain waits for them as for HTTP's).
+        self.in_flight = in_flight
         self._receive, self._send_text, self._send_bytes, self._close = receive, send_text, send_bytes, close
         self.config: SessionConfig = default_session()
         self.contexts: dict[str, Context] = {}
@@ -262,6 +274,8 @@ class StreamSession:
     async def _pump(self, ctx: Context, gen: AsyncIterator[StreamChunk], fmt: AudioFormat) -> None:
         encoder = _Encoder(fmt, self.rate)
         last: StreamChunk | None = None
+        if self.in_flight is not None:  # entered here, where the finally below is sure to run
+            self.in_flight.enter()
         try:
             await self._audio(ctx, await encoder.start(), 0)
             async for chunk in gen:
@@ -284,10 +298,14 @@ class StreamSession:
             pass
         finally:
             encoder.close()
-            await gen.aclose()  # a request still running (cancelled, socket gone) is aborted by its client
-            if self.contexts.get(ctx.id) is ctx:
-                del self.contexts[ctx.id]
-                self.metrics.ws_contexts.dec()
+            try:
+                await gen.aclose()  # a request still running (cancelled, socket gone) is aborted by its client
+            finally:
+                if self.contexts.get(ctx.id) is ctx:
+                    del self.contexts[ctx.id]
+                    self.metrics.ws_contexts.dec()
+                if self.in_flight is not None:
+                    self.in_flight.leave()
 
     def _done(self, ctx: Context, last: StreamChunk) -> dict:
         seconds = ctx.samples_sent / self.rate
