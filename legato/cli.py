@@ -17,6 +17,10 @@ def _synth(args: argparse.Namespace) -> int:
     from legato.models.qwen3_tts.prompt import PromptError
     from legato.models.qwen3_tts.sampling import SamplingParamsError
 
+    problem = _synth_args_problem(args, torch)
+    if problem is not None:  # before the model loads, not after the work
+        print(f"legato synth: error: {problem}", file=sys.stderr)
+        return 2
     try:
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         tts = TTS.load(args.model, device=args.device, dtype=dtype)
@@ -38,7 +42,8 @@ def _synth(args: argparse.Namespace) -> int:
         sampling.seed = args.seed
         sampling.validate()
         result = tts.generate(inp, sampling=sampling, greedy=args.greedy)
-    except (ConfigError, PromptError, AudioError, SamplingParamsError) as e:
+    # ValueError: what the engine refuses in a request (too long a prompt, no frames allowed) says why in words
+    except (ConfigError, PromptError, AudioError, SamplingParamsError, ValueError) as e:
         print(f"legato synth: error: {e}", file=sys.stderr)
         return 2
     with open(args.out, "wb") as f:
@@ -48,6 +53,33 @@ def _synth(args: argparse.Namespace) -> int:
         result.duration, result.sample_rate, result.finish_reason,
     )
     return 0
+
+
+def _synth_args_problem(args: argparse.Namespace, torch) -> str | None:
+    """What is wrong with `legato synth`'s arguments before anything loads: the output path, the device, the text."""
+    import os
+    from pathlib import Path
+
+    out = Path(args.out)
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        return f"--out {args.out} is a directory: give a file path"
+    if not parent.is_dir():
+        return f"--out {args.out}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"--out {args.out}: the directory {parent} is not writable"
+    if args.device is not None:  # None: cuda when there is one
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            return f"--device {args.device!r} is not a device torch knows (cpu, cuda, cuda:N, ...)"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return f"--device {args.device}: this machine has no CUDA device (use --device cpu)"
+    try:
+        args.text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "--text is not valid Unicode (it holds a lone surrogate)"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

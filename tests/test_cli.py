@@ -48,6 +48,41 @@ def test_synth_rejects_bad_input_with_a_message(tmp_path):
     assert not (tmp_path / "x.wav").exists()
 
 
+def test_synth_refuses_in_one_line_what_an_outside_probe_saw_as_tracebacks(tmp_path, capsys):
+    """A bad --out (found only after the work), a device torch does not know or this machine lacks, a lone
+    surrogate, a request the engine refuses, bytes that are not audio (whose error named a BytesIO repr)."""
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(os.urandom(2000))
+    out = str(tmp_path / "x.wav")
+    cases = [
+        (["--out", str(tmp_path / "missing" / "x.wav")], "does not exist"),
+        (["--out", str(tmp_path)], "is a directory"),
+        (["--out", out, "--device", "tpu"], "not a device torch knows"),
+        (["--out", out, "--max-new-tokens", "1"], "allows no frames"),
+        (["--out", out, "--ref-audio", str(junk), "--ref-text", "Hi."], "cannot decode audio"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--out", out, "--device", "cuda"], "no CUDA device"))
+    env = {"LEGATO_CACHE": str(tmp_path / "cache")}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for flags, needle in cases:
+            assert main(["synth", "--text", "Hello there.", *flags]) == 2, flags
+            err = capsys.readouterr().err.strip().splitlines()
+            assert needle in err[-1] and err[-1].startswith("legato synth: error: "), (flags, err)
+            assert "object at 0x" not in err[-1]
+        assert main(["synth", "--text", "\ud800", "--out", out]) == 2
+        assert "not valid Unicode" in capsys.readouterr().err
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert not Path(out).exists()
+
+
 def test_synth_of_the_readme_example_on_the_default_ends_by_itself(tmp_path):
     """`legato synth --text "Hello there." --out out.wav`, verbatim: the embedded default stops on its own
     (finish reason `stop`) after a few seconds of audio, far below max_new_tokens and the frame cap."""

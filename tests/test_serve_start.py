@@ -56,6 +56,28 @@ def test_a_bad_prefill_interval_is_one_line(tmp_path):
         "legato serve: error: EngineConfig.prefill_interval must be a positive int, got 0"), proc.stderr
 
 
+def test_a_voices_dir_that_is_a_file_is_one_line(tmp_path):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    (tmp_path / "afile").write_text("x")
+    proc = serve(tmp_path, "--host", "127.0.0.1", "--port", str(port), "--voices-dir", str(tmp_path / "afile"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("afile is a file, not a directory"), proc.stderr
+
+
+@pytest.mark.parametrize(("flag", "zero"), [("--frames-per-text-token", "no cap"), ("--request-timeout", "never")])
+def test_a_negative_cap_or_timeout_is_one_line_not_off(tmp_path, flag, zero):
+    """Only 0 turns these off: a negative value was taken as off (an outside probe's request then ran 60 s)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    proc = serve(tmp_path, "--host", "127.0.0.1", "--port", str(port), flag, "-1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"legato serve: error: {flag} must be a number >= 0 (0: {zero}), got -1.0"), proc.stderr
+
+
 @pytest.mark.slow
 def test_the_fix_the_cuda_deploy_error_suggests_starts_the_deployment(tmp_path):
     fix = ["--device", "cpu"]

@@ -36,6 +36,7 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 MIN_RATE, MAX_RATE = 8000, 192000
 # -80 dBFS: below one step of 13-bit audio, so only digital silence or dither; no speaker embedding in it
 SILENCE_PEAK = 1e-4
+MAX_PEAK = 1e3  # a float WAV's samples are within [-1, 1]; far beyond, they overflow the encoders
 _UNKNOWN_FRAMES = 1 << 62
 _BLOCK_SAMPLES = 1 << 20  # interleaved samples per decoded block (4 MiB as float32)
 _UNREADABLE = "ref_audio cannot be decoded: it is not a readable audio file (WAV, FLAC, OGG, MP3)"
@@ -276,6 +277,9 @@ def _check_samples(samples: np.ndarray, rate: int, policy: MediaPolicy) -> None:
         raise MediaError(400, f"ref_audio is {seconds * 1000:.0f} ms long; a reference clip must be at least "
                               f"{policy.min_seconds:g} s")
     peak = float(np.abs(samples).max())
+    if peak > MAX_PEAK:
+        raise MediaError(400, f"ref_audio has samples of magnitude {peak:.3g}: a float clip's samples lie within "
+                              f"[-1, 1] (at most {MAX_PEAK:g} is taken)")
     if peak < SILENCE_PEAK:
         raise MediaError(400, f"ref_audio is silent (peak {_dbfs(peak)}, below {_dbfs(SILENCE_PEAK)}): a voice "
                               "cannot be cloned from silence")

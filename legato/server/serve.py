@@ -10,6 +10,7 @@ import logging
 import re
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -105,6 +106,10 @@ def serve(args: argparse.Namespace) -> int:
         else:
             model_path = args.model
             name = args.served_model_name or _name_of(args.model)
+        for flag, value, zero in (("--frames-per-text-token", args.frames_per_text_token, "no cap"),
+                                  ("--request-timeout", args.request_timeout, "never")):
+            if not 0 <= value < float("inf"):  # a negative one read as "off", which only 0 means
+                raise ValueError(f"{flag} must be a number >= 0 (0: {zero}), got {value}")
         engine_config = EngineConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting, max_model_len=args.max_model_len, prefill_interval=args.prefill_interval,
@@ -119,6 +124,8 @@ def serve(args: argparse.Namespace) -> int:
             **({"codec_window_frames": None} if args.codec_full_context else {}),
         )
         voices_dir = args.voices_dir or str(cache_dir() / "voices" / _safe(name))
+        if Path(voices_dir).exists() and not Path(voices_dir).is_dir():
+            raise ValueError(f"--voices-dir {voices_dir} is a file, not a directory")
         settings = ServerSettings(
             model_name=name, max_input_chars=args.max_input_chars,
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
@@ -207,8 +214,6 @@ def serve(args: argparse.Namespace) -> int:
 
 def _name_of(model: str) -> str:
     """A local directory is named by its last component, a hub id by itself."""
-    from pathlib import Path
-
     path = Path(model).expanduser()
     return path.resolve().name if path.is_dir() else model
 

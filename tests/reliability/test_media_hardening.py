@@ -312,6 +312,36 @@ def test_silence_is_refused_and_quiet_speech_is_not():
     assert rate == 24000 and len(samples) == 24000
 
 
+def test_a_float_clip_far_outside_its_range_is_refused_before_it_overflows_the_encoders():
+    """A float WAV with a finite sample of 3e38 overflowed the speaker encoder: the voice saved from it (201)
+    held a non-finite embedding that every request refused, and a restart quarantined it (an outside probe)."""
+    loud = tone(1.0)
+    loud[5] = 3e38
+    err = refused_bytes(wav(loud, subtype="FLOAT"))
+    assert err.status == 400 and "magnitude 3e+38" in err.message and "[-1, 1]" in err.message
+    over = tone(1.0, peak=2.0)  # a little past full scale, as some tools write: taken
+    samples, _ = asyncio.run(decode_ref_audio(wav(over, subtype="FLOAT"), MediaPolicy()))
+    assert len(samples) == 24000
+
+
+def test_a_clip_whose_voice_overflows_is_refused_where_the_voice_is_computed(tmp_path):
+    """The second guard, for callers that skip the server's media checks (the offline API, `legato synth`): the
+    encoders' result must be finite, or the clip is refused there with the reason."""
+    import pytest
+
+    from legato.models.qwen3_tts.audio import AudioError
+    from legato.models.qwen3_tts.inputs import extract_voice
+    from legato.models.qwen3_tts.loader import load_model
+    from legato.models.qwen3_tts.testing import write_checkpoint
+
+    loaded = load_model(write_checkpoint(tmp_path / "base"))
+    loud = tone(1.0)
+    loud[5] = 3e38
+    with pytest.raises(AudioError, match="speaker embedding overflows"):
+        extract_voice(loaded, loud, 24000)
+    assert extract_voice(loaded, tone(1.0), 24000, codes=False).speaker_embedding.isfinite().all()
+
+
 def test_too_short_clips_are_refused_naming_the_minimum():
     for seconds in (0.001, 0.49):
         err = refused_bytes(wav(tone(seconds)))

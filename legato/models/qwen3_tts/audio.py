@@ -7,6 +7,7 @@ good enough for reference clips; the model side always works at 24 kHz.
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 
@@ -22,7 +23,9 @@ def read_audio(data: bytes) -> tuple[np.ndarray, int]:
     try:
         samples, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as e:  # soundfile raises RuntimeError/LibsndfileError/TypeError for bad input
-        raise AudioError(f"cannot decode audio: {e}") from e
+        # Its message names the buffer by repr ("Error opening <_io.BytesIO object at 0x...>"): not for users.
+        why = re.sub(r"<[^<>]* object at 0x[0-9a-fA-F]+>", "the data", str(e))
+        raise AudioError(f"cannot decode audio (WAV, FLAC or OGG): {why}") from e
     if samples.size == 0:
         raise AudioError("audio is empty")
     return samples.mean(axis=1).astype(np.float32), int(sr)

@@ -90,6 +90,11 @@ def extract_voice(loaded: LoadedModel, samples: np.ndarray, sample_rate: int, ke
     signature is the one `VoiceCache` shares, so `build_spec` can take either."""
     wav_t = _codec_rate_clip(loaded, samples, sample_rate)
     embedding = loaded.model.speaker_encoder.embed(wav_t)[0].float().cpu()
+    if not torch.isfinite(embedding).all():
+        # Finite samples can still overflow the encoder (a float clip with values near 3e38): say so here, not
+        # later as a non-finite embedding the caller never sent, nor in a saved voice no request can use.
+        raise AudioError("the reference audio gives no usable voice: its speaker embedding overflows (are its "
+                         "samples far outside [-1, 1]?)")
     return VoiceFeatures(embedding, _ref_codes(loaded, wav_t) if codes else None)
 
 
