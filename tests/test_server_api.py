@@ -366,6 +366,16 @@ def test_base_model_speaks_in_a_saved_voice(base):
     assert_error(base.post("/v1/audio/speech", json={"input": "Hi.", "voice": "nobody"}), 400,
                  "unknown voice 'nobody'", "Narrator", param="voice")
     assert "Narrator" in base.get("/v1/models").json()["data"][0]["voices"]
+    # An error names a long voice in brief, and the first 20 saved voices (a probe's 200,000-character name came
+    # back whole, beside every one of 1,000 saved names)
+    for i in range(25):
+        assert base.post("/v1/audio/voices", json={"name": f"v{i:02d}", "speaker_embedding": [0.2] * 64}
+                         ).status_code == 201
+    err = assert_error(base.post("/v1/audio/speech", json={"input": "Hi.", "voice": "z" * 200_000}), 400,
+                       "unknown voice 'zzz", "and 6 more (GET /v1/audio/voices)", param="voice")
+    assert len(err["message"]) < 600
+    for i in range(25):
+        base.delete(f"/v1/audio/voices/v{i:02d}")
 
 
 def test_voice_design_model_needs_a_description(tmp_path_factory):

@@ -232,7 +232,7 @@ class SpeechService:
             name = resolve_alias(name, self.voice_aliases, by_lower) or name
         if name not in by_lower:
             aliases = sorted(a for a in self.voice_aliases if resolve_alias(a, self.voice_aliases, by_lower))
-            raise ApiError(400, f"unknown voice {voice!r}; available: {speakers}"
+            raise ApiError(400, f"unknown voice {_brief(voice)}; available: {speakers}"
                                 + (f", or an alias: {aliases}" if aliases else ""), "unknown_voice", "voice")
         return by_lower[name]
 
@@ -264,8 +264,11 @@ class SpeechService:
         return {"ref_audio": clip.samples, "ref_sample_rate": clip.rate, "ref_audio_key": clip.key,
                 "ref_text": body.ref_text, "x_vector_only": body.x_vector_only_mode}
 
-    def _saved_voices(self) -> list[str]:
-        return [v.name for v in self.voice_store.list()] if self.voice_store is not None else []
+    def _saved_voices(self) -> str:
+        """The saved voices for an error message: the first few by name (the listing route has them all)."""
+        names = [v.name for v in self.voice_store.list()] if self.voice_store is not None else []
+        shown = ", ".join(names[:_LISTED]) or "none"
+        return shown + (f" and {len(names) - _LISTED} more (GET /v1/audio/voices)" if len(names) > _LISTED else "")
 
     def _saved_voice(self, body: SpeechRequest) -> dict[str, Any]:
         voice = self.voice_store.get(body.voice_name) if self.voice_store is not None else None
@@ -273,7 +276,7 @@ class SpeechService:
         if voice is None and alias is not None and self.voice_store is not None:
             voice = self.voice_store.get(alias)
         if voice is None:
-            raise ApiError(400, f"unknown voice {body.voice_name!r}; saved voices: {self._saved_voices()}",
+            raise ApiError(400, f"unknown voice {_brief(body.voice_name)}; saved voices: {self._saved_voices()}",
                            "unknown_voice", "voice")
         if body.ref_text is not None:
             raise ApiError(400, "a saved voice carries its own ref_text", "unsupported_field", "ref_text")
@@ -287,6 +290,16 @@ class SpeechService:
             return parse_speaker_embedding(values, self.client.info.hidden_size)
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_speaker_embedding", "speaker_embedding") from e
+
+
+_LISTED = 20  # saved voices an error message names
+
+
+def _brief(name: str) -> str:
+    """A client's name in an error message: its repr, cut to 80 characters (a 200,000-character voice came back
+    whole)."""
+    text = repr(name)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 415, 429, 500, 503, 504)}
