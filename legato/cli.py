@@ -17,7 +17,7 @@ def _synth(args: argparse.Namespace) -> int:
     from legato.models.qwen3_tts.prompt import PromptError
     from legato.models.qwen3_tts.sampling import SamplingParamsError
 
-    problem = _synth_args_problem(args, torch)
+    problem = _synth_args_problem(args)
     if problem is not None:  # before the model loads, not after the work
         print(f"legato synth: error: {problem}", file=sys.stderr)
         return 2
@@ -55,10 +55,12 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _synth_args_problem(args: argparse.Namespace, torch) -> str | None:
+def _synth_args_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with `legato synth`'s arguments before anything loads: the output path, the device, the text."""
     import os
     from pathlib import Path
+
+    from legato.server.cli import check_devices
 
     out = Path(args.out)
     parent = out.parent if str(out.parent) else Path(".")
@@ -70,11 +72,9 @@ def _synth_args_problem(args: argparse.Namespace, torch) -> str | None:
         return f"--out {args.out}: the directory {parent} is not writable"
     if args.device is not None:  # None: cuda when there is one
         try:
-            device = torch.device(args.device)
-        except RuntimeError:
-            return f"--device {args.device!r} is not a device torch knows (cpu, cuda, cuda:N, ...)"
-        if device.type == "cuda" and not torch.cuda.is_available():
-            return f"--device {args.device}: this machine has no CUDA device (use --device cpu)"
+            check_devices([args.device])
+        except ValueError as e:
+            return str(e)
     try:
         args.text.encode("utf-8")
     except UnicodeEncodeError:

@@ -50,12 +50,13 @@ def process_tree(root: int | None = None) -> list[int]:
     root = os.getpid() if root is None else root
     if not os.path.exists(f"/proc/{root}/task/{root}/children"):
         return _tree_by_parents(root)
-    seen, todo = [], [root]
+    seen: dict[int, None] = {}  # insertion-ordered: root first
+    todo = [root]
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
-        seen.append(pid)
+        seen[pid] = None
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
@@ -64,7 +65,7 @@ def process_tree(root: int | None = None) -> list[int]:
             text = _read(f"/proc/{pid}/task/{tid}/children")
             if text:
                 todo.extend(int(c) for c in text.split())
-    return seen
+    return list(seen)
 
 
 def _tree_by_parents(root: int) -> list[int]:

@@ -65,6 +65,9 @@ class StreamChunk:
 # worker: in a worker process, from its request's message arriving to its first audio leaving (the three stages and
 # the worker's own event-loop passes either side of them), so the server can tell the link's share of its wait.
 STAGES = ("prepare", "inbox", "engine", "voice", "queue", "build", "resume", "worker")
+# How long a request waits for its id's earlier, dropped request to finish ending (its last output out of the engine
+# or the worker: a step or so) before it is refused with 409; the bound is for an engine that stops stepping.
+ENDING_WAIT_S = 5.0
 
 
 class RequestRejected(Exception):

@@ -46,6 +46,7 @@ from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.models.qwen3_tts.text_stream import segment_ids
 from legato.pipeline.admission import Admission, AdmissionClosed
 from legato.pipeline.client import (
+    ENDING_WAIT_S,
     EngineClient,
     EngineStats,
     ModelInfo,
@@ -63,10 +64,6 @@ from legato.pipeline.threads import (
 )
 
 log = logging.getLogger(__name__)
-
-# How long a request waits on the engine thread for the earlier request of its id to finish ending, before it is
-# refused (409): that takes a step or so; the bound is for an engine that stops stepping.
-ENDING_WAIT_S = 5.0
 
 
 def rejection(exc: Exception, retry_after: float = 1.0) -> RequestRejected:
@@ -534,7 +531,9 @@ class LocalEngineClient(EngineClient):
         kind = cmd[0]
         if kind in ("add", "handoff"):
             _, payload, admitted, stream = cmd
-            self._add(payload, admitted, stream, give_up_at)
+            wait_until = self._add(payload, admitted, stream, give_up_at)
+            if wait_until is not None:
+                self._deferred.append((cmd, wait_until))
         elif kind == "abort":
             _, rid, reason = cmd
             waiting = [d for d in self._deferred if d[0][1].request_id == rid]  # EngineRequest or Handoff
@@ -565,10 +564,12 @@ class LocalEngineClient(EngineClient):
             self._handle_safely(cmd, give_up_at)
 
     def _add(self, req: EngineRequest | Handoff, admitted: asyncio.Future, stream: EngineStream,
-             give_up_at: float | None = None) -> None:
+             give_up_at: float | None = None) -> float | None:
+        """Admits the request, or settles `admitted` with why not; returns when to give up instead when the request
+        must wait for its id's earlier request to finish ending (the caller holds it until then)."""
         if self._stopping:
             settle(admitted, error=RequestRejected(503, "server is shutting down"))
-            return
+            return None
         try:
             seed = self.engine.add_handoff(req) if isinstance(req, Handoff) else self.engine.add_request(req)
         except RequestIdEnding as e:
@@ -577,20 +578,19 @@ class LocalEngineClient(EngineClient):
             now = time.monotonic()
             give_up_at = give_up_at if give_up_at is not None else now + ENDING_WAIT_S
             if now < give_up_at:
-                self._deferred.append(((("handoff" if isinstance(req, Handoff) else "add"), req, admitted, stream),
-                                       give_up_at))
-            else:
-                settle(admitted, error=rejection(e))
-            return
+                return give_up_at
+            settle(admitted, error=rejection(e))
+            return None
         except Exception as e:
             wait = (self._drain_rate.retry_after(self.engine.scheduler.num_waiting + 1)
                     if isinstance(e, QueueFullError) else 1.0)
             settle(admitted, error=rejection(e, retry_after=wait))
-            return
+            return None
         self._streams[req.request_id] = stream
         stream.added = time.perf_counter()
         self._refresh_stats()  # a caller told it is admitted sees it counted
         settle(admitted, result=seed)
+        return None
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hands a step's chunks to their streams, one wake-up per event loop (and per sink) per step

@@ -226,10 +226,10 @@ def decode(frames: Sequence[bytes | memoryview], max_bytes: int = MAX_MESSAGE_BY
     if not isinstance(header, dict):
         raise MessageError("header is not a JSON object")
     if header.get("v") != VERSION:
-        raise MessageError(f"unsupported message version {_brief(header.get('v'))} (this side speaks {VERSION})")
+        raise MessageError(f"unsupported message version {brief(header.get('v'))} (this side speaks {VERSION})")
     tag = header.get("type")
     if tag not in _DECODERS:
-        raise MessageError(f"unknown message type {_brief(tag)}")
+        raise MessageError(f"unknown message type {brief(tag)}")
     body = header.get("body")
     if not isinstance(body, dict):
         raise MessageError(f"{tag}: body is not an object")
@@ -243,8 +243,8 @@ def decode(frames: Sequence[bytes | memoryview], max_bytes: int = MAX_MESSAGE_BY
         raise MessageError(f"{tag}: {str(e)[:200]}") from None
 
 
-def _brief(value: Any) -> str:
-    """A repr short enough for a log line, whatever a peer put in the header."""
+def brief(value: Any) -> str:
+    """A repr short enough for a log line or an error message, whatever a peer or a client sent (80 characters)."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:77]}..."
 
@@ -255,19 +255,19 @@ def _no_constant(name: str) -> float:
 
 def _arrays(tag: str, listed: Any, frames: Sequence[bytes | memoryview]) -> dict[str, np.ndarray]:
     if not isinstance(listed, list) or len(listed) != len(frames):
-        count = len(listed) if isinstance(listed, list) else _brief(listed)
+        count = len(listed) if isinstance(listed, list) else brief(listed)
         raise MessageError(f"{tag}: header lists {count} arrays, {len(frames)} frames follow")
     out = {}
     for entry, frame in zip(listed, frames, strict=True):
         ok = (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in _DTYPES
               and isinstance(entry[2], list) and all(_is_int(n) and n >= 0 for n in entry[2]))
         if not ok:
-            raise MessageError(f"{tag}: bad array entry {_brief(entry)} (want [name, float32|int64, [dims]])")
+            raise MessageError(f"{tag}: bad array entry {brief(entry)} (want [name, float32|int64, [dims]])")
         name, dtype, shape = entry
         data = memoryview(frame).cast("B")
         want = math.prod(shape) * np.dtype(dtype).itemsize  # exact: numpy's int64 product would wrap
         if data.nbytes != want:
-            raise MessageError(f"{tag}: array {_brief(name)} {dtype}{_brief(shape)} needs {want} bytes, "
+            raise MessageError(f"{tag}: array {brief(name)} {dtype}{brief(shape)} needs {want} bytes, "
                                f"got {data.nbytes}")
         out[name] = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
     return out
@@ -352,7 +352,7 @@ def _dec_submit(b: _Body) -> Submit:
         inner = _Body(f"{b.tag}.{part}", b.get(part, dict), {})
         unknown = set(inner.body) - set(fields)
         if unknown:
-            raise MessageError(f"{inner.tag}: unknown fields {_brief(sorted(unknown))}")
+            raise MessageError(f"{inner.tag}: unknown fields {brief(sorted(unknown))}")
         required = _REQUIRED_INPUT if part == "input" else set()
         sub[part] = {k: inner.get(k, t, optional=k not in required) for k, t in fields.items() if k in inner.body
                      or k in required}

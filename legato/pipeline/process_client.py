@@ -37,6 +37,7 @@ from legato.models.qwen3_tts.loader import resolve_model_dir
 from legato.pipeline import ipc
 from legato.pipeline import messages as m
 from legato.pipeline.client import (
+    ENDING_WAIT_S,
     EngineClient,
     EngineStats,
     ModelInfo,
@@ -58,8 +59,6 @@ log = logging.getLogger(__name__)
 
 BATCH_ITEMS = 256  # the most chunks the I/O thread holds before handing them over, however busy the socket
 SHUTDOWN_SEND_S = 5.0  # how long a stop keeps offering a live worker its Shutdown before it terminates it
-# How long a request waits for the worker's last chunk of an abandoned earlier request under its id (a step or so).
-ENDING_WAIT_S = 5.0
 
 
 def new_instance_id() -> str:

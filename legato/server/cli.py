@@ -292,6 +292,10 @@ def check_devices(devices: list[str]) -> None:
     import torch
 
     for dev in devices:
+        try:
+            torch.device(dev)
+        except RuntimeError:
+            raise ValueError(f"device {dev!r} is not a device torch knows (cpu, cuda, cuda:N)") from None
         if not dev.startswith("cuda"):
             continue
         if not torch.cuda.is_available():

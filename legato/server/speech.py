@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.pipeline.client import EngineClient, SynthesisRequest
+from legato.pipeline.messages import brief
 from legato.server.aliases import resolve_alias
 from legato.server.encoding import (
     MEDIA_TYPES,
@@ -232,7 +233,7 @@ class SpeechService:
             name = resolve_alias(name, self.voice_aliases, by_lower) or name
         if name not in by_lower:
             aliases = sorted(a for a in self.voice_aliases if resolve_alias(a, self.voice_aliases, by_lower))
-            raise ApiError(400, f"unknown voice {_brief(voice)}; available: {speakers}"
+            raise ApiError(400, f"unknown voice {brief(voice)}; available: {speakers}"
                                 + (f", or an alias: {aliases}" if aliases else ""), "unknown_voice", "voice")
         return by_lower[name]
 
@@ -276,7 +277,7 @@ class SpeechService:
         if voice is None and alias is not None and self.voice_store is not None:
             voice = self.voice_store.get(alias)
         if voice is None:
-            raise ApiError(400, f"unknown voice {_brief(body.voice_name)}; saved voices: {self._saved_voices()}",
+            raise ApiError(400, f"unknown voice {brief(body.voice_name)}; saved voices: {self._saved_voices()}",
                            "unknown_voice", "voice")
         if body.ref_text is not None:
             raise ApiError(400, "a saved voice carries its own ref_text", "unsupported_field", "ref_text")
@@ -293,13 +294,6 @@ class SpeechService:
 
 
 _LISTED = 20  # saved voices an error message names
-
-
-def _brief(name: str) -> str:
-    """A client's name in an error message: its repr, cut to 80 characters (a 200,000-character voice came back
-    whole)."""
-    text = repr(name)
-    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 415, 429, 500, 503, 504)}
