@@ -60,8 +60,8 @@ def test_a_steps_chunks_cross_in_one_message_each_whole_and_in_order():
     chunks = [("a", _chunk(0, last=False)), ("b", StreamChunk(np.zeros(0, np.float32), 3, codes=None)),
               ("a", _chunk(2, last=True)), ("c", StreamChunk(np.ones(5, np.float32), 1, finished=True,
                                                              finish_reason="error", error="boom", retryable=True))]
-    [header, audio, codes] = m.encode(m.Chunks(chunks))  # one header for all, one frame per array kind
-    got = m.decode([header, audio, codes])
+    [header, rows, audio, codes] = m.encode(m.Chunks(chunks))  # one header for all, one frame per array kind
+    got = m.decode([header, rows, audio, codes])
     assert isinstance(got, m.Chunks) and [rid for rid, _ in got.chunks] == ["a", "b", "a", "c"]
     for (_, want), (_, have) in zip(chunks, got.chunks, strict=True):
         assert have.audio.tolist() == want.audio.tolist() and have.num_frames == want.num_frames
@@ -72,16 +72,60 @@ def test_a_steps_chunks_cross_in_one_message_each_whole_and_in_order():
             want.finished, want.finish_reason, want.error, want.retryable)
 
 
-def test_chunks_whose_sizes_do_not_fit_their_arrays_are_refused():
-    header, audio, codes = m.encode(m.Chunks([("a", _chunk(1, last=False)), ("b", _chunk(2, last=False))]))
-    short = np.zeros(4, np.float32).tobytes()  # the entries claim 5 samples
-    for frames in ([header, short, codes], [header.replace(b'"samples": 2', b'"samples": -1'), audio, codes]):
-        try:
-            m.decode(frames)
-        except m.MessageError as e:
-            assert "chunks" in str(e)
-        else:
-            raise AssertionError("a malformed chunks message was accepted")
+def _refused(frames: list, what: str) -> None:
+    try:
+        m.decode(frames)
+    except m.MessageError as e:
+        assert "chunks" in str(e), e
+    else:
+        raise AssertionError(f"a chunks message with {what} was accepted")
+
+
+def test_chunks_whose_rows_do_not_fit_their_arrays_are_refused():
+    header, rows, audio, codes = m.encode(m.Chunks([("a", _chunk(1, last=False)), ("b", _chunk(2, last=True))]))
+    table = np.frombuffer(rows, np.int64).reshape(2, 6)
+
+    def with_rows(**change) -> bytes:  # column name -> (row, value)
+        t = table.copy()
+        for name, (i, value) in change.items():
+            t[i, ("samples", "frames", "num_frames", "num_prompt_tokens", "seed", "finished").index(name)] = value
+        return t.tobytes()
+
+    _refused([header, rows, np.zeros(4, np.float32).tobytes(), codes], "less audio than its rows say")
+    _refused([header, with_rows(samples=(0, -1)), audio, codes], "a negative size")
+    _refused([header, with_rows(samples=(0, 2**62), frames=(1, 2**62)), audio, codes], "sizes that would wrap")
+    _refused([header, with_rows(frames=(0, -2)), audio, codes], "frames below -1")
+    _refused([header, with_rows(frames=(0, -1)), audio, codes], "codes no row claims")
+    _refused([header, with_rows(finished=(0, 2)), audio, codes], "`finished` of 2")
+    _refused([header, with_rows(seed=(1, -5)), audio, codes], "a negative seed")
+    _refused([header, rows[:48], audio, codes], "one row for two ids")
+    _refused([header.replace(b'"a"', b'7'), rows, audio, codes], "an id that is not a string")
+    _refused([header.replace(b'"rare": {"1"', b'"rare": {"9"'), rows, audio, codes], "a rare entry past its rows")
+    _refused([header.replace(b'"finish_reason": "stop"', b'"finish_reason": "done"'), rows, audio, codes],
+             "an unknown finish reason")
+
+
+def test_a_steps_message_round_trips_every_field_of_many_chunks():
+    rng = np.random.default_rng(0)
+    chunks = []
+    for i in range(300):
+        n, f = int(rng.integers(0, 4000)), int(rng.integers(-1, 3))
+        chunks.append((f"r{i % 97}", StreamChunk(
+            rng.standard_normal(n).astype(np.float32), int(rng.integers(0, 5000)),
+            num_prompt_tokens=int(rng.integers(0, 9000)), finished=bool(i % 7 == 0),
+            finish_reason=("stop", "length", "abort", "error", "handoff")[i % 5] if i % 7 == 0 else None,
+            error="boom" if i % 35 == 0 else None, seed=int(rng.integers(0, 2**63 - 1)),
+            codes=None if f < 0 else rng.integers(0, 2048, (f, 16)), retryable=i % 70 == 0,
+            stages={"engine": 0.01 * i} if i % 11 == 0 else None)))
+    got = m.decode(m.encode(m.Chunks(chunks)))
+    assert [rid for rid, _ in got.chunks] == [rid for rid, _ in chunks]
+    for (_, want), (_, have) in zip(chunks, got.chunks, strict=True):
+        assert np.array_equal(have.audio, want.audio) and have.audio.dtype == np.float32
+        assert (have.codes is None) == (want.codes is None)
+        assert want.codes is None or np.array_equal(have.codes, want.codes)
+        for field in ("num_frames", "num_prompt_tokens", "finished", "finish_reason", "error", "seed", "retryable",
+                      "stages"):
+            assert getattr(have, field) == getattr(want, field), field
 
 
 def test_the_front_takes_a_steps_message_like_its_chunks(tiny_checkpoint):
