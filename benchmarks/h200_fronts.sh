@@ -9,7 +9,7 @@
 #           whole-run figures;
 #           f4p3 is four fronts with --prefill-interval 3; f4g (VARIANTS=... --variant f4g=.:legato) four fronts with
 #           the worker's GIL switch interval at 0.25 ms (default 1 ms); f4n four fronts with the engine thread at
-#           nice -10 (LEGATO_ENGINE_NICE). Each served cell prints the CPU census of its steady middle (host cores
+#           nice -10 (LEGATO_ENGINE_NICE); f4b (--variant f4b=.base:legato) four fronts of the tree in .base/. Each served cell prints the CPU census of its steady middle (host cores
 #           busy; each thread group's CPU and run-queue cores, legato/bench/cpu_census.py). PROFILE=1 then serves
 #           one more c=256 cell (four fronts) under py-spy --native --idle, 4 s of its steady middle.
 # Needs the server's wheels in .whl/, the base tree in .base/, prompts in .bench-data/prompts. Random 0.6B Base
@@ -48,7 +48,7 @@ round(r['audio_s_per_s'], 1), 'audio-s/s; steady', r['steady'])" "$OUT/loop-c$c.
     timeout ${T:-420} python3 benchmarks/serving_speed.py --ckpt $CKPT --data .bench-data/prompts --modes xvec \
       --client-procs ${PROCS:-6} --prompts-per-conc 6 --min-prompts 0 --max-prompts 1024 --startup-timeout 150 \
       --cell-timeout 100 ${VARIANTS:---variant f4=.:legato --variant f4p3=.:legato --variant f1=.:legato} \
-      --variant-args "f4=--fronts 4" --variant-args "f4p3=--fronts 4 --prefill-interval 3" \
+      --variant-args "f4=--fronts 4" --variant-args "f4b=--fronts 4" --variant-args "f4p3=--fronts 4 --prefill-interval 3" \
       --variant-args "f4g=--fronts 4" --variant-env "f4g=LEGATO_GIL_SWITCH_MS=0.25" \
       --variant-args "f4n=--fronts 4" --variant-env "f4n=LEGATO_ENGINE_NICE=-10" \
       --concurrency ${CONC:-256,64} --max-num-seqs 256 --out /tmp/steady 2>&1 | grep -v '^{' | tail -24
