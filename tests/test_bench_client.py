@@ -70,6 +70,12 @@ def test_failures_and_timeouts_are_counted_not_dropped():
     assert (agg["num_requests"], agg["completed"], agg["failed"]) == (7, 2, 5)
     assert agg["failures"] == {"bad_content_type": 1, "http_500": 1, "no_audio": 1, "stream_cut": 1, "timeout": 1}
     assert agg["continuity_rate"] <= 2 / 7
+    # the console report says each kind's first cause, not only the counts (a newcomer's walkthrough)
+    from legato.bench.report import first_failures
+
+    lines = first_failures([r.to_json() for r in out.records])
+    assert len(lines) == 5 and any(ln.startswith("first http_500 failure:") and "engine exploded" in ln
+                                   for ln in lines)
 
 
 def test_connection_refused_is_a_transport_failure():

@@ -189,7 +189,7 @@ def test_fixed_length_requests_for_benchmarks(cv):
      "response_format"),
     ({"response_format": "flac", "stream_format": "sse"}, 400, ["cannot be streamed"], "response_format"),
     ({"task_type": "Base"}, 400, ["does not match", "CustomVoice"], "task_type"),
-    ({"model": "tts-1"}, 404, ["'tts-1' is not served", "tiny"], "model"),
+    ({"model": "tts-2"}, 404, ["'tts-2' is not served", "tiny", "tts-1"], "model"),
     ({"input": "x" * 201}, 400, ["201 characters", "limit is 200"], "input"),
     ({"max_new_tokens": 65}, 400, ["exceeds the limit of 64"], "max_new_tokens"),
     ({"num_frames": 64, "ignore_eos": True}, 400, ["limit of 63"], "num_frames"),
@@ -205,6 +205,13 @@ def test_fixed_length_requests_for_benchmarks(cv):
 ])
 def test_rejections_are_openai_shaped_4xx(cv, body, status, needles, param):
     assert_error(speak(cv, **body), status, *needles, param=param)
+
+
+@pytest.mark.parametrize("model", ["tts-1", "tts-1-hd", "gpt-4o-mini-tts"])
+def test_openais_model_names_are_taken_as_the_served_model(cv, model):
+    """Code written for OpenAI's API names OpenAI's models: they run on the model served here."""
+    r = speak(cv, model=model, response_format="pcm", num_frames=2, ignore_eos=True)
+    assert r.status_code == 200 and len(r.content) == 2 * SAMPLES_PER_FRAME * 2
 
 
 def test_malformed_json_and_non_finite_numbers_are_400(cv):

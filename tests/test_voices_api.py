@@ -218,6 +218,9 @@ def test_non_base_model_lists_presets_and_refuses_uploads(tmp_path):
                                                {"name": "serena", "source": "preset"}]}
     assert_error(http.post(URL, json={"name": "x", "ref_audio": DATA_URL}), 400, "Base")
     assert_error(http.post(URL, data={"name": "x"}, files={"file": ("a.wav", CLIP_BYTES, "audio/wav")}), 400, "Base")
+    # whatever the body lacks, the first thing said is what no body can change (a newcomer's walkthrough)
+    assert_error(http.post(URL, data={"name": "x"}), 400, "saved voices need a Base")
+    assert_error(http.post(URL, json={}), 400, "saved voices need a Base")
     assert client.calls == 0
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from legato.cli_help import DefaultsFormatter
 
-from .served import api_key, concurrency_of_server, mode_of_model, served_model, server_card
+from .served import api_key, concurrency_of_server, mode_of_model, served_model, server_card, unreachable
 
 
 def _rate(value: str) -> float:
@@ -180,6 +180,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds the engine gets to drain after")
     p.add_argument("--no-warmup", action="store_true", help="no warm-up request of every kind before the clock")
     p.add_argument("--out", default=None, help="write the report JSON here (default: none)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token of a server run with --api-key (default: $LEGATO_API_KEY when set)")
     p.set_defaults(func=_run(_soak))
 
 
@@ -257,11 +259,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.stream_text:  # before the server is asked anything
         check_stream_text_args(args)
+    card = server_card(args)
+    problem = unreachable(card, args.base_url, api_key(args)) if isinstance(card, Exception) else None
+    if problem is not None:  # every request would fail the same way: say why once, before any is sent
+        raise ValueError(problem)
     if args.max_concurrency is None:
         args.max_concurrency = concurrency_of_server(args)
         # A concurrency the bench chose is given up, not sat through, when its requests cannot meet --timeout.
         args.concurrency_from_server = args.max_concurrency is not None
-    card = server_card(args)
     served_seqs = card.get("max_num_seqs") if isinstance(card, dict) else None
     requests, ccfg, slo, config = _prepare(args)
     config.update(topology=args.topology, num_gpus=args.num_gpus, max_num_seqs=args.max_num_seqs or served_seqs,
@@ -407,7 +412,7 @@ def _soak(args: argparse.Namespace) -> int:
                      disconnect_rate=args.disconnect_rate, windows=args.windows, seed=args.seed,
                      min_frames=args.min_frames, max_frames=args.max_frames, voice=args.voice or None,
                      pid=args.pid, timeout_s=args.timeout, drain_timeout_s=args.drain_timeout,
-                     warmup=not args.no_warmup, extra=extra)
+                     warmup=not args.no_warmup, extra=extra, api_key=api_key(args))
     import httpx
 
     try:

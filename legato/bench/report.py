@@ -100,7 +100,18 @@ def run_table(result: dict) -> str:
     fixed = result["config"].get("request", {}).get("fixed_length")
     if fixed:
         lines.append(f"fixed length: {fixed['rule']}")
+    lines += first_failures(result.get("requests", []))
     return "\n".join(lines)
+
+
+def first_failures(requests: list[dict]) -> list[str]:
+    """The first failed request's error of each kind, cut to a line: what the counts alone leave to the JSON."""
+    seen: dict[str, str] = {}
+    for r in requests:
+        kind = r.get("error_kind")
+        if kind is not None and kind not in seen:
+            seen[kind] = " ".join(str(r.get("error") or "").split())[:200]
+    return [f"first {kind} failure: {message or '(no message)'}" for kind, message in seen.items()]
 
 
 def compare_table(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> str:

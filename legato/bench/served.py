@@ -29,7 +29,8 @@ def mode_of_model(args: argparse.Namespace) -> tuple[str, str | None]:
     if hasattr(args, "base_url"):
         card = server_card(args)
         if isinstance(card, Exception):
-            raise ValueError(f"cannot read the server's model from {args.base_url}/v1/models ({card}); give --mode")
+            raise ValueError(unreachable(card, args.base_url, api_key(args))
+                             or f"cannot read the server's model from {args.base_url}/v1/models ({card}); give --mode")
         model_type, voices = _TYPE_OF_TASK.get(card.get("task_type"), "base"), card.get("voices") or []
     else:
         from legato.models.qwen3_tts.default import default_model_dir
@@ -60,6 +61,30 @@ def server_card(args: argparse.Namespace) -> dict | Exception:
         except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
             args.server_card = e
     return args.server_card
+
+
+def unreachable(error: Exception, base_url: str, key: str | None) -> str | None:
+    """Why no request of the bench could succeed, from the error of reading `/v1/models` (None: some other
+    failure, e.g. a server without that route, which the bench can still drive given --mode)."""
+    import httpx
+
+    if isinstance(error, httpx.HTTPStatusError):
+        return access_problem(error.response.status_code, base_url, key)
+    if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return f"no server answers at {base_url} ({error}): start one (`legato serve`) or give --base-url"
+    return None
+
+
+def access_problem(status: int, base_url: str, key: str | None) -> str | None:
+    """What a 401 (legato's answer to a missing or wrong key) or 403 means for the bench (None for any other
+    status)."""
+    if status == 403:
+        return f"the server at {base_url} refuses this client (HTTP 403: its Host or Origin checks)"
+    if status != 401:
+        return None
+    if key:
+        return f"the server at {base_url} refused the API key given (HTTP 401)"
+    return f"the server at {base_url} wants an API key (HTTP 401): give --api-key KEY or set $LEGATO_API_KEY"
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from .served import access_problem
 from .speech_calls import KINDS, Outcome, speech_call
 
 _TEXTS = (
@@ -55,6 +56,7 @@ class SoakConfig:
     drain_timeout_s: float = 60.0
     warmup: bool = True  # one request of every kind before the clock starts
     extra: dict = field(default_factory=dict)
+    api_key: str | None = None  # sent as `Authorization: Bearer` (a server run with --api-key)
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.concurrency < 1 or not 0 <= self.disconnect_rate <= 1:
@@ -90,7 +92,17 @@ async def _server_rss(http: httpx.AsyncClient, pid: int | None) -> int | None:
 
 
 async def engine_stats(http: httpx.AsyncClient) -> dict:
-    return (await http.get("/health")).json()["engine"]
+    """The engine's stats from legato's /health; ValueError for a server whose /health has none (the soak's
+    leak check needs them)."""
+    response = await http.get("/health")
+    try:
+        engine = response.json()["engine"]
+    except (ValueError, KeyError, TypeError):
+        engine = None
+    if not isinstance(engine, dict) or not {"running", "waiting", "free_kv_blocks", "num_kv_blocks"} <= engine.keys():
+        raise ValueError(f"{http.base_url}/health (HTTP {response.status_code}) has no engine stats: the soak "
+                         "needs a legato server")
+    return engine
 
 
 async def wait_drained(http: httpx.AsyncClient, timeout_s: float) -> dict:
@@ -184,7 +196,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 async def _run(cfg: SoakConfig) -> dict:
     limits = httpx.Limits(max_connections=cfg.concurrency + 8, max_keepalive_connections=cfg.concurrency + 8)
-    async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s, limits=limits) as http:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s, limits=limits, headers=headers) as http:
+        refused = access_problem((await http.get("/v1/models")).status_code, cfg.url, cfg.api_key)
+        if refused is not None:  # every request would get the same 401/403: one line instead of a run of them
+            raise ValueError(refused)
         soak = _Soak(cfg, http)
         warmup: list[Outcome] = []
         if cfg.warmup:

@@ -257,7 +257,9 @@ class StreamTextRunner:
             event = json.loads(msg)
             if event["type"] == "error" and event.get("context_id") is None:
                 err = event.get("error") or {}
-                raise RuntimeError(f"session refused: {err.get('code')}: {err.get('message')}")
+                hint = ("; a reference clip inline rarely fits one message: save the voice (docs/voices.md) and give "
+                        "--voice NAME" if err.get("code") == "message_too_large" else "")
+                raise RuntimeError(f"session refused: {err.get('code')}: {err.get('message')}{hint}")
             if predicate(event):
                 return event
 

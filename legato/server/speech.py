@@ -42,6 +42,10 @@ TASK_TYPES = {"base": "Base", "custom_voice": "CustomVoice", "voice_design": "Vo
 _BASE_ONLY = ("ref_audio", "ref_text", "speaker_embedding", "x_vector_only_mode")
 
 
+# OpenAI's speech model names, taken as this server's model: code written for OpenAI's API runs unchanged.
+OPENAI_TTS_MODELS = frozenset({"tts-1", "tts-1-hd", "gpt-4o-mini-tts"})
+
+
 @dataclass
 class PreparedSpeech:
     synthesis: SynthesisRequest
@@ -113,8 +117,9 @@ class SpeechService:
     # --- checks that need the model or the limits ------------------------------------------------------
 
     def _check_request(self, body: SpeechRequest) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"model {body.model!r} is not served here; available: [{self.model_name!r}]",
+        if body.model is not None and body.model != self.model_name and body.model not in OPENAI_TTS_MODELS:
+            raise ApiError(404, f"model {body.model!r} is not served here; available: [{self.model_name!r}] (or "
+                                f"one of OpenAI's names: {', '.join(sorted(OPENAI_TTS_MODELS))})",
                            "model_not_found", "model")
         if body.speed != 1.0:
             raise ApiError(400, f"speed {body.speed:g} is not supported: the only supported speed is 1.0 (no "

@@ -192,7 +192,7 @@ class VoiceStore:
     def precheck(self, name: str, replace: bool = False) -> str:
         """The checks `create` makes before any work (Base model, valid and free name, room left), for
         callers that want to refuse before decoding an upload. Returns the lower-cased key."""
-        self._require_base()
+        self.require_base()
         name = validate_name(name)
         key = name.lower()
         if key in self._pending:
@@ -226,7 +226,7 @@ class VoiceStore:
 
     # --- helpers --------------------------------------------------------------------------------------
 
-    def _require_base(self) -> None:
+    def require_base(self) -> None:
         info = self.client.info
         if info.model_type != "base":
             raise VoiceError(400, f"saved voices need a Base (voice-clone) model; this server runs a "

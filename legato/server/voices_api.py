@@ -104,6 +104,7 @@ def build_voices_router(store: VoiceStore, policy: MediaPolicy) -> APIRouter:
 
 
 async def _create(request: Request, store: VoiceStore, policy: MediaPolicy) -> Voice:
+    store.require_base()  # before anything about the body: no body makes a voice on another kind of model
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media in ("multipart/form-data", "application/x-www-form-urlencoded"):
         _require_utf8(request.headers.get("content-type", ""))
