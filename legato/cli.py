@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -123,7 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if args.command == "serve":  # the server drains on its own signal handlers: leave its exit to them
+            raise
+        # Ctrl-C is how a user stops a bench run or a synthesis: one line, not a traceback. Exiting at once also
+        # skips the interpreter's teardown, where an engine's native threads still running would abort the
+        # process with a C++ message.
+        print(f"legato {args.command}: interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

@@ -76,3 +76,34 @@ def test_bench_soak_takes_a_key_and_names_a_missing_one(keyed_server, capsys, mo
     err = capsys.readouterr().err
     assert "has no engine stats: the soak needs a legato server" in err and "Traceback" not in err
     assert ("/v1/models", "Bearer sk-good") in _KeyedServer.seen and ("/health", "Bearer sk-good") in _KeyedServer.seen
+
+
+def test_ctrl_c_ends_a_bench_run_in_one_line(tmp_path):
+    """SIGINT while `legato bench serve` waits on a server that never answers: exit 130, no traceback."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "legato", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--mode", "voice",
+         "--voice", "ryan", "--num-prompts", "2", "--result-dir", str(tmp_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "LEGATO_API_KEY": ""})
+    try:
+        listener.settimeout(60)
+        conn, _ = listener.accept()  # the bench is now waiting on this server: interrupt it there
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        conn.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        listener.close()
+    assert proc.returncode == 130, err
+    assert "legato bench: interrupted" in err and "Traceback" not in err

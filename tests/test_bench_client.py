@@ -196,7 +196,10 @@ def test_summarize_takes_the_output_of_bench_serve(tmp_path, capsys):
     assert main(["bench", "summarize", *runs, "--out-dir", str(tmp_path / "sum")]) == 0
     summary = json.loads((tmp_path / "sum" / "summary.json").read_text())
     assert sorted(c["concurrency"] for c in summary["cells"]) == [2, 3]  # uncapped: all 3 requests in flight
-    assert "| server | 1 | 3 | 3/3 |" in (tmp_path / "sum" / "SUMMARY.md").read_text()
+    md = (tmp_path / "sum" / "SUMMARY.md").read_text()
+    assert "| server | 1 | 3 | 3/3 |" in md
+    # its own title, and the run files it read rather than a `runs/` it never wrote (a newcomer's walkthrough)
+    assert md.startswith("# legato bench summary") and "`runs/`" not in md and runs[0] in md
 
 
 def test_bench_serve_takes_its_concurrency_from_the_server(tmp_path):
@@ -216,3 +219,16 @@ def test_bench_serve_takes_its_concurrency_from_the_server(tmp_path):
     result = json.loads((tmp_path / "res" / "slots-server-c8.json").read_text())
     assert result["config"]["client"]["max_concurrency"] == 8 and result["config"]["max_num_seqs"] == 4
     assert result["aggregates"]["completed"] == 3 and result["warnings"] == []
+
+
+def test_compare_and_summarize_refuse_a_file_that_is_no_run_in_one_line(tmp_path, capsys):
+    from legato.cli import main
+
+    empty, text = tmp_path / "empty.json", tmp_path / "notes.json"
+    empty.write_text("{}")
+    text.write_text("not json")
+    assert main(["bench", "compare", str(empty), str(text)]) == 2
+    err = capsys.readouterr().err
+    assert "empty.json: not a bench result" in err and "Traceback" not in err
+    assert main(["bench", "summarize", "--out-dir", str(tmp_path / "sum"), str(text)]) == 2
+    assert "notes.json: not a bench result (not JSON" in capsys.readouterr().err

@@ -365,7 +365,11 @@ def _summarize(args: argparse.Namespace) -> int:
         gpus = cfg.get("num_gpus") or 1
         # An uncapped run (`bench serve` without a cap from the flag or the server) had every request in flight.
         concurrency = cfg["client"]["max_concurrency"] or len(r["requests"])
-        cells.append({"topology": cfg.get("topology", "server"), "gpus": gpus,
+        # A streaming-text run is another kind of load than HTTP requests: its rows say so.
+        kind = cfg.get("topology") or "server"
+        if cfg.get("stream_text"):
+            kind += " (stream-text" + (", cancels" if cfg["stream_text"].get("cancel_after_s") else "") + ")"
+        cells.append({"topology": kind, "gpus": gpus,
                       "concurrency": concurrency, "control": control_for(gpus),
                       "aggregates": r["aggregates"], "error": None, "result": str(Path(path))})
     first = load_result(args.runs[0])["config"]
@@ -375,7 +379,10 @@ def _summarize(args: argparse.Namespace) -> int:
             "dataset": first["dataset"]["path"], "mode": first["request"]["mode"],
             "fixed_length": fixed["rule"] if fixed else None, "max_num_seqs": first.get("max_num_seqs"),
             "server_args": first.get("server_args"), "slo": first.get("slo"),
-            "environment": _pairs(args.env, "--env"), "control": sorted({c["control"] for c in cells})}
+            "environment": _pairs(args.env, "--env"), "control": sorted({c["control"] for c in cells}),
+            "title": "legato bench summary",
+            "runs_note": "The rows' runs (each request, aggregates, exact config): "
+                         + ", ".join(f"`{c['result']}`" for c in cells) + "."}
     cells.sort(key=lambda c: (c["topology"] != c["control"], c["topology"], c["concurrency"]))
     paths = write_sweep(cells, meta, out_dir)
     print((out_dir / "SUMMARY.md").read_text(encoding="utf-8"))

@@ -63,7 +63,15 @@ def save_run(result: dict, out: RunOutput, result_dir: Path, stem: str, sample_r
 
 
 def load_result(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """A run's result JSON (`bench serve`'s `<stem>.json`); ValueError naming the file when it is not one."""
+    try:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a bench result (not JSON: {e})") from None
+    if not isinstance(result, dict) or not {"config", "aggregates", "requests"} <= result.keys():
+        raise ValueError(f"{path}: not a bench result (a run's JSON has config, aggregates and requests; a sweep's "
+                         "cells are its run files)")
+    return result
 
 
 def _num(value, fmt: str = ".1f") -> str:
@@ -143,7 +151,7 @@ _COLUMNS = (
 
 def summary_markdown(cells: list[dict], meta: dict) -> str:
     """SUMMARY.md: the sweep's settings, fairness notes and one row per (topology, concurrency)."""
-    lines = ["# legato bench sweep", ""]
+    lines = [f"# {meta.get('title', 'legato bench sweep')}", ""]
     for key in ("model", "dataset", "mode", "fixed_length", "max_num_seqs", "max_new_tokens", "server_args",
                 "request_rate", "slo", "topology_args", "control", "environment"):
         if meta.get(key) not in (None, "", [], {}):
@@ -174,7 +182,8 @@ def summary_markdown(cells: list[dict], meta: dict) -> str:
                 if c.get("aggregates") and c["aggregates"]["failed"]]
     if failures:
         lines += ["", "Failed requests: " + "; ".join(f"{t} c{n}: {f}" for t, n, f in failures)]
-    lines += ["", "Per-run JSON (every request, aggregates, exact config) and check WAVs are in `runs/`.", ""]
+    lines += ["", meta.get("runs_note", "Per-run JSON (every request, aggregates, exact config) and check WAVs are in "
+                                        "`runs/`."), ""]
     return "\n".join(lines)
 
 
