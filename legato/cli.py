@@ -25,13 +25,18 @@ def _synth(args: argparse.Namespace) -> int:
     try:
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         tts = TTS.load(args.model, device=args.device, dtype=dtype)
+        problem = _voice_args_problem(args, tts.loaded.config.tts_model_type)
+        if problem is not None:
+            print(f"legato synth: error: {problem}", file=sys.stderr)
+            return 2
+        voice = _preset_of(args.voice, tts.loaded.config.talker_config.spk_id, tts.loaded.config.tts_model_type)
         ref_audio, ref_sr = (None, 24000)
         if args.ref_audio:
             ref_audio, ref_sr = read_audio_file(args.ref_audio)
         inp = SpeechInput(
             text=args.text,
             language=args.language,
-            speaker=args.voice,
+            speaker=voice,
             instructions=args.instructions,
             ref_audio=ref_audio,
             ref_sample_rate=ref_sr,
@@ -54,6 +59,40 @@ def _synth(args: argparse.Namespace) -> int:
         result.duration, result.sample_rate, result.finish_reason,
     )
     return 0
+
+
+def _preset_of(voice: str | None, speakers: dict | None, model_type: str) -> str | None:
+    """`--voice` as the model's preset: an OpenAI voice name maps to the most alike preset, as the server's
+    requests do (`alloy` -> serena, ...); any other name is passed on for the engine to check."""
+    from legato.server.aliases import OPENAI_VOICE_ALIASES, resolve_alias
+
+    if voice is None or model_type != "custom_voice":
+        return voice
+    available = {s.lower() for s in speakers or {}}
+    if voice.lower() in available:
+        return voice
+    mapped = resolve_alias(voice.lower(), OPENAI_VOICE_ALIASES, available)
+    if mapped is not None:
+        logging.getLogger("legato").info("voice %r: OpenAI's name, spoken by the preset %r", voice, mapped)
+    return mapped or voice
+
+
+def _voice_args_problem(args: argparse.Namespace, model_type: str) -> str | None:
+    """What the voice options cannot mean for this kind of model, in the command's own flags (the engine's
+    messages name the request fields of the HTTP API)."""
+    if model_type != "base":
+        if args.ref_audio or args.ref_text or args.x_vector_only:
+            return (f"--ref-audio, --ref-text and --x-vector-only clone a voice, which a Base model does; this is a "
+                    f"{model_type} model")
+        return None
+    if args.voice is not None:
+        return ("a Base model has no preset voices (--voice): clone one with --ref-audio CLIP and --ref-text "
+                "TRANSCRIPT, or --x-vector-only")
+    if not args.ref_audio:
+        return "a Base model clones a voice: give --ref-audio CLIP with --ref-text TRANSCRIPT (or --x-vector-only)"
+    if not args.ref_text and not args.x_vector_only:
+        return "--ref-audio needs --ref-text (its transcript, for an in-context clone) or --x-vector-only"
+    return None
 
 
 def _synth_args_problem(args: argparse.Namespace) -> str | None:
@@ -97,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help="what to say")
     p.add_argument("--out", required=True, help="output WAV path")
     p.add_argument("--model", default=None, help="model directory or hub id (default: embedded tiny random model)")
-    p.add_argument("--voice", default=None, help="CustomVoice speaker name (default: the embedded model's ryan)")
+    p.add_argument("--voice", default=None, help="CustomVoice preset, or an OpenAI voice name (its most alike preset); "
+                   "a Base model clones with --ref-audio instead (default: the embedded model's ryan)")
     p.add_argument("--language", default="auto", help="'auto' or a language of the model")
     p.add_argument("--instructions", default=None, help="VoiceDesign description / CustomVoice style (1.7B)")
     p.add_argument("--ref-audio", default=None, help="reference clip for Base voice cloning")
