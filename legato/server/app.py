@@ -74,6 +74,9 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
         log.info("serving %s (%s) at %d Hz", service.model_name, service.task_type, client.info.sample_rate)
         if aliases := service.alias_table():
             log.info("voice aliases: %s", ", ".join(f"{a}={v}" for a, v in aliases.items()))
+        for alias, voice in service.unanswered_aliases().items():
+            log.warning("--voice-alias %s=%s: the model has no voice %r (it has %s): requests saying %r get 400",
+                        alias, voice, voice, ", ".join(client.info.speakers), alias)
         try:
             yield
         finally:

@@ -17,7 +17,7 @@ from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.pipeline.client import EngineClient, SynthesisRequest
 from legato.pipeline.messages import brief
-from legato.server.aliases import resolve_alias
+from legato.server.aliases import OPENAI_VOICE_ALIASES, resolve_alias
 from legato.server.encoding import (
     MEDIA_TYPES,
     STREAMABLE,
@@ -218,6 +218,16 @@ class SpeechService:
         by_lower = {s.lower(): s for s in self.client.info.speakers}
         resolved = {a: resolve_alias(a, self.voice_aliases, by_lower) for a in self.voice_aliases}
         return {a: by_lower[v] for a, v in resolved.items() if v is not None}
+
+    def unanswered_aliases(self) -> dict[str, str]:
+        """The operator's aliases (`--voice-alias NAME=VOICE`) whose voice the served CustomVoice model lacks: a
+        request saying NAME would get a 400, so the server says so at start. (A Base model's aliases name saved
+        voices, which may come later.)"""
+        if self.client.info.model_type != "custom_voice":
+            return {}
+        served = {s.lower() for s in self.client.info.speakers}
+        return {a: v for a, v in self.voice_aliases.items()
+                if OPENAI_VOICE_ALIASES.get(a) != v and resolve_alias(a, self.voice_aliases, served) is None}
 
     def _language(self, language: str | None) -> str:
         if language is None:

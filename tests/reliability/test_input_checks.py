@@ -105,6 +105,19 @@ def test_the_alias_table_is_logged_at_start(caplog):
     assert "alloy=serena" in line and "coral=serena" in line and "ash=ryan" in line
 
 
+def test_an_operator_alias_to_a_voice_the_model_lacks_is_warned_of_at_start(caplog):
+    """`--voice-alias bob=nobody` used to leave `bob` out of the logged table without a word."""
+    client = FakeClient(one_frame)
+    client.info.speakers = TINY
+    aliases = {"alloy": "aiden", "bob": "nobody", "fine": "ryan"}
+    with caplog.at_level("INFO", logger="legato.server.app"), app(client=client, voice_aliases=aliases):
+        pass
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "--voice-alias" in r.getMessage()]
+    assert len(warned) == 2 and all("get 400" in w for w in warned)
+    assert any(w.startswith("--voice-alias bob=nobody: the model has no voice 'nobody'") for w in warned)
+    assert any(w.startswith("--voice-alias alloy=aiden") for w in warned)
+
+
 # ---- blank input ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text", ["\u200b" * 100, "".join(map(chr, range(1, 32))), "\ufeff\u2060\u200d \u00ad",
