@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 import wave
 
+import websockets.exceptions
 from websockets.asyncio.client import connect
 
 SAMPLE_RATE = 24000  # the model's rate: the session asks for raw PCM at it
@@ -81,12 +83,18 @@ def main() -> None:
     p.add_argument("--voice", required=True,
                    help="a preset speaker (the embedded model's: dylan, eric, ryan, serena), an OpenAI voice name such "
                         "as alloy, or a saved voice's id")
-    p.add_argument("--tokens-per-s", type=float, default=40.0, help="the pace of the simulated LLM, in words/s")
+    p.add_argument("--tokens-per-s", type=float, default=40.0, help="the pace of the simulated LLM, in tokens/s")
     p.add_argument("--api-key", default=None)
     p.add_argument("--cancel-after-s", type=float, default=None, help="barge in after this many seconds")
     args = p.parse_args()
-    r = asyncio.run(speak(args.url, args.text, args.out, args.voice, args.tokens_per_s, args.api_key,
-                          args.cancel_after_s))
+    try:
+        r = asyncio.run(speak(args.url, args.text, args.out, args.voice, args.tokens_per_s, args.api_key,
+                              args.cancel_after_s))
+    except (OSError, RuntimeError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as e:
+        # the server's error event, a refused handshake, no server, no answer in time: one line, exit 1
+        sys.exit(f"stream_text_client: {type(e).__name__ if not str(e) else e}")
+    if r["ttfp_s"] is None:
+        sys.exit(f"stream_text_client: no audio came ({r['end']})")
     print(f"first audio {r['ttfp_s'] * 1000:.0f} ms after the first word; {r['audio_bytes'] / 2 / SAMPLE_RATE:.2f} s "
           f"of audio in {args.out}; {r['end']}")
 

@@ -166,7 +166,9 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--greedy", action="store_true", help="argmax decoding instead of seeded sampling")
     p.add_argument("--workers", choices=["thread", "process"], default="thread",
                    help="engines on threads of this process or in worker processes")
-    p.add_argument("--kv-transfer", default="shm", help="KV backend of process MpNd: shm | mooncake | auto")
+    p.add_argument("--kv-transfer", default="auto", choices=["shm", "cuda_ipc", "mooncake", "auto"],
+                   help="KV backend of process MpNd, as `legato serve --kv-transfer` (auto: cuda_ipc between two GPU "
+                        "workers on one host, shm for other pairs on one host, mooncake between nodes)")
     p.add_argument("--launcher", choices=["local", "ray"], default="local",
                    help="the topology's workers as children of this process, or as Ray actors (docs/ray.md; "
                         "implies --workers process)")
