@@ -195,17 +195,20 @@ Message = (Submit | AwaitHandoff | Abort | AppendText | Chunk | Chunks | Rejecte
 # --- encoding -----------------------------------------------------------------------------------------
 
 
-def encode(msg: Message) -> list[bytes]:
-    """The frames of `msg`: a JSON header, then one frame per array."""
+def encode(msg: Message) -> list[bytes | memoryview]:
+    """The frames of `msg`: a JSON header (bytes), then one frame per array (a byte view of the array, which the
+    caller must not change before the frames are sent)."""
     tag, body, arrays = _ENCODERS[type(msg)](msg)
     listed = []
-    frames: list[bytes] = []
+    frames: list[bytes | memoryview] = []
     for name, arr in arrays.items():
         if arr is None:
             continue
         arr = np.ascontiguousarray(arr)
         listed.append([name, str(arr.dtype), list(arr.shape)])
-        frames.append(arr.tobytes())
+        # The array's own bytes, not a copy (ZMQ copies them as it sends): a step's 2 MB of audio cost the worker's
+        # event loop a 2 MB `tobytes` copy and its page faults, ~2 ms of GIL a step at 256 streams.
+        frames.append(memoryview(arr.reshape(-1).view(np.uint8)))
     header = json.dumps({"type": tag, "v": VERSION, "body": body, "arrays": listed}).encode()
     return [header, *frames]
 

@@ -438,7 +438,7 @@ class ProcessEngineClient(EngineClient):
             return f"engine worker {self.label} is not serving: {self.dead_reason}"
         return "server is shutting down" if self._stopping else f"engine worker {self.label} is not running"
 
-    def _encode(self, msg: m.Message) -> list[bytes]:
+    def _encode(self, msg: m.Message) -> list[bytes | memoryview]:
         """The frames of a request's opening message; RequestRejected (413) when the worker would drop them as
         over its limit, which would leave the request waiting for an answer that never comes."""
         frames = m.encode(msg)
@@ -448,7 +448,7 @@ class ProcessEngineClient(EngineClient):
                                        f"{self.max_message_bytes}")
         return frames
 
-    def _send(self, msg: m.Message, frames: list[bytes] | None = None) -> bool:
+    def _send(self, msg: m.Message, frames: list[bytes | memoryview] | None = None) -> bool:
         """Queues a message (or its frames, already encoded) to the worker; False when it cannot (no worker
         connected, or closed)."""
         frames = m.encode(msg) if frames is None else frames
