@@ -308,6 +308,29 @@ def test_receiver_cancel_reaches_sender_and_late_delivery_is_ignored(link):
     assert link.b.cancel("c") is CancelResult.NOT_FOUND
 
 
+def test_a_decline_left_by_a_request_that_ended_unsent_is_forgotten_for_the_next_under_its_id(link):
+    """Process 1p1d (an outside probe): a client gone during its prefill left the decode side's decline on the
+    prefill link, and every later request reusing that X-Request-Id failed its send (500), minutes later too.
+    The worker forgets it when that prefill ends unsent and when the next one under the id starts."""
+    link.b.receive("x", 5.0)
+    link.b.cancel("x", "client gone")  # the decline reaches the sender before any send
+    assert link.a.poll() == []
+    link.a.forget_unsent("x")
+    link.b.receive("x", 5.0)  # the same id, a new request
+    link.a.send(make_handoff(small_layout(), "x", seed=9), 5.0)
+    assert kinds(link.b.poll()) == [("x", EventKind.RECEIVED, None)]
+    assert kinds(link.a.poll()) == [("x", EventKind.SENT, None)]
+    # unforgotten, the decline still fails a send racing in after it (what it is kept for)
+    link.b.receive("y", 5.0)
+    link.b.cancel("y", "client gone")
+    link.a.poll()
+    link.a.send(make_handoff(small_layout(), "y", seed=10), 5.0)
+    assert kinds(link.a.poll()) == [("y", EventKind.FAILED, FailReason.PEER_CANCELLED)]
+    link.a.forget_unsent("y")  # a sent or done id is not touched
+    link.a.forget_unsent("x")
+    assert link.segments() == []
+
+
 def test_sender_cancel_reaches_receiver(link):
     link.b.receive("s1", 5.0)
     link.b.receive("s2", 5.0)

@@ -244,6 +244,35 @@ def test_abort_while_the_handoff_is_held(tiny_checkpoint):
     assert p_counts["sent"] == 2 and d_counts["received"] == 2  # the aborted handoff never crossed
 
 
+def test_an_id_left_during_its_handoff_serves_again_at_once_and_later(tiny_checkpoint):
+    """Process 1p1d (an outside probe): a client gone while its prefill held the handoff, retrying with the same
+    X-Request-Id, got a 409 (the id still ending) where the other topologies wait a step; and every later request
+    under that id failed its send (500), minutes later too: the decode side's decline of the old request stayed
+    on the prefill link."""
+    router = _pd(tiny_checkpoint, "1p1d", kv_options={"send_delay_s": 1.0, "delay_prefix": "slow"})
+
+    async def run():
+        await router.start()
+        try:
+            gen = router.generate(_long("slow-again", 5))
+            task = asyncio.create_task(anext(gen))
+            await _held(router.prefill.replicas[0], "slow-again")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await gen.aclose()  # the client went away while the prefill side held the handoff
+            again = [c async for c in router.generate(_long("slow-again", 5))]  # at once, under the same id
+            later = [c async for c in router.generate(_long("slow-again", 5))]
+            await _settled(router)
+            return again, later
+        finally:
+            await router.stop()
+
+    again, later = asyncio.run(run())
+    assert again[-1].finish_reason == "length", again[-1].error
+    assert later[-1].finish_reason == "length", later[-1].error
+
+
 def test_late_handoff_for_a_request_the_decode_side_aborted(tiny_checkpoint):
     """The decode side gives the request up while the prefill worker still holds its handoff; the handoff
     is sent anyway and must be refused and counted, with nothing leaked on either side."""

@@ -415,6 +415,20 @@ def test_full_queue_is_429_with_retry_after():
         assert 'legato_requests_total{status="429"} 2.0' in c.get("/metrics").text
 
 
+@pytest.mark.parametrize("message, code", [
+    ("no engine replica is serving", "engine_unavailable"),
+    ("engine worker abc-0 is not serving: worker died (exit code -9)", "engine_unavailable"),
+    ("the codec worker is not running", "engine_unavailable"),
+    ("server is shutting down", "shutting_down"),
+])
+def test_a_503_says_whether_the_server_drains_or_an_engine_is_down(message, code):
+    """A dead worker's 503 carried `shutting_down`, which a balancer reads as the server leaving (an outside probe)."""
+    client, app = fake_app(lambda req: [rejected(503, message)])
+    with TestClient(app) as c:
+        err = assert_error(speak(c), 503, message)
+        assert err["code"] == code
+
+
 def test_engine_failure_fails_only_that_request():
     def script(req):
         if req.input.text == "fail":

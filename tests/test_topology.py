@@ -99,6 +99,10 @@ def test_least_loaded_placement():
         r.alive = False
     with pytest.raises(RequestRejected, match="no engine replica"):
         router.pick()
+    prefill = ReplicaRouter([Fake()], what="prefill engine")  # type: ignore[list-item]
+    prefill.replicas[0].alive = False
+    with pytest.raises(RequestRejected, match="no prefill engine is serving"):  # a PD deployment's own words
+        prefill.pick()
 
 
 def test_device_list_must_fit():

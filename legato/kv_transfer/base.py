@@ -132,6 +132,12 @@ class KVConnector(ABC):
     def cancel(self, request_id: str, reason: str = "cancelled") -> CancelResult:
         """Abandon this side of `request_id` and tell the peer. No event follows on this side."""
 
+    def forget_unsent(self, request_id: str) -> None:
+        """Drops what this side remembers of an outgoing `request_id` that was given up before its send (the
+        peer declined it, or it was cancelled): a later request under the same id starts clean. A connector that
+        remembers nothing of the kind has nothing to do."""
+        return None
+
     @abstractmethod
     def stats(self) -> TransferStats: ...
 

@@ -188,6 +188,13 @@ class LinkConnector(KVConnector):
         self._ended_in.pop(rid)
         self._in[rid] = _Incoming(self._clock() + deadline_s, num_tokens)
 
+    def forget_unsent(self, request_id: str) -> None:
+        # A decline or cancel is kept so that a send racing in after it fails at once; once the request it was
+        # for has ended without a send, it would fail every later request reusing the id (the marker only ages
+        # out after _MAX_REMEMBERED other ids).
+        if self._ended_out.get(request_id) in ("declined", "cancelled"):
+            self._ended_out.pop(request_id)
+
     def poll(self) -> list[TransferEvent]:
         self._progress()
         events, self._events = self._events, []

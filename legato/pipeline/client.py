@@ -72,13 +72,21 @@ ENDING_WAIT_S = 5.0
 
 class RequestRejected(Exception):
     """The engine refused a request before running it. `status` follows HTTP (400 bad input, 413 too large,
-    429 queue full, 503 shutting down); `retry_after` (seconds) is set for 429."""
+    429 queue full, 503 shutting down or no engine serving: `unavailable_code` tells which); `retry_after`
+    (seconds) is set for 429."""
 
     def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after = retry_after
+
+
+def unavailable_code(message: str) -> str:
+    """The machine-readable code of a 503: `shutting_down` while the server (or a worker) drains, which a client
+    or a balancer reads as "go elsewhere, for good"; `engine_unavailable` when a worker is down (dead, not yet
+    started), which a retry may outlive. Every drain refusal says "shutting down"."""
+    return "shutting_down" if "shutting down" in message else "engine_unavailable"
 
 
 async def refused_stream(e: RequestRejected) -> AsyncIterator[StreamChunk]:

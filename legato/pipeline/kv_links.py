@@ -186,6 +186,13 @@ class KVLinks:
             fut.set_result(TransferEvent(request_id, EventKind.FAILED, FailReason.PEER_CANCELLED, reason))
         return result
 
+    def forget_unsent(self, peer: int, request_id: str) -> None:
+        """What the link to `peer` remembers of an outgoing `request_id` given up before its send (see
+        `KVConnector.forget_unsent`): called when a prefill of that id starts and when it ends unsent."""
+        conn = self.connectors.get(peer)
+        if conn is not None:
+            conn.forget_unsent(request_id)
+
     def backend_of(self, peer: int) -> str:
         named = self.spec.peer_backends[peer] if peer < len(self.spec.peer_backends) else ""
         return named or ("shm" if self.spec.backend == "auto" else self.spec.backend)

@@ -68,7 +68,7 @@ class PrefillDecodeRouter(EngineClient):
             raise ValueError("prefill-decode disaggregation needs at least one prefill and one decode engine")
         check_pd_options(pairing)
         self.pairing = pairing
-        self.prefill = ReplicaRouter(prefill)
+        self.prefill = ReplicaRouter(prefill, what="prefill engine")
         self.decode = list(decode)
         self.info = self.prefill.info
         self.decode_in_flight = [0] * len(self.decode)
@@ -252,6 +252,9 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
         p, d = self.prefill.pick(), self.pick_decode()
         prefill, decode = self.prefill.replicas[p], self.decode[d]
         rid = req.request_id
+        # A client retrying the id of a request it just left gets its own request after the old one's last chunk
+        # (a step or so), as on the other topologies, not a 409 (the prefill side's generate waits the same way).
+        await decode.until_ended(rid)
         decoded = decode.await_handoff(rid, p, self.receive_timeout_s)  # armed before the prefill starts
         self.prefill.claim(p, rid)  # counted only once nothing above can raise
         self.decode_in_flight[d] += 1

@@ -322,7 +322,7 @@ class ProcessEngineClient(EngineClient):
         return self._generate(req)
 
     async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
-        await self._until_ended(req.request_id)
+        await self.until_ended(req.request_id)
         stream = self._open(req.request_id, m.Submit(req))
         # Closed with this generator (not whenever the loop finalizes it): a client leaving aborts at once.
         async with contextlib.aclosing(self._read(req.request_id, stream)) as chunks:
@@ -354,7 +354,7 @@ class ProcessEngineClient(EngineClient):
         """Queues one more message to the worker (e.g. a stream's next input); False when it cannot."""
         return self._send(msg)
 
-    async def _until_ended(self, rid: str) -> None:
+    async def until_ended(self, rid: str) -> None:
         """Waits (ENDING_WAIT_S at most) for the worker's last chunk of an abandoned earlier request under `rid`, so
         that a client retrying with the id it just dropped gets a request of its own, not the old one's end."""
         with self._lock:

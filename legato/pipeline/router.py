@@ -24,9 +24,10 @@ from legato.pipeline.client import (
 
 
 class ReplicaRouter(EngineClient):
-    def __init__(self, replicas: Sequence[EngineClient]) -> None:
+    def __init__(self, replicas: Sequence[EngineClient], what: str = "engine replica") -> None:
         if not replicas:
             raise ValueError("a router needs at least one replica")
+        self.what = what  # in the 503 when none is serving: "engine replica", or a PD deployment's "prefill engine"
         self.replicas = list(replicas)
         self.info = self.replicas[0].info
         self.in_flight = [0] * len(self.replicas)
@@ -43,7 +44,7 @@ class ReplicaRouter(EngineClient):
         """The live replica with the fewest requests in flight; a dead replica gets none."""
         alive = [i for i, r in enumerate(self.replicas) if r.is_alive()]
         if not alive:
-            raise RequestRejected(503, "no engine replica is serving")
+            raise RequestRejected(503, f"no {self.what} is serving")
         return min(alive, key=lambda i: (self.in_flight[i], i))
 
     def claim(self, idx: int, request_id: str) -> None:
@@ -104,7 +105,7 @@ class ReplicaRouter(EngineClient):
         # Every replica holds the same model: any live one can encode a voice; rotate to spread the work.
         alive = [r for r in self.replicas if r.is_alive()]
         if not alive:
-            raise RequestRejected(503, "no engine replica is serving")
+            raise RequestRejected(503, f"no {self.what} is serving")
         self._voice_turn += 1
         return await alive[self._voice_turn % len(alive)].extract_voice(samples, sample_rate)
 

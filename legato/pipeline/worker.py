@@ -255,6 +255,10 @@ class _Worker:
         `req.handoff_to`; the server hears "handoff" once the peer has it, or why it failed."""
         rid, peer = req.request_id, req.handoff_to
         final: StreamChunk | None = None
+        # An earlier request under this id that the decode side gave up before its send left that on the link:
+        # it is not this request's (whose own decline, if one comes, arrives from here on).
+        self.links.forget_unsent(peer, rid)
+        sent = False
         try:
             async with contextlib.aclosing(self.client.generate(dataclasses.replace(req, handoff_only=True))) as cs:
                 async for chunk in cs:
@@ -272,6 +276,7 @@ class _Worker:
             if rid in self.cancelled:
                 await self.finish(rid, _end("abort", "aborted before its handoff was sent"))
                 return
+            sent = True
             ev = await self.links.send(peer, final.handoff)
             if ev.kind is EventKind.SENT:
                 await self.finish(rid, dataclasses.replace(final, handoff=None))
@@ -284,6 +289,8 @@ class _Worker:
             log.exception("prefill of %s failed", rid)
             await self.finish(rid, _end("error", f"worker error: {e}"))
         finally:
+            if not sent:  # ended before its send (aborted, failed): a decline for it has nothing left to stop
+                self.links.forget_unsent(peer, rid)
             self.tasks.pop(rid, None)
             self.cancelled.discard(rid)
 

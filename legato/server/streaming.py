@@ -28,7 +28,13 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
-from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk, SynthesisRequest
+from legato.pipeline.client import (
+    EngineClient,
+    RequestRejected,
+    StreamChunk,
+    SynthesisRequest,
+    unavailable_code,
+)
 from legato.server.encoding import AudioFormat, StreamEncoder, encode_file, media_type
 from legato.server.errors import ApiError, error_type
 from legato.server.frame_budget import CAPS, FrameBudget
@@ -224,7 +230,7 @@ class SpeechResponder:
         except RequestRejected as e:
             gen.finish(e.status, error=e.message)
             headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after is not None else None
-            raise ApiError(e.status, e.message, _rejection_code(e.status), headers=headers) from e
+            raise ApiError(e.status, e.message, rejection_code(e), headers=headers) from e
         except asyncio.TimeoutError as e:
             gen.finish(504, abort_reason="timeout")
             raise ApiError(504, f"request timed out after {self.settings.request_timeout_s:g} s", "timeout") from e
@@ -235,7 +241,7 @@ class SpeechResponder:
     def _raise_failure(self, gen: Generation) -> None:
         status = gen.finish_failed()
         message = gen.error or ("aborted: the server is shutting down" if status == 503 else "generation failed")
-        raise ApiError(status, message, "shutting_down" if status == 503 else "generation_failed")
+        raise ApiError(status, message, unavailable_code(message) if status == 503 else "generation_failed")
 
     async def _file(self, gen: Generation, fmt: AudioFormat) -> Response:
         chunk = await self._first(gen)
@@ -337,9 +343,12 @@ class SpeechResponder:
                                 "code": status, "partial_audio": gen.samples > 0}})
 
 
-def _rejection_code(status: int) -> str:
-    codes = {429: "queue_full", 503: "shutting_down", 413: "request_too_large", 409: "duplicate_request_id"}
-    return codes.get(status, "internal_error" if status >= 500 else "invalid_request")
+def rejection_code(e: RequestRejected) -> str:
+    """The `code` of an engine's refusal, by its status (a 503 by why: `unavailable_code`)."""
+    if e.status == 503:
+        return unavailable_code(e.message)
+    codes = {429: "queue_full", 413: "request_too_large", 409: "duplicate_request_id"}
+    return codes.get(e.status, "internal_error" if e.status >= 500 else "invalid_request")
 
 
 def _encode_whole(audio: np.ndarray, model_rate: int, fmt: AudioFormat) -> bytes:

@@ -26,7 +26,7 @@ from legato.server.encoding import STREAMABLE, AudioFormat
 from legato.server.errors import ApiError
 from legato.server.metrics import ServerMetrics
 from legato.server.speech import SpeechService
-from legato.server.streaming import _Encoder
+from legato.server.streaming import _Encoder, rejection_code
 from legato.server.text import is_blank
 from legato.server.timeouts import within
 from legato.server.ws_protocol import (
@@ -292,7 +292,7 @@ class StreamSession:
             elif last is not None:
                 await self._put(_Out(lambda: self._done(ctx, last), context=ctx))
         except RequestRejected as e:
-            code = {429: "queue_full", 503: "shutting_down", 413: "request_too_large"}.get(e.status, "invalid_request")
+            code = rejection_code(e)
             await self._put(_Out(error_event(e.status, e.message, code, context_id=ctx.id)))
         except SlowClient:
             pass
