@@ -285,6 +285,31 @@ def test_summed_stats_add_every_engine_s_counters():
     assert s.kv_usage == 0.25
 
 
+def test_a_dead_engine_s_blocks_are_not_counted_as_capacity():
+    """A replica found dead holds nothing, and its blocks read as free: summed in, /health and the vLLM gauges
+    showed twice the capacity left (an outside probe). Its counters still add up (they never go back)."""
+    from legato.pipeline.router import ReplicaRouter, sum_stats
+
+    a = EngineStats(running=2, waiting=1, num_kv_blocks=10, free_kv_blocks=5, steps=3, aborted={"x": 1})
+    dead = EngineStats(num_kv_blocks=10, free_kv_blocks=10, steps=4, aborted={"x": 2})
+    s = sum_stats([a, dead], [True, False])
+    assert (s.num_kv_blocks, s.free_kv_blocks, s.kv_usage, s.running, s.waiting) == (10, 5, 0.5, 2, 1)
+    assert (s.steps, s.aborted, s.engines_down) == (7, {"x": 3}, 1)
+
+    class Replica:
+        def __init__(self, stats, alive):
+            self.s, self.alive, self.info = stats, alive, None
+
+        def stats(self):
+            return self.s
+
+        def is_alive(self):
+            return self.alive
+
+    router = ReplicaRouter([Replica(a, True), Replica(dead, False)])  # type: ignore[list-item]
+    assert router.stats() == s
+
+
 def _every_field_set(scale: int) -> EngineStats:
     """An EngineStats whose every number differs from its default (so a field a path forgets shows)."""
     import dataclasses
@@ -308,8 +333,8 @@ def test_every_stats_field_crosses_the_worker_link_and_adds_up_over_engines():
 
     sent = _every_field_set(1)
     got = m.decode(m.encode(m.Stats(sent))).stats
-    # `recomputed` is the MpNd router's own count: no worker has one to send
-    assert got == dataclasses.replace(sent, recomputed=0)
+    # `recomputed` and `engines_down` are the routers' own counts: no worker has one to send
+    assert got == dataclasses.replace(sent, recomputed=0, engines_down=0)
     a, b = _every_field_set(1), _every_field_set(3)
     total = sum_stats([a, b])
     for f in dataclasses.fields(EngineStats):

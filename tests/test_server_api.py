@@ -429,6 +429,19 @@ def test_a_503_says_whether_the_server_drains_or_an_engine_is_down(message, code
         assert err["code"] == code
 
 
+def test_health_says_degraded_while_an_engine_of_the_deployment_is_down(monkeypatch):
+    """A dead replica left /health "ok" with its blocks counted free (an outside probe): now 200 "degraded", its
+    count in `engines_down` and in `legato_engines_down`."""
+    from legato.pipeline.client import EngineStats
+
+    client, app = fake_app(lambda req: [])
+    monkeypatch.setattr(client, "stats", lambda: EngineStats(num_kv_blocks=8, free_kv_blocks=8, engines_down=1))
+    with TestClient(app) as c:
+        h = c.get("/health")
+        assert h.status_code == 200 and h.json()["status"] == "degraded" and h.json()["engine"]["engines_down"] == 1
+        assert "legato_engines_down 1.0" in c.get("/metrics").text
+
+
 def test_engine_failure_fails_only_that_request():
     def script(req):
         if req.input.text == "fail":

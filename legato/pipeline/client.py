@@ -117,6 +117,9 @@ class EngineStats:
     loop_other_s: float = 0.0
     waiting_for_text: int = 0  # streaming text: running requests out of text at the last step
     text_wait_s: float = 0.0  # streaming text: seconds requests sat out decode steps waiting for text, summed
+    # Engines of the deployment found dead (a replica, a decode engine): the gauges above leave them out, so a
+    # router balancing on free blocks does not see capacity that is gone.
+    engines_down: int = 0
 
 
 @dataclass

@@ -163,7 +163,9 @@ class PrefillDecodeRouter(EngineClient):
         return self.prefill.is_alive() and any(d.is_alive() for d in self.decode)
 
     def stats(self) -> EngineStats:
-        return sum_stats([self.prefill.stats(), *(d.stats() for d in self.decode)])
+        # The prefill pool's view already leaves its dead engines out (and counts them); decode engines one by one.
+        return sum_stats([self.prefill.stats(), *(d.stats() for d in self.decode)],
+                         [True, *(self._stopping or d.is_alive() for d in self.decode)])
 
 
 class LinkedPrefillDecodeRouter(PrefillDecodeRouter):

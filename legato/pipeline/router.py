@@ -31,6 +31,7 @@ class ReplicaRouter(EngineClient):
         self.replicas = list(replicas)
         self.info = self.replicas[0].info
         self.in_flight = [0] * len(self.replicas)
+        self.stopped = False  # after stop(): its engines ended on purpose, not "down"
         self._placement: dict[str, int] = {}
         self._voice_turn = 0
 
@@ -38,6 +39,7 @@ class ReplicaRouter(EngineClient):
         await asyncio.gather(*(r.start() for r in self.replicas))
 
     async def stop(self, grace_s: float = 10.0) -> None:
+        self.stopped = True
         await asyncio.gather(*(r.stop(grace_s) for r in self.replicas))
 
     def pick(self) -> int:
@@ -114,20 +116,24 @@ class ReplicaRouter(EngineClient):
         return any(r.is_alive() for r in self.replicas)
 
     def stats(self) -> EngineStats:
-        return sum_stats([r.stats() for r in self.replicas])
+        return sum_stats([r.stats() for r in self.replicas], [self.stopped or r.is_alive() for r in self.replicas])
 
 
-def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
-    """One view of several engines: counts add up, KV usage is over all their blocks."""
+def sum_stats(parts: Sequence[EngineStats], alive: Sequence[bool] | None = None) -> EngineStats:
+    """One view of several engines: counters (steps, aborts, ...) add up over all of them; the gauges (requests
+    waiting and running, KV blocks and usage) over the live ones (`alive`; default all), so a dead replica's
+    blocks are not counted as free capacity. `engines_down` counts the dead."""
+    alive = [True] * len(parts) if alive is None else list(alive)
+    live = [p for p, ok in zip(parts, alive, strict=True) if ok]
     aborted: dict[str, int] = {}
     for p in parts:
         for k, v in p.aborted.items():
             aborted[k] = aborted.get(k, 0) + v
-    blocks = sum(p.num_kv_blocks for p in parts)
-    free = sum(p.free_kv_blocks for p in parts)
+    blocks = sum(p.num_kv_blocks for p in live)
+    free = sum(p.free_kv_blocks for p in live)
     return EngineStats(
-        waiting=sum(p.waiting for p in parts),
-        running=sum(p.running for p in parts),
+        waiting=sum(p.waiting for p in live),
+        running=sum(p.running for p in live),
         kv_usage=(1.0 - free / blocks) if blocks else 0.0,
         num_kv_blocks=blocks,
         free_kv_blocks=free,
@@ -139,6 +145,7 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         step_gpu_s=sum(p.step_gpu_s for p in parts),
         step_gap_s=sum(p.step_gap_s for p in parts),
         loop_other_s=sum(p.loop_other_s for p in parts),
-        waiting_for_text=sum(p.waiting_for_text for p in parts),
+        waiting_for_text=sum(p.waiting_for_text for p in live),
         text_wait_s=sum(p.text_wait_s for p in parts),
+        engines_down=sum(p.engines_down for p in parts) + alive.count(False),
     )

@@ -114,15 +114,17 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
     @app.get("/health", responses={503: {"description": "The engine has stopped or died, or the server is "
                                                        "shutting down."}})
     async def health() -> JSONResponse:
-        """200 while the engine runs; 503 once it has died ("unavailable") or the server is shutting down
-        ("stopping"). `engine` carries its live stats (queue depth, running requests, KV blocks) for operators
-        and tests."""
+        """200 while the engine runs ("ok", or "degraded" with some of a deployment's engines dead); 503 once it
+        has died ("unavailable") or the server is shutting down ("stopping"). `engine` carries its live stats
+        (queue depth, running requests, KV blocks, engines down) for operators and tests."""
         alive = engine_alive(client) and not lifecycle.draining
         s = client.stats()
-        status = "ok" if alive else "stopping" if lifecycle.draining else "unavailable"
+        # "degraded": serving, with an engine of the deployment dead (its capacity is out of the figures below)
+        status = ("degraded" if s.engines_down else "ok") if alive else "stopping" if lifecycle.draining \
+            else "unavailable"
         body = {"status": status, "model": service.model_name, "engine": {
             "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage, "num_kv_blocks": s.num_kv_blocks,
-            "free_kv_blocks": s.free_kv_blocks, "aborted": s.aborted,
+            "free_kv_blocks": s.free_kv_blocks, "aborted": s.aborted, "engines_down": s.engines_down,
         }}
         return JSONResponse(body, status_code=200 if alive else 503)
 

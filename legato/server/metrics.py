@@ -124,6 +124,8 @@ class _EngineCollector(Collector):
                                 value=s.running)
         yield GaugeMetricFamily("legato_kv_cache_usage_ratio", "Fraction of KV blocks in use.", value=s.kv_usage)
         yield GaugeMetricFamily("legato_kv_cache_free_blocks", "Free KV blocks.", value=s.free_kv_blocks)
+        yield GaugeMetricFamily("legato_engines_down", "Engines of the deployment found dead (their blocks are not "
+                                "counted as free).", value=s.engines_down)
         engine_aborts = CounterMetricFamily("legato_engine_aborts", "Requests the engine aborted, by reason.",
                                             labels=["reason"])
         for reason, count in sorted(s.aborted.items()):
