@@ -523,6 +523,19 @@ def test_failure_after_codes_but_before_any_audio_is_a_plain_http_error():
             assert_error(speak(c, **body), 500, "codec failed")
 
 
+def test_a_deployment_s_failure_mid_stream_keeps_the_request_s_usage_and_seed(caplog):
+    """A worker's death ends a request with a chunk of its own (0 frames, seed 0): the SSE error's usage and the
+    log line read 0 output tokens and seed 0 after audio had gone out (an outside probe)."""
+    died = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error",
+                       error="engine worker x-0 died (exit code -9)", retryable=True)
+    client, app = fake_app(lambda req: [frames_chunk(1, 1), frames_chunk(2, 3), died])
+    with TestClient(app) as c, caplog.at_level(logging.INFO, logger="legato.server"):
+        events = sse_events(speak(c, stream_format="sse").text)
+    assert events[-1]["type"] == "speech.audio.error" and events[-1]["usage"]["output_tokens"] == 3
+    [done] = [rec for rec in caplog.records if getattr(rec, "status", None) == 500]
+    assert (done.frames, done.seed) == (3, 11)
+
+
 def test_timeouts_abort_and_report(tmp_path):
     client, app = fake_app(lambda req: [frames_chunk(1, 1), 5.0, frames_chunk(1, 2, True, "stop")],
                            request_timeout_s=0.3)

@@ -93,9 +93,12 @@ class Generation:
             chunk = StreamChunk(np.zeros(0, np.float32), self.frames, finished=True, finish_reason="error",
                                 error="the engine stream ended without a final chunk", seed=self.seed or 0)
         self.prompt_tokens = chunk.num_prompt_tokens or self.prompt_tokens
-        self.frames = chunk.num_frames
+        # An end the deployment made (a worker died, a handoff failed) carries no counts of its own (0 frames,
+        # seed 0): the request's usage and seed stay what its engine reported.
+        self.frames = max(self.frames, chunk.num_frames)
         self.samples += len(chunk.audio)
-        self.seed = chunk.seed
+        if chunk.seed or self.seed is None:
+            self.seed = chunk.seed
         if chunk.stages:
             self.stages = chunk.stages
         if chunk.audio.size and not self.front_stages:
