@@ -72,7 +72,9 @@ def split_client(tiny_checkpoint, devices, **kw) -> SplitClient:
     return build_split_client(lambda dev: load_model(tiny_checkpoint, device=dev), config(**kw), devices)
 
 
-def assert_same(want, got, reqs):
+def assert_same(want, got, reqs, exact: bool = False):
+    """Codes equal; audio equal bit for bit when `exact` (a request alone: the codec decodes it in the calls
+    `single` makes, whatever bursts its frames came in), else up to the float rounding of other batch make-ups."""
     for r, a, b in zip(reqs, want, got, strict=True):
         ca, wa, la = outcome(a)
         cb, wb, lb = outcome(b)
@@ -80,6 +82,7 @@ def assert_same(want, got, reqs):
         assert (la.seed, la.num_frames, la.num_prompt_tokens) == (lb.seed, lb.num_frames, lb.num_prompt_tokens)
         assert ca.shape == (r.sampling.max_new_tokens - 1, 16) and np.array_equal(ca, cb), r.request_id
         assert wa.shape == wb.shape and np.abs(wa - wb).max() < 1e-5, r.request_id
+        assert not exact or np.array_equal(wa, wb), (r.request_id, int((wa != wb).sum()))
 
 
 @pytest.mark.parametrize(("devices", "concurrency", "ramp"), [
@@ -91,7 +94,7 @@ def test_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoint, devi
     want = asyncio.run(run(LocalEngineClient(loaded, config(chunk_ramp=ramp)), reqs, concurrency))
     client = split_client(tiny_checkpoint, devices, chunk_ramp=ramp)
     got = asyncio.run(run(client, reqs, concurrency))
-    assert_same(want, got, reqs)
+    assert_same(want, got, reqs, exact=concurrency == 1)
     # The audio comes on the same schedule as single: first_chunk_frames, then the ramp up to chunk_frames.
     for r, chunks in zip(reqs, got, strict=True):
         sizes = [c.audio.size // 1920 for c in chunks if c.audio.size]
@@ -158,7 +161,7 @@ def test_codec_engine_cuts_bursts_on_the_single_schedule(loaded):
         assert [o.frames for o in outs if o.frames] == [1, 4, 4, 1] and outs[-1].finished
         assert eng.num_streams == 0 and eng.frames_decoded == 10
         runs.append(np.concatenate([o.audio for o in outs]))
-    assert all(np.abs(w - runs[0]).max() < 1e-6 for w in runs[1:])
+    assert all(np.array_equal(w, runs[0]) for w in runs[1:])  # a burst decodes as frames one by one do
     eng = CodecEngine(loaded.speech_tokenizer.decoder)
     eng.open("b")
     with pytest.raises(ValueError, match=r"\[n, 16\]"):
@@ -291,7 +294,7 @@ def test_process_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoi
 
     client.talker.generate = spy
     got = asyncio.run(run(client, reqs, concurrency))
-    assert_same(want, got, reqs)
+    assert_same(want, got, reqs, exact=concurrency == 1)  # an outside probe saw ±1 LSB run to run here
     assert len(talker_audio) > len(reqs) and not any(talker_audio)
     assert client.codec.stats().frames_decoded == sum(r.sampling.max_new_tokens - 1 for r in reqs)
     assert client.talker.proc.returncode == 0 and client.codec.worker.proc.returncode == 0

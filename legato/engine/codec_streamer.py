@@ -84,6 +84,10 @@ class CodecStreamer:
         self.cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.readback = AudioReadback(self.schedule, decoder.samples_per_frame, self.cuda_stream)
         self.graphs = CodecGraphs()
+        # With `decode_every_step`: at most this many of a stream's frames a call (None: all that have arrived).
+        # A codec fed from elsewhere (split's codec worker) sets 1, so a burst of frames is decoded as `single`
+        # decodes them, one a call: the same call shapes, the same float rounding, the same audio bytes.
+        self.frames_per_call: int | None = None
         if graphs and self.cuda_stream is not None:
             self._capture_graphs()
 
@@ -160,6 +164,7 @@ class CodecStreamer:
                 if sched.decode_every_step:  # all that has arrived; `ready` cuts it into chunks
                     if n == 0:
                         continue
+                    n = min(n, self.frames_per_call or n)
                 else:
                     need = next_chunk_frames(s.emitted_frames, s.first_chunk_frames, sched.chunk_frames,
                                              sched.chunk_ramp)
@@ -188,6 +193,10 @@ class CodecStreamer:
         """The audio that has come back, in order (waiting for all of it with `wait`), and the streams whose
         last audio is in it. Never blocks without `wait`."""
         return self.readback.take(wait)
+
+    def backlog(self) -> bool:
+        """Frames that arrived and wait for a decode call (only with `frames_per_call`, after a burst)."""
+        return self.frames_per_call is not None and any(s.pending for s in self.streams.values())
 
     @property
     def pending(self) -> bool:

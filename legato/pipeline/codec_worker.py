@@ -74,6 +74,8 @@ class CodecEngine:
                  dtype: torch.dtype | None = None, graphs: bool = False) -> None:
         """`capacity`, `dtype` and `graphs` are the `CodecStreamer`'s (as the engine's: CUDA graphs on CUDA)."""
         self.streamer = CodecStreamer(decoder, schedule, capacity, graphs=graphs, dtype=dtype)
+        if self.streamer.schedule.decode_every_step:  # frames come in bursts here, one at a time in `single`
+            self.streamer.frames_per_call = 1
         self._pushed: dict[str, int] = {}  # frames received per open stream
         self._ended: set[str] = set()
         self.frames_decoded = 0
@@ -123,14 +125,14 @@ class CodecEngine:
         return self._pushed.pop(request_id, None) is not None
 
     def step(self) -> list[CodecOutput]:
-        """Decodes every due chunk of every stream (several per stream after a burst, in schedule order),
-        then the tails of ended streams."""
+        """Decodes every due chunk of every stream (several per stream after a burst, in schedule order, one
+        frame a call where `single` decodes every step), then the tails of ended streams."""
         streams = self.streamer.streams
         spf = self.streamer.decoder.samples_per_frame
         outputs: list[CodecOutput] = []
         while True:
             audio, failed = self.streamer.flush(set())
-            if not audio and not failed:
+            if not audio and not failed and not self.streamer.backlog():
                 break
             for rid, pcm in audio.items():
                 n = pcm.size // spf
