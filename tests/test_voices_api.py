@@ -220,7 +220,7 @@ def test_non_base_model_lists_presets_and_refuses_uploads(tmp_path):
     assert_error(http.post(URL, data={"name": "x"}, files={"file": ("a.wav", CLIP_BYTES, "audio/wav")}), 400, "Base")
     # whatever the body lacks, the first thing said is what no body can change (a newcomer's walkthrough)
     assert_error(http.post(URL, data={"name": "x"}), 400, "saved voices need a Base")
-    assert_error(http.post(URL, json={}), 400, "saved voices need a Base")
+    assert_error(http.post(URL, json={"name": "x"}), 400, "saved voices need a Base")
     assert client.calls == 0
 
 

@@ -104,7 +104,6 @@ def build_voices_router(store: VoiceStore, policy: MediaPolicy) -> APIRouter:
 
 
 async def _create(request: Request, store: VoiceStore, policy: MediaPolicy) -> Voice:
-    store.require_base()  # before anything about the body: no body makes a voice on another kind of model
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media in ("multipart/form-data", "application/x-www-form-urlencoded"):
         _require_utf8(request.headers.get("content-type", ""))
@@ -118,6 +117,7 @@ async def _create(request: Request, store: VoiceStore, policy: MediaPolicy) -> V
     else:
         raise VoiceError(415, f"unsupported content type {media!r}: send multipart/form-data or application/json")
 
+    store.require_base()  # before what the body lacks: no body makes a voice on another kind of model
     sources = [upload is not None, req.ref_audio is not None, req.speaker_embedding is not None]
     if sum(sources) != 1:
         raise VoiceError(400, "give exactly one of an uploaded file, ref_audio or speaker_embedding")
