@@ -168,6 +168,8 @@ def test_sdk_sees_openai_errors(sdk):
         sdk.audio.speech.create(model="qwen3-tts-tiny", voice="ryan", input="Hi.", instructions="Whisper.")
     assert e.value.code == "unsupported_field" and "0.6B CustomVoice" in e.value.message
     with pytest.raises(openai.NotFoundError):
-        sdk.audio.speech.create(model="tts-1", voice="ryan", input="Hi.")
+        sdk.audio.speech.create(model="tts-2", voice="ryan", input="Hi.")
+    # OpenAI's own model names run on the served model: code written for OpenAI's API works unchanged
+    assert sdk.audio.speech.create(model="tts-1", voice="ryan", input="Hi.", response_format="pcm").content
     models = sdk.models.list()
     assert [m.id for m in models.data] == ["qwen3-tts-tiny"]
