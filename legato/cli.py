@@ -64,17 +64,14 @@ def _synth(args: argparse.Namespace) -> int:
 def _preset_of(voice: str | None, speakers: dict | None, model_type: str) -> str | None:
     """`--voice` as the model's preset: an OpenAI voice name maps to the most alike preset, as the server's
     requests do (`alloy` -> serena, ...); any other name is passed on for the engine to check."""
-    from legato.server.aliases import OPENAI_VOICE_ALIASES, resolve_alias
+    from legato.server.aliases import OPENAI_VOICE_ALIASES, preset_of
 
     if voice is None or model_type != "custom_voice":
         return voice
-    available = {s.lower() for s in speakers or {}}
-    if voice.lower() in available:
-        return voice
-    mapped = resolve_alias(voice.lower(), OPENAI_VOICE_ALIASES, available)
-    if mapped is not None:
-        logging.getLogger("legato").info("voice %r: OpenAI's name, spoken by the preset %r", voice, mapped)
-    return mapped or voice
+    preset = preset_of(voice, OPENAI_VOICE_ALIASES, speakers or {})
+    if preset is not None and preset.lower() != voice.lower():
+        logging.getLogger("legato").info("voice %r: OpenAI's name, spoken by the preset %r", voice, preset)
+    return preset or voice
 
 
 def _voice_args_problem(args: argparse.Namespace, model_type: str) -> str | None:
@@ -97,7 +94,6 @@ def _voice_args_problem(args: argparse.Namespace, model_type: str) -> str | None
 
 def _synth_args_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with `legato synth`'s arguments before anything loads: the output path, the device, the text."""
-    import os
     from pathlib import Path
 
     from legato.server.cli import check_devices

@@ -34,3 +34,13 @@ def resolve_alias(name: str, aliases: Mapping[str, str], available: Collection[s
         return None
     stand_in = next((v for v in preferences if v in available), None)
     return stand_in or min(available, default=None)
+
+
+def preset_of(name: str, aliases: Mapping[str, str], speakers: Collection[str]) -> str | None:
+    """The preset of `speakers` that `name` asks for, spelled as the model spells it: the preset itself (any
+    case) or the voice an alias stands for; None when it names neither."""
+    by_lower = {s.lower(): s for s in speakers}
+    key = name.lower()
+    if key not in by_lower:
+        key = resolve_alias(key, aliases, by_lower) or key
+    return by_lower.get(key)

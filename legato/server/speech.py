@@ -17,7 +17,7 @@ from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.pipeline.client import EngineClient, SynthesisRequest
 from legato.pipeline.messages import brief
-from legato.server.aliases import OPENAI_VOICE_ALIASES, resolve_alias
+from legato.server.aliases import OPENAI_VOICE_ALIASES, preset_of, resolve_alias
 from legato.server.encoding import (
     MEDIA_TYPES,
     STREAMABLE,
@@ -240,17 +240,15 @@ class SpeechService:
 
     def _preset_speaker(self, voice: str | None) -> str:
         speakers = self.client.info.speakers
-        by_lower = {s.lower(): s for s in speakers}
         if voice is None:
             raise ApiError(400, f"voice is required: a preset speaker, one of {speakers}", "missing_voice", "voice")
-        name = voice.lower()
-        if name not in by_lower:
-            name = resolve_alias(name, self.voice_aliases, by_lower) or name
-        if name not in by_lower:
+        preset = preset_of(voice, self.voice_aliases, speakers)
+        if preset is None:
+            by_lower = {s.lower(): s for s in speakers}
             aliases = sorted(a for a in self.voice_aliases if resolve_alias(a, self.voice_aliases, by_lower))
             raise ApiError(400, f"unknown voice {brief(voice)}; available: {speakers}"
                                 + (f", or an alias: {aliases}" if aliases else ""), "unknown_voice", "voice")
-        return by_lower[name]
+        return preset
 
     async def _clone_fields(self, body: SpeechRequest) -> dict[str, Any]:
         """SpeechInput fields of a Base request: exactly one of a saved voice, ref_audio or an embedding."""
