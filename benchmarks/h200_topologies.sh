@@ -5,7 +5,8 @@
 # work; its probe requests (one at a time) come before the first cell, as a health check's would.
 #   OUT=... TOPOS="single replicas:2 split 1p1d" benchmarks/h200_topologies.sh
 # TREE serves another source tree (e.g. .base, an earlier commit's, for a before/after in the same call); its
-# results are named after the tree too.
+# results are named after the tree too. TAG is added to every result's name (e.g. TAG=-mps with
+# SERVER_ARGS="--mps on": the co-located workers under a CUDA MPS daemon of the server's own).
 # Random 0.6B Base weights, fixed lengths (EOS ignored). PER_CONC x 64 prompts per cell (default 8 = 512).
 set -uo pipefail
 . "$(dirname "$0")/h200_env.sh"
@@ -14,7 +15,7 @@ CKPT=/tmp/qwen3tts-0.6b-random
 from legato.models.qwen3_tts.config import preset; from legato.models.qwen3_tts.testing import write_checkpoint; \
 write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
 for t in ${TOPOS:-single replicas:2 split 1p1d}; do
-  tag=${t//:/}$([ "${TREE:-.}" = . ] || echo "-${TREE//[^a-zA-Z0-9]/}")
+  tag=${t//:/}${TAG:-}$([ "${TREE:-.}" = . ] || echo "-${TREE//[^a-zA-Z0-9]/}")
   PYTHONPATH=.:$PYTHONPATH timeout ${T:-200} python3 benchmarks/serving_speed.py --ckpt $CKPT \
     --data .bench-data/prompts --variant "$tag=${TREE:-.}:legato" --out /tmp/topo-$tag --concurrency 64,64 --modes xvec \
     --max-num-seqs 64 --server-args "--topology $t --devices cuda:0 ${SERVER_ARGS:-}" --min-prompts 8 \

@@ -100,13 +100,17 @@ class Launcher(ABC):
 
 
 class LocalLauncher(Launcher):
-    """Every worker a child process of the server, on the server's host."""
+    """Every worker a child process of the server, on the server's host; `env` is added to each worker's
+    environment (e.g. the MPS daemon's pipe directory)."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        self.env = dict(env or {})
 
     async def place(self, name: str) -> Placement:
         return Placement(same_node=True)
 
     async def spawn(self, name: str, spec_json: str, torch_threads: int | None) -> subprocess.Popen:
-        return spawn_worker(spec_json, worker_env(torch_threads))
+        return spawn_worker(spec_json, {**worker_env(torch_threads), **self.env})
 
 
 def parse_node_resources(items: list[str]) -> dict[str, str]:

@@ -207,6 +207,13 @@ def shared_gpu_note(topology: Topology, devices: list[str]) -> str | None:
             "single (with --fronts for many streams)")
 
 
+def worker_devices(topology: Topology, devices: list[str]) -> list[str]:
+    """The device of each of a topology's workers, in build order (split: the talker's, then the codec's)."""
+    if topology.kind == "split":
+        return [devices[0], devices[-1]]
+    return [devices[i % len(devices)] for i in range(topology.num_workers)]
+
+
 def worker_names(topology: Topology) -> list[str]:
     """The launcher's names for a topology's workers, in build order (prefill engines before decode)."""
     if topology.kind == "single":

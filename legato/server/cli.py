@@ -111,6 +111,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "to GPU on one host, through CUDA IPC handles; auto, per link: cuda_ipc between two GPU "
                         "workers on one host, shm for other pairs on one host, mooncake between nodes; under "
                         "--launcher ray shm within a node)")
+    t.add_argument("--mps", default="off", choices=["auto", "on", "off"],
+                   help="where worker processes share a GPU (replicas, MpNd or split on one device), run them under "
+                        "a CUDA MPS daemon of this server's own, so their kernels run side by side instead of "
+                        "taking turns (on: fail if it cannot start; auto: when nvidia-cuda-mps-control exists)")
     t.add_argument("--pd-pairing", default="least_loaded", choices=["least_loaded", "round_robin"],
                    help="MpNd: how each request's decode engine is picked (least loaded, ties round robin; or round "
                         "robin)")

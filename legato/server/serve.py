@@ -20,9 +20,10 @@ from legato.models.qwen3_tts.config import ConfigError
 from legato.models.qwen3_tts.default import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
 from legato.models.qwen3_tts.loader import load_generation_defaults, load_model, resolve_model_dir
 from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
-from legato.pipeline.launchers import LauncherError
+from legato.pipeline.launchers import LauncherError, LocalLauncher
 from legato.pipeline.local import set_gil_switch_interval
-from legato.pipeline.topology import TopologyError, build_client, parse_topology
+from legato.pipeline.mps import MpsDaemon, MpsError, start_for
+from legato.pipeline.topology import TopologyError, build_client, parse_topology, worker_devices
 from legato.server.app import build_app
 from legato.server.body_deadline import BodyTimeoutMiddleware
 from legato.server.cli import (
@@ -80,6 +81,7 @@ def serve(args: argparse.Namespace) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     listener = None
     front_sockets: dict = {}
+    mps: MpsDaemon | None = None
     try:
         if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
             check_devices([device, *(args.devices.split(",") if args.devices else [])])
@@ -149,6 +151,11 @@ def serve(args: argparse.Namespace) -> int:
             return loaded
 
         launcher = launcher_of(args)
+        if role is None:  # front 0 starts the workers; the other fronts only connect to them
+            mps = start_for(args.mps, worker_devices(topology, devices or [device]), args.workers == "process",
+                            args.launcher == "local")
+            if mps is not None:
+                launcher = LocalLauncher(env=mps.env)
         instance_id, fronts = None, {}
         if args.fronts > 1:
             from legato.pipeline.process_client import new_instance_id
@@ -161,10 +168,12 @@ def serve(args: argparse.Namespace) -> int:
                               instance_id=instance_id, **fronts)
         if args.workers == "process":  # the workers load the model; its generation defaults come from disk
             generation_defaults.update(load_generation_defaults(resolve_model_dir(model_path)))
-    except (ConfigError, TopologyError, LauncherError, ValueError) as e:
+    except (ConfigError, TopologyError, LauncherError, MpsError, ValueError) as e:
         for sock in (listener, *front_sockets.values()):
             if sock is not None:
                 sock.close()
+        if mps is not None:
+            mps.stop()
         print(f"legato serve: error: {e}", file=sys.stderr)
         return 2
     settings.generation_defaults = generation_defaults
@@ -209,6 +218,8 @@ def serve(args: argparse.Namespace) -> int:
             supervisor.stop(graceful_timeout(settings.shutdown_grace_s))
         if metrics_path is not None:
             remove_metrics_dir(metrics_path)
+        if mps is not None:  # after the workers are gone (the server's shutdown stopped them)
+            mps.stop()
     return 1 if server.gave_up else 0
 
 
