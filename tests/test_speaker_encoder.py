@@ -111,6 +111,17 @@ def test_log_mel_matches_official(source):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_samples", [1280, 4000, SR + 123, 2 * SR + 7 * 256])
+def test_frames_bucketed_for_the_fft_give_the_exact_path_bits(num_samples):
+    """Rounding the STFT's frame count up (fewer FFT plans on a GPU) changes no bit of the frames kept."""
+    wav = torch.from_numpy(_noise(num_samples, seed=num_samples)).unsqueeze(0)
+    exact = LogMelSpectrogram(MelConfig())
+    bucketed = LogMelSpectrogram(MelConfig())
+    bucketed.frame_bucket = 64
+    assert torch.equal(bucketed(wav), exact(wav))
+    assert bucketed(wav).shape[2] == MelConfig().num_frames(num_samples)
+
+
 @pytest.mark.parametrize("source", ["real", "noise_min", "noise_5000", "noise_1s_odd"])
 def test_embedding_matches_official_tiny(tiny_pair, source):
     official, ours = tiny_pair

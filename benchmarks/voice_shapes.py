@@ -1,0 +1,101 @@
+"""Where a reference clip of a new length spends its first encode, and what cuts it (issue 22's first burst).
+
+`voice_first_use.py` showed a clip of a length the process has not seen costing 20-40 ms more than one of a seen
+length. This splits that cost and tries two cuts, each on lengths no earlier part of the process used:
+- `mel` and `net`: the log-mel front end (an STFT, planned per frame count) and the speaker network (cuDNN
+  convolutions, planned per length), each timed on new lengths and again on the same lengths;
+- `mel_bucketed`: the STFT's frame count rounded up to a multiple of 64 (`LogMelSpectrogram.frame_bucket`),
+  checked bit-equal to the exact mel;
+- `threads`: the bench corpus's voices at new lengths encoded one after another, then on 4 threads at once
+  (what a burst of new voices waits for).
+
+    python3 benchmarks/voice_shapes.py --out /tmp/voice_shapes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import soundfile as sf
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_loop import random_base_model  # noqa: E402
+
+from legato.models.qwen3_tts.inputs import extract_voice  # noqa: E402
+
+HOP = 256
+
+
+def _ms(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t)
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="0.6B")
+    ap.add_argument("--voices", default=".bench-data/prompts/en/prompt-wavs")
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lm = random_base_model(args.size, args.device)
+    enc = lm.model.speaker_encoder
+    clips = [sf.read(p, dtype="float32")[0] for p in sorted(glob.glob(f"{args.voices}/*.wav"))]
+    extract_voice(lm, (torch.randn(24000) * 0.1).numpy(), 24000, codes=False)  # the server's warm-up
+    cut = iter(range(3, 10_000, 3))  # every part takes lengths no earlier part used: hops off each clip's end
+
+    def fresh() -> list[torch.Tensor]:
+        k = next(cut)
+        return [torch.from_numpy(c[: len(c) - k * HOP]).cuda().unsqueeze(0) for c in clips]
+
+    out: dict = {"commit": os.environ.get("LEGATO_COMMIT", "?"), "clips": len(clips)}
+    wavs = fresh()
+    out["mel_new_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
+    out["mel_seen_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
+    dtype = next(enc.parameters()).dtype
+    mels = [enc.mel(w).to(dtype) for w in fresh()]
+    out["net_new_ms"] = [_ms(lambda m=m: enc(m)) for m in mels]
+    out["net_seen_ms"] = [_ms(lambda m=m: enc(m)) for m in mels]
+    wavs = fresh()
+    enc.mel.frame_bucket = 64
+    out["mel_bucketed_new_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
+    out["mel_bucketed_seen_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
+    got = [enc.mel(w) for w in wavs]
+    enc.mel.frame_bucket = 0
+    out["mel_bucketed_bit_equal"] = all(torch.equal(g, enc.mel(w)) for g, w in zip(got, wavs, strict=True))
+    for label, workers in (("serial", 1), ("threads", args.threads)):
+        batch = [w[0].cpu().numpy() for w in fresh()]
+        with ThreadPoolExecutor(workers) as pool:
+            t = time.perf_counter()
+            list(pool.map(lambda x: extract_voice(lm, x, 24000, codes=False), batch))
+            torch.cuda.synchronize()
+            out[f"{label}_new_voices_ms"] = 1000 * (time.perf_counter() - t)
+        with ThreadPoolExecutor(workers) as pool:
+            t = time.perf_counter()
+            list(pool.map(lambda x: extract_voice(lm, x, 24000, codes=False), batch))
+            torch.cuda.synchronize()
+            out[f"{label}_seen_voices_ms"] = 1000 * (time.perf_counter() - t)
+    for key in [k for k in out if k.endswith("_ms") and isinstance(out[k], list)]:
+        out[key.replace("_ms", "_median_ms")] = round(statistics.median(out[key]), 2)
+    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in out.items()
+                      if not isinstance(v, list)}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
