@@ -1,11 +1,11 @@
 """Where a reference clip of a new length spends its first encode, and what cuts it (issue 22's first burst).
 
 `voice_first_use.py` showed a clip of a length the process has not seen costing 20-40 ms more than one of a seen
-length. This splits that cost and tries two cuts, each on lengths no earlier part of the process used:
+length. This splits that cost and tries cuts, each on lengths no earlier part of the process used:
 - `mel` and `net`: the log-mel front end (an STFT, planned per frame count) and the speaker network (cuDNN
   convolutions, planned per length), each timed on new lengths and again on the same lengths;
-- `mel_bucketed`: the STFT's frame count rounded up to a multiple of 64 (`LogMelSpectrogram.frame_bucket`),
-  checked bit-equal to the exact mel;
+- `net_cudnn` against `net_gemm`: the network's convolutions through cuDNN, and as one GEMM each (`SameConv`,
+  the default on CUDA since this script's second run); and each one's embeddings against fp32 math;
 - `threads`: the bench corpus's voices at new lengths encoded one after another, then on 4 threads at once
   (what a burst of new voices waits for).
 
@@ -15,6 +15,7 @@ length. This splits that cost and tries two cuts, each on lengths no earlier par
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import json
 import os
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_loop import random_base_model  # noqa: E402
 
 from legato.models.qwen3_tts.inputs import extract_voice  # noqa: E402
+from legato.models.qwen3_tts.speaker_encoder import SameConv  # noqa: E402
 
 HOP = 256
 
@@ -62,20 +64,32 @@ def main() -> None:
         return [torch.from_numpy(c[: len(c) - k * HOP]).cuda().unsqueeze(0) for c in clips]
 
     out: dict = {"commit": os.environ.get("LEGATO_COMMIT", "?"), "clips": len(clips)}
+    convs = [m for m in enc.modules() if isinstance(m, SameConv)]
+    dtype = next(enc.parameters()).dtype
     wavs = fresh()
     out["mel_new_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
     out["mel_seen_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
-    dtype = next(enc.parameters()).dtype
-    mels = [enc.mel(w).to(dtype) for w in fresh()]
-    out["net_new_ms"] = [_ms(lambda m=m: enc(m)) for m in mels]
-    out["net_seen_ms"] = [_ms(lambda m=m: enc(m)) for m in mels]
-    wavs = fresh()
-    enc.mel.frame_bucket = 64
-    out["mel_bucketed_new_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
-    out["mel_bucketed_seen_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
-    got = [enc.mel(w) for w in wavs]
-    enc.mel.frame_bucket = 0
-    out["mel_bucketed_bit_equal"] = all(torch.equal(g, enc.mel(w)) for g, w in zip(got, wavs, strict=True))
+    for label, gemm in (("cudnn", False), ("gemm", None)):  # None: the default, the GEMM on CUDA
+        for m in convs:
+            m.gemm = gemm
+        mels = [enc.mel(w).to(dtype) for w in fresh()]
+        out[f"net_{label}_new_ms"] = [_ms(lambda m=m: enc(m)) for m in mels]
+        out[f"net_{label}_seen_ms"] = [_ms(lambda m=m: enc(m)) for m in mels]
+    # Fidelity on the corpus's own clips: each half-precision path against fp32 math (cuDNN, no TF32).
+    ref = copy.deepcopy(enc).float()
+    for m in ref.modules():
+        if isinstance(m, SameConv):
+            m.gemm = False
+    whole = [torch.from_numpy(c).cuda().unsqueeze(0) for c in clips]
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    want = [ref.embed(w).float() for w in whole]
+    for label, gemm in (("cudnn", False), ("gemm", None)):
+        for m in convs:
+            m.gemm = gemm
+        got = [enc.embed(w).float() for w in whole]
+        out[f"embedding_rel_err_vs_fp32_{label}"] = max(
+            float((g - r).norm() / r.norm()) for g, r in zip(got, want, strict=True))
+    del ref
     for label, workers in (("serial", 1), ("threads", args.threads)):
         batch = [w[0].cpu().numpy() for w in fresh()]
         with ThreadPoolExecutor(workers) as pool:

@@ -10,6 +10,7 @@ for _p in (str(_ROOT), str(_ROOT / "tests")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import copy  # noqa: E402
 import math  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -17,9 +18,10 @@ import oracle  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from legato.layers.same_conv import same_conv1d  # noqa: E402
 from legato.models.qwen3_tts.config import SpeakerEncoderConfig  # noqa: E402
 from legato.models.qwen3_tts.mel import LogMelSpectrogram, MelConfig, slaney_mel_filterbank  # noqa: E402
-from legato.models.qwen3_tts.speaker_encoder import SpeakerEncoder  # noqa: E402
+from legato.models.qwen3_tts.speaker_encoder import SameConv, SpeakerEncoder  # noqa: E402
 from legato.models.qwen3_tts.tiny import tiny_config  # noqa: E402
 
 PROMPT_WAV = Path(__file__).parent / "data" / "voice01.wav"  # from shared/data/prompts/en (synthetic voice)
@@ -111,15 +113,35 @@ def test_log_mel_matches_official(source):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_samples", [1280, 4000, SR + 123, 2 * SR + 7 * 256])
-def test_frames_bucketed_for_the_fft_give_the_exact_path_bits(num_samples):
-    """Rounding the STFT's frame count up (fewer FFT plans on a GPU) changes no bit of the frames kept."""
-    wav = torch.from_numpy(_noise(num_samples, seed=num_samples)).unsqueeze(0)
-    exact = LogMelSpectrogram(MelConfig())
-    bucketed = LogMelSpectrogram(MelConfig())
-    bucketed.frame_bucket = 64
-    assert torch.equal(bucketed(wav), exact(wav))
-    assert bucketed(wav).shape[2] == MelConfig().num_frames(num_samples)
+@pytest.mark.parametrize("kernel,dilation,length", [(5, 1, 40), (3, 2, 41), (3, 4, 30), (1, 1, 17), (2, 1, 10),
+                                                    (4, 3, 20)])
+def test_same_conv_as_one_gemm_equals_conv1d(kernel, dilation, length):
+    """The GEMM form (CUDA's path: no cuDNN plan per clip length) computes the reflect-"same" Conv1d."""
+    conv = torch.nn.Conv1d(6, 5, kernel, dilation=dilation, padding="same", padding_mode="reflect").double()
+    x = torch.randn(2, 6, length, dtype=torch.float64, generator=torch.Generator().manual_seed(length))
+    torch.testing.assert_close(same_conv1d(x, conv.weight, conv.bias, dilation), conv(x), rtol=0, atol=1e-12)
+
+
+def test_the_encoder_through_gemm_convs_gives_the_conv1d_embedding(tiny_pair):
+    """Every SameConv as a GEMM (forced here on the CPU) against Conv1d, also after new weights are loaded
+    (the stacked weights it keeps are made again)."""
+    ours = copy.deepcopy(tiny_pair[1])  # its weights are changed below
+    convs = [m for m in ours.modules() if isinstance(m, SameConv)]
+    assert len(convs) >= 5
+    wav = torch.from_numpy(_noise(SR + 123, seed=7))
+    for reload in (False, True):
+        if reload:
+            state = {k: v + 0.01 * torch.randn_like(v) for k, v in ours.state_dict().items()}
+            ours.load_state_dict(state)
+        want = ours.embed(wav)
+        try:
+            for m in convs:
+                m.gemm = True
+            got = ours.embed(wav)
+        finally:
+            for m in convs:
+                m.gemm = None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("source", ["real", "noise_min", "noise_5000", "noise_1s_odd"])

@@ -111,10 +111,6 @@ class LogMelSpectrogram(nn.Module):
         self._basis_cpu = torch.from_numpy(basis)
         self._window_cpu = torch.hann_window(config.win_length, dtype=torch.float32)
         self._per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Frames per STFT call rounded up to a multiple of this (0: exact). Each frame's transform is its own,
-        # so the extra zero frames, cut off before anything reads them, leave the others' bits alone; what it
-        # buys is fewer distinct batch counts for the FFT library to plan for (a plan per count, ms each).
-        self.frame_bucket = 0
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._per_device:
@@ -126,9 +122,6 @@ class LogMelSpectrogram(nn.Module):
         basis, window = self._constants(wav.device)
         wav = wav.float()
         padded = F.pad(wav.unsqueeze(1), (cfg.edge_pad, cfg.edge_pad), mode="reflect").squeeze(1)
-        frames = cfg.num_frames(wav.shape[-1])
-        if self.frame_bucket > 1 and frames % self.frame_bucket:
-            padded = F.pad(padded, (0, (self.frame_bucket - frames % self.frame_bucket) * cfg.hop_length))
         spec = torch.stft(
             padded,
             cfg.n_fft,
@@ -139,6 +132,6 @@ class LogMelSpectrogram(nn.Module):
             normalized=False,
             onesided=True,
             return_complex=True,
-        )[..., :frames]
+        )
         magnitude = torch.sqrt(spec.real.square() + spec.imag.square() + _POWER_EPS)
         return torch.log(torch.clamp(torch.matmul(basis, magnitude), min=_LOG_FLOOR))

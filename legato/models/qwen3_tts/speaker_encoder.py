@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from legato.layers.same_conv import same_conv1d, same_padding, stacked_weight
 from legato.models.qwen3_tts.config import SpeakerEncoderConfig
 from legato.models.qwen3_tts.mel import LogMelSpectrogram, MelConfig
 
@@ -21,10 +22,24 @@ from legato.models.qwen3_tts.mel import LogMelSpectrogram, MelConfig
 _VAR_FLOOR = 1e-12
 
 
-def _same_padding(kernel_size: int, dilation: int) -> tuple[int, int]:
-    """The (left, right) split that `Conv1d(padding="same")` uses: any odd sample goes right."""
-    total = dilation * (kernel_size - 1)
-    return total // 2, total - total // 2
+class SameConv(nn.Conv1d):
+    """Conv1d with reflect "same" padding. On CUDA it runs as one GEMM (`same_conv1d`): cuDNN would plan each
+    clip length anew, on each thread; `gemm` False keeps cuDNN there, True takes the GEMM on any device."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, dilation=dilation, padding="same",
+                         padding_mode="reflect")
+        self.gemm: bool | None = None
+        self._stacked: tuple[tuple, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.gemm if self.gemm is not None else x.is_cuda):
+            return super().forward(x)
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._stacked is None or self._stacked[0] != key:  # weights loaded or moved since
+            self._stacked = (key, stacked_weight(w.detach()).contiguous())
+        return same_conv1d(x, w, self.bias, self.dilation[0], stacked=self._stacked[1])
 
 
 class TDNNLayer(nn.Module):
@@ -32,9 +47,7 @@ class TDNNLayer(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int) -> None:
         super().__init__()
-        self.conv = nn.Conv1d(
-            in_channels, out_channels, kernel_size, dilation=dilation, padding="same", padding_mode="reflect"
-        )
+        self.conv = SameConv(in_channels, out_channels, kernel_size, dilation=dilation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.conv(x))
@@ -103,7 +116,7 @@ class AttentivePooling(nn.Module):
     def __init__(self, channels: int, attention_channels: int) -> None:
         super().__init__()
         self.tdnn = TDNNLayer(channels * 3, attention_channels, kernel_size=1, dilation=1)
-        self.conv = nn.Conv1d(attention_channels, channels, kernel_size=1)
+        self.conv = SameConv(attention_channels, channels, kernel_size=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_frames = x.shape[2]
@@ -140,7 +153,7 @@ class SpeakerEncoder(nn.Module):
         # A 1x1 conv rather than a Linear, to keep the checkpoint's [out, in, 1] weight shape.
         self.fc = nn.Conv1d(channels[-1] * 2, config.enc_dim, kernel_size=1)
         # Reflect padding needs more frames than it pads on either side, in every dilated conv.
-        widest = max(_same_padding(k, d)[1] for k, d in zip(kernels, dilations, strict=True))
+        widest = max(same_padding(k, d)[1] for k, d in zip(kernels, dilations, strict=True))
         self.min_frames = widest + 1
         self.min_samples = self.mel.config.min_samples_for(self.min_frames)
 
