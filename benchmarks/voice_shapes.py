@@ -4,10 +4,10 @@
 length. This splits that cost and tries cuts, each on lengths no earlier part of the process used:
 - `mel` and `net`: the log-mel front end (an STFT, planned per frame count) and the speaker network (cuDNN
   convolutions, planned per length), each timed on new lengths and again on the same lengths;
-- `net_cudnn` against `net_gemm`: the network's convolutions through cuDNN, and as one GEMM each (`SameConv`,
-  the default on CUDA since this script's second run); and each one's embeddings against fp32 math;
+- `net_cudnn` against `net_gemm`: the network's convolutions through cuDNN (the default), and as one GEMM each
+  (`SameConv.gemm`); and each one's embeddings against fp32 math;
 - `threads`: the bench corpus's voices at new lengths encoded one after another, then on 4 threads at once
-  (what a burst of new voices waits for).
+  (what a burst of new voices waits for), on the default path.
 
     python3 benchmarks/voice_shapes.py --out /tmp/voice_shapes.json
 """
@@ -69,7 +69,7 @@ def main() -> None:
     wavs = fresh()
     out["mel_new_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
     out["mel_seen_ms"] = [_ms(lambda w=w: enc.mel(w)) for w in wavs]
-    for label, gemm in (("cudnn", False), ("gemm", None)):  # None: the default, the GEMM on CUDA
+    for label, gemm in (("cudnn", False), ("gemm", True)):
         for m in convs:
             m.gemm = gemm
         mels = [enc.mel(w).to(dtype) for w in fresh()]
@@ -83,13 +83,15 @@ def main() -> None:
     whole = [torch.from_numpy(c).cuda().unsqueeze(0) for c in clips]
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     want = [ref.embed(w).float() for w in whole]
-    for label, gemm in (("cudnn", False), ("gemm", None)):
+    for label, gemm in (("cudnn", False), ("gemm", True)):
         for m in convs:
             m.gemm = gemm
         got = [enc.embed(w).float() for w in whole]
         out[f"embedding_rel_err_vs_fp32_{label}"] = max(
             float((g - r).norm() / r.norm()) for g, r in zip(got, want, strict=True))
     del ref
+    for m in convs:
+        m.gemm = False  # the rest on the default path
     for label, workers in (("serial", 1), ("threads", args.threads)):
         batch = [w[0].cpu().numpy() for w in fresh()]
         with ThreadPoolExecutor(workers) as pool:

@@ -98,3 +98,12 @@ def test_device_on_the_command_line_puts_every_worker_of_the_file_on_it():
     args = parse([])  # no --device: the file's devices
     assert apply_deploy(args, load_deploy(DEPLOY / "1p1d.yaml", args.serve_defaults), args.serve_defaults) is None
     assert args.devices == "cuda:0,cuda:0"
+
+
+def test_a_deploy_files_bare_mps_on_or_off_is_the_mode_not_a_boolean(tmp_path):
+    path = tmp_path / "mps.yaml"
+    for text, want in (("mps: on\n", "on"), ("mps: off\n", "off"), ("mps: auto\n", "auto")):
+        path.write_text("topology: replicas:2\n" + text)
+        args = parse([])
+        apply_deploy(args, load_deploy(path, args.serve_defaults), args.serve_defaults)
+        assert args.mps == want

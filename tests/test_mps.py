@@ -158,3 +158,13 @@ def test_the_local_launcher_gives_each_worker_the_daemons_environment(monkeypatc
     seen.clear()
     asyncio.run(LocalLauncher().spawn("replica0", "{}", None))
     assert PIPE_ENV not in seen or seen[PIPE_ENV] == os.environ.get(PIPE_ENV)
+
+
+def test_serve_takes_mps_off_by_default_and_refuses_an_unknown_mode(capsys):
+    from legato.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).mps == "off"
+    assert build_parser().parse_args(["serve", "--mps", "auto"]).mps == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--mps", "yes"])
+    assert "--mps" in capsys.readouterr().err

@@ -158,10 +158,16 @@ def test_process_pd_gives_each_kv_link_the_backend_of_its_two_devices(tiny_check
     assert links("shm", ["cuda:0", "cuda:1", "cuda:1"]) == [("prefill", []), ("decode", []), ("decode", [])]
 
 
-def test_replicas_sharing_a_gpu_are_told_what_to_expect():
+def test_engines_sharing_a_gpu_are_told_what_to_expect():
     two = parse_topology("replicas:2")
     note = shared_gpu_note(two, ["cuda:0"])
     assert note is not None and "2 engines on cuda:0" in note and "single" in note
     assert shared_gpu_note(parse_topology("replicas:3"), ["cuda:0", "cuda:1"]) is not None  # cuda:0 holds two
     assert shared_gpu_note(two, ["cuda:0", "cuda:1"]) is None  # a GPU each
-    assert shared_gpu_note(two, ["cpu"]) is None and shared_gpu_note(parse_topology("1p1d"), ["cuda:0"]) is None
+    assert shared_gpu_note(two, ["cpu"]) is None
+    pd_note = shared_gpu_note(parse_topology("1p1d"), ["cuda:0"])  # prefill and decode engines take turns too
+    assert pd_note is not None and "--mps on" in pd_note and "take turns" in pd_note
+    assert shared_gpu_note(parse_topology("1p1d"), ["cuda:0", "cuda:1"]) is None
+    under_mps = shared_gpu_note(two, ["cuda:0"], mps=True)
+    assert "under MPS" in under_mps and "take turns" not in under_mps
+    assert shared_gpu_note(parse_topology("split"), ["cuda:0"]) is None  # one engine and a codec worker

@@ -42,6 +42,8 @@ def load_deploy(path: str | Path, known: dict[str, Any]) -> dict[str, Any]:
             raise DeployError(f"{path}: unknown option {key!r}")
         if name == "devices" and isinstance(value, list):
             value = ",".join(str(v) for v in value)
+        if name == "mps" and isinstance(value, bool):  # YAML reads a bare on/off as a boolean
+            value = "on" if value else "off"
         if name == "worker_memory":
             if not isinstance(value, list) or not all(isinstance(v, (int, float)) and 0 < v <= 1 for v in value):
                 raise DeployError(f"{path}: worker_memory must be a list of fractions in (0, 1]")

@@ -22,6 +22,7 @@ from legato.models.qwen3_tts.loader import LoadedModel
 from legato.pipeline.client import EngineClient
 from legato.pipeline.launchers import Launcher, WorkerPlan
 from legato.pipeline.local import LocalEngineClient
+from legato.pipeline.mps import PIPE_ENV
 from legato.pipeline.pd import LinkedPrefillDecodeRouter, PrefillDecodeRouter, check_pd_options
 from legato.pipeline.router import ReplicaRouter
 
@@ -146,7 +147,7 @@ def build_client(
         if kv_backend == "cuda_ipc" and any(not str(d).startswith("cuda") for d in devices):
             raise TopologyError(f"the cuda_ipc KV backend moves handoffs between CUDA devices; the workers run on "
                                 f"{', '.join(map(str, devices))} (use shm)")
-    note = shared_gpu_note(topology, devices)
+    note = shared_gpu_note(topology, devices, mps=PIPE_ENV in getattr(launcher, "env", {}))
     if note is not None:
         log.warning(note)
     names = worker_names(topology)
@@ -191,20 +192,27 @@ def build_client(
     return clients[0] if topology.kind == "single" else ReplicaRouter(clients)
 
 
-def shared_gpu_note(topology: Topology, devices: list[str]) -> str | None:
-    """What to expect of replicas on one GPU (None when no GPU holds two of them). Their processes time-slice the
-    GPU, and a decode step costs about as much at 32 streams as at 64, so two half batches cost nearly two full
-    steps: on an H200, replicas:2 on one GPU served 0.65x single's audio-s/s at 64 streams (docs/benchmarks.md)."""
-    if topology.kind != "replicas":
+def shared_gpu_note(topology: Topology, devices: list[str], mps: bool = False) -> str | None:
+    """What to expect of several engines on one GPU (None when no GPU holds two of them). Their processes
+    time-slice the GPU, and a decode step costs about as much at 32 streams as at 64, so two half batches cost
+    nearly two full steps: on an H200 at 64 streams, replicas:2 on one GPU served 0.65x single's audio-s/s and
+    1p1d 0.77x; under MPS (`--mps on`) 0.78x and 0.84x (docs/benchmarks.md)."""
+    if topology.kind not in ("replicas", "pd"):
         return None
-    on = [str(devices[i % len(devices)]) for i in range(topology.num_workers)]
+    on = worker_devices(topology, devices)
     shared = sorted({d for d in on if d.startswith("cuda") and on.count(d) > 1})
     if not shared:
         return None
-    return (f"{topology} puts {max(on.count(d) for d in shared)} engines on {', '.join(shared)}: they take turns "
+    count = max(on.count(d) for d in shared)
+    if mps:
+        return (f"{topology} puts {count} engines on {', '.join(shared)}, under MPS: they share the GPU, and still "
+                "serve less than one engine there (on an H200 at 64 streams: replicas:2 0.78x single, 1p1d 0.84x). "
+                "Replicas and prefill-decode pay off with a GPU each")
+    return (f"{topology} puts {count} engines on {', '.join(shared)}: they take turns "
             "on one GPU and each step costs nearly what a full batch's does, so they serve less than one engine "
-            "there (0.65x single at 64 streams on an H200). Replicas pay off with a GPU each; on one GPU serve "
-            "single (with --fronts for many streams)")
+            "there (on an H200 at 64 streams: replicas:2 0.65x single, 1p1d 0.77x; 0.78x and 0.84x with --mps on). "
+            "Replicas and prefill-decode pay off with a GPU each; on one GPU serve single (with --fronts for many "
+            "streams)")
 
 
 def worker_devices(topology: Topology, devices: list[str]) -> list[str]:

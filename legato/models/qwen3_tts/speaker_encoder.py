@@ -23,17 +23,20 @@ _VAR_FLOOR = 1e-12
 
 
 class SameConv(nn.Conv1d):
-    """Conv1d with reflect "same" padding. On CUDA it runs as one GEMM (`same_conv1d`): cuDNN would plan each
-    clip length anew, on each thread; `gemm` False keeps cuDNN there, True takes the GEMM on any device."""
+    """Conv1d with reflect "same" padding; with `gemm` True, as one GEMM (`same_conv1d`) on any device.
+
+    Why: cuDNN plans each input length anew, per thread, and reference clips come in every length (~21 ms for a
+    new length against ~3.3 ms for a seen one on an H200). Off until `benchmarks/voice_shapes.py` has timed the
+    GEMM and its embeddings against fp32 on a GPU; the CPU tests hold it equal to Conv1d."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1) -> None:
         super().__init__(in_channels, out_channels, kernel_size, dilation=dilation, padding="same",
                          padding_mode="reflect")
-        self.gemm: bool | None = None
+        self.gemm = False
         self._stacked: tuple[tuple, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.gemm if self.gemm is not None else x.is_cuda):
+        if not self.gemm:
             return super().forward(x)
         w = self.weight
         key = (w.data_ptr(), w._version, w.dtype, w.device)
