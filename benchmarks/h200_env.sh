@@ -8,6 +8,18 @@
 # then the packages the image already has beside torch removed (numpy, filelock, fsspec, typing_extensions).
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
+# Only 8 files (2 folders deep) come back from a device call: a session of 2026-12-06 lost half its JSON and
+# probably the py-spy profiles of the session before to that. On exit, when $OUT holds more than 7 files, all but
+# run.log and earlier packs go into one results-*.tgz (each pack under 16 MiB comes back).
+pack_out() {
+  local files
+  files=$(find "$OUT" -type f ! -name run.log ! -name 'results-*.tgz' | sed "s|^$OUT/||")
+  [ "$(find "$OUT" -type f | wc -l)" -gt 7 ] && [ -n "$files" ] || return 0
+  local pack="results-$(date +%H%M%S)-$$.tgz"
+  (cd "$OUT" && echo "$files" | tar -czf "$pack" -T - && echo "$files" | xargs rm -f) \
+    && echo "packed $(echo "$files" | wc -l) result files into \$OUT/$pack"
+}
+trap pack_out EXIT
 # Everything the script prints also goes to $OUT/run.log, which comes back even when the call's time limit kills
 # it (a `| tail` on the command line then prints nothing: the session of 2026-12-04 lost a call's output so).
 exec > >(tee -a "$OUT/run.log") 2>&1

@@ -31,6 +31,8 @@ if sys.argv[1:] == ["-d"]:
     (pipe / "nvidia-cuda-mps-control.pid").write_text(str(os.getpid()))
     if not os.environ.get("FAKE_MPS_MUTE"):
         (pipe / "control").write_text("")
+    else:
+        Path(os.environ["CUDA_MPS_LOG_DIRECTORY"], "control.log").write_text("[ERROR] no CUDA-capable device")
     deadline = time.monotonic() + 60  # never outlives a test run
     while not (pipe / "quit").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -99,7 +101,7 @@ def test_a_daemon_that_refuses_to_start_is_one_line_naming_why(fake_control, mon
 def test_a_daemon_that_never_opens_its_pipe_fails_at_the_deadline_and_is_killed(fake_control, monkeypatch):
     monkeypatch.setenv("FAKE_MPS_MUTE", "1")
     before = set(Path("/tmp").glob("legato-mps-*"))
-    with pytest.raises(MpsError, match="did not open its control pipe"):
+    with pytest.raises(MpsError, match="did not open its control pipe.*its log ends: .*no CUDA-capable device"):
         MpsDaemon.start(deadline_s=0.5)
     assert set(Path("/tmp").glob("legato-mps-*")) <= before  # its directory went with it
 

@@ -78,9 +78,10 @@ class MpsDaemon:
                 raise MpsError(f"{MPS_CONTROL} -d failed ({done.returncode}): {message}")
             until = time.monotonic() + deadline_s
             while not Path(env[PIPE_ENV], "control").exists():
-                if time.monotonic() > until:
+                if time.monotonic() > until:  # its log goes with its directory: say its last words now
+                    said = _tail(Path(env[LOG_ENV], "control.log"))
                     raise MpsError(f"{MPS_CONTROL} started but did not open its control pipe within "
-                                   f"{deadline_s:.0f} s (its log: {env[LOG_ENV]})")
+                                   f"{deadline_s:.0f} s" + (f"; its log ends: {said}" if said else ""))
                 time.sleep(0.05)
         except subprocess.TimeoutExpired:
             daemon.stop()
@@ -107,6 +108,13 @@ class MpsDaemon:
                 pass
         _end(_pid_of(pipe), until if asked else time.monotonic())
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _tail(path: Path, chars: int = 200) -> str:
+    try:
+        return " ".join(path.read_text(errors="replace")[-chars:].split())
+    except OSError:
+        return ""
 
 
 def _pid_of(pipe: Path) -> int | None:
