@@ -46,6 +46,8 @@ STACK_GAVE_UP = ("engine step failed: the code predictor's one-launch pass gave 
                  "--code-predictor-stack if this repeats")
 
 
+CODE_GROUPS = 16  # codebooks a frame: the released models' num_code_groups
+
 class RequestIdEnding(DuplicateRequestError):
     """The id's earlier request has ended, but its last output is still on its way out of the engine: the id is
     free once that is delivered (a step or so). The engine's thread may hold the request until then."""
@@ -129,6 +131,11 @@ def warm_up_input(cfg: Qwen3TTSConfig) -> SpeechInput:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        groups = loaded.config.talker_config.num_code_groups
+        if groups != CODE_GROUPS:
+            # The step's rows, copies and kernels are laid out for 16 (a codebook-0 token, 15 predicted codes).
+            raise ValueError(f"the engine serves models of {CODE_GROUPS} codebooks a frame, as every released "
+                             f"Qwen3-TTS 12 Hz model has; this one has num_code_groups={groups}")
         self.loaded = loaded
         self.config = config
         talker = loaded.talker

@@ -52,15 +52,52 @@ T = TypeVar("T")
 
 
 def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
-    """Builds dataclass `cls` from `data`, ignoring unknown keys (HF files carry many)."""
+    """Builds dataclass `cls` from `data`, ignoring unknown keys (HF files carry many) once `_refuse_unsupported`
+    has looked at them. A key the file leaves out takes the official config class's default where that differs
+    from the released value (`_OFFICIAL_DEFAULTS`): a file means what the official loader reads in it."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected an object, got {type(data).__name__}")
+    _refuse_unsupported(cls, data, where)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in data.items() if k in names}
+    for k, v in _OFFICIAL_DEFAULTS.get(cls.__name__, {}).items():
+        kwargs.setdefault(k, v)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
+
+
+# The official config classes' defaults where the released models differ (shared/reference/qwen3-tts-model.md
+# §1.7). Only keys that change what a file computes; a released config.json gives them all.
+_OFFICIAL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "TalkerConfig": {"num_hidden_layers": 20, "intermediate_size": 2048, "num_key_value_heads": 2,
+                     "rope_theta": 10000.0, "rope_scaling": None, "num_code_groups": 32},
+    "CodePredictorConfig": {"rope_theta": 10000.0, "num_code_groups": 32},
+}
+
+
+def _refuse_unsupported(cls: type, data: dict[str, Any], where: str) -> None:
+    """Config values the official model honours and these modules do not implement: refused by name, rather
+    than dropped with the unknown keys and served as something else."""
+    if cls.__name__ not in ("TalkerConfig", "CodePredictorConfig", "CodecDecoderConfig"):
+        return
+    scaling = data.get("rope_scaling")
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in (None, "default"):
+            raise ConfigError(f"{where}: rope_scaling of type {kind!r} is not supported (only the default rotary "
+                              "embedding, as in the released models)")
+    elif scaling is not None:
+        raise ConfigError(f"{where}: rope_scaling must be an object or null, got {type(scaling).__name__}")
+    if cls.__name__ == "CodecDecoderConfig":
+        return  # its window attention is its own (`sliding_window`), and supported
+    if data.get("use_sliding_window"):
+        raise ConfigError(f"{where}: use_sliding_window is not supported (the released models attend to the "
+                          "whole context)")
+    if data.get("attention_bias"):
+        raise ConfigError(f"{where}: attention_bias is not supported (the released models have no attention "
+                          "biases)")
 
 
 def _to_dict(obj: Any) -> dict[str, Any]:
@@ -109,7 +146,7 @@ class TalkerConfig:
     num_code_groups: int = 16
     max_position_embeddings: int = 32768
     rope_theta: float = 1_000_000.0
-    rope_scaling: dict = field(
+    rope_scaling: dict | None = field(
         default_factory=lambda: {"interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"}
     )
     attention_bias: bool = False

@@ -149,6 +149,12 @@ def load_model(
     config = load_model_config(path)
     speech_config = load_speech_tokenizer_config(path)
     text_tokenizer = TextTokenizer.from_dir(path)
+    groups = config.talker_config.num_code_groups
+    for name, count in (("decoder_config.num_quantizers", speech_config.decoder_config.num_quantizers),
+                        ("encoder_valid_num_quantizers", speech_config.encoder_valid_num_quantizers)):
+        if count != groups:
+            raise ConfigError(f"{path}: the talker makes {groups} codebooks a frame (talker_config.num_code_groups) "
+                              f"and the codec's {name} is {count}")
 
     # Built on the CPU with its throw-away init rather than on the meta device: derived, non-persistent
     # buffers (RoPE frequencies, STFT windows, filterbanks) are then right without a reset hook per module.
