@@ -27,7 +27,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 @pytest.mark.parametrize("path", sorted(DEPLOY.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_deploy_file_is_valid(path):
     args = parse([])
-    apply_deploy(args, load_deploy(path, args.serve_defaults), args.serve_defaults)
+    apply_deploy(args, load_deploy(path, args.serve_defaults, args.serve_checks), args.serve_defaults)
     topology = parse_topology(args.topology)
     devices = args.devices.split(",")
     assert len(devices) in (1, topology.num_workers)
@@ -107,3 +107,32 @@ def test_a_deploy_files_bare_mps_on_or_off_is_the_mode_not_a_boolean(tmp_path):
         args = parse([])
         apply_deploy(args, load_deploy(path, args.serve_defaults), args.serve_defaults)
         assert args.mps == want
+
+
+@pytest.mark.parametrize("text, message", [
+    ("topology: [1, 2]", "topology must be a single value"),
+    ("port: abc", "port must be a number"),
+    ("max_connections: abc", "max_connections must be a number"),
+    ("max_num_seqs: 2.5", "max_num_seqs must be a whole number"),
+    ("enforce_eager: maybe", "enforce_eager must be true or false"),
+    ("workers: bogus", "workers must be one of auto, thread, process"),
+    ("mps: 1", "mps must be one of auto, on, off"),
+    ("api_key: {a: b}", "api_key must be a list of values"),
+    ("port:", "port must be a single value"),
+])
+def test_a_deploy_value_the_command_line_would_refuse_is_one_line_naming_it(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text + "\n")
+    args = parse([])
+    with pytest.raises(DeployError, match=message):
+        load_deploy(path, args.serve_defaults, args.serve_checks)
+
+
+def test_deploy_values_are_taken_as_the_command_line_takes_them(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("port: '8011'\nmax_num_seqs: 32.0\ngpu_memory_utilization: 1\napi_key: secret\n"
+                    "enforce_eager: true\nhost: 127.0.0.2\n")
+    args = parse([])
+    apply_deploy(args, load_deploy(path, args.serve_defaults, args.serve_checks), args.serve_defaults)
+    assert (args.port, args.max_num_seqs, args.gpu_memory_utilization) == (8011, 32, 1.0)
+    assert args.api_key == ["secret"] and args.enforce_eager is True and args.host == "127.0.0.2"

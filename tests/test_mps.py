@@ -37,7 +37,10 @@ if sys.argv[1:] == ["-d"]:
     while not (pipe / "quit").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     os._exit(0)
-if sys.stdin.read().strip() == "quit":
+said = sys.stdin.read().strip()
+if said == "get_server_list" and os.environ.get("FAKE_MPS_DEAD"):
+    sys.exit(1)  # no daemon behind this pipe
+if said == "quit":
     (pipe / "control").unlink(missing_ok=True)
     (pipe / "quit").write_text("")
 """
@@ -149,6 +152,20 @@ def test_a_daemon_already_running_where_workers_look_is_joined_not_doubled(fake_
     (pipe / "control").write_text("")
     monkeypatch.setenv(PIPE_ENV, str(pipe))
     assert start_for("on", ["cuda:0", "cuda:0"], process_workers=True, local=True) is None
+
+
+def test_a_pipe_no_daemon_answers_on_is_not_joined(fake_control, tmp_path, monkeypatch, caplog):
+    pipe = tmp_path / "stale-mps"
+    pipe.mkdir()
+    (pipe / "control").write_text("")
+    monkeypatch.setenv(PIPE_ENV, str(pipe))
+    monkeypatch.setenv("FAKE_MPS_DEAD", "1")
+    daemon = start_for("on", ["cuda:0", "cuda:0"], process_workers=True, local=True)
+    try:
+        assert daemon is not None and daemon.env[PIPE_ENV] != str(pipe)
+        assert "answers nothing" in caplog.text
+    finally:
+        daemon.stop()
 
 
 def test_the_local_launcher_gives_each_worker_the_daemons_environment(monkeypatch):

@@ -405,9 +405,9 @@ def test_the_ray_deploy_files_name_only_serve_options():
     from legato.cli import build_parser
     from legato.pipeline.deploy import load_deploy
 
-    defaults = build_parser().parse_args(["serve"]).serve_defaults
+    args = build_parser().parse_args(["serve"])
     for path in sorted((Path(__file__).parents[1] / "deploy" / "ray").glob("*.yaml")):
-        assert load_deploy(path, defaults)["launcher"] == "ray", path
+        assert load_deploy(path, args.serve_defaults, args.serve_checks)["launcher"] == "ray", path
 
 
 def test_launcher_ray_without_ray_is_a_one_line_instruction(monkeypatch, capsys):

@@ -290,6 +290,8 @@ def test_models_health_and_metrics(cv):
     assert health.json()["engine"]["num_kv_blocks"] == 512
     # the engine renews its stats before it hands a request's last chunk over: settled when the response is
     assert health.json()["engine"]["free_kv_blocks"] == 512
+    head = cv.head("/health")  # load balancers that probe with HEAD get the status
+    assert head.status_code == 200 and head.content == b""
     assert speak(cv, voice="nobody").status_code == 400  # counted below, whatever ran before this test
     text = cv.get("/metrics").text
     for name in ("legato_time_to_first_audio_seconds_bucket", "legato_real_time_factor_bucket",

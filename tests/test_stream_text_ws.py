@@ -359,6 +359,67 @@ def test_a_client_that_stops_reading_is_closed_and_its_requests_freed(loaded):
     assert np.isfinite(session.limits.send_timeout_s)
 
 
+def test_a_client_that_sends_but_never_reads_its_error_replies_is_closed_without_an_exception(loaded):
+    """Replies to the client's own messages (errors here) fill the outbox as audio would: the socket is closed
+    with 1008 once, and nothing escapes the session to the ASGI server (which would log a traceback)."""
+    _, client = make_app(loaded)
+
+    async def main():
+        from legato.server.metrics import ServerMetrics
+        from legato.server.speech import SpeechService
+
+        inbox: asyncio.Queue = asyncio.Queue()
+        closed: list = []
+        never = asyncio.Event()
+
+        async def stuck_send(_data) -> None:
+            await never.wait()
+
+        async def close(code, reason) -> None:
+            closed.append((code, reason))
+            await inbox.put({"type": "websocket.disconnect"})
+
+        session = StreamSession(client, SpeechService(client, server_settings(loaded), None), ServerMetrics(client),
+                                WsLimits(send_queue=2, send_timeout_s=0.3), inbox.get, stuck_send, stuck_send, close)
+        for _ in range(20):
+            await inbox.put({"type": "websocket.receive", "text": '{"type": "no.such.event"}'})
+        await asyncio.wait_for(session.run(), 30)  # returns: no SlowClient out of run()
+        return closed
+
+    assert asyncio.run(main()) == [(1008, "client is not reading its messages")]
+
+
+def test_streamed_text_past_the_engines_text_buffer_is_the_clients_error(loaded):
+    client = local_client(loaded, frames_per_text_token=2.0, max_text_tokens=24)
+    app = build_app(client, server_settings(loaded, default_max_new_tokens=40, max_new_tokens_limit=512))
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="session.update", session={"voice": "serena", "max_new_tokens": 400})
+        c.event("session.updated")
+        c.send(type="input_text.append", context_id="a", text="Hello there. ")
+        for _ in range(8):
+            c.send(type="input_text.append", context_id="a", text="and more words to say, ")
+        c.send(type="input_text.end", context_id="a")
+        err = c.until(lambda e: e["type"] == "error", "the overflow error", errors_ok=True)
+        assert err["context_id"] == "a" and err["error"]["code"] == "text_too_long"
+        assert err["error"]["type"] == "invalid_request_error" and "max_text_tokens" in err["error"]["message"]
+        c.close_and_wait(http)
+
+
+def test_a_session_update_with_audio_options_http_would_refuse_is_refused_then(loaded):
+    app, _ = make_app(loaded)
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        for session, code in (({"sample_rate": 7}, "unsupported_sample_rate"),
+                              ({"response_format": "pcm", "mp3_bitrate": 128}, "unsupported_bitrate")):
+            c.send(type="session.update", session=session, event_id="ev")
+            err = c.event("error")
+            assert err["error"]["code"] == code and err["event_id"] == "ev", session
+        c.send(type="session.update", session={"voice": "serena", "sample_rate": 16000})
+        assert c.event("session.updated")["session"]["sample_rate"] == 16000
+        c.close_and_wait(http)
+
+
 def test_a_topology_without_text_input_refuses_a_context():
     from server_helpers import FakeClient
 

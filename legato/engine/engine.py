@@ -47,6 +47,8 @@ STACK_GAVE_UP = ("engine step failed: the code predictor's one-launch pass gave 
 
 
 CODE_GROUPS = 16  # codebooks a frame: the released models' num_code_groups
+# How a request whose streamed text outgrew its buffer fails (the socket reports it as the client's error).
+TEXT_OVERFLOW = "streamed text exceeds max_text_tokens"
 
 class RequestIdEnding(DuplicateRequestError):
     """The id's earlier request has ended, but its last output is still on its way out of the engine: the id is
@@ -251,7 +253,7 @@ class Engine:
         embeds = torch.cat(parts)
         start = req.text_frames
         if start + embeds.shape[0] > self.config.max_text_tokens:
-            self._done += self._fail([req], f"streamed text exceeds max_text_tokens={self.config.max_text_tokens}")
+            self._done += self._fail([req], f"{TEXT_OVERFLOW}={self.config.max_text_tokens}")
             return True
         if live.started:
             self.runner.slots.extend_text(req.slot, start, embeds)

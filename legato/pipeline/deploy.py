@@ -24,8 +24,11 @@ class DeployError(ValueError):
     """A deploy file that cannot be read or names an unknown option."""
 
 
-def load_deploy(path: str | Path, known: dict[str, Any]) -> dict[str, Any]:
-    """The options of a deploy file, checked against `known` (option name -> default value)."""
+def load_deploy(path: str | Path, known: dict[str, Any], checks: dict[str, tuple[Any, Any]] | None = None
+                ) -> dict[str, Any]:
+    """The options of a deploy file, checked against `known` (option name -> default value) and, where `checks`
+    names an option (name -> the command line's (type, choices)), given the type and choices the command line
+    would (one line naming the file and the option, rather than a traceback later at start-up)."""
     import yaml
 
     path = Path(path)
@@ -44,12 +47,46 @@ def load_deploy(path: str | Path, known: dict[str, Any]) -> dict[str, Any]:
             value = ",".join(str(v) for v in value)
         if name == "mps" and isinstance(value, bool):  # YAML reads a bare on/off as a boolean
             value = "on" if value else "off"
+        if checks is not None and name in checks:
+            value = _as_option(path, key, value, known[name], *checks[name])
         if name == "worker_memory":
             if not isinstance(value, list) or not all(isinstance(v, (int, float)) and 0 < v <= 1 for v in value):
                 raise DeployError(f"{path}: worker_memory must be a list of fractions in (0, 1]")
             value = [float(v) for v in value]
         out[name] = value
     return out
+
+
+def _as_option(path: Path, key: str, value: Any, default: Any, kind: Any, choices: Any) -> Any:
+    """`value` as the command line would have taken it for option `key` (its default, type and choices)."""
+    def refuse(what: str) -> DeployError:
+        return DeployError(f"{path}: {key} must be {what}, got {value!r}")
+
+    if isinstance(default, list):  # an option given several times on the command line: a list here
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in items):
+            raise refuse("a list of values")
+        return [str(v) for v in items]
+    if isinstance(default, bool):  # a flag
+        if not isinstance(value, bool):
+            raise refuse("true or false")
+        return value
+    if value is None and default is None:  # null: the option's default, which is none
+        return None
+    if value is None or isinstance(value, (bool, list, dict)):
+        raise refuse("a single value")
+    if kind is int and (isinstance(value, float) and not value.is_integer()):
+        raise refuse("a whole number")
+    if kind is not None:
+        try:
+            value = kind(int(value) if kind is int and isinstance(value, float) else value)
+        except (TypeError, ValueError):
+            raise refuse("a number" if kind in (int, float) else "a valid value") from None
+    elif not isinstance(value, str):
+        value = str(value)
+    if choices is not None and value not in choices:
+        raise refuse(f"one of {', '.join(map(str, choices))}")
+    return value
 
 
 def apply_deploy(args: Any, options: dict[str, Any], defaults: dict[str, Any]) -> str | None:

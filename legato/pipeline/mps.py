@@ -41,11 +41,25 @@ def shared_gpus(worker_devices: list[str]) -> list[str]:
     return sorted({d for d in on if d.startswith("cuda") and on.count(d) > 1})
 
 
-def running_daemon_dir(environ: dict[str, str] | None = None) -> str | None:
-    """The pipe directory of an MPS daemon that clients started from `environ` would already join, if any."""
+def running_daemon_dir(control: str | None, environ: dict[str, str] | None = None) -> str | None:
+    """The pipe directory of an MPS daemon that clients started from `environ` would already join, if one answers
+    there. A pipe left by a daemon that died answers nothing; without the control program a pipe is taken on
+    trust."""
     environ = os.environ if environ is None else environ
     pipe_dir = environ.get(PIPE_ENV) or DEFAULT_PIPE_DIR
-    return pipe_dir if Path(pipe_dir, "control").exists() else None
+    if not Path(pipe_dir, "control").exists():
+        return None
+    if control is None:
+        return pipe_dir
+    try:
+        asked = subprocess.run([control], input="get_server_list\n", env={**environ, PIPE_ENV: pipe_dir}, text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=5.0)
+    except (subprocess.TimeoutExpired, OSError):
+        asked = None
+    if asked is None or asked.returncode != 0:
+        log.warning("an MPS control pipe at %s answers nothing (left by a daemon that died?): not joined", pipe_dir)
+        return None
+    return pipe_dir
 
 
 @dataclass
@@ -66,6 +80,7 @@ class MpsDaemon:
         for d in env.values():
             Path(d).mkdir()
         daemon = cls(control, root, env)
+        atexit.register(daemon.stop)  # a server that ends by an error path or a SIGTERM still stops it
         try:
             # -d forks the daemon and returns; its pipe appears once it listens. Its output goes to a file: a
             # daemon that kept a pipe of ours open would hold the wait for its end.
@@ -89,7 +104,6 @@ class MpsDaemon:
         except BaseException:
             daemon.stop()
             raise
-        atexit.register(daemon.stop)  # a server that ends by an error path still stops it
         log.info("started a CUDA MPS daemon for the workers that share a GPU (pipes in %s)", env[PIPE_ENV])
         return daemon
 
@@ -97,6 +111,7 @@ class MpsDaemon:
         """Asks the daemon to quit (it ends its server once the clients are gone) and waits for it; kills it if
         it does not end in time, or at once if it never opened its pipe. Safe to call twice."""
         pipe = Path(self.env.get(PIPE_ENV, self.root / "pipe"))
+        pid = _pid_of(pipe)  # before the quit: a daemon on its way out may remove the file
         until = time.monotonic() + timeout_s
         asked = False
         if pipe.joinpath("control").exists():
@@ -106,7 +121,7 @@ class MpsDaemon:
                 asked = True
             except (subprocess.TimeoutExpired, OSError):
                 pass
-        _end(_pid_of(pipe), until if asked else time.monotonic())
+        _end(pid, until if asked else time.monotonic())
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -163,11 +178,11 @@ def start_for(mode: str, worker_devices: list[str], process_workers: bool, local
         if mode == "on":
             raise MpsError(f"--mps on applies to worker processes this server starts itself ({why})")
         return None
-    existing = running_daemon_dir()
+    control = control or shutil.which(MPS_CONTROL)
+    existing = running_daemon_dir(control)
     if existing is not None:
         log.info("workers on %s join the MPS daemon already running (%s)", ", ".join(shared), existing)
         return None
-    control = control or shutil.which(MPS_CONTROL)
     if control is None and mode == "auto":
         log.warning("%s share one GPU without MPS (%s not found): they take turns on it", ", ".join(shared),
                     MPS_CONTROL)

@@ -111,8 +111,9 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
     async def demo_page() -> HTMLResponse:
         return HTMLResponse(demo_html())
 
-    @app.get("/health", responses={503: {"description": "The engine has stopped or died, or the server is "
-                                                       "shutting down."}})
+    # HEAD too: some load balancers probe with it (the status, without the body).
+    @app.api_route("/health", methods=["GET", "HEAD"],
+                   responses={503: {"description": "The engine has stopped or died, or the server is shutting down."}})
     async def health() -> JSONResponse:
         """200 while the engine runs ("ok", or "degraded" with some of a deployment's engines dead); 503 once it
         has died ("unavailable") or the server is shutting down ("stopping"). `engine` carries its live stats

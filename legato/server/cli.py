@@ -209,7 +209,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--voice-alias", action="append", default=[], metavar="NAME=VOICE",
                    help="let requests say NAME for VOICE (repeatable; NAME= drops an alias); on top of the default "
                         f"OpenAI names: {', '.join(f'{k}={v}' for k, v in OPENAI_VOICE_ALIASES.items())}")
-    p.set_defaults(func=serve, serve_defaults={a.dest: a.default for a in p._actions})
+    p.set_defaults(func=serve, serve_defaults={a.dest: a.default for a in p._actions},
+                   serve_checks={a.dest: (a.type, a.choices) for a in p._actions})
 
 
 def voice_aliases(items: list[str]) -> dict[str, str]:

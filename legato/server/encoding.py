@@ -99,6 +99,19 @@ def mp3_bitrate_problem(fmt: str, sample_rate: int, kbps: int) -> str | None:
     return None
 
 
+def audio_options_problem(fmt: str, sample_rate: int | None, mp3_kbps: int | None,
+                          model_rate: int) -> tuple[str, str, str] | None:
+    """Why a response in `fmt` at `sample_rate` (None: the model's) and `mp3_kbps` cannot be made, as (message,
+    code, field) for the error; None if it can. HTTP and the streaming-text socket refuse alike."""
+    if (problem := format_problem(fmt, model_rate)) is not None:
+        return f"response_format {problem}", "unsupported_format", "response_format"
+    if sample_rate is not None and (problem := sample_rate_problem(fmt, sample_rate)):
+        return f"sample_rate: {problem}", "unsupported_sample_rate", "sample_rate"
+    if mp3_kbps is not None and (problem := mp3_bitrate_problem(fmt, sample_rate or model_rate, mp3_kbps)):
+        return f"mp3_bitrate: {problem}", "unsupported_bitrate", "mp3_bitrate"
+    return None
+
+
 def encode_file(samples: np.ndarray, sample_rate: int, fmt: str, mp3_kbps: int | None = None) -> bytes:
     """A complete response body in `fmt` (mp3 at `mp3_kbps`, default MP3_DEFAULT_KBPS)."""
     if fmt == "wav":

@@ -97,7 +97,7 @@ def bind_front_listeners(host: str, port: int, count: int) -> list[socket.socket
 
 def resolved_args(args: argparse.Namespace) -> dict:
     """`legato serve`'s options as the fronts started later take them (no deploy file to apply again)."""
-    out = {k: v for k, v in vars(args).items() if not callable(v) and k != "serve_defaults"}
+    out = {k: v for k, v in vars(args).items() if not callable(v) and k not in ("serve_defaults", "serve_checks")}
     out["deploy"] = None
     return out
 
@@ -232,7 +232,7 @@ def main() -> int:
         print(f"legato.server.fronts: started without ${ROLE_ENV}; run `legato serve --fronts N`", file=sys.stderr)
         return 2
     args = argparse.Namespace(**role.args)
-    args.serve_defaults = {}
+    args.serve_defaults, args.serve_checks = {}, {}
     return serve(args)
 
 

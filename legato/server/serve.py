@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -57,13 +59,23 @@ from legato.server.voices import VoiceStore
 log = logging.getLogger("legato.serve")
 
 
+def _terminated_while_starting(signum, frame) -> None:
+    # Before uvicorn installs its handlers a SIGTERM would end the process on the spot; as an exit, the cleanup
+    # of what start-up made so far runs (the MPS daemon, worker processes' links).
+    log.warning("terminated while starting")
+    raise SystemExit(128 + signum)
+
+
 def serve(args: argparse.Namespace) -> int:
     role = role_from_env()  # set when front 0 of `--fronts N` started this process
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated_while_starting)
     args.worker_memory = None
     deploy_note = None
     if args.deploy:
         try:
-            deploy_note = apply_deploy(args, load_deploy(args.deploy, args.serve_defaults), args.serve_defaults)
+            deploy_note = apply_deploy(args, load_deploy(args.deploy, args.serve_defaults, args.serve_checks),
+                                       args.serve_defaults)
         except DeployError as e:
             print(f"legato serve: error: {e}", file=sys.stderr)
             return 2

@@ -22,9 +22,7 @@ from legato.server.encoding import (
     MEDIA_TYPES,
     STREAMABLE,
     AudioFormat,
-    format_problem,
-    mp3_bitrate_problem,
-    sample_rate_problem,
+    audio_options_problem,
 )
 from legato.server.errors import ApiError, ErrorResponse
 from legato.server.frame_budget import FrameBudget, LengthAsk
@@ -124,15 +122,10 @@ class SpeechService:
         if body.speed != 1.0:
             raise ApiError(400, f"speed {body.speed:g} is not supported: the only supported speed is 1.0 (no "
                                 "time-stretch yet)", "unsupported_speed", "speed")
-        problem = format_problem(body.response_format, self.client.info.sample_rate)
+        problem = audio_options_problem(body.response_format, body.sample_rate, body.mp3_bitrate,
+                                        self.client.info.sample_rate)
         if problem is not None:
-            raise ApiError(400, f"response_format {problem}", "unsupported_format", "response_format")
-        if body.sample_rate is not None and (problem := sample_rate_problem(body.response_format, body.sample_rate)):
-            raise ApiError(400, f"sample_rate: {problem}", "unsupported_sample_rate", "sample_rate")
-        rate = body.sample_rate or self.client.info.sample_rate
-        if body.mp3_bitrate is not None and (problem := mp3_bitrate_problem(body.response_format, rate,
-                                                                              body.mp3_bitrate)):
-            raise ApiError(400, f"mp3_bitrate: {problem}", "unsupported_bitrate", "mp3_bitrate")
+            raise ApiError(400, *problem)
         if body.task_type is not None and body.task_type != self.task_type:
             raise ApiError(400, f"task_type {body.task_type} does not match the served model, which is a "
                                 f"{self.task_type} model", "task_type_mismatch", "task_type")

@@ -20,9 +20,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from legato.engine.engine import TEXT_OVERFLOW
 from legato.models.qwen3_tts.text_stream import TextStream
 from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk
-from legato.server.encoding import STREAMABLE, AudioFormat
+from legato.server.encoding import STREAMABLE, AudioFormat, audio_options_problem
 from legato.server.errors import ApiError
 from legato.server.metrics import ServerMetrics
 from legato.server.speech import SpeechService
@@ -97,6 +98,7 @@ class StreamSession:
         self._outbox: asyncio.Queue[_Out] = asyncio.Queue(maxsize=limits.send_queue)
         self._gone = asyncio.Event()  # the client left or is being closed: stop reading and writing
         self._close_reason: tuple[int, str] | None = None
+        self._close_sent = False
         self._last_activity = time.monotonic()
         self.rate = client.info.sample_rate
 
@@ -109,6 +111,8 @@ class StreamSession:
         watchdog = asyncio.create_task(self._watch())
         try:
             await self._read()
+        except SlowClient:  # a reply to the client's own messages found it not reading: close it, as for audio
+            await self._send_close()
         finally:
             self._gone.set()
             for ctx in list(self.contexts.values()):
@@ -135,11 +139,17 @@ class StreamSession:
                 if self._idle_left() <= 0:
                     self._close_reason = (1000, "idle timeout")
                     self._gone.set()
-        if self._close_reason is not None:
-            try:
-                await within(self._close(*self._close_reason), 2.0)
-            except Exception:  # the client is gone already: nothing to tell it
-                pass
+        await self._send_close()
+
+    async def _send_close(self) -> None:
+        """The close frame `_close_reason` asks for, once (the watchdog and the reader may both get here)."""
+        if self._close_reason is None or self._close_sent:
+            return
+        self._close_sent = True
+        try:
+            await within(self._close(*self._close_reason), 2.0)
+        except Exception:  # the client is gone already: nothing to tell it
+            pass
 
     def _idle_left(self) -> float:
         """Seconds until the socket counts as idle: no message from the client and none sent to it, and no context
@@ -172,6 +182,10 @@ class StreamSession:
             if fmt not in STREAMABLE:
                 raise ProtocolError(f"response_format {fmt} cannot be streamed; streamable: {', '.join(STREAMABLE)}",
                                     "unsupported_format", "response_format", event_id=ev.event_id)
+            # Checked now, as HTTP checks a request, not when a context starts on a session that said it was fine.
+            problem = audio_options_problem(fmt, config.speech.sample_rate, config.speech.mp3_bitrate, self.rate)
+            if problem is not None:
+                raise ProtocolError(*problem, event_id=ev.event_id)
             self.config = config
             await self._put(_Out({"type": "session.updated", "session": session_echo(config, self.rate)}))
             return
@@ -287,8 +301,11 @@ class StreamSession:
                         await self._audio(ctx, await encoder.finish(), 0)
                     break
             if last is not None and last.finish_reason == "error":
-                await self._put(_Out(error_event(500, last.error or "synthesis failed", "synthesis_failed",
-                                                 context_id=ctx.id)))
+                if (last.error or "").startswith(TEXT_OVERFLOW):  # the client's text, not the server, was too much
+                    await self._put(_Out(error_event(400, last.error, "text_too_long", "text", context_id=ctx.id)))
+                else:
+                    await self._put(_Out(error_event(500, last.error or "synthesis failed", "synthesis_failed",
+                                                     context_id=ctx.id)))
             elif last is not None:
                 await self._put(_Out(lambda: self._done(ctx, last), context=ctx))
         except RequestRejected as e:
