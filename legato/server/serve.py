@@ -74,8 +74,8 @@ def serve(args: argparse.Namespace) -> int:
     deploy_note = None
     if args.deploy:
         try:
-            deploy_note = apply_deploy(args, load_deploy(args.deploy, args.serve_defaults, args.serve_checks),
-                                       args.serve_defaults)
+            options = load_deploy(args.deploy, args.serve_defaults, getattr(args, "serve_checks", None))
+            deploy_note = apply_deploy(args, options, args.serve_defaults)
         except DeployError as e:
             print(f"legato serve: error: {e}", file=sys.stderr)
             return 2
