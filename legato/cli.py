@@ -12,11 +12,12 @@ def _synth(args: argparse.Namespace) -> int:
     import torch
 
     from legato.api import TTS
-    from legato.models.qwen3_tts.audio import AudioError, encode_wav, read_audio_file
+    from legato.models.qwen3_tts.audio import AudioError, read_audio_file
     from legato.models.qwen3_tts.config import ConfigError
     from legato.models.qwen3_tts.inputs import SpeechInput
     from legato.models.qwen3_tts.prompt import PromptError
     from legato.models.qwen3_tts.sampling import SamplingParamsError
+    from legato.server.encoding import encode_file
 
     problem = _synth_args_problem(args)
     if problem is not None:  # before the model loads, not after the work
@@ -53,7 +54,7 @@ def _synth(args: argparse.Namespace) -> int:
         print(f"legato synth: error: {e}", file=sys.stderr)
         return 2
     with open(args.out, "wb") as f:
-        f.write(encode_wav(result.audio, result.sample_rate))
+        f.write(encode_file(result.audio, result.sample_rate, _out_format(args.out)))
     logging.getLogger("legato").info(
         "wrote %s: %d frames, %.2f s of audio at %d Hz (finish reason: %s)", args.out, result.codes.shape[0],
         result.duration, result.sample_rate, result.finish_reason,
@@ -92,6 +93,14 @@ def _voice_args_problem(args: argparse.Namespace, model_type: str) -> str | None
     return None
 
 
+OUT_SUFFIXES = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm"}
+
+
+def _out_format(path: str) -> str | None:
+    """The audio format `legato synth` writes to `path`, by its suffix (None: none it writes)."""
+    return OUT_SUFFIXES.get(os.path.splitext(path)[1].lower())
+
+
 def _synth_args_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with `legato synth`'s arguments before anything loads: the output path, the device, the text."""
     from pathlib import Path
@@ -106,6 +115,9 @@ def _synth_args_problem(args: argparse.Namespace) -> str | None:
         return f"--out {args.out}: the directory {parent} does not exist"
     if not os.access(parent, os.W_OK):
         return f"--out {args.out}: the directory {parent} is not writable"
+    if _out_format(args.out) is None:
+        return (f"--out {args.out}: the file name says no audio format; end it in "
+                f"{', '.join(OUT_SUFFIXES)}")
     if args.device is not None:  # None: cuda when there is one
         try:
             check_devices([args.device])
@@ -130,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Synthesise one utterance to a WAV file, offline.",
                        formatter_class=DefaultsFormatter)
     p.add_argument("--text", required=True, help="what to say")
-    p.add_argument("--out", required=True, help="output WAV path")
+    p.add_argument("--out", required=True,
+                   help="output file; its suffix sets the format: .wav, .mp3, .flac, .opus (or .ogg), .pcm (16-bit)")
     p.add_argument("--model", default=None, help="model directory or hub id (default: embedded tiny random model)")
     p.add_argument("--voice", default=None, help="CustomVoice preset, or an OpenAI voice name (its most alike preset); "
                    "a Base model clones with --ref-audio instead (default: the embedded model's ryan)")
@@ -160,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command == "serve" and args.deploy:
+        from legato.server.cli import typed_serve_options
+
+        args.serve_given = typed_serve_options(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs legato with its test extra into the active Python environment and runs the test suite.
-# Idempotent: a second run only runs the tests. CPU installs pin torch==2.13.0 (an unpinned torch
-# resolves to a multi-GB CUDA build).
+# Idempotent: a second run only runs the tests. Without a torch it installs torch==2.13.0; on Linux without a GPU,
+# install PyTorch's CPU build of it first (README), since PyPI's Linux wheel is the multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}

@@ -189,3 +189,15 @@ def test_workers_auto_runs_cuda_engines_in_processes_and_cpu_engines_on_threads(
     assert resolve_workers("auto", ["cpu"]) == "thread"
     assert resolve_workers("auto", ["cuda:0"]) == resolve_workers("auto", ["cpu", "cuda:1"]) == "process"
     assert resolve_workers("thread", ["cuda:0"]) == "thread" and resolve_workers("process", ["cpu"]) == "process"
+
+
+def test_synth_writes_the_format_its_out_suffix_names_and_refuses_one_it_does_not_write(tmp_path, capsys,
+                                                                                       monkeypatch):
+    from legato.cli import main
+
+    monkeypatch.setenv("LEGATO_CACHE", str(tmp_path / "cache"))
+    args = ["synth", "--text", "Hello there.", "--max-new-tokens", "6", "--seed", "3"]
+    assert main([*args, "--out", str(tmp_path / "x.aac")]) == 2
+    assert "end it in .wav, .mp3, .flac" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "x.flac")]) == 0
+    assert sf.info(str(tmp_path / "x.flac")).format == "FLAC"

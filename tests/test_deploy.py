@@ -136,3 +136,23 @@ def test_deploy_values_are_taken_as_the_command_line_takes_them(tmp_path):
     apply_deploy(args, load_deploy(path, args.serve_defaults, args.serve_checks), args.serve_defaults)
     assert (args.port, args.max_num_seqs, args.gpu_memory_utilization) == (8011, 32, 1.0)
     assert args.api_key == ["secret"] and args.enforce_eager is True and args.host == "127.0.0.2"
+
+
+def test_an_option_typed_with_its_default_value_still_wins_over_the_file(tmp_path):
+    from legato.server.cli import typed_serve_options
+
+    path = tmp_path / "s.yaml"
+    path.write_text("max_num_seqs: 8\ntopology: replicas:2\nenforce_eager: true\n")
+    argv = ["--deploy", str(path), "--max-num-seqs", "64", "--topology=single"]
+    args = parse(argv)
+    given = typed_serve_options(["serve", *argv])
+    apply_deploy(args, load_deploy(path, args.serve_defaults, args.serve_checks), args.serve_defaults, given)
+    assert (args.max_num_seqs, args.topology, args.enforce_eager) == (64, "single", True)
+
+
+def test_a_deploy_file_cannot_name_another(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("deploy: other.yaml\n")
+    args = parse([])
+    with pytest.raises(DeployError, match="cannot name another deploy file"):
+        load_deploy(path, args.serve_defaults, args.serve_checks)

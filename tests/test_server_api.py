@@ -292,6 +292,8 @@ def test_models_health_and_metrics(cv):
     assert health.json()["engine"]["free_kv_blocks"] == 512
     head = cv.head("/health")  # load balancers that probe with HEAD get the status
     assert head.status_code == 200 and head.content == b""
+    root = cv.get("/", follow_redirects=False)  # a browser at the server's address lands on the demo page
+    assert root.status_code == 307 and root.headers["location"] == "/demo"
     assert speak(cv, voice="nobody").status_code == 400  # counted below, whatever ran before this test
     text = cv.get("/metrics").text
     for name in ("legato_time_to_first_audio_seconds_bucket", "legato_real_time_factor_bucket",

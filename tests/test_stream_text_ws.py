@@ -417,6 +417,11 @@ def test_a_session_update_with_audio_options_http_would_refuse_is_refused_then(l
             assert err["error"]["code"] == code and err["event_id"] == "ev", session
         c.send(type="session.update", session={"voice": "serena", "sample_rate": 16000})
         assert c.event("session.updated")["session"]["sample_rate"] == 16000
+        c.send(type="session.update", session={"speed": 2.0, "response_format": "wav"})
+        assert c.event("session.updated")["session"]["speed"] == 2.0
+        c.send(type="session.update", session={"speed": None, "response_format": None})  # null: the defaults
+        cleared = c.event("session.updated")["session"]
+        assert cleared.get("speed", 1.0) == 1.0 and cleared["response_format"] == "pcm"
         c.close_and_wait(http)
 
 

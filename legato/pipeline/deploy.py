@@ -43,6 +43,8 @@ def load_deploy(path: str | Path, known: dict[str, Any], checks: dict[str, tuple
         name = str(key).replace("-", "_")
         if name not in known and name not in DEPLOY_ONLY_KEYS:
             raise DeployError(f"{path}: unknown option {key!r}")
+        if name == "deploy":
+            raise DeployError(f"{path}: a deploy file cannot name another deploy file")
         if name == "devices" and isinstance(value, list):
             value = ",".join(str(v) for v in value)
         if name == "mps" and isinstance(value, bool):  # YAML reads a bare on/off as a boolean
@@ -89,16 +91,18 @@ def _as_option(path: Path, key: str, value: Any, default: Any, kind: Any, choice
     return value
 
 
-def apply_deploy(args: Any, options: dict[str, Any], defaults: dict[str, Any]) -> str | None:
-    """Sets every option of the file that the command line left at its default. `--device` given on the
-    command line (without `--devices`) puts every worker of the file's `devices:` on that device; the
-    returned line says so (None when nothing was overridden that way)."""
-    device_given = getattr(args, "device", None) != defaults.get("device")
-    devices_given = getattr(args, "devices", None) != defaults.get("devices")
+def apply_deploy(args: Any, options: dict[str, Any], defaults: dict[str, Any],
+                 given: list[str] | None = None) -> str | None:
+    """Sets every option of the file that the command line did not give: `given` names the options typed there
+    (None: those whose value differs from its default). `--device` given on the command line (without
+    `--devices`) puts every worker of the file's `devices:` on that device; the returned line says so (None when
+    nothing was overridden that way)."""
+    def typed(name: str) -> bool:
+        return name in given if given is not None else getattr(args, name, None) != defaults.get(name)
+
+    device_given, devices_given = typed("device"), typed("devices")
     for name, value in options.items():
-        if name in DEPLOY_ONLY_KEYS:
-            setattr(args, name, value)
-        elif getattr(args, name, None) == defaults.get(name):
+        if name in DEPLOY_ONLY_KEYS or not typed(name):
             setattr(args, name, value)
     if not (device_given and not devices_given and options.get("devices")):
         return None

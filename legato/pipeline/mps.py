@@ -170,7 +170,7 @@ def start_for(mode: str, worker_devices: list[str], process_workers: bool, local
     shared = shared_gpus(worker_devices)
     if mode == "off" or not shared:
         if mode == "on":
-            log.info("--mps on: no GPU holds two worker processes here, so no MPS daemon is started")
+            log.warning("--mps on: no GPU holds two worker processes here, so no MPS daemon is started")
         return None
     if not process_workers or not local:
         why = "thread workers share one CUDA context already" if not process_workers else \

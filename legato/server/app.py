@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -106,6 +106,11 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
             languages=info.languages, voices=voices, max_num_seqs=settings.max_num_seqs,
             decode_slots=settings.decode_slots,
         )])
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        """A browser pointed at the server lands on the demo page, not on a JSON 404."""
+        return RedirectResponse(DEMO_PATH, status_code=307)
 
     @app.get(DEMO_PATH, response_class=HTMLResponse, include_in_schema=False)
     async def demo_page() -> HTMLResponse:

@@ -21,7 +21,7 @@ from legato.server.ws_protocol import WS_DEFAULTS
 log = logging.getLogger("legato.serve")
 
 
-def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible speech API over HTTP",
                        description="Serve the OpenAI-compatible speech API (/v1/audio/speech) over HTTP.",
                        formatter_class=DefaultsFormatter)
@@ -114,7 +114,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--mps", default="off", choices=["auto", "on", "off"],
                    help="where worker processes share a GPU (replicas, MpNd or split on one device), run them under "
                         "a CUDA MPS daemon of this server's own, so their kernels run side by side instead of "
-                        "taking turns (on: fail if it cannot start; auto: when nvidia-cuda-mps-control exists)")
+                        "taking turns; elsewhere it does nothing (on: fail if it cannot start; auto: start it when "
+                        "nvidia-cuda-mps-control exists)")
     t.add_argument("--pd-pairing", default="least_loaded", choices=["least_loaded", "round_robin"],
                    help="MpNd: how each request's decode engine is picked (least loaded, ties round robin; or round "
                         "robin)")
@@ -211,6 +212,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         f"OpenAI names: {', '.join(f'{k}={v}' for k, v in OPENAI_VOICE_ALIASES.items())}")
     p.set_defaults(func=serve, serve_defaults={a.dest: a.default for a in p._actions},
                    serve_checks={a.dest: (a.type, a.choices) for a in p._actions})
+    return p
 
 
 def voice_aliases(items: list[str]) -> dict[str, str]:
@@ -268,6 +270,17 @@ def access_settings(args: argparse.Namespace) -> dict:
         hosts = None
     return {"api_keys": keys, "allowed_origins": origins, "allowed_hosts": hosts,
             "protect_metrics": bool(getattr(args, "protect_metrics", False))}
+
+
+def typed_serve_options(argv: list[str]) -> list[str]:
+    """The `legato serve` options `argv` names itself (argv from the subcommand on). A deploy file gives way to
+    these alone: an option typed with its default value still wins, which comparing values cannot tell."""
+    parser = argparse.ArgumentParser(add_help=False)
+    serve_parser = add_serve_parser(parser.add_subparsers(dest="command"))
+    for action in serve_parser._actions:
+        action.default = argparse.SUPPRESS  # only what argv sets reaches the namespace
+    named = parser.parse_args(argv)
+    return sorted(k for k in vars(named) if k not in ("command", "func", "serve_defaults", "serve_checks"))
 
 
 def resolve_workers(workers: str, devices: list[str]) -> str:

@@ -97,7 +97,8 @@ def bind_front_listeners(host: str, port: int, count: int) -> list[socket.socket
 
 def resolved_args(args: argparse.Namespace) -> dict:
     """`legato serve`'s options as the fronts started later take them (no deploy file to apply again)."""
-    out = {k: v for k, v in vars(args).items() if not callable(v) and k not in ("serve_defaults", "serve_checks")}
+    parse_only = ("serve_defaults", "serve_checks", "serve_given")
+    out = {k: v for k, v in vars(args).items() if not callable(v) and k not in parse_only}
     out["deploy"] = None
     return out
 

@@ -125,10 +125,13 @@ class GracefulServer(uvicorn.Server):
         self._drain_task: asyncio.Task[None] | None = None
         self.on_signal: Callable[[], None] | None = None  # told of a stop signal (front 0 of --fronts N)
         self.gave_up = False  # stopped by request_drain(failed=True): the process exits 1
+        self.on_started: Callable[[], None] | None = None  # called once the listener takes connections
 
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in uvicorn's captured signals: it would re-raise them after a clean shutdown, and the

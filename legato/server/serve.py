@@ -75,7 +75,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.deploy:
         try:
             options = load_deploy(args.deploy, args.serve_defaults, getattr(args, "serve_checks", None))
-            deploy_note = apply_deploy(args, options, args.serve_defaults)
+            deploy_note = apply_deploy(args, options, args.serve_defaults, getattr(args, "serve_given", None))
         except DeployError as e:
             print(f"legato serve: error: {e}", file=sys.stderr)
             return 2
@@ -219,8 +219,11 @@ def serve(args: argparse.Namespace) -> int:
         supervisor.start(front_sockets)
     front = f", front {role.index} of {role.count}" if role is not None else (
         f", front 0 of {args.fronts}" if args.fronts > 1 else "")
-    log.info("listening on http://%s:%d (model %s, %s, %s on %s, topology %s%s)", args.host, port, name,
-             client.info.model_type, dtype, devices or device, topology, front)
+    where = f"http://{args.host}:{port}"
+    log.info("starting %s (model %s, %s, %s on %s, topology %s%s): it takes connections once the engine runs",
+             where, name, client.info.model_type, dtype, devices or device, topology, front)
+    # Said once connections are taken: the port is bound from the start, but refuses them until then.
+    server.on_started = lambda: log.info("listening on %s", where)
     try:
         server.run(sockets=[listener])
     except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers; nothing left to report

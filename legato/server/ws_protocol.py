@@ -150,6 +150,13 @@ def session_config(fields: dict[str, Any], current: SessionConfig) -> SessionCon
             raise ProtocolError(f"{name} is not a session field (text comes in input_text events)",
                                 "invalid_session", name)
     merged = {**current.speech.model_dump(exclude_unset=True), **fields}
+    session_defaults = default_session().speech.model_dump(exclude_unset=True)
+    for name, value in fields.items():  # null clears a field: back to the session's default, whatever its type
+        if value is None:
+            if name in session_defaults:
+                merged[name] = session_defaults[name]
+            else:
+                del merged[name]
     try:
         speech = SpeechRequest.model_validate(merged)
     except ValidationError as e:
