@@ -78,13 +78,14 @@ async def speak(url: str, text: str, out: str, voice: str | None, tokens_per_s: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("text")
-    p.add_argument("--url", default="ws://127.0.0.1:8000/v1/audio/speech/stream")
-    p.add_argument("--out", default="out.wav")
+    p.add_argument("--url", default="ws://127.0.0.1:8000/v1/audio/speech/stream",
+                   help="the server's streaming-text socket")
+    p.add_argument("--out", default="out.wav", help="where the audio is written (WAV)")
     p.add_argument("--voice", required=True,
                    help="a preset speaker (the embedded model's: dylan, eric, ryan, serena), an OpenAI voice name such "
                         "as alloy, or a saved voice's id")
     p.add_argument("--tokens-per-s", type=float, default=40.0, help="the pace of the simulated LLM, in tokens/s")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="the server's API key, if it was started with one")
     p.add_argument("--cancel-after-s", type=float, default=None, help="barge in after this many seconds")
     args = p.parse_args()
     try:
@@ -92,7 +93,12 @@ def main() -> None:
                               args.cancel_after_s))
     except (OSError, RuntimeError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as e:
         # the server's error event, a refused handshake, no server, no answer in time: one line, exit 1
-        sys.exit(f"stream_text_client: {type(e).__name__ if not str(e) else e}")
+        hint = ""
+        if isinstance(e, websockets.exceptions.InvalidStatus) and e.response.status_code in (401, 403):
+            hint = " (the server wants an API key: pass --api-key)"
+        elif isinstance(e, ConnectionRefusedError):
+            hint = f" (is `legato serve` running at {args.url}? see --url)"
+        sys.exit(f"stream_text_client: {type(e).__name__ if not str(e) else e}{hint}")
     if r["ttfp_s"] is None:
         sys.exit(f"stream_text_client: no audio came ({r['end']})")
     print(f"first audio {r['ttfp_s'] * 1000:.0f} ms after the first word; {r['audio_bytes'] / 2 / SAMPLE_RATE:.2f} s "

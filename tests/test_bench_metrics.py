@@ -151,3 +151,14 @@ def test_flatten_skips_slo_limits_and_non_numbers():
     assert flat["ttfp_ms.median"] == pytest.approx(100)
     assert flat["goodput.request_goodput"] == pytest.approx(0.75)
     assert not any(k.startswith("goodput.slo") for k in flat)
+
+
+def test_the_run_table_names_the_slos_in_words_and_says_when_none_was_given():
+    from legato.bench.metrics import SloSpec
+    from legato.bench.report import run_table
+
+    for slo, want in ((SloSpec(), "no SLO given (every completed request is good)"),
+                      (SloSpec(per_request={"ttfp_ms": 500.0}), "SLO ttfp_ms<=500")):
+        table = run_table({"aggregates": aggregate(timeline(), duration_s=4.0, slo=slo), "config": {}})
+        assert want in table and "{" not in table.split("goodput:")[1].splitlines()[0]
+        assert "continuity rate: 0.500 (requests whose audio never ran dry)" in table

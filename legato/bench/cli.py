@@ -248,7 +248,8 @@ def _prepare(args: argparse.Namespace):
         "argv": sys.argv,
         "legato_version": legato.__version__,
     }
-    print(f"legato bench: {len(requests)} prompts from {ds.path} (seed {args.seed}), mode {mode}"
+    prompts = f"{len(requests)} prompt{'s' if len(requests) != 1 else ''}"
+    print(f"legato bench: {prompts} from {ds.path} (seed {args.seed}), mode {mode}"
           + (f"; fixed length: {fixed.describe()}" if fixed else ""), file=sys.stderr)
     return requests, ccfg, slo, config
 

@@ -74,6 +74,14 @@ def load_result(path: str | Path) -> dict:
     return result
 
 
+def _slo_text(slo: dict) -> str:
+    """The SLOs a run was judged by, as `key<=limit` items ("no SLO" when none was given)."""
+    items = {**slo.get("per_request", {}), **slo.get("run", {})}
+    if not items:
+        return "no SLO given (every completed request is good)"
+    return "SLO " + ", ".join(f"{k}<={v:g}" for k, v in items.items())
+
+
 def _num(value, fmt: str = ".1f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -96,11 +104,11 @@ def run_table(result: dict) -> str:
                      ("underrun_s", ".3f"), ("underrun_events", ".2f")):
         d = a[key]
         lines.append(f"{key:<16}" + "".join(f"{_num(d[s], fmt):>10}" for s in ("mean", "median", "p90", "p99")))
-    lines.append(f"continuity rate: {_num(a['continuity_rate'], '.3f')}")
+    lines.append(f"continuity rate: {_num(a['continuity_rate'], '.3f')} (requests whose audio never ran dry)")
     run_checks = ", ".join(f"{c['key']}={_num(c['measured'], '.3g')} (limit {c['limit']:g})"
                            for c in g["run_checks"])
     lines.append(f"goodput: {_num(g['request_goodput'], '.3f')} req/s, {_num(g['audio_goodput'], '.3f')} audio s/s;"
-                 f" good {g['good_requests']}/{a['num_requests']}; SLO {g['slo']}"
+                 f" good {g['good_requests']}/{a['num_requests']}; " + _slo_text(g['slo'])
                  + (f"; run SLOs {'met' if g['run_slo_met'] else 'MISSED'}: {run_checks}" if run_checks else ""))
     if "request_goodput_per_gpu" in g:
         lines.append(f"per GPU ({a['num_gpus']}): goodput {_num(g['request_goodput_per_gpu'], '.3f')} req/s, "
