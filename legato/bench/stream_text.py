@@ -321,5 +321,5 @@ def summary_line(s: dict) -> str:
             f"engine underruns in {s['requests_with_engine_underruns']}")
     if s["cancelled"]:
         line += (f"; {s['cancelled']} cancelled (their stalls not split by cause; the table's underrun_s counts "
-                 f"them): reply {ms(s['cancel_ack_ms'])}, last audio {ms(s['cancel_tail_ms'])}")
+                 f"them): cancel_ack_ms {ms(s['cancel_ack_ms'])}, cancel_tail_ms {ms(s['cancel_tail_ms'])}")
     return line
