@@ -105,7 +105,7 @@ def test_a_deploy_files_bare_mps_on_or_off_is_the_mode_not_a_boolean(tmp_path):
     for text, want in (("mps: on\n", "on"), ("mps: off\n", "off"), ("mps: auto\n", "auto")):
         path.write_text("topology: replicas:2\n" + text)
         args = parse([])
-        apply_deploy(args, load_deploy(path, args.serve_defaults), args.serve_defaults)
+        apply_deploy(args, load_deploy(path, args.serve_defaults, args.serve_checks), args.serve_defaults)
         assert args.mps == want
 
 

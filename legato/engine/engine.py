@@ -50,6 +50,7 @@ CODE_GROUPS = 16  # codebooks a frame: the released models' num_code_groups
 # How a request whose streamed text outgrew its buffer fails (the socket reports it as the client's error).
 TEXT_OVERFLOW = "streamed text exceeds max_text_tokens"
 
+
 class RequestIdEnding(DuplicateRequestError):
     """The id's earlier request has ended, but its last output is still on its way out of the engine: the id is
     free once that is delivered (a step or so). The engine's thread may hold the request until then."""

@@ -19,18 +19,11 @@ def same_padding(kernel_size: int, dilation: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def stacked_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A Conv1d weight `[C_out, C_in, k]` as the GEMM's `[C_out, k * C_in]`, taps outermost."""
+def same_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1) -> torch.Tensor:
+    """`Conv1d(padding="same", padding_mode="reflect", dilation=dilation)` of x `[B, C_in, T]` -> `[B, C_out, T]`."""
     c_out, c_in, k = weight.shape
-    return weight.permute(0, 2, 1).reshape(c_out, k * c_in)
-
-
-def same_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
-                stacked: torch.Tensor | None = None) -> torch.Tensor:
-    """`Conv1d(padding="same", padding_mode="reflect", dilation=dilation)` of x `[B, C_in, T]` -> `[B, C_out, T]`.
-    `stacked` is `stacked_weight(weight)` if the caller keeps it (it is made here otherwise)."""
-    k, t = weight.shape[2], x.shape[2]
-    w = stacked if stacked is not None else stacked_weight(weight)
+    t = x.shape[2]
+    w = weight.permute(0, 2, 1).reshape(c_out, k * c_in)  # taps outermost, as the stacked input
     if k == 1:
         taps = x
     else:

@@ -47,8 +47,6 @@ def load_deploy(path: str | Path, known: dict[str, Any], checks: dict[str, tuple
             raise DeployError(f"{path}: a deploy file cannot name another deploy file")
         if name == "devices" and isinstance(value, list):
             value = ",".join(str(v) for v in value)
-        if name == "mps" and isinstance(value, bool):  # YAML reads a bare on/off as a boolean
-            value = "on" if value else "off"
         if checks is not None and name in checks:
             value = _as_option(path, key, value, known[name], *checks[name])
         if name == "worker_memory":
@@ -73,6 +71,8 @@ def _as_option(path: Path, key: str, value: Any, default: Any, kind: Any, choice
         if not isinstance(value, bool):
             raise refuse("true or false")
         return value
+    if isinstance(value, bool) and choices is not None and {"on", "off"} <= set(choices):
+        value = "on" if value else "off"  # YAML reads a bare on/off as a boolean
     if value is None and default is None:  # null: the option's default, which is none
         return None
     if value is None or isinstance(value, (bool, list, dict)):

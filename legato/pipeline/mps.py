@@ -35,9 +35,14 @@ class MpsError(RuntimeError):
     """The daemon could not be started (or `--mps` was asked for where it cannot apply)."""
 
 
+def gpu_of(device: str) -> str:
+    """A device as one GPU is named ("cuda" is "cuda:0")."""
+    return "cuda:0" if str(device) == "cuda" else str(device)
+
+
 def shared_gpus(worker_devices: list[str]) -> list[str]:
     """The CUDA devices that host more than one worker process ("cuda" counts as "cuda:0")."""
-    on = [d if d != "cuda" else "cuda:0" for d in map(str, worker_devices)]
+    on = [gpu_of(d) for d in worker_devices]
     return sorted({d for d in on if d.startswith("cuda") and on.count(d) > 1})
 
 

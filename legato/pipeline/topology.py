@@ -22,7 +22,7 @@ from legato.models.qwen3_tts.loader import LoadedModel
 from legato.pipeline.client import EngineClient
 from legato.pipeline.launchers import Launcher, WorkerPlan
 from legato.pipeline.local import LocalEngineClient
-from legato.pipeline.mps import PIPE_ENV
+from legato.pipeline.mps import PIPE_ENV, gpu_of, shared_gpus
 from legato.pipeline.pd import LinkedPrefillDecodeRouter, PrefillDecodeRouter, check_pd_options
 from legato.pipeline.router import ReplicaRouter
 
@@ -199,8 +199,8 @@ def shared_gpu_note(topology: Topology, devices: list[str], mps: bool = False) -
     1p1d 0.77x; under MPS (`--mps on`) 0.78x and 0.84x (docs/benchmarks.md)."""
     if topology.kind not in ("replicas", "pd"):
         return None
-    on = worker_devices(topology, devices)
-    shared = sorted({d for d in on if d.startswith("cuda") and on.count(d) > 1})
+    on = [gpu_of(d) for d in worker_devices(topology, devices)]
+    shared = shared_gpus(on)
     if not shared:
         return None
     count = max(on.count(d) for d in shared)

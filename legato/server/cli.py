@@ -272,6 +272,10 @@ def access_settings(args: argparse.Namespace) -> dict:
             "protect_metrics": bool(getattr(args, "protect_metrics", False))}
 
 
+# What the serve parser adds to its namespace besides the options: never passed on to other fronts, never typed.
+PARSE_ONLY = ("serve_defaults", "serve_checks", "serve_given")
+
+
 def typed_serve_options(argv: list[str]) -> list[str]:
     """The `legato serve` options `argv` names itself (argv from the subcommand on). A deploy file gives way to
     these alone: an option typed with its default value still wins, which comparing values cannot tell."""
@@ -280,7 +284,7 @@ def typed_serve_options(argv: list[str]) -> list[str]:
     for action in serve_parser._actions:
         action.default = argparse.SUPPRESS  # only what argv sets reaches the namespace
     named = parser.parse_args(argv)
-    return sorted(k for k in vars(named) if k not in ("command", "func", "serve_defaults", "serve_checks"))
+    return sorted(k for k in vars(named) if k not in ("command", "func", *PARSE_ONLY))
 
 
 def resolve_workers(workers: str, devices: list[str]) -> str:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from legato.server.cli import PARSE_ONLY
 from legato.server.listen import bind_listener
 
 log = logging.getLogger("legato.fronts")
@@ -97,8 +98,7 @@ def bind_front_listeners(host: str, port: int, count: int) -> list[socket.socket
 
 def resolved_args(args: argparse.Namespace) -> dict:
     """`legato serve`'s options as the fronts started later take them (no deploy file to apply again)."""
-    parse_only = ("serve_defaults", "serve_checks", "serve_given")
-    out = {k: v for k, v in vars(args).items() if not callable(v) and k not in parse_only}
+    out = {k: v for k, v in vars(args).items() if not callable(v) and k not in PARSE_ONLY}
     out["deploy"] = None
     return out
 

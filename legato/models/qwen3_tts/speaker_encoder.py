@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from legato.layers.same_conv import same_conv1d, same_padding, stacked_weight
+from legato.layers.same_conv import same_conv1d, same_padding
 from legato.models.qwen3_tts.config import SpeakerEncoderConfig
 from legato.models.qwen3_tts.mel import LogMelSpectrogram, MelConfig
 
@@ -33,16 +33,11 @@ class SameConv(nn.Conv1d):
         super().__init__(in_channels, out_channels, kernel_size, dilation=dilation, padding="same",
                          padding_mode="reflect")
         self.gemm = False
-        self._stacked: tuple[tuple, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gemm:
             return super().forward(x)
-        w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._stacked is None or self._stacked[0] != key:  # weights loaded or moved since
-            self._stacked = (key, stacked_weight(w.detach()).contiguous())
-        return same_conv1d(x, w, self.bias, self.dilation[0], stacked=self._stacked[1])
+        return same_conv1d(x, self.weight, self.bias, self.dilation[0])
 
 
 class TDNNLayer(nn.Module):
