@@ -22,6 +22,8 @@ for t in ${TOPOS:-single replicas:2 split 1p1d}; do
     --prompts-per-conc ${PER_CONC:-8} --max-prompts 1024 --startup-timeout 150 --cell-timeout 90 2>&1 \
     | grep -E '^\{|ready in|failed|Error' | cut -c1-700
   cp /tmp/topo-$tag/summary.json "$OUT/topo-$tag.json" 2>/dev/null
-  tail -5 /tmp/topo-$tag/server-$tag.log > "$OUT/topo-$tag-server-tail.log" 2>/dev/null
+  # the server's warnings and last lines, and which requests had a gap in their audio and where (the last cell)
+  { grep -E "WARNING|ERROR|grown" /tmp/topo-$tag/server-$tag.log | tail -20; tail -5 /tmp/topo-$tag/server-$tag.log
+    python3 benchmarks/underruns.py /tmp/topo-$tag/runs/*.json --top 12; } > "$OUT/topo-$tag-server-tail.log" 2>&1
 done
 true

@@ -91,7 +91,7 @@ def main() -> None:
             float((g - r).norm() / r.norm()) for g, r in zip(got, want, strict=True))
     del ref
     for m in convs:
-        m.gemm = False  # the rest on the default path
+        m.gemm = None  # the rest on the default path (GEMM on CUDA)
     for label, workers in (("serial", 1), ("threads", args.threads)):
         batch = [w[0].cpu().numpy() for w in fresh()]
         with ThreadPoolExecutor(workers) as pool:

@@ -15,6 +15,7 @@ from legato.pipeline.threads import (
     name_native_thread,
     raise_engine_thread_priority,
     run_on_engine_thread,
+    side_stream_thread,
 )
 
 
@@ -82,6 +83,18 @@ def test_the_engine_thread_has_its_name_at_the_os_level_too():
     assert _on_a_thread(named) == "probe-thread"
     assert run_on_engine_thread(lambda stop: open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
                                 ) == ENGINE_THREAD_NAME
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="native thread names: Linux")
+def test_a_side_stream_thread_on_the_cpu_is_only_named():
+    """The voice encoder's initializer on a CPU engine: the OS name, and no CUDA call (this box has no GPU; the
+    stream part is tested in test_gpu.py)."""
+    def initialised():
+        side_stream_thread("cpu")
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            return f.read().strip()
+
+    assert _on_a_thread(initialised) == "probe-thread"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values: Linux")

@@ -79,6 +79,25 @@ def test_triton_snake_matches_reference(dtype):
     assert err < tol, (float(err), tol)
 
 
+def test_a_voice_encoded_on_a_side_stream_thread_equals_one_on_the_default_stream(tmp_path):
+    """The voice encoder's thread (`side_stream_thread`) runs on a stream of its own, so its encodes do not queue
+    behind the engine's steps on the default stream; what it encodes is the same voice."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from legato.models.qwen3_tts.inputs import extract_voice
+    from legato.pipeline.threads import side_stream_thread
+
+    lm = load_model(tiny_model(tmp_path, "base").path, device="cuda")
+    clip = np.random.default_rng(3).standard_normal(24000).astype(np.float32) * 0.1
+    want = extract_voice(lm, clip, 24000)
+    with ThreadPoolExecutor(1, initializer=side_stream_thread, initargs=(torch.device("cuda"),)) as pool:
+        default = torch.cuda.default_stream()
+        assert pool.submit(lambda: torch.cuda.current_stream() != default).result(timeout=60)
+        got = pool.submit(extract_voice, lm, clip, 24000).result(timeout=60)
+    assert torch.equal(got.speaker_embedding, want.speaker_embedding)
+    assert torch.equal(got.ref_code, want.ref_code)
+
+
 def test_graph_decode_equals_cpu_engine(tmp_path):
     """fp32 with TF32 off: the CUDA-graph engine on the GPU gives the CPU engine's codes for seeded requests."""
     cpu = tiny_model(tmp_path, "base")

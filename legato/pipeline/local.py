@@ -61,6 +61,7 @@ from legato.pipeline.threads import (
     name_native_thread,
     raise_engine_thread_priority,
     set_gil_switch_interval,
+    side_stream_thread,
 )
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ class LocalEngineClient(EngineClient):
         # Reference clips the voice cache lacks are encoded here, so that admission, which every request passes
         # through, never waits behind an encode (see `_voice_of`).
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voice-encoder",
-                                           initializer=name_native_thread)
+                                           initializer=side_stream_thread,
+                                           initargs=(self.engine.runner.device,))
         self.info = ModelInfo.from_configs(name, loaded.config, loaded.speech_config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, EngineStream] = {}

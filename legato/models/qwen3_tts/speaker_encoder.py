@@ -23,19 +23,22 @@ _VAR_FLOOR = 1e-12
 
 
 class SameConv(nn.Conv1d):
-    """Conv1d with reflect "same" padding; with `gemm` True, as one GEMM (`same_conv1d`) on any device.
+    """Conv1d with reflect "same" padding; on a CUDA input as one GEMM (`same_conv1d`), on the CPU as Conv1d.
 
-    Why: cuDNN plans each input length anew, per thread, and reference clips come in every length (~21 ms for a
-    new length against ~3.3 ms for a seen one on an H200). Off until `benchmarks/voice_shapes.py` has timed the
-    GEMM and its embeddings against fp32 on a GPU; the CPU tests hold it equal to Conv1d."""
+    Why: cuDNN plans each input length anew, per thread, and reference clips come in every length: on an H100 the
+    speaker network took 17.5 ms for a clip of a new length against 2.7 ms for a seen one, and 3.1 ms as GEMMs
+    either way, its bf16 embeddings as far from fp32 math as cuDNN's (3.48e-3 relative both;
+    `benchmarks/voice_shapes.py`, docs/benchmarks.md). The CPU keeps Conv1d, the official implementation's op,
+    where no planning costs anything and the embeddings stay bit-equal to the official ones. `gemm` True or False
+    forces one path (tests, benchmarks)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1) -> None:
         super().__init__(in_channels, out_channels, kernel_size, dilation=dilation, padding="same",
                          padding_mode="reflect")
-        self.gemm = False
+        self.gemm: bool | None = None  # None: GEMM on CUDA inputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.gemm:
+        if not (x.is_cuda if self.gemm is None else self.gemm):
             return super().forward(x)
         return same_conv1d(x, self.weight, self.bias, self.dilation[0])
 
