@@ -305,6 +305,10 @@ def run_variant(args, name: str, tree: str, package: str) -> list[dict]:
                                   "client_procs": procs, "error": done.stderr[-2000:]})
                     continue
                 agg = json.loads(result_path.read_text())["aggregates"]
+                # each cell's requests kept apart: a concurrency listed twice (the first burst, then the second)
+                # would write the same file (benchmarks/underruns.py reads them per cell)
+                result_path.rename(result_path.with_name(
+                    f"{result_path.stem}-cell{sum(c.get('kind') == 'cell' for c in cells) + 1}.json"))
                 gpu = after.get("legato_engine_step_gpu_seconds_total", 0) - before.get(
                     "legato_engine_step_gpu_seconds_total", 0)
                 gap = after.get("legato_engine_step_gap_seconds_total", 0) - before.get(

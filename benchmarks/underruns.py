@@ -48,8 +48,8 @@ def main() -> None:
                 hist[i] = hist.get(i, 0) + 1
             if args.top > 0:
                 args.top -= 1
-                parts = ", ".join(f"#{i} {1000 * d:.1f} ms late (gap {1000 * g:.1f} ms after {1000 * a:.0f} ms of audio)"
-                                  for i, d, g, a in late[:4])
+                parts = ", ".join(f"#{i} {1000 * d:.1f} ms late (gap {1000 * g:.1f} ms after "
+                                  f"{1000 * a:.0f} ms of audio)" for i, d, g, a in late[:4])
                 print(f"  ttfp {1000 * r['chunk_times_s'][0]:.0f} ms, {len(r['chunk_times_s'])} chunks, "
                       f"{r['audio_s']:.2f} s audio: {parts}")
         if hist:

@@ -6,6 +6,8 @@ length. This splits that cost and tries cuts, each on lengths no earlier part of
   convolutions, planned per length), each timed on new lengths and again on the same lengths;
 - `net_cudnn` against `net_gemm`: the network's convolutions through cuDNN (the default), and as one GEMM each
   (`SameConv.gemm`); and each one's embeddings against fp32 math;
+- `codec_cudnn` against `codec_gemm`: an in-context clone's codec encoder on new and seen lengths, both paths, and
+  each one's codes against exact fp32 math;
 - `threads`: the bench corpus's voices at new lengths encoded one after another, then on 4 threads at once
   (what a burst of new voices waits for), on the default path.
 
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_loop import random_base_model  # noqa: E402
 
 from legato.models.qwen3_tts.inputs import extract_voice  # noqa: E402
+from legato.models.qwen3_tts.mimi_layers import CausalStridedConv  # noqa: E402
 from legato.models.qwen3_tts.speaker_encoder import SameConv  # noqa: E402
 
 HOP = 256
@@ -75,6 +78,7 @@ def main() -> None:
         mels = [enc.mel(w).to(dtype) for w in fresh()]
         out[f"net_{label}_new_ms"] = [_ms(lambda m=m: enc(m)) for m in mels]
         out[f"net_{label}_seen_ms"] = [_ms(lambda m=m: enc(m)) for m in mels]
+    codec_encoder_part(lm, clips, fresh, out)
     # Fidelity on the corpus's own clips: each half-precision path against fp32 math (cuDNN, no TF32).
     ref = copy.deepcopy(enc).float()
     for m in ref.modules():
@@ -111,6 +115,39 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def codec_encoder_part(lm, clips, fresh, out: dict) -> None:
+    """In-context clones' second encode: the codec encoder (fp32, as served) on new and seen lengths, through
+    cuDNN and as matrix products (`CausalStridedConv.gemm`); and each path's codes against exact fp32 math (cuDNN
+    without TF32) on the whole clips: the share of codes equal, and the latents' relative error."""
+    codec = lm.speech_tokenizer.encoder
+    convs = [m for m in codec.modules() if isinstance(m, CausalStridedConv)]
+    for label, gemm in (("cudnn", False), ("gemm", True)):
+        for m in convs:
+            m.gemm = gemm
+        wavs = [w[0] for w in fresh()]
+        out[f"codec_{label}_new_ms"] = [_ms(lambda w=w: codec.encode(w)) for w in wavs]
+        out[f"codec_{label}_seen_ms"] = [_ms(lambda w=w: codec.encode(w)) for w in wavs]
+    whole = [torch.from_numpy(c).cuda() for c in clips]
+    flags = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    for m in convs:
+        m.gemm = False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    with torch.inference_mode():
+        want = [(codec.latents(w[None]), codec.encode(w)) for w in whole]
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags  # as served from here
+    for label, gemm in (("cudnn", False), ("gemm", True)):
+        for m in convs:
+            m.gemm = gemm
+        with torch.inference_mode():
+            got = [(codec.latents(w[None]), codec.encode(w)) for w in whole]
+        out[f"codec_{label}_latent_rel_err_vs_fp32"] = max(
+            float((g[0] - r[0]).norm() / r[0].norm()) for g, r in zip(got, want, strict=True))
+        equal = sum(int((g[1] == r[1]).sum()) for g, r in zip(got, want, strict=True))
+        out[f"codec_{label}_codes_equal_share"] = equal / sum(r[1].numel() for r in want)
+    for m in convs:
+        m.gemm = None
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ import pytest  # noqa: E402
 import soundfile as sf  # noqa: E402
 import torch  # noqa: E402
 
+from legato.layers.same_conv import valid_conv1d  # noqa: E402
 from legato.models.qwen3_tts.codec_encoder import CodecEncoder  # noqa: E402
 from legato.models.qwen3_tts.config import CodecEncoderConfig, SpeechTokenizerConfig  # noqa: E402
+from legato.models.qwen3_tts.mimi_layers import CausalStridedConv  # noqa: E402
 from legato.models.qwen3_tts.tiny import tiny_speech_tokenizer_config  # noqa: E402
 
 PROMPT_WAV = Path(__file__).parent / "data" / "voice01.wav"  # from shared/data/prompts/en (synthetic voice)
@@ -130,6 +132,41 @@ def test_codes_match_official_on_real_clip(pair, clip):
     assert torch.equal(ours.encode(clip), codes[0])  # 1-D input gives the unbatched [T, 16]
     # Random codebooks that actually discriminate: many distinct codes in the semantic and an acoustic book.
     assert codes[0, :, 0].unique().numel() > 25 and codes[0, :, 15].unique().numel() > 25
+
+
+@pytest.mark.parametrize("kernel,stride,dilation,length", [(7, 1, 1, 50), (3, 1, 3, 41), (8, 4, 1, 64), (10, 5, 1, 67),
+                                                            (1, 1, 1, 9), (4, 2, 1, 4), (3, 2, 2, 30)])
+def test_valid_conv1d_as_matrix_products_equals_conv1d(kernel, stride, dilation, length):
+    """The codec encoder's CUDA path (a matrix product per tap, no plan per clip length) computes F.conv1d."""
+    gen = torch.Generator().manual_seed(length)
+    x = torch.randn(2, 6, length, dtype=torch.float64, generator=gen)
+    w = torch.randn(5, 6, kernel, dtype=torch.float64, generator=gen)
+    b = torch.randn(5, dtype=torch.float64, generator=gen)
+    want = torch.nn.functional.conv1d(x, w, b, stride, dilation=dilation)
+    torch.testing.assert_close(valid_conv1d(x, w, b, stride, dilation), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(valid_conv1d(x, w, None, stride, dilation), want - b[:, None], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="shorter than the kernel"):
+        valid_conv1d(x[:, :, : dilation * (kernel - 1)], w, b, stride, dilation)
+
+
+def test_the_encoder_through_matrix_product_convs_gives_the_conv1d_latents_and_codes(pair, clip):
+    """Every conv of the encoder forced onto the CUDA path's matrix products, on the CPU: the same latents (to fp32
+    rounding) and codes as Conv1d; and the CPU default is Conv1d, the official op."""
+    ours = pair[1]
+    convs = [m for m in ours.modules() if isinstance(m, CausalStridedConv)]
+    assert len(convs) >= 8 and all(m.gemm is None for m in convs)
+    wav = clip[None, : 3 * FRAME + 123]
+    with torch.no_grad():
+        want, want_codes = ours.latents(wav), ours.encode(wav)
+        try:
+            for m in convs:
+                m.gemm = True
+            got, got_codes = ours.latents(wav), ours.encode(wav)
+        finally:
+            for m in convs:
+                m.gemm = None
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got_codes, want_codes)
 
 
 @pytest.mark.parametrize("num_samples", [FRAME * 3, FRAME * 5 + 7, 1000, SR + 1])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from legato.layers.rotary import RotaryEmbedding, apply_rotary
+from legato.layers.same_conv import valid_conv1d
 from legato.models.qwen3_tts.config import CodecEncoderConfig
 
 _ACTIVATIONS = {
@@ -49,10 +50,18 @@ class CausalStridedConv(nn.Module):
         self.stride = stride
         self.left_pad = (kernel_size - 1) * dilation + 1 - stride
         self.pad_mode = pad_mode
+        # None: matrix products on CUDA inputs (`valid_conv1d`), Conv1d on the CPU; True/False force one path.
+        # Why: cuDNN plans every input length anew and reference clips come in every length (51-76 ms for a new
+        # length through the whole encoder on an H200); the CPU keeps the official op, bit for bit.
+        self.gemm: bool | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         right_pad = -x.shape[-1] % self.stride
-        return self.conv(F.pad(x, (self.left_pad, right_pad), mode=self.pad_mode))
+        x = F.pad(x, (self.left_pad, right_pad), mode=self.pad_mode)
+        if not (x.is_cuda if self.gemm is None else self.gemm):
+            return self.conv(x)
+        c = self.conv
+        return valid_conv1d(x, c.weight, c.bias, c.stride[0], c.dilation[0])
 
 
 class SeanetResidualUnit(nn.Module):
