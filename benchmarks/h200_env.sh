@@ -44,3 +44,15 @@ random_checkpoint() {
 from legato.models.qwen3_tts.config import preset; from legato.models.qwen3_tts.testing import write_checkpoint; \
 write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
 }
+# Waits (up to $1 s, default 90) until no process holds GPU memory: the last server's workers may still be freeing
+# theirs after it exited, and the next server's KV budget is taken from what is free (a session of 2026-12-06 saw
+# 1p1d refuse to start 12 s after split's server had exited, its budget -0.15 GiB).
+wait_gpu_free() {
+  local deadline=$((SECONDS + ${1:-90})) used
+  while :; do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1)
+    [ -z "$used" ] || [ "$used" -lt 2048 ] && return 0
+    [ $SECONDS -ge $deadline ] && { echo "GPU memory still in use after ${1:-90} s: ${used} MiB"; return 1; }
+    sleep 1
+  done
+}

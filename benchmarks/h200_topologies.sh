@@ -15,6 +15,7 @@ CKPT=/tmp/qwen3tts-0.6b-random
 from legato.models.qwen3_tts.config import preset; from legato.models.qwen3_tts.testing import write_checkpoint; \
 write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
 for t in ${TOPOS:-single replicas:2 split 1p1d}; do
+  wait_gpu_free 90
   tag=${t//:/}${TAG:-}$([ "${TREE:-.}" = . ] || echo "-${TREE//[^a-zA-Z0-9]/}")
   PYTHONPATH=.:$PYTHONPATH timeout ${T:-200} python3 benchmarks/serving_speed.py --ckpt $CKPT \
     --data .bench-data/prompts --variant "$tag=${TREE:-.}:legato" --out /tmp/topo-$tag --concurrency 64,64 --modes xvec \
