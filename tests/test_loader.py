@@ -58,6 +58,13 @@ def test_missing_file_is_named(broken, relpath):
         load_model(broken)
 
 
+def test_a_directory_that_is_no_checkpoint_is_named_so(tmp_path):
+    """Not "missing tokenizer file" (what the first reader of an unrelated directory found before)."""
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ConfigError, match="is not a Qwen3-TTS checkpoint directory: it has no config.json"):
+        load_model(tmp_path)
+
+
 def test_corrupt_weights_are_named(broken):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ConfigError, match="model.safetensors"):

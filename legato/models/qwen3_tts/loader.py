@@ -72,6 +72,8 @@ def resolve_model_dir(model: str | Path) -> Path:
     and the network allows (never needed by tests or the embedded default)."""
     path = Path(model).expanduser()
     if path.is_dir():
+        if not (path / "config.json").is_file():  # said first: a missing tokenizer or weight file would mislead
+            raise ConfigError(f"{path} is not a Qwen3-TTS checkpoint directory: it has no config.json")
         return path
     text = str(model)
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
