@@ -98,6 +98,38 @@ def test_a_voice_encoded_on_a_side_stream_thread_equals_one_on_the_default_strea
     assert torch.equal(got.ref_code, want.ref_code)
 
 
+def test_the_encoders_matrix_product_convs_equal_cudnn_on_cuda(tmp_path):
+    """The CUDA default of both voice encoders (convolutions as matrix products: no cuDNN plan per clip length)
+    against cuDNN, TF32 off: the speaker embedding to fp32 rounding, the codec encoder's codes equal."""
+    from legato.models.qwen3_tts.mimi_layers import CausalStridedConv
+    from legato.models.qwen3_tts.speaker_encoder import SameConv
+
+    lm = load_model(tiny_model(tmp_path, "base").path, device="cuda")
+    speaker, codec = lm.model.speaker_encoder, lm.speech_tokenizer.encoder
+    wav = torch.from_numpy(np.random.default_rng(5).standard_normal(24000 + 777).astype(np.float32) * 0.1).cuda()
+
+    def both(kind, run):
+        convs = [m for m in (speaker if kind is SameConv else codec).modules() if isinstance(m, kind)]
+        assert convs and all(m.gemm is None for m in convs)
+        try:
+            got = run()
+            for m in convs:
+                m.gemm = False
+            want = run()
+        finally:
+            for m in convs:
+                m.gemm = None
+        return got, want
+
+    with torch.inference_mode():
+        got, want = both(SameConv, lambda: speaker.embed(wav))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        (got_lat, got_codes), (want_lat, want_codes) = both(
+            CausalStridedConv, lambda: (codec.latents(wav[None]), codec.encode(wav)))
+    torch.testing.assert_close(got_lat, want_lat, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got_codes, want_codes)
+
+
 def test_graph_decode_equals_cpu_engine(tmp_path):
     """fp32 with TF32 off: the CUDA-graph engine on the GPU gives the CPU engine's codes for seeded requests."""
     cpu = tiny_model(tmp_path, "base")
