@@ -171,7 +171,11 @@ def test_exactly_one_source_is_required(tmp_path):
     assert status_of(store.create("x", audio=(np.zeros((2, 10), np.float32), 24000))).status == 400
     assert status_of(store.create("x", audio=(np.zeros(10, np.float32), 0))).status == 400
     assert status_of(store.create("x", audio=clip(), ref_text="w" * 5000)).status == 400
+    for blank in ("   ", "\u200b\u200b", "\x01\x02", ""):  # refused as the speech route refuses it: no transcript
+        err = status_of(store.create("x", audio=clip(), ref_text=blank))
+        assert err.status == 400 and "ref_text is blank" in err.message, repr(blank)
     assert len(store) == 0 and list(tmp_path.iterdir()) == []
+    assert run(store.create("x", audio=clip(), ref_text=" ", x_vector_only=True)).x_vector_only  # not read there
 
 
 def test_list_get_delete_ignore_case(tmp_path):

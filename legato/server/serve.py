@@ -53,7 +53,7 @@ from legato.server.listen import bind_listener
 from legato.server.logs import configure_logging
 from legato.server.prompt_limit import PromptLimit
 from legato.server.settings import ServerSettings
-from legato.server.stream_response import install_cut_stream_log_filter
+from legato.server.stream_response import install_uvicorn_log_filters
 from legato.server.voices import VoiceStore
 
 log = logging.getLogger("legato.serve")
@@ -194,7 +194,7 @@ def serve(args: argparse.Namespace) -> int:
     # Holds voices only for Base models (lists and refuses otherwise); the fronts of --fronts N share them.
     store = VoiceStore(voices_dir, client, shared=args.fronts > 1, tidy=role is None)
     lifecycle = Lifecycle(client, settings.shutdown_grace_s)
-    install_cut_stream_log_filter()
+    install_uvicorn_log_filters()
     app = BodyTimeoutMiddleware(build_app(client, settings, store, lifecycle, prompt_limit), args.timeout_body,
                                 args.min_body_rate)
     slow_share = args.max_slow_connections_per_client or default_slow_share(args.max_connections)

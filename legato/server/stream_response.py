@@ -99,11 +99,28 @@ class CutStreamLogFilter(logging.Filter):
         return not (record.msg == _UVICORN_INCOMPLETE and _cut_here.get())
 
 
-def install_cut_stream_log_filter() -> None:
-    """Adds `CutStreamLogFilter` to uvicorn's error logger, once."""
+# uvicorn's websockets-sansio protocol logs a client's text frame that is not UTF-8 with a traceback, though the
+# client is told (close code 1007) and the server is fine: any client could fill the log with them.
+_UVICORN_BAD_UTF8 = "Invalid UTF-8 sequence received from client."
+
+
+class ClientFrameLogFilter(logging.Filter):
+    """Turns uvicorn's traceback for a WebSocket text frame that is not UTF-8 into one warning line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == _UVICORN_BAD_UTF8:
+            record.msg = "a WebSocket client sent a text frame that is not UTF-8: closed with 1007"
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def install_uvicorn_log_filters() -> None:
+    """Adds `CutStreamLogFilter` and `ClientFrameLogFilter` to uvicorn's error logger, once each."""
     logger = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, CutStreamLogFilter) for f in logger.filters):
-        logger.addFilter(CutStreamLogFilter())
+    for kind in (CutStreamLogFilter, ClientFrameLogFilter):
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
 
 
 class AudioStreamResponse(Response):

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from legato.pipeline.client import EngineClient, RequestRejected
-from legato.server.text import check_unicode
+from legato.server.text import check_unicode, is_blank
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,9 @@ class VoiceStore:
         precomputed x-vector. Raises VoiceError: 400 bad input or not a Base model, 409 name taken (unless
         `replace`) or store full."""
         key = self.precheck(name, replace)
+        if not x_vector_only and isinstance(ref_text, str) and is_blank(ref_text):  # as the speech route does
+            raise VoiceError(400, "ref_text is blank (only spaces or invisible characters): give the transcript of "
+                                  "the reference audio, or leave ref_text out for an x-vector-only voice")
         ref_text = _clean_ref_text(ref_text)
         if (audio is None) == (speaker_embedding is None):
             raise VoiceError(400, "give exactly one of reference audio or speaker_embedding")
