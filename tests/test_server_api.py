@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -292,6 +293,15 @@ def test_models_health_and_metrics(cv):
     assert health.json()["engine"]["free_kv_blocks"] == 512
     head = cv.head("/health")  # load balancers that probe with HEAD get the status
     assert head.status_code == 200 and head.content == b""
+    for path in ("/v1/models", "/metrics", "/", "/demo", "/v1/audio/voices"):  # every GET answers HEAD too
+        got, head = cv.get(path, follow_redirects=False), cv.head(path, follow_redirects=False)
+        assert (head.status_code, head.content) == (got.status_code, b""), path
+        assert head.headers.get("content-type") == got.headers.get("content-type"), path
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns of a duplicate operation id when it builds the schema
+        paths = cv.get("/openapi.json").json()["paths"]
+    ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
+    assert len(ids) == len(set(ids)) and not any("head" in ops for ops in paths.values())
     root = cv.get("/", follow_redirects=False)  # a browser at the server's address lands on the demo page
     assert root.status_code == 307 and root.headers["location"] == "/demo"
     assert speak(cv, voice="nobody").status_code == 400  # counted below, whatever ran before this test

@@ -221,6 +221,7 @@ def test_non_base_model_lists_presets_and_refuses_uploads(tmp_path):
     # whatever the body lacks, the first thing said is what no body can change (a newcomer's walkthrough)
     assert_error(http.post(URL, data={"name": "x"}), 400, "saved voices need a Base")
     assert_error(http.post(URL, json={"name": "x"}), 400, "saved voices need a Base")
+    assert_error(http.delete(f"{URL}/ryan"), 400, "saved voices need a Base")  # a listed preset: not "not found"
     assert client.calls == 0
 
 
