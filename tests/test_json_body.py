@@ -4,6 +4,7 @@ refuses a body, so nothing the route accepted or refused before changes."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -39,6 +40,18 @@ def test_a_bad_body_raises_json_loads_own_error(body):
     with pytest.raises(json.JSONDecodeError) as want:
         json.loads(body)
     assert (got.value.msg, got.value.pos) == (want.value.msg, want.value.pos)
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    (b'{"input": "caf\xe9"}', "not UTF-8 text (byte 14 is 0xe9)"),
+    (b'{"seed": ' + b"7" * 5000 + b"}", "a number too long to read"),
+    (b"[" * 100_000, "nested too deeply"),
+])
+def test_a_body_json_loads_refuses_otherwise_is_refused_as_bad_json(body, needle):
+    """Not UTF-8, past the digit limit, past the recursion limit: json.loads raises no JSONDecodeError for these,
+    and FastAPI answered them with its generic "There was an error parsing the body"."""
+    with pytest.raises(json.JSONDecodeError, match=re.escape(needle)):
+        parse_json(body)
 
 
 def test_a_clip_sized_body_takes_the_fast_parser(monkeypatch):
