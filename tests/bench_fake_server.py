@@ -86,7 +86,8 @@ class FakeSpeechServer:
                                       b'{"error":{"message":"engine exploded","code":500}}')
         if text.startswith("json"):
             return await self._simple(writer, "200 OK", "application/json", b'{"audio":"nope"}')
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: audio/pcm\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: audio/pcm\r\nx-sample-rate: 24000\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
         await writer.drain()
         frames = 0 if text.startswith("empty") else int(body.get("num_frames") or 4)
         frame = bytes(range(256)) * (FRAME_SAMPLES * 2 // 256)

@@ -78,6 +78,22 @@ def test_failures_and_timeouts_are_counted_not_dropped():
                                    for ln in lines)
 
 
+def test_a_server_streaming_another_sample_rate_than_the_benchs_fails_its_requests():
+    """--sample-rate turns bytes into audio seconds: a server streaming another rate (its X-Sample-Rate) would give
+    figures off by the ratio, silently (an outside probe saw 2,332 audio-s/s with --sample-rate 7)."""
+    _, out = bench(["hello there", "second one"], sample_rate=16000)
+    assert {r.error_kind for r in out.records} == {"sample_rate_mismatch"}
+    assert "the server streamed 24000 Hz PCM and --sample-rate is 16000" in out.records[0].error
+    assert aggregate(out.records, out.duration_s)["completed"] == 0
+
+
+@pytest.mark.parametrize("flag", [["--sample-rate", "0"], ["--sample-rate", "-24000"], ["--num-prompts", "-1"]])
+def test_bench_serve_refuses_counts_below_one_in_one_line(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--no-progress", *flag])
+    assert exit_.value.code == 2 and "must be an integer >= 1" in capsys.readouterr().err
+
+
 def test_connection_refused_is_a_transport_failure():
     async def go():
         cfg = ClientConfig(base_url=f"http://127.0.0.1:{free_port()}", progress=False, timeout_s=5)

@@ -22,6 +22,13 @@ def _rate(value: str) -> float:
     return rate
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return number
+
+
 def _ints(value: str) -> list[int]:
     return [int(v) for v in value.split(",") if v.strip()]
 
@@ -44,7 +51,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                         "(default: the 48 prompts and 8 voices shipped with legato, legato/bench/data)")
     g.add_argument("--locale", default="en", help="locale folder of the dataset")
     g.add_argument("--meta-name", default="meta.lst", help="list file name inside the locale folder")
-    g.add_argument("--num-prompts", type=int, default=None, help="prompts to sample (default: 100, or all of "
+    g.add_argument("--num-prompts", type=_positive_int, default=None, help="prompts to sample (default: 100, or all of "
                    "the default set's 48)")
     g.add_argument("--seed", type=int, default=0, help="sampling (shuffle) seed; also seeds the arrival process")
     g.add_argument("--mode", choices=["clone", "xvec", "voice", "design"], default=None,
@@ -70,7 +77,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="Poisson arrivals per second; inf: all at once")
     c.add_argument("--num-warmups", type=int, default=2, help="requests sent (and not counted) before the run")
     c.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
-    c.add_argument("--sample-rate", type=int, default=24000, help="sample rate of the PCM stream")
+    c.add_argument("--sample-rate", type=_positive_int, default=24000,
+                   help="sample rate of the PCM stream: a response whose X-Sample-Rate differs fails (its audio "
+                        "seconds would be wrong)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     m = p.add_argument_group("metrics and output")
     m.add_argument("--slo", action="append", default=[], metavar="KEY=VALUE",

@@ -165,6 +165,10 @@ class _Runner:
                 if complete:
                     rec.fail(f"http_{resp.status}" if error else "bad_content_type",
                              text if error else f"{ctype}: {text}")
+            elif complete and resp.headers.get("x-sample-rate", str(self.cfg.sample_rate)) != str(self.cfg.sample_rate):
+                rec.fail("sample_rate_mismatch", f"the server streamed {resp.headers['x-sample-rate']} Hz PCM and "
+                                                 f"--sample-rate is {self.cfg.sample_rate}: its audio seconds would "
+                                                 "be wrong")
             elif complete:
                 rec.end_s = resp.end - t_sent
                 if audio is not None:

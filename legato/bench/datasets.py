@@ -93,6 +93,8 @@ def sample(rows: list, num: int | None, seed: int) -> list:
     random.Random(seed).shuffle(rows)
     if num is None:
         return rows
+    if num < 1:
+        raise DatasetError(f"asked for {num} prompts: give 1 or more")
     if num > len(rows):
         raise DatasetError(f"asked for {num} prompts but the list has {len(rows)}")
     return rows[:num]
