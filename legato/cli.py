@@ -12,7 +12,7 @@ def _synth(args: argparse.Namespace) -> int:
     import torch
 
     from legato.api import TTS
-    from legato.models.qwen3_tts.audio import AudioError, read_audio_file
+    from legato.models.qwen3_tts.audio import AudioError
     from legato.models.qwen3_tts.config import ConfigError
     from legato.models.qwen3_tts.inputs import SpeechInput
     from legato.models.qwen3_tts.prompt import PromptError
@@ -26,14 +26,14 @@ def _synth(args: argparse.Namespace) -> int:
     try:
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         tts = TTS.load(args.model, device=args.device, dtype=dtype)
-        problem = _voice_args_problem(args, tts.loaded.config.tts_model_type)
+        problem = _voice_args_problem(args, tts.loaded.config.tts_model_type, tts.loaded.config.tts_model_size)
         if problem is not None:
             print(f"legato synth: error: {problem}", file=sys.stderr)
             return 2
         voice = _preset_of(args.voice, tts.loaded.config.talker_config.spk_id, tts.loaded.config.tts_model_type)
         ref_audio, ref_sr = (None, 24000)
         if args.ref_audio:
-            ref_audio, ref_sr = read_audio_file(args.ref_audio)
+            ref_audio, ref_sr = _reference_clip(args.ref_audio)
         inp = SpeechInput(
             text=args.text,
             language=args.language,
@@ -75,9 +75,33 @@ def _preset_of(voice: str | None, speakers: dict | None, model_type: str) -> str
     return preset or voice
 
 
-def _voice_args_problem(args: argparse.Namespace, model_type: str) -> str | None:
+def _reference_clip(path: str):
+    """--ref-audio's samples and rate, read and checked as the server checks a clip (readable, its rate, length
+    and range, not silent, no NaN): what the server refuses, `synth` refuses with the same words."""
+    import asyncio
+    from pathlib import Path
+
+    from legato.models.qwen3_tts.audio import AudioError
+    from legato.server.media import MediaError, MediaPolicy, decode_ref_audio
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise AudioError(f"cannot read audio file {path}: {e}") from e
+    try:
+        return asyncio.run(decode_ref_audio(data, MediaPolicy()))
+    except MediaError as e:
+        raise AudioError(f"--ref-audio {path}: {e.message}") from e
+
+
+def _voice_args_problem(args: argparse.Namespace, model_type: str, model_size: str = "") -> str | None:
     """What the voice options cannot mean for this kind of model, in the command's own flags (the engine's
     messages name the request fields of the HTTP API)."""
+    from legato.models.qwen3_tts.prompt import takes_instructions
+
+    if args.instructions and model_type == "custom_voice" and not takes_instructions(model_type, model_size):
+        return ("the 0.6B CustomVoice model takes no instructions (--instructions): the 1.7B CustomVoice and the "
+                "VoiceDesign models do")
     if model_type != "base":
         if args.ref_audio or args.ref_text or args.x_vector_only:
             return (f"--ref-audio, --ref-text and --x-vector-only clone a voice, which a Base model does; this is a "

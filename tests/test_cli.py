@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile as sf
 import torch
@@ -61,6 +62,11 @@ def test_synth_refuses_in_one_line_what_an_outside_probe_saw_as_tracebacks(tmp_p
     surrogate, a request the engine refuses, bytes that are not audio (whose error named a BytesIO repr)."""
     junk = tmp_path / "junk.wav"
     junk.write_bytes(os.urandom(2000))
+    silent, nan = tmp_path / "silent.wav", tmp_path / "nan.wav"
+    sf.write(silent, np.zeros(24000, np.float32), 24000)
+    clip = (0.1 * np.sin(np.arange(24000) / 10)).astype(np.float32)
+    clip[100] = np.nan
+    sf.write(nan, clip, 24000, subtype="FLOAT")
     out = str(tmp_path / "x.wav")
     cases = [
         (["--out", str(tmp_path / "missing" / "x.wav")], "does not exist"),
@@ -68,13 +74,20 @@ def test_synth_refuses_in_one_line_what_an_outside_probe_saw_as_tracebacks(tmp_p
         (["--out", out, "--device", "tpu"], "not a device torch knows"),
         (["--out", out, "--max-new-tokens", "1"], "allows no frames"),
         (["--out", out, "--model", str(tiny_checkpoint), "--ref-audio", str(junk), "--ref-text", "Hi."],
-         "cannot decode audio"),
+         "cannot be decoded: it is not a readable audio file"),
         # the voice flags in the command's own words (a newcomer's walkthrough: --voice on a Base model was
         # ignored, and the errors named the HTTP API's fields)
         (["--out", out, "--model", str(tiny_checkpoint), "--voice", "v1"], "has no preset voices (--voice)"),
         (["--out", out, "--model", str(tiny_checkpoint)], "give --ref-audio CLIP with --ref-text"),
         (["--out", out, "--model", str(tiny_checkpoint), "--ref-audio", str(junk)], "needs --ref-text"),
         (["--out", out, "--x-vector-only"], "which a Base model does; this is a custom_voice model"),
+        # what the server refuses, synth refuses (an outside probe: --instructions was dropped without a word on
+        # the 0.6B CustomVoice model, and clips the server refuses were used)
+        (["--out", out, "--instructions", "Speak very angrily."], "the 0.6B CustomVoice model takes no instructions"),
+        (["--out", out, "--model", str(tiny_checkpoint), "--ref-audio", str(silent), "--x-vector-only"],
+         "is silent"),
+        (["--out", out, "--model", str(tiny_checkpoint), "--ref-audio", str(nan), "--x-vector-only"],
+         "NaN or infinite samples"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--out", out, "--device", "cuda"], "no CUDA device"))
