@@ -105,6 +105,11 @@ class HostCheck:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
+            count = sum(1 for key, _ in scope.get("headers", []) if key.lower() == b"host")
+            if count > 1:  # RFC 9112: a 400; which of them a proxy or this check would read is anyone's guess
+                await _refuse(scope, receive, send, 400, f"the request has {count} Host headers; it may have one",
+                              "invalid_host")
+                return
             given = scope_header(scope, b"host") or ""
             host = host_name(given)
             if host is None:

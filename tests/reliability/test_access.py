@@ -122,6 +122,33 @@ def test_host_check_refuses_rebound_names():
             assert_error(c.get("/v1/models", headers={"Host": host}), 400, "invalid_host")
 
 
+def test_host_check_refuses_a_request_with_two_host_headers():
+    """An outside probe sent `Host: 127.0.0.1` then `Host: evil.example` and got 200 (the first was read)."""
+    from legato.server.access import HostCheck
+
+    async def main():
+        sent: list[dict] = []
+        called: list[bool] = []
+
+        async def inner(scope, receive, send):
+            called.append(True)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [
+            (b"host", b"127.0.0.1"), (b"Host", b"evil.example")]}
+        await HostCheck(inner, ["127.0.0.1"])(scope, receive, send)
+        return sent, called
+
+    sent, called = asyncio.run(main())
+    assert not called and sent[0]["status"] == 400
+    assert b"2 Host headers" in b"".join(m.get("body", b"") for m in sent[1:])
+
+
 def test_duplicate_request_id_in_flight_is_409():
     def slow(req):
         return [frames_chunk(1, 1), 1.0, frames_chunk(1, 2, True, "stop")]
