@@ -1,4 +1,4 @@
-"""`legato` command line: `synth` (one utterance to a WAV file), `serve`, `bench`, `probe`."""
+"""`legato` command line: `synth` (one utterance to an audio file), `serve`, `bench`, `probe`."""
 
 from __future__ import annotations
 
@@ -102,6 +102,8 @@ def _voice_args_problem(args: argparse.Namespace, model_type: str, model_size: s
     if args.instructions and model_type == "custom_voice" and not takes_instructions(model_type, model_size):
         return ("the 0.6B CustomVoice model takes no instructions (--instructions): the 1.7B CustomVoice and the "
                 "VoiceDesign models do")
+    if model_type == "voice_design" and not (args.instructions or "").strip():
+        return "a VoiceDesign model needs --instructions describing the voice"
     if model_type != "base":
         if args.ref_audio or args.ref_text or args.x_vector_only:
             return (f"--ref-audio, --ref-text and --x-vector-only clone a voice, which a Base model does; this is a "
@@ -144,7 +146,7 @@ def _synth_args_problem(args: argparse.Namespace) -> str | None:
                 f"{', '.join(OUT_SUFFIXES)}")
     if args.device is not None:  # None: cuda when there is one
         try:
-            check_devices([args.device])
+            check_devices([args.device], hint="use --device cpu")
         except ValueError as e:
             return str(e)
     try:
@@ -162,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=DefaultsFormatter)
     parser.add_argument("--version", action="version", version=f"legato {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("synth", help="synthesise one utterance to a WAV file (offline)",
-                       description="Synthesise one utterance to a WAV file, offline.",
+    p = sub.add_parser("synth", help="synthesise one utterance to an audio file (offline)",
+                       description="Synthesise one utterance to an audio file (its --out suffix names the "
+                                   "format: .wav, .mp3, .flac, .opus/.ogg, .pcm), offline.",
                        formatter_class=DefaultsFormatter)
     p.add_argument("--text", required=True, help="what to say")
     p.add_argument("--out", required=True,

@@ -62,6 +62,10 @@ def test_synth_refuses_in_one_line_what_an_outside_probe_saw_as_tracebacks(tmp_p
     surrogate, a request the engine refuses, bytes that are not audio (whose error named a BytesIO repr)."""
     junk = tmp_path / "junk.wav"
     junk.write_bytes(os.urandom(2000))
+    from legato.models.qwen3_tts.testing import write_checkpoint
+    from legato.models.qwen3_tts.tiny import tiny_config
+
+    design = write_checkpoint(tmp_path / "design", tiny_config("voice_design"))
     silent, nan = tmp_path / "silent.wav", tmp_path / "nan.wav"
     sf.write(silent, np.zeros(24000, np.float32), 24000)
     clip = (0.1 * np.sin(np.arange(24000) / 10)).astype(np.float32)
@@ -84,13 +88,14 @@ def test_synth_refuses_in_one_line_what_an_outside_probe_saw_as_tracebacks(tmp_p
         # what the server refuses, synth refuses (an outside probe: --instructions was dropped without a word on
         # the 0.6B CustomVoice model, and clips the server refuses were used)
         (["--out", out, "--instructions", "Speak very angrily."], "the 0.6B CustomVoice model takes no instructions"),
+        (["--out", out, "--model", str(design)], "a VoiceDesign model needs --instructions"),
         (["--out", out, "--model", str(tiny_checkpoint), "--ref-audio", str(silent), "--x-vector-only"],
          "is silent"),
         (["--out", out, "--model", str(tiny_checkpoint), "--ref-audio", str(nan), "--x-vector-only"],
          "NaN or infinite samples"),
     ]
     if not torch.cuda.is_available():
-        cases.append((["--out", out, "--device", "cuda"], "no CUDA device"))
+        cases.append((["--out", out, "--device", "cuda"], "no CUDA device (use --device cpu)"))
     env = {"LEGATO_CACHE": str(tmp_path / "cache")}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -46,14 +46,21 @@ def test_an_address_this_machine_lacks_is_one_line(tmp_path):
         "legato serve: error: cannot listen on 192.0.2.1:8000: this machine has no such address; check --host"]
 
 
-def test_a_bad_prefill_interval_is_one_line(tmp_path):
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--prefill-interval", "0"], "--prefill-interval must be a positive int, got 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be a positive int, got 0"),  # in the flag's name, not the field's
+    (["--topology", "single", "--devices", "cpu,cpu"], "single runs 1 worker: give it 1 device (--devices), got 2: "
+                                                       "cpu,cpu"),
+    (["--topology", "1p1d", "--fronts", "2", "--workers", "process"],
+     "--fronts > 1 runs with the single and replicas topologies, not --topology 1p1d"),
+])
+def test_a_bad_engine_option_is_one_line_in_the_flags_words(tmp_path, flags, line):
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    proc = serve(tmp_path, "--host", "127.0.0.1", "--port", str(port), "--prefill-interval", "0")
+    proc = serve(tmp_path, "--host", "127.0.0.1", "--port", str(port), *flags)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "legato serve: error: EngineConfig.prefill_interval must be a positive int, got 0"), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"legato serve: error: {line}", proc.stderr
 
 
 def test_a_voices_dir_that_is_a_file_is_one_line(tmp_path):

@@ -135,8 +135,9 @@ def build_client(
                             f"{len(memory_shares)}")
     devices = devices or [config.device]
     if len(devices) not in (1, topology.num_workers):
-        raise TopologyError(f"{topology} runs {topology.num_workers} workers; give 1 device or "
-                            f"{topology.num_workers}, got {devices}")
+        raise TopologyError(f"{topology} runs {topology.num_workers} worker{'s' if topology.num_workers > 1 else ''}: "
+                            f"give it 1 device{f' or {topology.num_workers}' if topology.num_workers > 1 else ''} "
+                            f"(--devices), got {len(devices)}: {','.join(map(str, devices))}")
     if topology.kind == "pd" and workers == "process":
         from legato.kv_transfer import backend_names
         from legato.pipeline.kv_links import KVLinkSpec, choose_backend

@@ -309,8 +309,10 @@ def launcher_of(args: argparse.Namespace):
                                          "cpus_per_worker": args.ray_cpus_per_worker})
 
 
-def check_devices(devices: list[str]) -> None:
-    """Refuses devices this machine does not have, before anything loads (one line, naming the device)."""
+def check_devices(devices: list[str], hint: str = "use --device cpu, which also puts every worker of a deploy file "
+                                                "on the CPU") -> None:
+    """Refuses devices this machine does not have, before anything loads (one line, naming the device; `hint`
+    says what to do where there is no CUDA device)."""
     import torch
 
     for dev in devices:
@@ -321,8 +323,7 @@ def check_devices(devices: list[str]) -> None:
         if not dev.startswith("cuda"):
             continue
         if not torch.cuda.is_available():
-            raise ValueError(f"device {dev!r} is a CUDA device, and this machine has no CUDA device "
-                             "(use --device cpu, which also puts every worker of a deploy file on the CPU)")
+            raise ValueError(f"device {dev!r} is a CUDA device, and this machine has no CUDA device ({hint})")
         index = dev.partition(":")[2]
         if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
             raise ValueError(f"device {dev!r} does not exist: this machine has {torch.cuda.device_count()} CUDA "

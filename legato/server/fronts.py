@@ -68,8 +68,9 @@ def role_from_env() -> FrontRole | None:
     return FrontRole(**json.loads(text)) if text else None
 
 
-def check_fronts(count: int, workers: str, topology_kind: str, launcher: str) -> None:
-    """ValueError (one line) when `--fronts` cannot be used as asked."""
+def check_fronts(count: int, workers: str, topology_kind: str, launcher: str, topology: str | None = None) -> None:
+    """ValueError (one line) when `--fronts` cannot be used as asked; `topology` is the --topology value as given,
+    for the message."""
     if count < 1:
         raise ValueError(f"--fronts must be >= 1, got {count}")
     if count == 1:
@@ -83,7 +84,7 @@ def check_fronts(count: int, workers: str, topology_kind: str, launcher: str) ->
                          "an engine thread")
     if topology_kind not in _TOPOLOGIES:
         raise ValueError(f"--fronts > 1 runs with the {' and '.join(_TOPOLOGIES)} topologies, not "
-                         f"{topology_kind}")
+                         f"--topology {topology or topology_kind}")
 
 
 def bind_front_listeners(host: str, port: int, count: int) -> list[socket.socket]:

@@ -66,6 +66,14 @@ def _terminated_while_starting(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _engine_config(**options) -> EngineConfig:
+    """`EngineConfig(**options)`, its refusals in the flags' names ("--max-num-seqs must be ...", not the field's)."""
+    try:
+        return EngineConfig(**options)
+    except ValueError as e:
+        raise ValueError(re.sub(r"EngineConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from e
+
+
 def serve(args: argparse.Namespace) -> int:
     role = role_from_env()  # set when front 0 of `--fronts N` started this process
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
@@ -102,7 +110,7 @@ def serve(args: argparse.Namespace) -> int:
         topology = parse_topology(args.topology)
         devices = args.devices.split(",") if args.devices else None
         args.workers = resolve_workers(args.workers, devices or [device])
-        check_fronts(args.fronts, args.workers, topology.kind, args.launcher)
+        check_fronts(args.fronts, args.workers, topology.kind, args.launcher, args.topology)
         # Before anything loads: a port in use is one line now, not after the model (bound, not yet listening).
         if role is not None:
             listener = socket.socket(fileno=role.fd)
@@ -124,7 +132,7 @@ def serve(args: argparse.Namespace) -> int:
                                   ("--request-timeout", args.request_timeout, "never")):
             if not 0 <= value < float("inf"):  # a negative one read as "off", which only 0 means
                 raise ValueError(f"{flag} must be a number >= 0 (0: {zero}), got {value}")
-        engine_config = EngineConfig(
+        engine_config = _engine_config(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting, max_model_len=args.max_model_len, prefill_interval=args.prefill_interval,
             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
