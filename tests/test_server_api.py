@@ -413,6 +413,12 @@ def test_voice_design_model_needs_a_description(tmp_path_factory):
                      param="instructions")
         assert_error(c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "instructions": "Calm."}),
                      400, "no voices", param="voice")
+        # the OpenAI SDK requires a voice: one of OpenAI's names stands beside the instructions, the same request
+        sdk = {"input": "Hi.", "instructions": "A calm, low voice.", "max_new_tokens": 4, "seed": 3,
+               "response_format": "pcm"}
+        plain, named = c.post("/v1/audio/speech", json=sdk), c.post("/v1/audio/speech", json={**sdk, "voice": "Alloy"})
+        assert named.status_code == 200 and named.content == plain.content, named.text
+        assert_error(c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alloy"}), 400, "needs instructions")
 
 
 # --- failure paths through a scripted fake client -----------------------------------------------------

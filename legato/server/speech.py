@@ -191,12 +191,15 @@ class SpeechService:
             return SpeechInput(speaker=self._preset_speaker(body.voice_name), instructions=body.instructions,
                                **common)
         if info.model_type == "voice_design":
-            if body.voice_name is not None:
-                raise ApiError(400, "a VoiceDesign model has no voices: describe the voice in instructions",
-                               "unsupported_field", "voice")
             if not body.instructions or is_blank(body.instructions):
                 raise ApiError(400, "a VoiceDesign model needs instructions describing the voice",
                                "missing_instructions", "instructions")
+            # The OpenAI SDK requires a voice: one of OpenAI's names beside the instructions is taken as that and
+            # left out (the instructions are the voice); any other name is refused.
+            if body.voice_name is not None and body.voice_name.lower() not in OPENAI_VOICE_ALIASES:
+                raise ApiError(400, "a VoiceDesign model has no voices: describe the voice in instructions (an "
+                                    "OpenAI voice name, which the OpenAI SDK requires, may stand beside them)",
+                               "unsupported_field", "voice")
             return SpeechInput(instructions=body.instructions, **common)
         if body.instructions:
             raise ApiError(400, "a Base (voice clone) model takes no instructions", "unsupported_field",
