@@ -131,3 +131,20 @@ def test_options_the_websocket_cannot_honour_are_refused_before_any_request(caps
         code = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--stream-text", *extra, "--no-progress"])
         err = capsys.readouterr().err
         assert code == 2 and "--stream-text" in err and "error" in err, err
+
+
+def test_sessions_over_the_servers_message_cap_are_refused_before_any_request(server, tmp_path, capsys):
+    """A walkthrough's `bench serve --stream-text` on a Base model failed every request (its clips inline, ~200 KB,
+    against 64 KiB). The server says its cap in /v1/models; the bench compares before it sends anything."""
+    import httpx
+
+    from legato.cli import main
+
+    live, voice = server
+    assert httpx.get(f"{live.url}/v1/models", timeout=30).json()["data"][0]["ws_max_message_bytes"] == 65536
+    big = '{"voice": "' + voice + '", "speaker_embedding_note": "' + "x" * 70_000 + '"}'
+    code = main(["bench", "serve", "--base-url", live.url, "--stream-text", "--no-progress", "--num-prompts", "2",
+                 "--voice", voice, "--extra-body", big, "--result-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "the server takes at most 65536 (--ws-max-message-bytes)" in err, err
+    assert "--voice NAME" in err and not list(tmp_path.iterdir())

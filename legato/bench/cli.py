@@ -59,7 +59,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                         "(default: what the server's model takes: voice for CustomVoice, clone for Base, design "
                         "for VoiceDesign; voice when --voice is given)")
     g.add_argument("--voice", default=None,
-                   help="preset voice name, or the description of design mode (default: the model's first preset)")
+                   help="preset voice name, or the description of design mode (default: ryan where the model has it, "
+                        "else its first preset)")
     g.add_argument("--language", default=None, help="language sent with each request (default: from the locale)")
     g.add_argument("--fixed-length", action="store_true",
                    help="ask the server to ignore EOS and produce a length derived from the text (random weights)")
@@ -282,6 +283,7 @@ def _serve(args: argparse.Namespace) -> int:
     config.update(topology=args.topology, num_gpus=args.num_gpus, max_num_seqs=args.max_num_seqs or served_seqs,
                   server_args=None, client_procs=args.client_procs)
     if args.stream_text:
+        check_session_size(requests, ccfg.model, card)
         return _serve_stream_text(args, requests, ccfg, slo, config)
     out = run_processes(ccfg, requests, args.client_procs)
     result = build_result(config, out, slo, args.num_gpus)
@@ -300,6 +302,21 @@ def check_stream_text_args(args: argparse.Namespace) -> None:
     """ValueError for `bench serve` options that --stream-text cannot honour."""
     if args.client_procs != 1:
         raise ValueError("--stream-text runs in one client process (--client-procs 1)")
+
+
+def check_session_size(requests, model: str | None, card: dict | Exception) -> None:
+    """ValueError, before any request, when a session message would exceed the server's WebSocket message cap
+    (/v1/models `ws_max_message_bytes`): every request would fail (a Base model's shipped clips, ~200 KB inline,
+    against the default 64 KiB)."""
+    from .stream_text import largest_session_message
+
+    cap = card.get("ws_max_message_bytes") if isinstance(card, dict) else None
+    size = largest_session_message(model, requests)
+    if isinstance(cap, int) and size > cap:
+        raise ValueError(f"--stream-text sends each request's session (here its reference clip inline) in one message "
+                         f"of up to {size} bytes, and the server takes at most {cap} (--ws-max-message-bytes): save "
+                         "the voice (docs/voices.md) and give --voice NAME, or start the server with a larger "
+                         "--ws-max-message-bytes")
 
 
 def _serve_stream_text(args: argparse.Namespace, requests, ccfg, slo, config: dict) -> int:

@@ -139,10 +139,7 @@ class StreamTextRunner:
             await s.close()
 
     def session(self, req: BenchRequest) -> dict:
-        body = {"model": self.cfg.model} if self.cfg.model else {}
-        body.update({k: v for k, v in req.body.items() if k != "input"})
-        body.update(response_format="pcm", audio_transport="binary")
-        return body
+        return session_fields(self.cfg.model, req)
 
     async def run_all(self, reqs: list[BenchRequest], records: list[RequestRecord], desc: str) -> tuple[float, float]:
         bar = _progress(len(reqs), desc, self.cfg.progress)
@@ -262,6 +259,20 @@ class StreamTextRunner:
                 raise RuntimeError(f"session refused: {err.get('code')}: {err.get('message')}{hint}")
             if predicate(event):
                 return event
+
+
+def session_fields(model: str | None, req: BenchRequest) -> dict:
+    """A request's `session.update` fields: its HTTP body but `input`, audio as PCM over binary frames."""
+    body = {"model": model} if model else {}
+    body.update({k: v for k, v in req.body.items() if k != "input"})
+    body.update(response_format="pcm", audio_transport="binary")
+    return body
+
+
+def largest_session_message(model: str | None, requests: list[BenchRequest]) -> int:
+    """Bytes of the largest `session.update` message the requests send (a reference clip inline makes it big)."""
+    return max((len(json.dumps({"type": "session.update", "session": session_fields(model, r)}).encode())
+                for r in requests), default=0)
 
 
 async def run_stream_text(cfg: ClientConfig, feed: TextFeed, requests: list[BenchRequest]

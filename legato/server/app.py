@@ -105,7 +105,7 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
         return ModelList(data=[ModelCard(
             id=service.model_name, created=created, task_type=service.task_type, sample_rate=info.sample_rate,
             languages=info.languages, voices=voices, max_num_seqs=settings.max_num_seqs,
-            decode_slots=settings.decode_slots,
+            decode_slots=settings.decode_slots, ws_max_message_bytes=ws_limits.max_message_bytes,
         )])
 
     @app.get("/", include_in_schema=False)

@@ -143,6 +143,9 @@ class ModelCard(BaseModel):
     # the requests the whole deployment decodes at once (that times its decode engines).
     max_num_seqs: int | None = None
     decode_slots: int | None = None
+    # The streaming-text WebSocket's cap on one client message (--ws-max-message-bytes): a session carrying a
+    # reference clip inline must fit it.
+    ws_max_message_bytes: int | None = None
 
 
 class ModelList(BaseModel):
