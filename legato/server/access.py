@@ -38,19 +38,23 @@ _PORT = re.compile(r"(:(0|[1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0
 
 
 def load_api_keys(keys: Iterable[str], key_file: str | None = None) -> tuple[str, ...]:
-    """The keys given on the command line plus those of `key_file` (one per line; blank lines and `#`
-    comments skipped). ValueError for an empty key or one with whitespace inside (a pasting mistake)."""
-    found = [k.strip() for k in keys]
+    """The keys given on the command line plus those of `key_file` (one per line; blank lines and `#` comments
+    skipped, a comment after a key too: keys hold no spaces). ValueError, naming the flag or the file's line, for
+    an empty key or one with whitespace inside (a pasting mistake)."""
+    found = [(k.strip(), "--api-key (or $LEGATO_API_KEY)") for k in keys]
     if key_file is not None:
         try:
             text = Path(key_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read the API key file {key_file!r}: {e}") from e
-        found += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    for key in found:
+        for number, line in enumerate(text.splitlines(), 1):
+            key = re.sub(r"(^|\s)#.*$", "", line).strip()
+            if key:
+                found.append((key, f"--api-key-file {key_file} line {number}"))
+    for key, where in found:
         if not key or any(c.isspace() for c in key) or not key.isprintable():
-            raise ValueError("an API key must be a non-empty string of printable characters without spaces")
-    return tuple(dict.fromkeys(found))
+            raise ValueError(f"{where}: an API key must be a non-empty string of printable characters without spaces")
+    return tuple(dict.fromkeys(k for k, _ in found))
 
 
 def scope_header(scope: Scope, name: bytes) -> str | None:

@@ -72,6 +72,13 @@ def test_api_keys_from_flags_a_file_and_the_environment(tmp_path, monkeypatch):
             load_api_keys([bad])
     with pytest.raises(ValueError, match="cannot read"):
         load_api_keys([], str(tmp_path / "missing"))
+    # a comment after a key, as --help's "(# comments)" reads; a bad line named by file and number (a walkthrough
+    # got "an API key must be ..." naming neither)
+    keys.write_text("sk-a  # the team's\nsk-x#y\n  sk-two words\n")
+    with pytest.raises(ValueError, match=f"--api-key-file {keys} line 3: an API key must be"):
+        load_api_keys([], str(keys))
+    keys.write_text("sk-a  # the team's\nsk-x#y\n")
+    assert load_api_keys([], str(keys)) == ("sk-a", "sk-x#y")
     monkeypatch.setenv("LEGATO_API_KEY", "sk-env")
     args = argparse.Namespace(api_key=["sk-c"], api_key_file=None, allowed_origins="", allowed_hosts=None,
                               host="127.0.0.1")
