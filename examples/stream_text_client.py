@@ -88,6 +88,8 @@ def main() -> None:
     p.add_argument("--api-key", default=None, help="the server's API key, if it was started with one")
     p.add_argument("--cancel-after-s", type=float, default=None, help="barge in after this many seconds")
     args = p.parse_args()
+    if not 0 < args.tokens_per_s < float("inf"):  # its feeder would divide by it, far from where it shows
+        p.error("--tokens-per-s must be a number > 0")
     try:
         r = asyncio.run(speak(args.url, args.text, args.out, args.voice, args.tokens_per_s, args.api_key,
                               args.cancel_after_s))

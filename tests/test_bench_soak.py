@@ -68,6 +68,23 @@ def test_requests_fall_in_the_window_they_ended_in():
     assert (first["rss_mb"], last["rss_mb"], last["kv_usage_max"]) == (100.0, 110.0, 0.3)
 
 
+def test_the_summary_says_rss_was_not_read_without_a_pid():
+    """A walkthrough saw "RSS None -> None MB (xNone)" from `bench soak` without --pid."""
+    from legato.bench.soak import summary
+
+    window = {"window": 0, "start_s": 0, "end_s": 60, "requests": 3, "ok": 3, "rejected": 0, "disconnected": 0,
+              "bad": 0, "e2e_p50_s": 1.0, "e2e_p99_s": 1.5, "rss_mb": None, "kv_usage_max": 0.2}
+    result = {"totals": {"requests": 3, "ok": 3, "rejected": 0, "disconnected": 0, "bad": 0, "by_status": {"200": 3},
+                         "audio_s": 9.0},
+              "first_last": {"p99_first_s": 1.5, "p99_last_s": 1.5, "p99_ratio": 1.0, "rss_first_mb": None,
+                             "rss_last_mb": None, "rss_ratio": None},
+              "drain": {"seconds": 0.1, "running": 0, "waiting": 0, "free_kv_blocks": 8, "num_kv_blocks": 8,
+                        "leaked_blocks": 0},
+              "windows": [window], "ran_s": 60.0, "aborted_during_run": {}, "bad": []}
+    text = summary(result)
+    assert "RSS not read (give --pid)" in text and "None" not in text
+
+
 def test_the_command_says_when_the_server_is_not_there(capsys):
     from serve_process import free_port
 

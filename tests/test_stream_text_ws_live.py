@@ -166,3 +166,10 @@ def test_the_example_client_streams_and_cancels(loaded, tmp_path):
         # 2 words a second: the request waits for its text long after the first audio, when the cancel goes
         r = asyncio.run(example.speak(url, TEXT, str(out), client.info.speakers[0], 2.0, None, cancel_after_s=0.0))
         assert r["end"]["type"] == "response.cancelled"
+    # a pace of 0 is refused at once (it hung until its timeout, the ZeroDivisionError swallowed by its feeder)
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(path), "--voice", "ryan", "--tokens-per-s", "0", "Hi."],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--tokens-per-s must be a number > 0" in done.stderr

@@ -284,8 +284,9 @@ def summary(result: dict) -> str:
     lines.append(f"soak: {t['requests']} requests in {result['ran_s']} s ({t['ok']} ok, {t['rejected']} refused, "
                  f"{t['disconnected']} left on purpose, {t['bad']} bad; statuses {t['by_status']}), "
                  f"{t['audio_s']} s of audio")
-    lines.append(f"first vs last window: p99 {fl['p99_first_s']} -> {fl['p99_last_s']} s (x{fl['p99_ratio']}), "
-                 f"RSS {fl['rss_first_mb']} -> {fl['rss_last_mb']} MB (x{fl['rss_ratio']})")
+    rss = (f"RSS {fl['rss_first_mb']} -> {fl['rss_last_mb']} MB (x{fl['rss_ratio']})" if fl["rss_first_mb"] is not None
+           else "RSS not read (give --pid)")
+    lines.append(f"first vs last window: p99 {fl['p99_first_s']} -> {fl['p99_last_s']} s (x{fl['p99_ratio']}), {rss}")
     lines.append(f"after the drain ({d['seconds']} s): running {d['running']}, waiting {d['waiting']}, "
                  f"free KV blocks {d['free_kv_blocks']}/{d['num_kv_blocks']} (leaked {d['leaked_blocks']}); "
                  f"aborted during the run {result['aborted_during_run']}")
