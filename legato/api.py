@@ -26,7 +26,7 @@ from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.default import DEFAULT_SPEAKER, default_model_dir
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import LoadedModel, load_model
-from legato.models.qwen3_tts.prompt import default_max_prompt_tokens
+from legato.models.qwen3_tts.prompt import default_max_prompt_tokens, takes_instructions
 from legato.models.qwen3_tts.prompt_build import build_prompt
 from legato.models.qwen3_tts.reference_loop import generate_codes
 from legato.models.qwen3_tts.sampling import SamplingParams
@@ -100,6 +100,11 @@ class TTS:
             raise ValueError(f"{len(items)} inputs but {len(params)} sampling settings")
         if greedy:
             params = [replace(p, do_sample=False, subtalker_do_sample=False) for p in params]
+        cfg = self.loaded.config
+        if cfg.tts_model_type == "custom_voice" and not takes_instructions(cfg.tts_model_type, cfg.tts_model_size) \
+                and any(x.instructions for x in items):  # dropped as the official package drops it: said, though
+            log.warning("the 0.6B CustomVoice model takes no instructions: they are left out (the 1.7B CustomVoice "
+                        "and the VoiceDesign models take them)")
         specs = [build_spec(self.loaded, x) for x in items]
         engine = Engine(self.loaded, engine_config or self._engine_config(len(items)))
         ids = [f"utt-{i}" for i in range(len(items))]

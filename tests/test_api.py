@@ -146,3 +146,18 @@ def test_generate_steps_the_engine_with_the_servers_thread_settings(tiny_checkpo
         sys.setswitchinterval(before)  # the server's client sets it for the life of the process
     assert offline == server == {("engine", False, 0.001, torch.get_num_threads())}, (offline, server)
     assert after == before
+
+
+def test_instructions_the_0_6b_custom_voice_model_drops_are_said_in_the_log(tmp_path, monkeypatch, caplog):
+    """As the official package, the offline API leaves them out (the same codes), and says so (a walkthrough found
+    them dropped without a word)."""
+    import logging
+
+    monkeypatch.setenv("LEGATO_CACHE", str(tmp_path))
+    tts = TTS.load()
+    params = SamplingParams(seed=4, max_new_tokens=6)
+    plain = tts.generate("Hello there.", sampling=params)
+    with caplog.at_level(logging.WARNING, logger="legato"):
+        styled = tts.generate("Hello there.", sampling=params, instructions="Speak very angrily.")
+    assert torch.equal(plain.codes, styled.codes)
+    assert any("takes no instructions" in r.getMessage() for r in caplog.records)
