@@ -6,6 +6,10 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _synth(args: argparse.Namespace) -> int:
@@ -75,7 +79,7 @@ def _preset_of(voice: str | None, speakers: dict | None, model_type: str) -> str
     return preset or voice
 
 
-def _reference_clip(path: str):
+def _reference_clip(path: str) -> tuple[np.ndarray, int]:
     """--ref-audio's samples and rate, read and checked as the server checks a clip (readable, its rate, length
     and range, not silent, no NaN): what the server refuses, `synth` refuses with the same words."""
     import asyncio

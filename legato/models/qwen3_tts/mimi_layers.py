@@ -51,8 +51,9 @@ class CausalStridedConv(nn.Module):
         self.left_pad = (kernel_size - 1) * dilation + 1 - stride
         self.pad_mode = pad_mode
         # None: matrix products on CUDA inputs (`valid_conv1d`), Conv1d on the CPU; True/False force one path.
-        # Why: cuDNN plans every input length anew and reference clips come in every length (51-76 ms for a new
-        # length through the whole encoder on an H200); the CPU keeps the official op, bit for bit.
+        # Why: cuDNN plans every input length anew and reference clips come in every length: the whole encoder
+        # took 46.5 ms for a clip of a new length on an H100, 16.0 as matrix products (fp32, no TF32: its codes
+        # nearer exact fp32 math than cuDNN's; docs/benchmarks.md). The CPU keeps the official op, bit for bit.
         self.gemm: bool | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
