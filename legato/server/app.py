@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
-from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from legato.pipeline.client import EngineClient
 from legato.server.access import ApiKeyAuth, HostCheck, OriginCheck, scope_header
 from legato.server.errors import error_body, install_error_handlers
+from legato.server.head_routes import answer_head
 from legato.server.lifecycle import DrainMiddleware, Lifecycle
 from legato.server.logs import current_request_id
 from legato.server.metrics import ServerMetrics
@@ -139,7 +139,7 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    _answer_head(app)
+    answer_head(app)
     _document_errors_as_400(app)
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # innermost: its 503s are counted and carry ids
     app.add_middleware(SpeechStatusCounter, metrics=metrics)
@@ -167,17 +167,6 @@ def _add_access_checks(app: FastAPI, settings: ServerSettings) -> None:
                                            "X-Audio-Seconds", "Retry-After"])
     if settings.allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=settings.allowed_hosts)
-
-
-def _answer_head(app: FastAPI) -> None:
-    """HEAD on every GET route (load balancers and link checkers probe with it): the GET's status and headers,
-    and no body (uvicorn sends none for a HEAD). A route of its own per path, out of the schema: one route for
-    both methods gave the schema two operations of one id."""
-    for route in list(app.routes):
-        if isinstance(route, APIRoute) and "GET" in route.methods and "HEAD" not in route.methods:
-            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False,
-                              response_class=route.response_class, dependencies=route.dependencies,
-                              name=f"{route.name}_head")
 
 
 def _document_errors_as_400(app: FastAPI) -> None:

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
 from legato.server.errors import error_body
+from legato.server.head_routes import answer_head
 from legato.server.media import MediaError, MediaPolicy, decode_ref_audio, resolve_ref_audio
 from legato.server.text import check_unicode
 from legato.server.voices import Voice, VoiceError, VoiceStore
@@ -101,6 +102,7 @@ def build_voices_router(store: VoiceStore, policy: MediaPolicy) -> APIRouter:
             return _error(404, f"voice {name[:80]!r} not found", "name")
         return JSONResponse({"deleted": True, "name": name})
 
+    answer_head(router)
     return router
 
 
