@@ -34,7 +34,10 @@ def _synth(args: argparse.Namespace) -> int:
         if problem is not None:
             print(f"legato synth: error: {problem}", file=sys.stderr)
             return 2
-        voice = _preset_of(args.voice, tts.loaded.config.talker_config.spk_id, tts.loaded.config.tts_model_type)
+        model_type = tts.loaded.config.tts_model_type
+        # On VoiceDesign the instructions are the voice: an OpenAI voice name beside them is left out, as over HTTP
+        voice = None if model_type == "voice_design" else _preset_of(args.voice, tts.loaded.config.talker_config.spk_id,
+                                                                      model_type)
         ref_audio, ref_sr = (None, 24000)
         if args.ref_audio:
             ref_audio, ref_sr = _reference_clip(args.ref_audio)
@@ -80,8 +83,9 @@ def _preset_of(voice: str | None, speakers: dict | None, model_type: str) -> str
 
 
 def _reference_clip(path: str) -> tuple[np.ndarray, int]:
-    """--ref-audio's samples and rate, read and checked as the server checks a clip (readable, its rate, length
-    and range, not silent, no NaN): what the server refuses, `synth` refuses with the same words."""
+    """--ref-audio's samples and rate, read and checked as the server checks a clip's content (readable, its rate
+    and range, not silent, no NaN, long enough), in the same words. The server's size and length caps, there for
+    what clients send, are not applied to a local file (the server's own flags raise them)."""
     import asyncio
     from pathlib import Path
 
@@ -93,7 +97,7 @@ def _reference_clip(path: str) -> tuple[np.ndarray, int]:
     except OSError as e:
         raise AudioError(f"cannot read audio file {path}: {e}") from e
     try:
-        return asyncio.run(decode_ref_audio(data, MediaPolicy()))
+        return asyncio.run(decode_ref_audio(data, MediaPolicy(max_bytes=max(len(data), 1), max_seconds=86_400.0)))
     except MediaError as e:
         raise AudioError(f"--ref-audio {path}: {e.message}") from e
 
@@ -106,8 +110,13 @@ def _voice_args_problem(args: argparse.Namespace, model_type: str, model_size: s
     if args.instructions and model_type == "custom_voice" and not takes_instructions(model_type, model_size):
         return ("the 0.6B CustomVoice model takes no instructions (--instructions): the 1.7B CustomVoice and the "
                 "VoiceDesign models do")
-    if model_type == "voice_design" and not (args.instructions or "").strip():
-        return "a VoiceDesign model needs --instructions describing the voice"
+    if model_type == "voice_design":
+        from legato.server.aliases import OPENAI_VOICE_ALIASES
+
+        if not (args.instructions or "").strip():
+            return "a VoiceDesign model needs --instructions describing the voice"
+        if args.voice is not None and args.voice.lower() not in OPENAI_VOICE_ALIASES:  # one of OpenAI's: as HTTP
+            return "a VoiceDesign model has no preset voices (--voice): describe the voice in --instructions"
     if model_type != "base":
         if args.ref_audio or args.ref_text or args.x_vector_only:
             return (f"--ref-audio, --ref-text and --x-vector-only clone a voice, which a Base model does; this is a "

@@ -123,6 +123,16 @@ def test_a_refused_session_fails_the_request_with_the_servers_reason(server):
     assert not rec.ok and rec.error_kind.startswith("ws_") and "nobody-by-this-name" in rec.error
 
 
+def test_a_session_at_another_sample_rate_than_the_benchs_fails_its_requests(server):
+    """As over HTTP: a --sample-rate other than the session's (session.updated says it) would give audio seconds off
+    by the ratio (an outside probe saw 0.36 s reported for 0.24 s)."""
+    live, voice = server
+    cfg = ClientConfig(base_url=live.url, max_concurrency=1, timeout_s=60, progress=False, sample_rate=16000)
+    out, _ = asyncio.run(run_stream_text(cfg, TextFeed(), _requests(voice)))
+    assert {r.error_kind for r in out.records} == {"sample_rate_mismatch"}
+    assert "streams 24000 Hz PCM and --sample-rate is 16000" in out.records[0].error
+
+
 def test_options_the_websocket_cannot_honour_are_refused_before_any_request(capsys):
     from legato.cli import main
 

@@ -71,6 +71,8 @@ def test_synth_refuses_in_one_line_what_an_outside_probe_saw_as_tracebacks(tmp_p
     clip = (0.1 * np.sin(np.arange(24000) / 10)).astype(np.float32)
     clip[100] = np.nan
     sf.write(nan, clip, 24000, subtype="FLOAT")
+    long_clip = tmp_path / "long.wav"  # 70 s: past the server's default 60 s cap
+    sf.write(long_clip, (0.1 * np.sin(np.arange(70 * 8000) / 7)).astype(np.float32), 8000)
     out = str(tmp_path / "x.wav")
     cases = [
         (["--out", str(tmp_path / "missing" / "x.wav")], "does not exist"),
@@ -89,10 +91,18 @@ def test_synth_refuses_in_one_line_what_an_outside_probe_saw_as_tracebacks(tmp_p
         # the 0.6B CustomVoice model, and clips the server refuses were used)
         (["--out", out, "--instructions", "Speak very angrily."], "the 0.6B CustomVoice model takes no instructions"),
         (["--out", out, "--model", str(design)], "a VoiceDesign model needs --instructions"),
+        (["--out", out, "--model", str(design), "--instructions", "Calm.", "--voice", "ryan"],
+         "a VoiceDesign model has no preset voices (--voice)"),
+        # an OpenAI voice name is left out, as over HTTP: the request goes on (to the engine's own refusal here)
+        (["--out", out, "--model", str(design), "--instructions", "Calm.", "--voice", "alloy", "--max-new-tokens",
+          "1"], "allows no frames"),
         (["--out", out, "--model", str(tiny_checkpoint), "--ref-audio", str(silent), "--x-vector-only"],
          "is silent"),
         (["--out", out, "--model", str(tiny_checkpoint), "--ref-audio", str(nan), "--x-vector-only"],
          "NaN or infinite samples"),
+        # ...but not the server's size and length caps, which are there for what clients send
+        (["--out", out, "--model", str(tiny_checkpoint), "--ref-audio", str(long_clip), "--x-vector-only",
+          "--max-new-tokens", "1"], "allows no frames"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--out", out, "--device", "cuda"], "no CUDA device (use --device cpu)"))

@@ -9,10 +9,14 @@ import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from legato.cli_help import DefaultsFormatter
 
 from .served import api_key, concurrency_of_server, mode_of_model, served_model, server_card, unreachable
+
+if TYPE_CHECKING:
+    from .datasets import BenchRequest
 
 
 def _rate(value: str) -> float:
@@ -23,9 +27,12 @@ def _rate(value: str) -> float:
 
 
 def _positive_int(value: str) -> int:
-    number = int(value)
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
     if number < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
     return number
 
 
@@ -304,7 +311,7 @@ def check_stream_text_args(args: argparse.Namespace) -> None:
         raise ValueError("--stream-text runs in one client process (--client-procs 1)")
 
 
-def check_session_size(requests, model: str | None, card: dict | Exception) -> None:
+def check_session_size(requests: list[BenchRequest], model: str | None, card: dict | Exception) -> None:
     """ValueError, before any request, when a session message would exceed the server's WebSocket message cap
     (/v1/models `ws_max_message_bytes`): every request would fail (a Base model's shipped clips, ~200 KB inline,
     against the default 64 KiB)."""
@@ -313,10 +320,10 @@ def check_session_size(requests, model: str | None, card: dict | Exception) -> N
     cap = card.get("ws_max_message_bytes") if isinstance(card, dict) else None
     size = largest_session_message(model, requests)
     if isinstance(cap, int) and size > cap:
-        raise ValueError(f"--stream-text sends each request's session (here its reference clip inline) in one message "
-                         f"of up to {size} bytes, and the server takes at most {cap} (--ws-max-message-bytes): save "
-                         "the voice (docs/voices.md) and give --voice NAME, or start the server with a larger "
-                         "--ws-max-message-bytes")
+        raise ValueError(f"--stream-text sends each request's session (its fields, a reference clip inline among "
+                         f"them) in one message, of up to {size} bytes here, and the server takes at most {cap} "
+                         "(--ws-max-message-bytes): for a clip, save the voice (docs/voices.md) and give --voice "
+                         "NAME, or start the server with a larger --ws-max-message-bytes")
 
 
 def _serve_stream_text(args: argparse.Namespace, requests, ccfg, slo, config: dict) -> int:

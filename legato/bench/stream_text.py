@@ -183,7 +183,12 @@ class StreamTextRunner:
                        t_run0: float) -> None:
         ws = await sock.get()
         await ws.send(json.dumps({"type": "session.update", "session": self.session(req)}))
-        await self._until(ws, lambda e: e["type"] == "session.updated")
+        updated = await self._until(ws, lambda e: e["type"] == "session.updated")
+        rate = (updated.get("session") or {}).get("sample_rate")
+        if rate is not None and rate != self.cfg.sample_rate:  # as over HTTP (X-Sample-Rate): audio seconds off
+            rec.fail("sample_rate_mismatch", f"the server streams {rate} Hz PCM and --sample-rate is "
+                                             f"{self.cfg.sample_rate}: its audio seconds would be wrong")
+            return
         cid = f"b{next(self._ids)}"
         tokens = text_tokens(req.body["input"], self.feed.token_chars)
         t_sent = time.perf_counter()

@@ -11,6 +11,7 @@ error (FastAPI turns a `JSONDecodeError` into the 400 naming the position), and 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -32,11 +33,11 @@ def parse_json(body: bytes | str) -> Any:
         return json.loads(body)
     except json.JSONDecodeError:
         raise
-    except UnicodeDecodeError as e:
-        raise json.JSONDecodeError(f"the body is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})",
-                                   "", e.start) from e
+    except UnicodeDecodeError as e:  # the position in characters, as for other bad JSON: of the text before it
+        at = len(e.object[:e.start].decode("utf-8", errors="replace"))
+        raise json.JSONDecodeError(f"the body is not UTF-8 text (byte 0x{e.object[e.start]:02x})", "", at) from e
     except ValueError as e:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
-        raise json.JSONDecodeError(f"a number too long to read ({e})", "", 0) from e
+        raise json.JSONDecodeError(f"a number of more than {sys.get_int_max_str_digits()} digits", "", 0) from e
     except RecursionError as e:
         raise json.JSONDecodeError("arrays or objects nested too deeply", "", 0) from e
 

@@ -77,7 +77,8 @@ def parse_event(raw: str, limits: WsLimits) -> ClientEvent:
     """One text frame into a `ClientEvent`; raises ProtocolError saying what is wrong with it."""
     if len(raw) > limits.max_message_bytes or len(raw.encode("utf-8", "surrogatepass")) > limits.max_message_bytes:
         raise ProtocolError(f"message exceeds {limits.max_message_bytes} bytes (the server's --ws-max-message-bytes); "
-                            "a reference clip fits as a saved voice (voice: NAME) or a file:// ref_audio URL",
+                            "a reference clip fits as a saved voice (voice: NAME), or as a file:// ref_audio URL "
+                            "where the server allows local media (--allowed-local-media-path)",
                             "message_too_large")
     try:
         data = parse_json(raw)  # a session message may carry a clip inline: ~0.5 MB of base64
