@@ -47,10 +47,13 @@ def load_api_keys(keys: Iterable[str], key_file: str | None = None) -> tuple[str
             text = Path(key_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read the API key file {key_file!r}: {e}") from e
+        from_file = len(found)
         for number, line in enumerate(text.splitlines(), 1):
             key = re.sub(r"(^|\s)#.*$", "", line).strip()
             if key:
                 found.append((key, f"--api-key-file {key_file} line {number}"))
+        if len(found) == from_file:  # the operator asked for keys: serving without any would be open to all
+            raise ValueError(f"--api-key-file {key_file} holds no key (only blank lines or comments)")
     for key, where in found:
         if not key or any(c.isspace() for c in key) or not key.isprintable():
             raise ValueError(f"{where}: an API key must be a non-empty string of printable characters without spaces")

@@ -79,6 +79,9 @@ def test_api_keys_from_flags_a_file_and_the_environment(tmp_path, monkeypatch):
         load_api_keys([], str(keys))
     keys.write_text("sk-a  # the team's\nsk-x#y\n")
     assert load_api_keys([], str(keys)) == ("sk-a", "sk-x#y")
+    keys.write_text("# keys go here\n\n")  # asked for keys and given none: not a server open to all
+    with pytest.raises(ValueError, match="holds no key"):
+        load_api_keys(["sk-c"], str(keys))
     monkeypatch.setenv("LEGATO_API_KEY", "sk-env")
     args = argparse.Namespace(api_key=["sk-c"], api_key_file=None, allowed_origins="", allowed_hosts=None,
                               host="127.0.0.1")
