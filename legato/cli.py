@@ -111,11 +111,11 @@ def _voice_args_problem(args: argparse.Namespace, model_type: str, model_size: s
         return ("the 0.6B CustomVoice model takes no instructions (--instructions): the 1.7B CustomVoice and the "
                 "VoiceDesign models do")
     if model_type == "voice_design":
-        from legato.server.aliases import OPENAI_VOICE_ALIASES
+        from legato.server.aliases import is_openai_voice
 
         if not (args.instructions or "").strip():
             return "a VoiceDesign model needs --instructions describing the voice"
-        if args.voice is not None and args.voice.lower() not in OPENAI_VOICE_ALIASES:  # one of OpenAI's: as HTTP
+        if args.voice is not None and not is_openai_voice(args.voice):  # one of OpenAI's is left out, as over HTTP
             return "a VoiceDesign model has no preset voices (--voice): describe the voice in --instructions"
     if model_type != "base":
         if args.ref_audio or args.ref_text or args.x_vector_only:

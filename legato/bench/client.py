@@ -107,6 +107,15 @@ class _Connections:
             c.close()
 
 
+def sample_rate_problem(streamed: object, expected: int, who: str) -> str | None:
+    """Why a response's audio cannot be counted at `expected` Hz, `who` ("the server streamed") having said the
+    rate `streamed` (an `X-Sample-Rate`, a session's `sample_rate`); None when it agrees or says nothing. The bench
+    turns bytes into seconds at --sample-rate, so another rate would put every figure off by the ratio."""
+    if streamed is None or str(streamed) == str(expected):
+        return None
+    return f"{who} {streamed} Hz PCM and --sample-rate is {expected}: its audio seconds would be wrong"
+
+
 class _Runner:
     def __init__(self, connections: _Connections, cfg: ClientConfig):
         self.connections = connections
@@ -165,10 +174,9 @@ class _Runner:
                 if complete:
                     rec.fail(f"http_{resp.status}" if error else "bad_content_type",
                              text if error else f"{ctype}: {text}")
-            elif complete and resp.headers.get("x-sample-rate", str(self.cfg.sample_rate)) != str(self.cfg.sample_rate):
-                rec.fail("sample_rate_mismatch", f"the server streamed {resp.headers['x-sample-rate']} Hz PCM and "
-                                                 f"--sample-rate is {self.cfg.sample_rate}: its audio seconds would "
-                                                 "be wrong")
+            elif complete and (wrong := sample_rate_problem(resp.headers.get("x-sample-rate"), self.cfg.sample_rate,
+                                                                "the server streamed")):
+                rec.fail("sample_rate_mismatch", wrong)
             elif complete:
                 rec.end_s = resp.end - t_sent
                 if audio is not None:

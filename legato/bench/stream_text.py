@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import count
 
-from .client import ClientConfig, RunOutput, _progress, _records, arrival_offsets
+from .client import ClientConfig, RunOutput, _progress, _records, arrival_offsets, sample_rate_problem
 from .datasets import BenchRequest
 from .metrics import RequestRecord, percentile
 
@@ -184,10 +184,10 @@ class StreamTextRunner:
         ws = await sock.get()
         await ws.send(json.dumps({"type": "session.update", "session": self.session(req)}))
         updated = await self._until(ws, lambda e: e["type"] == "session.updated")
-        rate = (updated.get("session") or {}).get("sample_rate")
-        if rate is not None and rate != self.cfg.sample_rate:  # as over HTTP (X-Sample-Rate): audio seconds off
-            rec.fail("sample_rate_mismatch", f"the server streams {rate} Hz PCM and --sample-rate is "
-                                             f"{self.cfg.sample_rate}: its audio seconds would be wrong")
+        wrong = sample_rate_problem((updated.get("session") or {}).get("sample_rate"), self.cfg.sample_rate,
+                                    "the session streams")
+        if wrong:  # as over HTTP (X-Sample-Rate)
+            rec.fail("sample_rate_mismatch", wrong)
             return
         cid = f"b{next(self._ids)}"
         tokens = text_tokens(req.body["input"], self.feed.token_chars)

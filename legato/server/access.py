@@ -112,12 +112,12 @@ class HostCheck:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
-            count = sum(1 for key, _ in scope.get("headers", []) if key.lower() == b"host")
-            if count > 1:  # RFC 9112: a 400; which of them a proxy or this check would read is anyone's guess
-                await _refuse(scope, receive, send, 400, f"the request has {count} Host headers; it may have one",
-                              "invalid_host")
+            hosts = [value for key, value in scope.get("headers", []) if key.lower() == b"host"]
+            if len(hosts) > 1:  # RFC 9112: a 400; which of them a proxy or this check would read is anyone's guess
+                await _refuse(scope, receive, send, 400, f"the request has {len(hosts)} Host headers; it may have "
+                              "one", "invalid_host")
                 return
-            given = scope_header(scope, b"host") or ""
+            given = hosts[0].decode("latin-1") if hosts else ""
             host = host_name(given)
             if host is None:
                 await _refuse(scope, receive, send, 400, f"Host {given[:100]!r} is not a host name with an optional "

@@ -19,6 +19,11 @@ OPENAI_VOICE_PREFERENCES: dict[str, tuple[str, ...]] = {
 OPENAI_VOICE_ALIASES = {name: targets[0] for name, targets in OPENAI_VOICE_PREFERENCES.items()}
 
 
+def is_openai_voice(name: str | None) -> bool:
+    """Whether `name` is one of OpenAI's voice names (any case)."""
+    return name is not None and name.lower() in OPENAI_VOICE_ALIASES
+
+
 def resolve_alias(name: str, aliases: Mapping[str, str], available: Collection[str]) -> str | None:
     """The voice of `available` (lower-case names) that alias `name` stands for, or None. An OpenAI name whose
     target the model lacks takes the next alike preset it has, and at last the model's first voice in name

@@ -17,7 +17,7 @@ from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.pipeline.client import EngineClient, SynthesisRequest
 from legato.pipeline.messages import brief
-from legato.server.aliases import OPENAI_VOICE_ALIASES, preset_of, resolve_alias
+from legato.server.aliases import OPENAI_VOICE_ALIASES, is_openai_voice, preset_of, resolve_alias
 from legato.server.encoding import (
     MEDIA_TYPES,
     STREAMABLE,
@@ -196,7 +196,7 @@ class SpeechService:
                                "missing_instructions", "instructions")
             # The OpenAI SDK requires a voice: one of OpenAI's names beside the instructions is taken as that and
             # left out (the instructions are the voice); any other name is refused.
-            if body.voice_name is not None and body.voice_name.lower() not in OPENAI_VOICE_ALIASES:
+            if body.voice_name is not None and not is_openai_voice(body.voice_name):
                 raise ApiError(400, "a VoiceDesign model has no voices: describe the voice in instructions (an "
                                     "OpenAI voice name, which the OpenAI SDK requires, may stand beside them)",
                                "unsupported_field", "voice")

@@ -210,7 +210,9 @@ class VoiceStore:
 
     async def delete(self, name: str) -> bool:
         """Removes a voice; False if there was none by that name. Raises VoiceError(409) while another request
-        is creating or replacing it (the key stays reserved across the file removal for the same reason)."""
+        is creating or replacing it (the key stays reserved across the file removal for the same reason), and
+        VoiceError(400) on a model other than Base, as `create` (its presets are not saved voices to delete)."""
+        self.require_base()
         key = name.lower() if isinstance(name, str) else None
         if key is not None and self.shared and _NAME.fullmatch(name):
             self._sync(key)

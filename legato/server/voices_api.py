@@ -94,7 +94,6 @@ def build_voices_router(store: VoiceStore, policy: MediaPolicy) -> APIRouter:
     @router.delete("/v1/audio/voices/{name:path}")
     async def delete_voice(name: str) -> JSONResponse:
         try:
-            store.require_base()  # as POST: another kind of model has only its presets, which are not deletable
             deleted = await store.delete(name)
         except VoiceError as e:
             return _error(e.status, e.message, "name")
