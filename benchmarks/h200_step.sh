@@ -15,7 +15,7 @@
 #   benchmarks/h200_step.sh splits    # the talker attention's split rule: offline.py against the same tree splitting
 #                                     # at every row count (--attn-split-all), 0.6B and 1.7B
 #   benchmarks/h200_step.sh stack     # the code predictor as one launch per pass: its CUDA checks, offline.py with
-#                                     # it (--stack) against without (BATCHES, SIZES)
+#                                     # it (--stack) against without (BATCHES, SIZES; STACK_BASE=1 adds .base/'s stack)
 #   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
@@ -113,9 +113,11 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     [ -n "${SKIP_CHECK:-}" ] || PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-200} python3 tests/decoder_stack_checks.py cuda \
       "${STACK_MODEL:-0.6B code predictor}" 2>&1 | grep -v Warn | tee /tmp/stack-check.txt | tail -30
     [ -n "${SKIP_CHECK:-}" ] || grep -q "ALL OK" /tmp/stack-check.txt || { echo "[stack] checks failed: offline.py not run"; exit 1; }
-    [ -n "${SKIP_PHASES:-}" ] || PYTHONPATH=.:$PYTHONPATH timeout ${T_PHASES:-150} python3 benchmarks/stack_phases.py --rows 1,2 \
-      --out "$OUT/stack_phases.json" 2>&1 | grep -E '^\{|Error' | cut -c1-400
+    [ -n "${SKIP_PHASES:-}" ] || PYTHONPATH=.:$PYTHONPATH timeout ${T_PHASES:-150} python3 benchmarks/stack_phases.py \
+      --rows "${STACK_ROWS:-1,2}" --out "$OUT/stack_phases.json" 2>&1 | grep -E '^\{|Error' | cut -c1-600
     for size in ${SIZES:-0.6B 1.7B}; do
+      # STACK_BASE=1: .base/'s stack first, in the same call (a kernel change against the one before it)
+      [ -n "${STACK_BASE:-}" ] && offline .base base-stack "$size" "${BATCHES:-1,2,4,8}" --stack
       offline . stack "$size" "${BATCHES:-1,2,4,8}" --stack
       offline . no-stack "$size" "${BATCHES:-1,2,4,8}"
     done ;;

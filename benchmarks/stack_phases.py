@@ -1,6 +1,7 @@
 """Device time of each phase of the code predictor's one-launch pass (`layers/decoder_stack.py`), each phase run as
-its own launch, and of the whole pass as one launch: 0.6B code predictor shapes, random weights, bf16, CUDA graphs
-of back-to-back launches.
+its own launch, and of the whole pass as one launch (each phase's weights requested before its barrier's wait, the
+default, and after it; the default timed again last, so drift shows): 0.6B code predictor shapes, random weights,
+bf16, CUDA graphs of back-to-back launches.
 
     python benchmarks/stack_phases.py --rows 1,2 --out phases.json
 """
@@ -33,6 +34,10 @@ def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
         row[name] = time_launches(lambda phase=phase: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head,
                                                                          sync=False, phases=(phase, phase)), 40)
     row["whole pass, one launch"] = time_launches(
+        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head), 40)
+    row["whole pass, one launch, weights after the barrier"] = time_launches(
+        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head, early_tiles=False), 40)
+    row["whole pass, one launch (again)"] = time_launches(
         lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head), 40)
     row["whole pass, phase launches"] = time_launches(
         lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head, sync=False), 4)

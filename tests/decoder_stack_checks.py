@@ -6,7 +6,9 @@ model's (hidden 48: chunks masked past the row; a projection from the talker's w
 with fewer layers and codebooks (the real chunking: 3 chunks for the MLP's 3072); 1 and 3 rows; on CUDA the
 0.6B's and the 1.7B's whole code predictors take the cut-down one's place. On the CPU the
 kernel runs under Triton's interpreter one phase per launch (`TRITON_INTERPRET=1`, fp32, where greedy codes must
-also be equal); on CUDA the one-launch form runs too and must equal the phase-per-launch form bit for bit, and no
+also be equal), and with each phase's weights requested after its barrier (`early_tiles=False`, the kernel's older
+order) bit for bit as before it; on CUDA the one-launch form runs too (both orders) and must equal the phase-per-launch
+form bit for bit, and no
 barrier may have given up, and reruns of the one launch (some behind matmuls on another stream) must equal it bit for
 bit; each half-precision path's logits are also measured against fp32 math on the same
 weights (`FP32_REFERENCE`, printed, not checked). `python tests/decoder_stack_checks.py [cuda|cpu]`.
@@ -51,7 +53,7 @@ def _models(device: str) -> dict[str, tuple[CodePredictorConfig, int]]:
 
 
 def _run(cp: CodePredictor, past: torch.Tensor, first: torch.Tensor, forced: torch.Tensor | None, stacked: bool,
-         sync: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         sync: bool | None = None, early_tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logits: list[torch.Tensor] = []
 
     def sample(scores, g):
@@ -61,7 +63,7 @@ def _run(cp: CodePredictor, past: torch.Tensor, first: torch.Tensor, forced: tor
     cache = cp.new_cache(past.shape[0], past.dtype, past.device)
     run = decoder_stack.run
     if sync is not None:
-        decoder_stack.run = lambda *a, **kw: run(*a, **kw, sync=sync)
+        decoder_stack.run = lambda *a, **kw: run(*a, **kw, sync=sync, early_tiles=early_tiles)
     try:
         with torch.inference_mode():
             if stacked:
@@ -140,6 +142,10 @@ def run_checks(device: str, dtype: torch.dtype, only: str | None = None) -> dict
                       f"{time.perf_counter() - start:.1f} s", flush=True)
             errors[f"{name}, {rows} rows: logits"] = rel_err(got_logits, want_logits)
             errors[f"{name}, {rows} rows: caches"] = rel_err(got_cache, want_cache)
+            if rows == 1:  # each phase's weights requested before its barrier's wait (the default) or after it
+                late = _run(cp, past, first, want_codes, stacked=True, sync=False, early_tiles=False)
+                errors[f"{name}, {rows} rows: weights after the barrier vs before"] = float(
+                    not (torch.equal(late[1], got_logits) and torch.equal(late[2], got_cache)))
             if dtype == torch.float32:  # greedy codes of the stacked pass run free
                 free_codes = _run(cp, past, first, None, stacked=True, sync=False)[0]
                 errors[f"{name}, {rows} rows: greedy codes differ"] = float((free_codes != want_codes).sum())
@@ -152,6 +158,9 @@ def run_checks(device: str, dtype: torch.dtype, only: str | None = None) -> dict
                       f"{decoder_stack.barrier_errors()}", flush=True)
                 errors[f"{name}, {rows} rows: one launch vs phase launches"] = float(
                     not (torch.equal(one[1], got_logits) and torch.equal(one[2], got_cache)))
+                late = _run(cp, past, first, want_codes, stacked=True, sync=True, early_tiles=False)
+                errors[f"{name}, {rows} rows: one launch, weights after the barrier vs before"] = float(
+                    not (torch.equal(late[1], one[1]) and torch.equal(late[2], one[2])))
                 _against_fp32(name, rows, cp, talker_hidden, device, dtype, past, first, want_codes, want_logits,
                               one[1])
                 errors[f"{name}, {rows} rows: one-launch reruns that differ"] = _reruns_that_differ(

@@ -15,6 +15,11 @@ phases that need each other's results:
 5. the down projection and the residual add;
 then, after the last layer, the final norm and the codebook's head, whose logits the sampler reads.
 
+A barrier is an arrive (a release increment) and a wait (acquire polls). Weights are never written in a launch, so
+each phase's weight tile is requested between the two: it streams in while the slowest program finishes the phase
+before. (Requested before the arrive, as a first version did, the release waited for those loads to land, and the
+pass ran slower: 134 against 123 us on the H200.)
+
 Rounding follows the eager path (`decoder_layer.run_layers`): every activation is rounded to the activation dtype
 where the unfused path stores one, and the sums run in fp32, so the only difference is the order of the sums.
 Under Triton's interpreter programs run one after another, so a barrier could never be passed: there (and when
@@ -196,12 +201,13 @@ def default_programs(device: torch.device) -> int:
 
 def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: int,
         cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, *, programs: int | None = None,
-        sync: bool | None = None, phases: tuple[int, int] | None = None) -> torch.Tensor:
+        sync: bool | None = None, phases: tuple[int, int] | None = None, early_tiles: bool = True) -> torch.Tensor:
     """One token per row through every layer, the final norm and `head` [V, hidden] -> logits [B, V] (fp32).
 
     x [B, hidden] (read only); k_cache/v_cache [L, B, kv_heads, capacity, D] hold the positions before `position`
     and get this token's key and value there; cos/sin [D] (fp32) of `position`. `sync` False runs each phase as its
-    own launch (the interpreter's way; the default on CPU tensors)."""
+    own launch (the interpreter's way; the default on CPU tensors). `early_tiles` False loads each phase's weights
+    after its barrier (the kernel before 2026-12-06: the same arithmetic, kept to compare against)."""
     rows, hidden = x.shape
     layers, _, kv_heads, capacity, head_dim = k_cache.shape
     if not 0 <= position < capacity:
@@ -230,7 +236,7 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         KC_H=kc_h, C_H=c_h, CP_H=cp_h, KC_A=kc_a, C_A=c_a, KC_I=kc_i, C_I=c_i, CP_I=cp_i,
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
         BN_V=_block(vocab, programs), SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
-        GU_PARTS=2 if _block(inter, programs) > 1 else 1,
+        GU_PARTS=2 if _block(inter, programs) > 1 else 1, EARLY=early_tiles,
     )
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
@@ -252,11 +258,16 @@ if triton is not None:
     _norm_rope = fused_attention._norm_rope
 
     @triton.jit
-    def _grid_sync(bar_ptr, target, SPIN: tl.constexpr):
-        # Every thread's stores are done (CTA barrier) before one release increment; the acquire polls make the
-        # other programs' stores visible to the loads after it (activations are read with .cg, past L1).
+    def _arrive(bar_ptr):
+        # Every thread's stores are done (CTA barrier) before one release increment.
         tl.debug_barrier()
         tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def _wait(bar_ptr, target, SPIN: tl.constexpr):
+        # The acquire polls make the other programs' stores visible to the loads after it (activations are read
+        # with .cg, past L1). Loads issued between `_arrive` and here (the next phase's weights, which no program
+        # writes) are in flight while it polls: the release in `_arrive` would have waited for them.
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         spins = 0
         while (seen < target) & (spins < SPIN):
@@ -306,6 +317,11 @@ if triton is not None:
         return _round(w * _round(x * inv, like_ptr), like_ptr)
 
     @triton.jit
+    def _when(hi, lo, phase, first, last):
+        # A span's end, or its start (an empty span: the tile loads nothing) where `phase` is not run.
+        return tl.where((phase >= first) & (phase <= last), hi, lo)
+
+    @triton.jit
     def _stack_kernel(
         x_in_ptr, x_ptr, qkv_ptr, attn_ptr, g_ptr, logits_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr,
         qn_ptr, kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr, rows, position, eps, scale, first,
@@ -315,29 +331,49 @@ if triton is not None:
         CAP: tl.constexpr, CAP_P2: tl.constexpr, KC_H: tl.constexpr, C_H: tl.constexpr, CP_H: tl.constexpr,
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, SPIN: tl.constexpr,
-        PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, SYNC: tl.constexpr,
+        PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, EARLY: tl.constexpr, SYNC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         N_QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         WIDTH: tl.constexpr = HEADS * HEAD_DIM
         GROUP: tl.constexpr = HEADS // KV_HEADS
+        BN_PART: tl.constexpr = BN_GU // GU_PARTS
+        lo_q, hi_q = _span(pid, programs, N_QKV)
+        lo_h, hi_h = _span(pid, programs, HIDDEN)  # the o and down projections' columns
+        lo_i, hi_i = _span(pid, programs, INTER)
+        # EARLY: a phase's weight tile is requested between the barrier's arrive and its wait (`_arrive`, `_wait`),
+        # so it streams in while the slowest program finishes the phase before. The barrier that ends a layer opens
+        # the next one's iteration: a q/k/v tile carried from one iteration to the next spilled (ptxas: 1,592 bytes
+        # of stack a thread against 488).
         for layer in range(LAYERS):
             s = PHASES_PER_LAYER * layer
+            if SYNC:
+                if layer > 0:
+                    _arrive(bar_ptr)
+            if EARLY:
+                w_qkv = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo_q, _when(hi_q, lo_q, s, first, last), C_H, CP_H,
+                              KC_H, BN_QKV)
+            if SYNC:
+                if layer > 0:
+                    _wait(bar_ptr, s * programs, SPIN)
             # 1. norm, then q/k/v.
             if (s >= first) & (s <= last):
-                lo, hi = _span(pid, programs, N_QKV)
-                w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo, hi, C_H, CP_H, KC_H, BN_QKV)
-                n = lo + tl.arange(0, BN_QKV)
+                if EARLY:
+                    w = w_qkv
+                else:
+                    w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo_q, hi_q, C_H, CP_H, KC_H, BN_QKV)
+                n = lo_q + tl.arange(0, BN_QKV)
                 for r in range(rows):
                     if layer == 0:  # the input stays as given; phase 2 starts the working copy x
                         xv = _vector(x_in_ptr + r * HIDDEN, C_H, CP_H, KC_H)
                     else:
                         xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
                     h = _rms(xv, ln1_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
-                    tl.store(qkv_ptr + r * N_QKV + n, _dot(w, h), mask=n < hi)
+                    tl.store(qkv_ptr + r * N_QKV + n, _dot(w, h), mask=n < hi_q)
             if SYNC:
-                _grid_sync(bar_ptr, (s + 1) * programs, SPIN)
+                _arrive(bar_ptr)
+                _wait(bar_ptr, (s + 1) * programs, SPIN)
             # 2. attention: one (row, kv head) per program, its group of query heads over the row's positions.
             if (s + 1 >= first) & (s + 1 <= last):
                 d = tl.arange(0, HEAD_DIM)
@@ -385,58 +421,88 @@ if triton is not None:
                     tl.store(k_ptr + at, k_new)
                     tl.store(v_ptr + at, v_new)
             if SYNC:
-                _grid_sync(bar_ptr, (s + 2) * programs, SPIN)
+                _arrive(bar_ptr)
+            if EARLY:
+                w_o = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_h, _when(hi_h, lo_h, s + 2, first, last), C_A, C_A,
+                            KC_A, BN_O)
+            if SYNC:
+                _wait(bar_ptr, (s + 2) * programs, SPIN)
             # 3. o projection, residual add.
             if (s + 2 >= first) & (s + 2 <= last):
-                lo, hi = _span(pid, programs, HIDDEN)
-                w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo, hi, C_A, C_A, KC_A, BN_O)
-                n = lo + tl.arange(0, BN_O)
+                if EARLY:
+                    w = w_o
+                else:
+                    w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_h, hi_h, C_A, C_A, KC_A, BN_O)
+                n = lo_h + tl.arange(0, BN_O)
                 for r in range(rows):
                     o = _round(_dot(w, _vector(attn_ptr + r * WIDTH, C_A, C_A, KC_A)), x_ptr)
                     if layer == 0:
-                        res = tl.load(x_in_ptr + r * HIDDEN + n, mask=n < hi, other=0.0).to(tl.float32)
+                        res = tl.load(x_in_ptr + r * HIDDEN + n, mask=n < hi_h, other=0.0).to(tl.float32)
                     else:
-                        res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi, other=0.0, cache_modifier=".cg")
+                        res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
                         res = res.to(tl.float32)
-                    tl.store(x_ptr + r * HIDDEN + n, res + o, mask=n < hi)
+                    tl.store(x_ptr + r * HIDDEN + n, res + o, mask=n < hi_h)
+            base_gu = wgu_ptr + layer * (2 * INTER * HIDDEN)
             if SYNC:
-                _grid_sync(bar_ptr, (s + 3) * programs, SPIN)
+                _arrive(bar_ptr)
+            if EARLY:  # the first of the gate/up parts
+                hi_part = _when(hi_i, lo_i, s + 3, first, last)
+                wg_first = _tile(base_gu, lo_i, hi_part, C_H, CP_H, KC_H, BN_PART)
+                wu_first = _tile(base_gu + INTER * HIDDEN, lo_i, hi_part, C_H, CP_H, KC_H, BN_PART)
+            if SYNC:
+                _wait(bar_ptr, (s + 3) * programs, SPIN)
             # 4. norm, then gate/up with SiLU.
             if (s + 3 >= first) & (s + 3 <= last):
-                lo, hi = _span(pid, programs, INTER)
-                base_gu = wgu_ptr + layer * (2 * INTER * HIDDEN)
                 # The program's columns in two passes: the gate and up tiles of all of them at once held twice the
                 # q/k/v phase's registers and spilled (ptxas: 444 bytes of spills, 60 without the second tile).
                 for part in tl.static_range(GU_PARTS):
-                    part_lo = tl.minimum(lo + part * (BN_GU // GU_PARTS), hi)
-                    wg = _tile(base_gu, part_lo, hi, C_H, CP_H, KC_H, BN_GU // GU_PARTS)
-                    wu = _tile(base_gu + INTER * HIDDEN, part_lo, hi, C_H, CP_H, KC_H, BN_GU // GU_PARTS)
-                    n = part_lo + tl.arange(0, BN_GU // GU_PARTS)
+                    part_lo = tl.minimum(lo_i + part * BN_PART, hi_i)
+                    if EARLY and part == 0:
+                        wg = wg_first
+                        wu = wu_first
+                    else:
+                        wg = _tile(base_gu, part_lo, hi_i, C_H, CP_H, KC_H, BN_PART)
+                        wu = _tile(base_gu + INTER * HIDDEN, part_lo, hi_i, C_H, CP_H, KC_H, BN_PART)
+                    n = part_lo + tl.arange(0, BN_PART)
                     for r in range(rows):
                         xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
                         h = _rms(xv, ln2_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
                         gate = _round(_dot(wg, h), x_ptr)
                         up = _round(_dot(wu, h), x_ptr)
-                        tl.store(g_ptr + r * INTER + n, gate / (1.0 + tl.exp(-gate)) * up, mask=n < hi)
+                        tl.store(g_ptr + r * INTER + n, gate / (1.0 + tl.exp(-gate)) * up, mask=n < hi_i)
             if SYNC:
-                _grid_sync(bar_ptr, (s + 4) * programs, SPIN)
+                _arrive(bar_ptr)
+            if EARLY:
+                w_down = _tile(wd_ptr + layer * (HIDDEN * INTER), lo_h, _when(hi_h, lo_h, s + 4, first, last), C_I,
+                               CP_I, KC_I, BN_O)
+            if SYNC:
+                _wait(bar_ptr, (s + 4) * programs, SPIN)
             # 5. down, residual add.
             if (s + 4 >= first) & (s + 4 <= last):
-                lo, hi = _span(pid, programs, HIDDEN)
-                w = _tile(wd_ptr + layer * (HIDDEN * INTER), lo, hi, C_I, CP_I, KC_I, BN_O)
-                n = lo + tl.arange(0, BN_O)
+                if EARLY:
+                    w = w_down
+                else:
+                    w = _tile(wd_ptr + layer * (HIDDEN * INTER), lo_h, hi_h, C_I, CP_I, KC_I, BN_O)
+                n = lo_h + tl.arange(0, BN_O)
                 for r in range(rows):
                     a = _vector(g_ptr + r * INTER, C_I, CP_I, KC_I)
                     delta = _round(_dot(w, a), x_ptr)
-                    res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi, other=0.0, cache_modifier=".cg")
-                    tl.store(x_ptr + r * HIDDEN + n, res.to(tl.float32) + delta, mask=n < hi)
-            if SYNC:
-                _grid_sync(bar_ptr, (s + 5) * programs, SPIN)
+                    res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
+                    tl.store(x_ptr + r * HIDDEN + n, res.to(tl.float32) + delta, mask=n < hi_h)
         # 6. final norm and the head.
         s = PHASES_PER_LAYER * LAYERS
+        lo, hi = _span(pid, programs, VOCAB)
+        if SYNC:
+            _arrive(bar_ptr)
+        if EARLY:
+            w_head = _tile(head_ptr, lo, _when(hi, lo, s, first, last), C_H, CP_H, KC_H, BN_V)
+        if SYNC:
+            _wait(bar_ptr, s * programs, SPIN)
         if (s >= first) & (s <= last):
-            lo, hi = _span(pid, programs, VOCAB)
-            w = _tile(head_ptr, lo, hi, C_H, CP_H, KC_H, BN_V)
+            if EARLY:
+                w = w_head
+            else:
+                w = _tile(head_ptr, lo, hi, C_H, CP_H, KC_H, BN_V)
             n = lo + tl.arange(0, BN_V)
             for r in range(rows):
                 xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
