@@ -3,10 +3,10 @@
 A frame draws 16 tokens one after another (codebook 0, then the code predictor's 15). Compiled by
 `torch.compile`, each draw was still ~38 us of device time at batch 1 on the H200: a radix sort of the row
 (~22 us) and five more kernels. Here a row's logits stay in one program's registers, Philox runs in the
-kernel, and one argmax draws. The top-k value and the top-p cut are found by searching the values' bit
-patterns (8 passes of 16 counts each, the top-p one skipped when the row's top_p is 1; halving took 32), not by
-sorting: an in-register bitonic sort of 2,048 values took ~42 us per draw on the H200, the same at batch 1 and
-64 (docs/benchmarks.md), most of a frame's sixteen draws.
+kernel, and one argmax draws. The top-k value and the top-p cut are found by bisection over the values'
+bit patterns (32 counting passes each, the top-p one skipped when the row's top_p is 1), not by sorting: an
+in-register bitonic sort of 2,048 values took ~42 us per draw on the H200, the same at batch 1 and 64
+(docs/benchmarks.md), most of a frame's sixteen draws.
 
 Same contract as `sampler.draw`, to the bit where the math library allows: the masses, thresholds, cut and
 Philox words are computed exactly as there (integer cumulative masses, float64 comparisons); on CUDA the
@@ -29,10 +29,6 @@ except ImportError:  # pragma: no cover - depends on the install
 # The sampler takes the kernel on CUDA when this is on (benchmarks switch it off to measure the compiled path).
 ENABLED = True
 _MASS_SCALE = 2.0**36  # sampler._MASS_BITS
-# The top-k and top-p searches test SEARCH_WAYS candidates a pass: a span of 2**32 + 1 keys shrinks to one in
-# SEARCH_PASSES passes (each at most ceil(span / (WAYS + 1))), where halving took 32 block-wide reductions.
-SEARCH_WAYS = 16
-SEARCH_PASSES = 8
 
 
 def available(logits: torch.Tensor) -> bool:
@@ -109,39 +105,28 @@ if triton is not None:
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         return tl.where(x == 0.0, 0, key).to(tl.int64)
 
-    _WAYS: tl.constexpr = tl.constexpr(SEARCH_WAYS)
-    _PASSES: tl.constexpr = tl.constexpr(SEARCH_PASSES)
-
-    @triton.jit
-    def _candidates(lo, hi):
-        # lo + j * step for j = 1.._WAYS, splitting [lo, hi) into _WAYS + 1 spans of at most step each.
-        step = tl.maximum((hi - lo + _WAYS) // (_WAYS + 1), 1)
-        return lo + (tl.arange(0, _WAYS) + 1).to(tl.int64) * step, step
-
     @triton.jit
     def _kth_largest_key(key, valid, k, lowest, highest):
         # The largest t with count(key >= t) >= k: the k-th largest key, counting ties (k <= the valid count).
-        # Each pass counts at _WAYS candidates at once (one block-wide reduction, whose round trip is the cost at
-        # one row, not the compares); those that hold are a prefix, and the answer lies in the span after the
-        # last of them. _PASSES cover the int32 range; once converged a pass changes nothing.
+        # 32 halvings cover the int32 range; once converged an iteration changes nothing.
         lo = lowest  # count = all >= k
         hi = highest + 1  # count = 0 < k
-        for _ in tl.static_range(_PASSES):
-            mids, step = _candidates(lo, hi)
-            counts = tl.sum((valid[None, :] & (key[None, :] >= mids[:, None])).to(tl.int32), axis=1)
-            held = tl.sum(((counts >= k) & (mids < hi)).to(tl.int64), axis=0)
-            lo, hi = lo + held * step, tl.minimum(lo + (held + 1) * step, hi)
+        for _ in tl.static_range(32):
+            mid = lo + (hi - lo) // 2
+            enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
         return lo
 
     @triton.jit
     def _top_p_key(key, mass, threshold, lo, hi):
         # The smallest key t with float64(sum of mass over key <= t) > threshold, searched in (lo, hi] where lo
-        # fails and hi holds: _WAYS candidates a pass, as `_kth_largest_key`; those that fail are a prefix.
-        for _ in tl.static_range(_PASSES):
-            mids, step = _candidates(lo, hi)
-            sums = tl.sum(tl.where(key[None, :] <= mids[:, None], mass[None, :], 0), axis=1)
-            failed = tl.sum(((sums.to(tl.float64) <= threshold) & (mids < hi)).to(tl.int64), axis=0)
-            lo, hi = lo + failed * step, tl.minimum(lo + (failed + 1) * step, hi)
+        # fails and hi holds.
+        for _ in tl.static_range(32):
+            mid = lo + (hi - lo) // 2
+            holds = tl.sum(tl.where(key <= mid, mass, 0), axis=0).to(tl.float64) > threshold
+            hi = tl.where(holds, mid, hi)
+            lo = tl.where(holds, lo, mid)
         return hi
 
     @triton.jit
