@@ -45,10 +45,36 @@ def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
     return row
 
 
+def sweep(cp: CodePredictor, knobs: list[tuple[int, int]]) -> dict[str, float]:
+    """The whole one-row pass as one launch under (warps, programs) knobs, the default timed first and last."""
+    cfg, w = cp.config, cp.stack
+    cos = torch.ones(cfg.head_dim, device="cuda")
+    sin = torch.zeros(cfg.head_dim, device="cuda")
+    head = cp.lm_head[0].weight
+    x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    cache = cp.new_cache(1, torch.bfloat16, torch.device("cuda"))
+    default = (decoder_stack.WARPS, decoder_stack.default_programs(x.device))
+    out = {}
+    for warps, programs in [default, *knobs, default]:
+        decoder_stack.WARPS = warps
+        try:
+            us = time_launches(lambda p=programs: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head,
+                                                                    programs=p), 40)
+        finally:
+            decoder_stack.WARPS = default[0]
+        key = f"{warps} warps, {programs} programs"
+        out[key if key not in out else key + " (again)"] = us
+        print(json.dumps({key: round(us, 2), "barrier errors": decoder_stack.barrier_errors()}), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--knobs", default="",
+                    help="warps:programs,... for the one-row pass as one launch (a program per SM at most: the "
+                         "barrier needs them all resident)")
     args = ap.parse_args()
     cfg = CodePredictorConfig()
     cp = CodePredictor(cfg, 1024)
@@ -62,6 +88,8 @@ def main() -> None:
         row = measure(cp, rows, names)
         result["rows"][f"{rows} rows"] = row
         print(json.dumps({"rows": rows, **{k: round(v, 2) for k, v in row.items()}}), flush=True)
+    if args.knobs:
+        result["knobs"] = sweep(cp, [tuple(int(v) for v in k.split(":")) for k in args.knobs.split(",")])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
