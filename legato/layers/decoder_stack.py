@@ -51,9 +51,10 @@ except ImportError:  # pragma: no cover - depends on the install
 # against 3.93 ms) and two rows 0.84x (docs/benchmarks.md). The engine uses the kernel only when asked
 # (`EngineConfig.code_predictor_stack`).
 MAX_ROWS = 1
-# 8 warps a program: 123.7 us a pass against 127.3 at 16, 154.9 at 4 (H100, benchmarks/stack_phases.py --knobs; fewer
-# programs than SMs were slower still: 161.9 us at 66).
-WARPS = 8
+# 16 warps a program. Alone, 8 ran a one-row pass in 123.7 us against 127.3 (4 warps 154.9; fewer programs than SMs
+# slower still: 161.9 at 66), but the engine's frame was slower with 8: 3.717 against 3.668 ms, each against the
+# same base at 3.85-3.87 (H100, 2026-12-06, stack_phases.py --knobs and offline.py --stack).
+WARPS = 16
 # Polls of a barrier before it gives up: seconds of waiting, never reached when all is well (a probe may set fewer
 # through LEGATO_STACK_SPIN).
 SPIN_LIMIT = int(os.environ.get("LEGATO_STACK_SPIN", 1 << 22))
