@@ -120,10 +120,12 @@ def _reruns_that_differ(cp, past, first, codes, want) -> float:
     return float(differ)
 
 
-def run_checks(device: str, dtype: torch.dtype, only: str | None = None) -> dict[str, float]:
+def run_checks(device: str, dtype: torch.dtype, only: str | None = None,
+               names: set[str] | None = None) -> dict[str, float]:
+    """`only`: one model, each result printed as it comes (a device probe); `names`: the models to run (all)."""
     errors: dict[str, float] = {}
     for name, (cfg, talker_hidden) in _models(device).items():
-        if only is not None and name != only:
+        if (only is not None and name != only) or (names is not None and name not in names):
             continue
         cp = CodePredictor(cfg, talker_hidden)
         randomize_(cp, seed=3, std=0.05)
