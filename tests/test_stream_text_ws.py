@@ -87,6 +87,17 @@ def test_session_updated_echoes_a_reference_url_but_not_inline_data():
     assert inline.speech.ref_audio.startswith("UklGR")  # only the echo leaves it out: the session keeps it
 
 
+def test_session_null_clears_the_audio_transport_and_refuses_an_unknown_field():
+    from legato.server.ws_protocol import ProtocolError, default_session, session_config
+
+    sent_as_text = session_config({"audio_transport": "base64", "seed": 3}, default_session())
+    cleared = session_config({"audio_transport": None}, sent_as_text)  # null clears a field, this one too
+    assert cleared.transport == "binary" and cleared.speech.seed == 3
+    with pytest.raises(ProtocolError) as refused:  # a misspelt field is refused whatever its value
+        session_config({"sede": None}, sent_as_text)
+    assert refused.value.code == "invalid_session" and refused.value.param == "sede"
+
+
 def test_cancel_stops_one_context_and_leaves_the_other(loaded):
     app, client = make_app(loaded)
     speaker = client.info.speakers[0]

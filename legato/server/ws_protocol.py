@@ -145,6 +145,8 @@ def session_config(fields: dict[str, Any], current: SessionConfig) -> SessionCon
     """`fields` applied over `current` (a session.update changes what it names); raises ProtocolError."""
     fields = dict(fields)
     transport = fields.pop("audio_transport", current.transport)
+    if transport is None:  # null clears it, as it clears any other session field
+        transport = default_session().transport
     if transport not in TRANSPORTS:
         raise ProtocolError(f"audio_transport must be one of {', '.join(TRANSPORTS)}", "invalid_session",
                             "audio_transport")
@@ -155,7 +157,9 @@ def session_config(fields: dict[str, Any], current: SessionConfig) -> SessionCon
     merged = {**current.speech.model_dump(exclude_unset=True), **fields}
     session_defaults = default_session().speech.model_dump(exclude_unset=True)
     for name, value in fields.items():  # null clears a field: back to the session's default, whatever its type
-        if value is None:
+        # A name the request does not have stays, so validation refuses it as it refuses any other value: a
+        # misspelt field cleared with null must not pass without a word.
+        if value is None and name in SpeechRequest.model_fields:
             if name in session_defaults:
                 merged[name] = session_defaults[name]
             else:
