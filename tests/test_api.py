@@ -57,6 +57,21 @@ def test_token_ids_drive_the_model_as_the_text_does(tiny_checkpoint):
         tts.generate(text_ids=[1.5, 2], **kw)
 
 
+def test_a_blank_text_or_transcript_is_refused_as_the_server_refuses_it(tiny_checkpoint):
+    """Zero-width or control characters are nothing to say: HTTP answers 400, and `generate` (and so `legato
+    synth`) refuses them too instead of making noise."""
+    tts = TTS.load(tiny_checkpoint)
+    emb = torch.randn(64, generator=torch.Generator().manual_seed(4))
+    params = SamplingParams(seed=1, max_new_tokens=3)
+    for text in ("\u200b" * 10, "\x01\x02\x1f", "\u200e \ufeff"):
+        with pytest.raises(PromptError, match="blank"):
+            tts.generate(text, sampling=params, speaker_embedding=emb, x_vector_only=True)
+    saved = dict(speaker_embedding=emb, ref_code=torch.zeros(4, 16, dtype=torch.long))  # a saved voice's fields
+    with pytest.raises(PromptError, match="needs ref_text"):
+        tts.generate("Hello.", sampling=params, ref_text="\u200b\u200b", **saved)
+    assert tts.generate("Hello.", sampling=params, ref_text="Hi.", **saved).codes.shape[0] > 0
+
+
 def test_greedy_is_one_flag_and_the_finish_reason_is_returned(tiny_checkpoint):
     tts = TTS.load(tiny_checkpoint)
     emb = torch.randn(64, generator=torch.Generator().manual_seed(3))

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .audio import AudioError, resample
+from .blank import is_blank
 from .loader import LoadedModel
 from .prompt import PromptError, PromptSpec, instruct_text_ids, ref_text_ids, target_text_ids, target_text_ids_of
 
@@ -192,7 +193,7 @@ def reaches_voice(inp: SpeechInput) -> bool:
         return False
     if inp.text_ids is not None:
         return not inp.text
-    return isinstance(inp.text, str) and bool(inp.text.strip())
+    return isinstance(inp.text, str) and not is_blank(inp.text)
 
 
 def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> PromptSpec:
@@ -205,6 +206,8 @@ def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> 
         text_ids = target_text_ids_of(tok, _token_ids(inp.text_ids))
     elif not isinstance(inp.text, str) or not inp.text.strip():
         raise PromptError("input text is empty")
+    elif is_blank(inp.text):  # the server's rule: zero-width or control characters only is nothing to say
+        raise PromptError("input text is blank (only spaces, control or invisible characters)")
     else:
         text_ids = target_text_ids(tok, inp.text)
     model_type = loaded.config.tts_model_type
@@ -224,7 +227,7 @@ def build_spec(loaded: LoadedModel, inp: SpeechInput, extract=extract_voice) -> 
         raise PromptError(
             "a Base model clones a voice: give ref_audio (+ ref_text), a speaker_embedding or a saved voice"
         )
-    if model_type == "base" and not x_vector_only and not inp.ref_text:
+    if model_type == "base" and not x_vector_only and (not inp.ref_text or is_blank(inp.ref_text)):
         raise PromptError("in-context voice cloning needs ref_text (the transcript of ref_audio); "
                           "or set x_vector_only")
     return PromptSpec(
