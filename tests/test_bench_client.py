@@ -94,6 +94,33 @@ def test_bench_serve_refuses_counts_below_one_in_one_line(flag, capsys):
     assert exit_.value.code == 2 and "must be an integer >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [
+    ["serve", "--timeout", "nan"], ["serve", "--timeout", "0"], ["serve", "--frames-per-char", "nan"],
+    ["serve", "--frames-per-char", "inf"], ["sweep", "--startup-timeout", "-1"], ["soak", "--duration", "inf"],
+    ["soak", "--duration", "nan"], ["soak", "--timeout", "0"], ["soak", "--drain-timeout", "-1"],
+])
+def test_bench_refuses_seconds_and_rates_that_are_not_finite_and_positive_in_one_line(flag, capsys):
+    """NaN passed `<= 0` checks (`serve --timeout nan` failed every request "within nan s"), `soak --duration inf`
+    was a traceback and `soak --timeout 0` a misleading ConnectTimeout: all are refused before any request."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *flag])
+    assert exit_.value.code == 2 and "must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_bench_serve_refuses_cancel_after_without_stream_text(capsys):
+    """Cancels are the streaming-text socket's: over HTTP the flag measured nothing, without a word."""
+    assert main(["bench", "serve", "--no-progress", "--cancel-after", "1", "--base-url", "http://127.0.0.1:9"]) == 2
+    assert "--cancel-after cancels streaming-text contexts: add --stream-text" in capsys.readouterr().err
+
+
+def test_summarize_env_pairs_are_named_keys_not_topologies():
+    from legato.bench.cli import _pairs
+
+    assert _pairs(["commit=abc"], "--env", "KEY") == {"commit": "abc"}
+    with pytest.raises(SystemExit, match="--env 'bogus': expected KEY=VALUE"):
+        _pairs(["bogus"], "--env", "KEY")
+
+
 def test_connection_refused_is_a_transport_failure():
     async def go():
         cfg = ClientConfig(base_url=f"http://127.0.0.1:{free_port()}", progress=False, timeout_s=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from dataclasses import asdict
@@ -26,6 +27,19 @@ def _rate(value: str) -> float:
     return rate
 
 
+def _positive(value: str) -> float:
+    """A finite number > 0 (seconds, frames a character). NaN compares false with everything, so it slipped past
+    `<= 0` checks (`--timeout nan` failed every request "within nan s"), and inf overflowed where a count is
+    worked out from it (`bench soak --duration inf`, a traceback)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not 0 < number < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value!r}")
+    return number
+
+
 def _positive_int(value: str) -> int:
     try:
         number = int(value)
@@ -40,13 +54,13 @@ def _ints(value: str) -> list[int]:
     return [int(v) for v in value.split(",") if v.strip()]
 
 
-def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
-    """`T=VALUE` items (the topology itself may contain ':')."""
+def _pairs(items: list[str] | None, what: str, key_name: str = "TOPOLOGY") -> dict[str, str]:
+    """`KEY=VALUE` items (a topology key may itself contain ':')."""
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"legato bench: {what} {item!r}: expected TOPOLOGY=VALUE")
+            raise SystemExit(f"legato bench: {what} {item!r}: expected {key_name}=VALUE")
         out[key] = value
     return out
 
@@ -71,7 +85,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--language", default=None, help="language sent with each request (default: from the locale)")
     g.add_argument("--fixed-length", action="store_true",
                    help="ask the server to ignore EOS and produce a length derived from the text (random weights)")
-    g.add_argument("--frames-per-char", type=float, default=0.8, help="fixed length: frames per text character")
+    g.add_argument("--frames-per-char", type=_positive, default=0.8, help="fixed length: frames per text character")
     g.add_argument("--min-frames", type=int, default=4, help="fixed length: fewest frames")
     g.add_argument("--max-frames", type=int, default=250, help="fixed length: most frames")
     g.add_argument("--max-new-tokens", type=int, default=None, help="max_new_tokens sent with each request "
@@ -84,7 +98,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--request-rate", type=_rate, default=float("inf"),
                    help="Poisson arrivals per second; inf: all at once")
     c.add_argument("--num-warmups", type=int, default=2, help="requests sent (and not counted) before the run")
-    c.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
+    c.add_argument("--timeout", type=_positive, default=300.0, help="per-request deadline in seconds")
     c.add_argument("--sample-rate", type=_positive_int, default=24000,
                    help="sample rate of the PCM stream: a response whose X-Sample-Rate differs fails (its audio "
                         "seconds would be wrong)")
@@ -144,8 +158,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="server command (default: the installed `legato serve` beside this Python)")
     p.add_argument("--host", default="127.0.0.1", help="address the servers listen on")
     p.add_argument("--port", type=int, default=None, help="port of the servers (default: a free port)")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server may take to be ready")
-    p.add_argument("--stop-grace", type=float, default=15.0, help="seconds a server gets to stop before SIGKILL")
+    p.add_argument("--startup-timeout", type=_positive, default=300.0, help="seconds a server may take to be ready")
+    p.add_argument("--stop-grace", type=_positive, default=15.0, help="seconds a server gets to stop before SIGKILL")
     p.add_argument("--allow-unfair", action="store_true",
                    help="run/compare topologies with different GPU counts or limits (flagged in the summary)")
     p.set_defaults(func=_run(_sweep))
@@ -181,7 +195,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "legato bench soak --duration 600 --pid <server pid> --out soak.json. Exit 1 on any bad "
                     "response or leaked block.")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
-    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (600: the operators' soak)")
+    p.add_argument("--duration", type=_positive, default=600.0, help="seconds of load (600: the operators' soak)")
     p.add_argument("--concurrency", type=int, default=8, help="clients, each looping requests")
     p.add_argument("--disconnect-rate", type=float, default=0.1, help="share of requests the client leaves early")
     p.add_argument("--windows", type=int, default=None, help="windows the run is cut into (default: one a minute, "
@@ -193,8 +207,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-frames", type=int, default=40, help="most frames of a request")
     p.add_argument("--voice", default="ryan", help="voice sent with each request ('' for none)")
     p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline in seconds (past it: a hang)")
-    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds the engine gets to drain after")
+    p.add_argument("--timeout", type=_positive, default=120.0, help="per-request deadline in seconds (past it: a hang)")
+    p.add_argument("--drain-timeout", type=_positive, default=60.0, help="seconds the engine gets to drain after")
     p.add_argument("--no-warmup", action="store_true", help="no warm-up request of every kind before the clock")
     p.add_argument("--out", default=None, help="write the report JSON here (default: none)")
     p.add_argument("--api-key", default=None,
@@ -277,6 +291,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.stream_text:  # before the server is asked anything
         check_stream_text_args(args)
+    elif args.cancel_after is not None:  # an HTTP run has no contexts to cancel: it would measure no barge-in
+        raise ValueError("--cancel-after cancels streaming-text contexts: add --stream-text")
     card = server_card(args)
     problem = unreachable(card, args.base_url, api_key(args)) if isinstance(card, Exception) else None
     if problem is not None:  # every request would fail the same way: say why once, before any is sent
@@ -413,7 +429,7 @@ def _summarize(args: argparse.Namespace) -> int:
             "dataset": first["dataset"]["path"], "mode": first["request"]["mode"],
             "fixed_length": fixed["rule"] if fixed else None, "max_num_seqs": first.get("max_num_seqs"),
             "server_args": first.get("server_args"), "slo": first.get("slo"),
-            "environment": _pairs(args.env, "--env"), "control": sorted({c["control"] for c in cells}),
+            "environment": _pairs(args.env, "--env", "KEY"), "control": sorted({c["control"] for c in cells}),
             "title": "legato bench summary",
             "runs_note": "The rows' runs (each request, aggregates, exact config): "
                          + ", ".join(f"`{c['result']}`" for c in cells) + "."}
