@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from legato.bench.soak import SoakConfig, _windows
 from legato.bench.speech_calls import SAMPLES_PER_FRAME, Outcome, body_problem, refusal_problem, sse_problem
+from legato.cli import main
 from legato.server.encoding import StreamEncoder, encode_file
 
 FRAMES = 7
@@ -92,3 +95,12 @@ def test_the_command_says_when_the_server_is_not_there(capsys):
 
     assert main(["bench", "soak", "--url", f"http://127.0.0.1:{free_port()}", "--duration", "1", "--no-warmup"]) == 2
     assert "legato bench soak: error" in capsys.readouterr().err
+
+
+def test_soak_refuses_a_pid_it_cannot_read_before_the_run(capsys):
+    """A wrong --pid used to run the whole soak and then report "RSS not read (give --pid)": the RSS check, the
+    point of the soak, was skipped while the run passed."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)
+    assert main(["bench", "soak", "--pid", str(gone.pid), "--url", "http://127.0.0.1:9", "--duration", "1"]) == 2
+    assert f"--pid {gone.pid}: no such process here" in capsys.readouterr().err

@@ -460,8 +460,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from .soak import SoakConfig, passed, run_soak, summary, write_result
+    from .soak import SoakConfig, passed, rss_bytes, run_soak, summary, write_result
 
+    if args.pid is not None and rss_bytes(args.pid) is None:  # else the RSS check is skipped, saying "give --pid"
+        raise ValueError(f"--pid {args.pid}: no such process here (its RSS is read from /proc/{args.pid}/status)")
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
