@@ -49,7 +49,8 @@ def test_add_rejects_what_could_never_run():
     s = make(num_blocks=8, max_model_len=100, enable_chunked_prefill=False, max_num_batched_tokens=16)
     with pytest.raises(RequestTooLargeError, match="max_model_len"):
         s.add(Request("long", prompt_len=90, max_frames=11))
-    with pytest.raises(RequestTooLargeError, match="KV"):
+    with pytest.raises(RequestTooLargeError, match=r"prompt_len 20 \+ max_frames 13 needs 9 KV blocks, the cache "
+                                                   r"has 8 \(32 positions\): shorten the text or lower max_new_tokens"):
         s.add(Request("big", prompt_len=20, max_frames=13))  # 33 tokens > 8 blocks * 4
     with pytest.raises(RequestTooLargeError, match="chunked prefill off"):
         s.add(Request("wide", prompt_len=17, max_frames=1))

@@ -167,8 +167,12 @@ class Scheduler:
             raise RequestTooLargeError(f"request {req.request_id!r}: prompt_len {req.prompt_len} + max_frames "
                                        f"{req.max_frames} exceeds max_model_len {cfg.max_model_len}")
         if bm.num_blocks_for(req.max_tokens) > bm.num_blocks:
-            raise RequestTooLargeError(f"request {req.request_id!r}: needs {bm.num_blocks_for(req.max_tokens)} KV "
-                                       f"blocks for {req.max_tokens} tokens, the cache has {bm.num_blocks}")
+            # Name what the caller can change: a probe's 10,000-character `synth` text met this with only block
+            # counts to go on (the CPU cache holds 4,096 positions a sequence).
+            raise RequestTooLargeError(
+                f"request {req.request_id!r}: prompt_len {req.prompt_len} + max_frames {req.max_frames} needs "
+                f"{bm.num_blocks_for(req.max_tokens)} KV blocks, the cache has {bm.num_blocks} "
+                f"({bm.num_blocks * bm.block_size} positions): shorten the text or lower max_new_tokens")
         if not req.kv_handoff and not cfg.enable_chunked_prefill and req.prompt_len > cfg.max_num_batched_tokens:
             raise RequestTooLargeError(f"request {req.request_id!r}: prompt_len {req.prompt_len} exceeds "
                                        f"max_num_batched_tokens {cfg.max_num_batched_tokens} with chunked prefill off")
