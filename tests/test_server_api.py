@@ -208,6 +208,19 @@ def test_rejections_are_openai_shaped_4xx(cv, body, status, needles, param):
     assert_error(speak(cv, **body), status, *needles, param=param)
 
 
+def test_null_for_a_field_is_its_default(cv):
+    """A client that writes every field sends null for those it leaves unset: the defaults apply, as when the
+    field is left out. A required field's null is still missing, and an unknown field's null still unknown."""
+    plain = speak(cv, response_format="pcm", num_frames=3, ignore_eos=True, seed=2)
+    nulls = speak(cv, response_format="pcm", num_frames=3, ignore_eos=True, seed=2, speed=None, stream_format=None,
+                  x_vector_only_mode=None, top_k=None, temperature=None, language=None)
+    assert plain.status_code == nulls.status_code == 200 and plain.content == nulls.content
+    r = speak(cv, input="hi there", response_format=None, stream=False, num_frames=3, ignore_eos=None)
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"  # mp3, the default format
+    assert_error(speak(cv, input=None), 400, "input", "Field required", param="input")
+    assert_error(speak(cv, frobnicate=None), 400, "Extra inputs are not permitted", param="frobnicate")
+
+
 @pytest.mark.parametrize("model", ["tts-1", "tts-1-hd", "gpt-4o-mini-tts"])
 def test_openais_model_names_are_taken_as_the_served_model(cv, model):
     """Code written for OpenAI's API names OpenAI's models: they run on the model served here."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from legato.server.encoding import MEDIA_TYPES, STREAMABLE, UNSUPPORTED
@@ -90,6 +90,16 @@ class SpeechRequest(BaseModel):
     ignore_eos: bool = Field(False, description="Benchmarks: never stop at EOS.")
     num_frames: int | None = Field(None, ge=1, le=_MAX_FRAMES, description="Benchmarks: exact frame count "
                                    "with ignore_eos (otherwise a cap).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: object) -> object:
+        # Clients that write every field send null for the ones they leave unset (OpenAI's API takes that as "not
+        # given", as our WebSocket session does): a known field's null means its default. A required field's null
+        # still fails as missing, and an unknown field's null as unknown.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     @field_validator("input")
     @classmethod
