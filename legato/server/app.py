@@ -37,7 +37,7 @@ from legato.server.prompt_limit import PromptLimit
 from legato.server.schemas import ModelCard, ModelList
 from legato.server.settings import ServerSettings
 from legato.server.speech import SPEECH_PATH, SpeechService, build_speech_router
-from legato.server.streaming import SpeechResponder
+from legato.server.streaming import RESPONSE_HEADERS, SpeechResponder
 from legato.server.voices import VoiceStore
 from legato.server.ws_protocol import WsLimits
 from legato.server.ws_route import build_stream_router
@@ -163,8 +163,7 @@ def _add_access_checks(app: FastAPI, settings: ServerSettings) -> None:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_credentials=False,
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
-                           expose_headers=["X-Request-Id", "X-Seed", "X-Sample-Rate", "X-Finish-Reason", "X-Length-Cap",
-                                           "X-Audio-Seconds", "Retry-After"])
+                           expose_headers=list(RESPONSE_HEADERS))
     if settings.allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=settings.allowed_hosts)
 

@@ -47,6 +47,10 @@ from legato.server.timeouts import within
 log = logging.getLogger(__name__)
 
 _FAILED = {"error": 500, "abort": 503}
+# The headers a speech response may carry beyond HTTP's own: CORS exposes every one (app.py), so a page of an
+# allowed origin reads what any other client reads (the usage headers of a whole file included).
+RESPONSE_HEADERS = ("X-Request-Id", "X-Seed", "X-Sample-Rate", "X-Usage-Input-Tokens", "X-Usage-Output-Tokens",
+                    "X-Usage-Total-Tokens", "X-Audio-Seconds", "X-Finish-Reason", "X-Length-Cap", "Retry-After")
 
 
 class Generation:

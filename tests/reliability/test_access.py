@@ -124,6 +124,20 @@ def test_allowed_origins_get_cors_and_others_do_not():
                      403, "origin_not_allowed")
 
 
+def test_cors_exposes_every_header_a_speech_response_sets():
+    """A page of an allowed origin reads what a script reads: a walkthrough found the whole file's usage headers
+    (`X-Usage-*`, which the README promises with `stream: false`) hidden from it by the expose list."""
+    origin = {"Origin": "https://app.example"}
+    with app(allowed_origins=("https://app.example",)) as c:
+        for body in (SPEECH, {**SPEECH, "stream": True, "response_format": "pcm"}):
+            resp = c.post("/v1/audio/speech", json=body, headers=origin)
+            assert resp.status_code == 200, resp.text
+            exposed = {h.strip().lower() for h in resp.headers["access-control-expose-headers"].split(",")}
+            ours = {h for h in resp.headers if h.startswith("x-") or h == "retry-after"}
+            assert "x-usage-total-tokens" in ours or body["stream"]
+            assert ours <= exposed, ours - exposed
+
+
 def test_host_check_refuses_rebound_names():
     with app(allowed_hosts=("localhost", "127.0.0.1", "::1")) as c:
         for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
