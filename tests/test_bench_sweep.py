@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -238,3 +239,27 @@ def test_end_to_end_sweep_of_the_real_server(tmp_path, monkeypatch):
     for png in PNGS[:2] if summary["meta"]["cpu_only"] else PNGS:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert elapsed < 900, f"the sweep took {elapsed:.0f} s"  # a hang guard, not a speed target
+
+
+def test_the_recorded_commit_is_legatos_own_whatever_the_working_directory(tmp_path, monkeypatch):
+    """A walkthrough ran `legato bench sweep` from a results folder: its summary recorded commit None, and run
+    from another git repository it would have recorded that repository's commit as the code measured."""
+    from legato.bench.environment import commit
+
+    root = Path(__file__).resolve().parents[1]
+    here = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True)
+    if here.returncode != 0:
+        pytest.skip("this copy of legato is not a git checkout")
+    other = tmp_path / "results"
+    git = ["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    other.mkdir()
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "results"], check=True)
+    monkeypatch.delenv("LEGATO_COMMIT", raising=False)
+    monkeypatch.chdir(other)
+    assert commit() == here.stdout.strip()
+    monkeypatch.chdir(tmp_path)  # not a repository at all
+    assert commit() == here.stdout.strip()
+    monkeypatch.setenv("LEGATO_COMMIT", "abc123")  # a copy without .git says which commit it is
+    assert commit() == "abc123"
