@@ -158,6 +158,23 @@ def _fake_server_proc(port: int) -> subprocess.Popen:
     return proc
 
 
+def test_a_short_prompt_list_names_the_flag_that_asked_for_more(tmp_path, capsys):
+    """A walkthrough gave `--dataset-path` a list of 2 prompts and no `--num-prompts`: "asked for 100 prompts but
+    the list has 2" named neither the flag nor its default, which had asked for those 100."""
+    port = free_port()
+    proc = _fake_server_proc(port)
+    try:
+        root = write_prompt_dir(tmp_path / "prompts", n=2)
+        assert main(["bench", "serve", "--dataset-path", str(root), "--voice", "ryan", "--max-concurrency", "1",
+                     "--base-url", f"http://127.0.0.1:{port}", "--no-progress"]) == 2
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    err = capsys.readouterr().err
+    assert "asked for 100 prompts (--num-prompts, 100 by default) but the list has 2" in err, err
+    assert "--num-prompts 2 or fewer" in err, err
+
+
 def test_cli_serve_writes_json_and_check_wav_then_compare(tmp_path, capsys):
     port = free_port()
     proc = _fake_server_proc(port)
