@@ -7,7 +7,7 @@ arrives, so TTFP above a step is the client's own delay or the host's), and the 
 
     python3 benchmarks/client_limit.py --concurrency 64,256,512 --frames 25 --speed 2 --out docs/benchmarks/x
 
-A `--baseline-cmd` runs an older bench (e.g. main's tree) on the same stand-in for a before/after.
+`--baseline TREE` runs an older tree's bench (e.g. main's, PYTHONPATH=TREE) on the same stand-in for a before/after.
 """
 
 from __future__ import annotations
