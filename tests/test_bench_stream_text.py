@@ -143,6 +143,19 @@ def test_options_the_websocket_cannot_honour_are_refused_before_any_request(caps
         assert code == 2 and "--stream-text" in err and "error" in err, err
 
 
+def test_text_pace_options_without_stream_text_are_refused_not_ignored(capsys):
+    """A walkthrough ran `bench serve --text-rate 10` without --stream-text: the HTTP run went ahead at no text
+    pace and said nothing of the flag it had dropped (--cancel-after: test_bench_client)."""
+    from legato.cli import main
+
+    for extra, said in ((["--text-rate", "10"], "--text-rate applies"),
+                        (["--token-chars", "3", "--text-rate", "inf"], "--text-rate and --token-chars apply")):
+        # port 9 (discard): nothing listens, so reaching the server would fail differently
+        code = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *extra, "--no-progress"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"{said} to streaming text only: add --stream-text" in err, err
+
+
 def test_sessions_over_the_servers_message_cap_are_refused_before_any_request(server, tmp_path, capsys):
     """A walkthrough's `bench serve --stream-text` on a Base model failed every request (its clips inline, ~200 KB,
     against 64 KiB). The server says its cap in /v1/models; the bench compares before it sends anything."""

@@ -132,9 +132,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--stream-text", action="store_true",
                    help="send each prompt over the streaming-text WebSocket, token by token, as an LLM writes it; "
                         "TTFP counts from the first text; reports text stalls apart from engine underruns")
-    t.add_argument("--text-rate", type=_rate, default=50.0, metavar="TOKENS_PER_S",
-                   help="tokens a second the text arrives at (inf: all at once)")
-    t.add_argument("--token-chars", type=int, default=4, help="characters per token (LLM tokens average ~4)")
+    # None: not given (--stream-text then takes TextFeed's defaults; an HTTP run refuses what it would ignore)
+    t.add_argument("--text-rate", type=_rate, default=None, metavar="TOKENS_PER_S",
+                   help="tokens a second the text arrives at (inf: all at once) (default: 50)")
+    t.add_argument("--token-chars", type=int, default=None,
+                   help="characters per token (LLM tokens average ~4) (default: 4)")
     t.add_argument("--cancel-after", type=float, default=None, metavar="SECONDS",
                    help="cancel each context once this much audio has arrived (barge-in): reports cancel latency")
     p.add_argument("--topology", default="server", help="recorded in the result (and the file names)")
@@ -295,10 +297,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .multiproc import run_processes
     from .report import build_result, run_stem, run_table, save_run
 
-    if args.stream_text:  # before the server is asked anything
-        check_stream_text_args(args)
-    elif args.cancel_after is not None:  # an HTTP run has no contexts to cancel: it would measure no barge-in
-        raise ValueError("--cancel-after cancels streaming-text contexts: add --stream-text")
+    check_stream_text_args(args)  # before the server is asked anything
     card = server_card(args)
     problem = unreachable(card, args.base_url, api_key(args)) if isinstance(card, Exception) else None
     if problem is not None:  # every request would fail the same way: say why once, before any is sent
@@ -328,7 +327,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def check_stream_text_args(args: argparse.Namespace) -> None:
-    """ValueError for `bench serve` options that --stream-text cannot honour."""
+    """ValueError for `bench serve` options that --stream-text cannot honour, and for its own options given
+    without it: an HTTP run has no text to pace and no context to cancel, and would drop them unsaid."""
+    if not args.stream_text:
+        if args.cancel_after is not None:  # an HTTP run has no contexts to cancel: it would measure no barge-in
+            raise ValueError("--cancel-after cancels streaming-text contexts: add --stream-text")
+        given = [flag for flag, value in (("--text-rate", args.text_rate), ("--token-chars", args.token_chars))
+                 if value is not None]
+        if given:  # an HTTP request sends its whole text at once: there is nothing to pace or cut
+            raise ValueError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to streaming text "
+                             "only: add --stream-text")
+        return
     if args.client_procs != 1:
         raise ValueError("--stream-text runs in one client process (--client-procs 1)")
 
@@ -354,7 +363,8 @@ def _serve_stream_text(args: argparse.Namespace, requests, ccfg, slo, config: di
     from .report import build_result, run_stem, run_table, save_run
     from .stream_text import TextFeed, run_stream_text, stream_text_summary, summary_line
 
-    feed = TextFeed(args.text_rate, args.token_chars, args.cancel_after)
+    given = {"tokens_per_s": args.text_rate, "token_chars": args.token_chars, "cancel_after_s": args.cancel_after}
+    feed = TextFeed(**{k: v for k, v in given.items() if v is not None})
     config["stream_text"] = {"tokens_per_s": feed.tokens_per_s, "token_chars": feed.token_chars,
                              "cancel_after_s": feed.cancel_after_s}
     out, extras = asyncio.run(run_stream_text(ccfg, feed, requests))
