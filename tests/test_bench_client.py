@@ -84,6 +84,7 @@ def test_a_server_streaming_another_sample_rate_than_the_benchs_fails_its_reques
     _, out = bench(["hello there", "second one"], sample_rate=16000)
     assert {r.error_kind for r in out.records} == {"sample_rate_mismatch"}
     assert "the server streamed 24000 Hz PCM and --sample-rate is 16000" in out.records[0].error
+    assert out.records[0].error.endswith("(give --sample-rate 24000)")
     assert aggregate(out.records, out.duration_s)["completed"] == 0
 
 
@@ -105,6 +106,16 @@ def test_bench_refuses_seconds_and_rates_that_are_not_finite_and_positive_in_one
     with pytest.raises(SystemExit) as exit_:
         main(["bench", *flag])
     assert exit_.value.code == 2 and "must be a finite number > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--text-rate", "0"], ["--request-rate", "-1"], ["--text-rate", "nan"]])
+def test_bench_serve_rates_name_themselves_when_refused(flag, capsys):
+    """`--text-rate 0` answered "request rate must be > 0": the rate the user gave is named, not another's."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--no-progress", *flag])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag[0]}: must be a rate > 0 a second, or inf, got '{flag[1]}'" in err
+    assert "request rate" not in err
 
 
 def test_bench_serve_refuses_cancel_after_without_stream_text(capsys):

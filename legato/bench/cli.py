@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def _rate(value: str) -> float:
     rate = float(value)
     if not rate > 0:
-        raise argparse.ArgumentTypeError("request rate must be > 0 (or inf)")
+        raise argparse.ArgumentTypeError(f"must be a rate > 0 a second, or inf, got {value!r}")  # arrivals or tokens
     return rate
 
 

@@ -113,7 +113,8 @@ def sample_rate_problem(streamed: object, expected: int, who: str) -> str | None
     turns bytes into seconds at --sample-rate, so another rate would put every figure off by the ratio."""
     if streamed is None or str(streamed) == str(expected):
         return None
-    return f"{who} {streamed} Hz PCM and --sample-rate is {expected}: its audio seconds would be wrong"
+    return (f"{who} {streamed} Hz PCM and --sample-rate is {expected}: its audio seconds would be wrong "
+            f"(give --sample-rate {streamed})")
 
 
 class _Runner:
