@@ -162,7 +162,9 @@ def _add_access_checks(app: FastAPI, settings: ServerSettings) -> None:
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_credentials=False,
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           # Any request header: OpenAI's JavaScript SDK in a page sends its own (x-stainless-*),
+                           # and a preflight naming one failed. Which origins may call is the control, not headers.
+                           allow_headers=["*"],
                            expose_headers=list(RESPONSE_HEADERS))
     if settings.allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=settings.allowed_hosts)

@@ -124,6 +124,23 @@ def test_allowed_origins_get_cors_and_others_do_not():
                      403, "origin_not_allowed")
 
 
+def test_cors_lets_an_allowed_page_send_the_openai_sdks_own_headers():
+    """OpenAI's JavaScript SDK in a browser sends x-stainless-* headers beside Authorization: the preflight of an
+    allowed origin must grant them, or every call from such a page fails before it is sent."""
+    asked = "authorization,content-type,x-stainless-os,x-stainless-lang,x-stainless-retry-count"
+    with app(allowed_origins=("https://app.example",)) as c:
+        pre = c.options("/v1/audio/speech", headers={"Origin": "https://app.example",
+                                                     "Access-Control-Request-Method": "POST",
+                                                     "Access-Control-Request-Headers": asked})
+        assert pre.status_code == 200, pre.text
+        granted = {h.strip().lower() for h in pre.headers["access-control-allow-headers"].split(",")}
+        assert set(asked.split(",")) <= granted, granted
+        other = c.options("/v1/audio/speech", headers={"Origin": "https://other.example",
+                                                       "Access-Control-Request-Method": "POST",
+                                                       "Access-Control-Request-Headers": asked})
+        assert other.status_code != 200 and "access-control-allow-origin" not in other.headers
+
+
 def test_cors_exposes_every_header_a_speech_response_sets():
     """A page of an allowed origin reads what a script reads: a walkthrough found the whole file's usage headers
     (`X-Usage-*`, which the README promises with `stream: false`) hidden from it by the expose list."""
