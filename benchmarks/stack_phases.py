@@ -9,7 +9,9 @@ bf16, CUDA graphs of back-to-back launches.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from collections.abc import Callable
 
 import torch
 from attention_tune import time_launches  # benchmarks/ is the script's own folder
@@ -21,45 +23,39 @@ from legato.models.qwen3_tts.decoder_layer import pack_projections
 from legato.models.qwen3_tts.testing import randomize_
 
 
-def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
-    cfg, w = cp.config, cp.stack
+def _pass(cp: CodePredictor, rows: int) -> Callable[..., torch.Tensor]:
+    """`decoder_stack.run` of `rows` random rows at position 8 of a fresh cache, its keyword arguments left open."""
+    cfg = cp.config
     cos = torch.ones(cfg.head_dim, device="cuda")
     sin = torch.zeros(cfg.head_dim, device="cuda")
-    head = cp.lm_head[0].weight
     x = torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     cache = cp.new_cache(rows, torch.bfloat16, torch.device("cuda"))
+    return functools.partial(decoder_stack.run, cp.stack, x, cache.k, cache.v, 8, cos, sin, cp.lm_head[0].weight)
+
+
+def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
+    run = _pass(cp, rows)
     row = {}
     for kind, name in enumerate(names):
-        phase = kind if kind < decoder_stack.PHASES_PER_LAYER else decoder_stack.PHASES_PER_LAYER * w.layers
-        row[name] = time_launches(lambda phase=phase: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head,
-                                                                         sync=False, phases=(phase, phase)), 40)
-    row["whole pass, one launch"] = time_launches(
-        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head), 40)
-    row["whole pass, one launch, weights after the barrier"] = time_launches(
-        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head, early_tiles=False), 40)
-    row["whole pass, one launch (again)"] = time_launches(
-        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head), 40)
-    row["whole pass, phase launches"] = time_launches(
-        lambda: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head, sync=False), 4)
+        phase = kind if kind < decoder_stack.PHASES_PER_LAYER else decoder_stack.PHASES_PER_LAYER * cp.stack.layers
+        row[name] = time_launches(lambda phase=phase: run(sync=False, phases=(phase, phase)), 40)
+    row["whole pass, one launch"] = time_launches(run, 40)
+    row["whole pass, one launch, weights after the barrier"] = time_launches(lambda: run(early_tiles=False), 40)
+    row["whole pass, one launch (again)"] = time_launches(run, 40)
+    row["whole pass, phase launches"] = time_launches(lambda: run(sync=False), 4)
     row["barrier errors"] = decoder_stack.barrier_errors()
     return row
 
 
 def sweep(cp: CodePredictor, knobs: list[tuple[int, int]]) -> dict[str, float]:
     """The whole one-row pass as one launch under (warps, programs) knobs, the default timed first and last."""
-    cfg, w = cp.config, cp.stack
-    cos = torch.ones(cfg.head_dim, device="cuda")
-    sin = torch.zeros(cfg.head_dim, device="cuda")
-    head = cp.lm_head[0].weight
-    x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    cache = cp.new_cache(1, torch.bfloat16, torch.device("cuda"))
-    default = (decoder_stack.WARPS, decoder_stack.default_programs(x.device))
+    run = _pass(cp, 1)
+    default = (decoder_stack.WARPS, decoder_stack.default_programs(torch.device("cuda")))
     out = {}
     for warps, programs in [default, *knobs, default]:
         decoder_stack.WARPS = warps
         try:
-            us = time_launches(lambda p=programs: decoder_stack.run(w, x, cache.k, cache.v, 8, cos, sin, head,
-                                                                    programs=p), 40)
+            us = time_launches(lambda p=programs: run(programs=p), 40)
         finally:
             decoder_stack.WARPS = default[0]
         key = f"{warps} warps, {programs} programs"

@@ -244,7 +244,7 @@ def _prepare(args: argparse.Namespace):
     import legato
 
     from .client import ClientConfig
-    from .datasets import DEFAULT_DATASET, DatasetError, FixedLength, RequestSpec, build_requests, load_prompts
+    from .datasets import DEFAULT_DATASET, FixedLength, RequestSpec, build_requests, load_prompts
     from .metrics import parse_slos
 
     fixed = FixedLength(args.frames_per_char, args.min_frames, args.max_frames) if args.fixed_length else None
@@ -259,13 +259,8 @@ def _prepare(args: argparse.Namespace):
     spec = RequestSpec(mode, voice, args.language, fixed, args.max_new_tokens, args.request_seed, extra)
     dataset = args.dataset_path or DEFAULT_DATASET
     num_prompts = args.num_prompts if args.num_prompts is not None else (100 if args.dataset_path else None)
-    ds = load_prompts(dataset, args.locale, None, args.seed, args.meta_name)  # every row, in benchmark order
-    if num_prompts is not None:  # the sample is the head of that order (datasets.sample)
-        if num_prompts > len(ds.rows):  # named here, where the flag and its default are known
-            default = ", 100 by default" if args.num_prompts is None else ""
-            raise DatasetError(f"asked for {num_prompts} prompts (--num-prompts{default}) but the list has "
-                               f"{len(ds.rows)}: give --num-prompts {len(ds.rows)} or fewer")
-        ds.rows = ds.rows[:num_prompts]
+    ds = load_prompts(dataset, args.locale, num_prompts, args.seed, args.meta_name, flag="--num-prompts",
+                      by_default=args.num_prompts is None)
     for w in ds.warnings:
         print(f"legato bench: warning: {w}", file=sys.stderr)
     requests = build_requests(ds, spec)

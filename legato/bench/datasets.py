@@ -87,8 +87,9 @@ def resolve_list(root: str | Path, locale: str | None = "en", meta_name: str = "
     raise DatasetError(f"no prompt list found: tried {', '.join(str(c) for c in candidates)}")
 
 
-def sample(rows: list, num: int | None, seed: int) -> list:
-    """`random.Random(seed).shuffle(rows)` then the first `num` (all of them when None)."""
+def sample(rows: list, num: int | None, seed: int, flag: str | None = None, by_default: bool = False) -> list:
+    """`random.Random(seed).shuffle(rows)` then the first `num` (all of them when None). `flag` names the option
+    that asked for `num` (`by_default`: its default did) in the error when the list is shorter."""
     rows = list(rows)
     random.Random(seed).shuffle(rows)
     if num is None:
@@ -96,17 +97,22 @@ def sample(rows: list, num: int | None, seed: int) -> list:
     if num < 1:
         raise DatasetError(f"asked for {num} prompts: give 1 or more")
     if num > len(rows):
-        raise DatasetError(f"asked for {num} prompts but the list has {len(rows)}")
+        if flag is None:
+            raise DatasetError(f"asked for {num} prompts but the list has {len(rows)}")
+        source = f"{flag}, {num} by default" if by_default else flag
+        raise DatasetError(f"asked for {num} prompts ({source}) but the list has {len(rows)}: give {flag} "
+                           f"{len(rows)} or fewer")
     return rows[:num]
 
 
 def load_prompts(root: str | Path, locale: str | None = "en", num_prompts: int | None = None, seed: int = 0,
-                 meta_name: str = "meta.lst") -> Dataset:
-    """Resolve, parse and sample a prompt list; `Dataset.rows` holds the sample in benchmark order."""
+                 meta_name: str = "meta.lst", flag: str | None = None, by_default: bool = False) -> Dataset:
+    """Resolve, parse and sample a prompt list; `Dataset.rows` holds the sample in benchmark order (`flag`,
+    `by_default`: see `sample`)."""
     ds = parse_meta_lst(resolve_list(root, locale, meta_name))
     if not ds.rows:
         raise DatasetError(f"{ds.path}: no usable rows")
-    ds.rows = sample(ds.rows, num_prompts, seed)
+    ds.rows = sample(ds.rows, num_prompts, seed, flag, by_default)
     return ds
 
 
