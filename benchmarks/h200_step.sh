@@ -16,7 +16,7 @@
 #                                     # at every row count (--attn-split-all), 0.6B and 1.7B
 #   benchmarks/h200_step.sh stack     # the code predictor as one launch per pass: its CUDA checks, offline.py with
 #                                     # it (--stack) against without (BATCHES, SIZES; STACK_BASE=1 adds .base/'s stack)
-#   benchmarks/h200_step.sh profile   # one eager c=64 decode step of this tree by kernel (offline.py --profile-batch)
+#   benchmarks/h200_step.sh profile   # c=64 decode steps of this tree by kernel (offline.py --profile-batch; PB, PMODES)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
 #                                     # and MAX_PROMPTS size a cell; PROFILE=mode:conc,... py-spies those cells)
@@ -121,8 +121,10 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       offline . stack "$size" "${BATCHES:-1,2,4,8}" --stack
       offline . no-stack "$size" "${BATCHES:-1,2,4,8}"
     done ;;
-  profile)  # PB: the batch profiled
-    PYTHONPATH=.:$PYTHONPATH timeout 200 python3 benchmarks/offline.py --size 0.6B --modes eager \
-      --eager-batch-sizes ${PB:-64} --frames 16 --codec-batches none --profile-batch ${PB:-64} \
-      --profile-out "$OUT/profile-b${PB:-64}.txt" 2>&1 | tail -${LINES_OUT:-32} ;;
+  profile)  # PB: the batch profiled; PMODES=graphs,eager adds the graph replay's (--profile-graphs), PFLAGS more
+            # offline.py flags (--stack)
+    PYTHONPATH=.:$PYTHONPATH timeout ${T:-200} python3 benchmarks/offline.py --size ${PSIZE:-0.6B} \
+      --modes ${PMODES:-eager} --batch-sizes ${PB:-64} --eager-batch-sizes ${PB:-64} --frames 16 --codec-batches none \
+      --profile-batch ${PB:-64} --profile-graphs --profile-out "$OUT/profile-b${PB:-64}.txt" ${PFLAGS:-} 2>&1 \
+      | grep -v "^-\|^ " | tail -${LINES_OUT:-32} ;;
 esac

@@ -76,8 +76,8 @@ def run_batch(engine: Engine, lm, batch: int, frames: int, ref_frames: int, tag:
 
 
 def profile_decode(engine: Engine, lm, batch: int, ref_frames: int, path: str | None) -> str:
-    """Kernel-time table of a few steady decode steps (run it on an eager engine: a graph replay hides
-    its kernels from the profiler)."""
+    """Kernel-time table of a few steady decode steps (on an eager engine; a graph replay's kernels show only
+    where the profiler traces CUDA graphs)."""
     from torch.profiler import ProfilerActivity, profile
 
     for r in make_requests(lm, batch, 24, ref_frames, f"prof-{batch}"):
@@ -158,6 +158,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile-batch", type=int, default=0, help="profile eager decode at this batch size")
+    ap.add_argument("--profile-graphs", action="store_true",
+                    help="profile the graphs mode's decode too (--profile-batch): whether the replay's kernels show "
+                         "depends on the profiler's CUDA graph tracing")
     ap.add_argument("--unfused-attention", action="store_true",
                     help="decode attention as separate norm, rotary, cache-write and attention kernels (the path "
                          "before layers/fused_attention.py), to measure the kernel's share")
@@ -245,8 +248,9 @@ def main() -> None:
             rows.append(row)
             print(f"[{mode}] " + json.dumps(row), flush=True)
         result["engine"][mode] = {"setup_s": setup, "rows": rows}
-        if eager and args.profile_batch:
-            print(profile_decode(engine, lm, args.profile_batch, args.ref_frames, args.profile_out), flush=True)
+        if args.profile_batch and (eager or args.profile_graphs):
+            path = args.profile_out and args.profile_out.replace(".txt", f"-{mode}.txt")
+            print(profile_decode(engine, lm, args.profile_batch, args.ref_frames, path), flush=True)
         del engine
         torch.cuda.empty_cache()
     for dtype in (torch.float32, torch.bfloat16) if args.codec_batches != "none" else ():

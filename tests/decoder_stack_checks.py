@@ -4,14 +4,15 @@
 with the unfused pass's greedy codes, and measures the logits' relative error and the KV caches'. Shapes: the tiny
 model's (hidden 48: chunks masked past the row; a projection from the talker's width) and the 0.6B's layer shapes
 with fewer layers and codebooks (the real chunking: 3 chunks for the MLP's 3072); 1 and 3 rows; on CUDA the
-0.6B's and the 1.7B's whole code predictors take the cut-down one's place. On the CPU the
-kernel runs under Triton's interpreter one phase per launch (`TRITON_INTERPRET=1`, fp32, where greedy codes must
-also be equal), and with each phase's weights requested after its barrier (`early_tiles=False`, the kernel's older
-order) bit for bit as before it; on CUDA the one-launch form runs too (both orders) and must equal the phase-per-launch
-form bit for bit, and no
-barrier may have given up, and reruns of the one launch (some behind matmuls on another stream) must equal it bit for
-bit; each half-precision path's logits are also measured against fp32 math on the same
-weights (`FP32_REFERENCE`, printed, not checked). `python tests/decoder_stack_checks.py [cuda|cpu]`.
+0.6B's and the 1.7B's whole code predictors take the cut-down one's place. On the CPU the kernel runs under Triton's
+interpreter one phase per launch (`TRITON_INTERPRET=1`, fp32, where greedy codes must also be equal); with each
+phase's weights requested after its barrier (`early_tiles=False`, the kernel's older order) it must equal itself bit
+for bit, and so must the launch forms the code predictor uses (a frame's two prompt tokens in one launch, a codebook's
+embedding row looked up in the kernel) equal plain one-token launches. On CUDA the one-launch form runs too (both
+orders, both launch forms) and must equal the phase-per-launch form bit for bit, no barrier may have given up, and
+reruns of the one launch (some behind matmuls on another stream) must equal it bit for bit; each half-precision path's
+logits are also measured against fp32 math on the same weights (`FP32_REFERENCE`, printed, not checked).
+`python tests/decoder_stack_checks.py [cuda|cpu]`.
 """
 
 from __future__ import annotations
@@ -95,6 +96,38 @@ def _against_fp32(name, rows, cp, talker_hidden, device, dtype, past, first, cod
           f"one launch {errors[1]:.2e}", flush=True)
 
 
+def _launch_forms_that_differ(cp: CodePredictor, past: torch.Tensor, first: torch.Tensor, sync: bool) -> float:
+    """The launch forms `_predict_in_stack_launches` uses against plain one-token launches, bit for bit: a frame's
+    two prompt tokens in one launch against one launch each, and a codebook's embedding row looked up by the
+    kernel (`code`) against the row given. Returns how many of the two differ (logits or caches)."""
+    rows, hidden = past.shape[0], cp.config.hidden_size
+    cos, sin = cp.model.rotary(torch.arange(cp.config.num_code_groups, device=past.device))
+    head = cp.lm_head[0].weight
+
+    def launch(x, pos, tokens=1, code=None):
+        cache = cp.new_cache(rows, past.dtype, past.device)
+        if pos:  # the cache as the two prompt tokens left it
+            decoder_stack.run(cp.stack, torch.stack((x_past, x_first), 1).flatten(0, 1).contiguous(), cache.k,
+                              cache.v, 0, cos[:2], sin[:2], head, sync=sync)
+        out = decoder_stack.run(cp.stack, x, cache.k, cache.v, pos, cos[pos : pos + tokens], sin[pos : pos + tokens],
+                                head, code=code, sync=sync)
+        return out, torch.cat([cache.k.flatten(), cache.v.flatten()])
+
+    with torch.inference_mode():
+        x_past, x_first = cp.small_to_mtp_projection(past), cp.small_to_mtp_projection(first)
+        together = launch(torch.stack((x_past, x_first), 1).flatten(0, 1).contiguous(), 0, tokens=2)
+        cache = cp.new_cache(rows, past.dtype, past.device)
+        decoder_stack.run(cp.stack, x_past.contiguous(), cache.k, cache.v, 0, cos[0], sin[0], head, sync=sync)
+        apart = decoder_stack.run(cp.stack, x_first.contiguous(), cache.k, cache.v, 1, cos[1], sin[1], head, sync=sync)
+        apart = (apart, torch.cat([cache.k.flatten(), cache.v.flatten()]))
+        gen = torch.Generator().manual_seed(7)
+        table = torch.randn(64, hidden, generator=gen).to(past.device, past.dtype)
+        code = torch.randint(0, 64, (rows,), generator=gen).to(past.device)
+        looked_up, given = launch(table, 2, code=code), launch(table[code].contiguous(), 2)
+    return float(sum(not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+                     for a, b in ((together, apart), (looked_up, given))))
+
+
 # Reruns of the one-launch pass on the same inputs (`_reruns_that_differ`).
 RERUNS = 20
 
@@ -144,6 +177,8 @@ def run_checks(device: str, dtype: torch.dtype, only: str | None = None,
                       f"{time.perf_counter() - start:.1f} s", flush=True)
             errors[f"{name}, {rows} rows: logits"] = rel_err(got_logits, want_logits)
             errors[f"{name}, {rows} rows: caches"] = rel_err(got_cache, want_cache)
+            errors[f"{name}, {rows} rows: two tokens a launch, looked-up rows: forms that differ"] = (
+                _launch_forms_that_differ(cp, past, first, sync=False))
             if rows == 1:  # each phase's weights requested before its barrier's wait (the default) or after it
                 late = _run(cp, past, first, want_codes, stacked=True, sync=False, early_tiles=False)
                 errors[f"{name}, {rows} rows: weights after the barrier vs before"] = float(
@@ -158,6 +193,8 @@ def run_checks(device: str, dtype: torch.dtype, only: str | None = None,
                 print(f"[stack check] {name}, {rows} rows, {str(dtype)[6:]}: one-launch pass done in "
                       f"{time.perf_counter() - start:.1f} s (first: compiles), barrier errors "
                       f"{decoder_stack.barrier_errors()}", flush=True)
+                errors[f"{name}, {rows} rows: one launch: two tokens a launch, looked-up rows: forms that differ"] = (
+                    _launch_forms_that_differ(cp, past, first, sync=True))
                 errors[f"{name}, {rows} rows: one launch vs phase launches"] = float(
                     not (torch.equal(one[1], got_logits) and torch.equal(one[2], got_cache)))
                 late = _run(cp, past, first, want_codes, stacked=True, sync=True, early_tiles=False)

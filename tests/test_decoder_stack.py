@@ -20,12 +20,12 @@ def test_the_stacked_pass_equals_the_unfused_code_predictor_under_the_interprete
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
     run = run_checks_script("decoder_stack_checks.py")
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    # 2 shapes x 2 row counts x (logits, caches, greedy codes), and per shape one row's weights after the barrier
-    # against before it
-    assert run.stdout.count(" ok\n") == 14
+    # 2 shapes x 2 row counts x (logits, caches, greedy codes, launch forms), and per shape one row's weights after
+    # the barrier against before it
+    assert run.stdout.count(" ok\n") == 18
 
 
-def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_and_early_tiles():
+def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_and_early_tiles_in_each_launch_form():
     skip_unless_ptxas()
     shapes = dict(LAYERS=5, HIDDEN=1024, HEADS=16, KV_HEADS=8, HEAD_DIM=128, INTER=3072, VOCAB=2048, CAP=16,
                   CAP_P2=16, KC_H=1024, C_H=1, CP_H=1, KC_A=1024, C_A=2, KC_I=1024, C_I=3, CP_I=4, BN_QKV=32, BN_O=8,
@@ -33,9 +33,13 @@ def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_and_e
                   PHASES_PER_LAYER=decoder_stack.PHASES_PER_LAYER, GU_PARTS=2)
     types = {"logits_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bar_ptr": "*i32", "eps": "fp32",
              "scale": "fp32"}
+    forms = [dict(TOKENS=1, GATHER=False), dict(TOKENS=2, GATHER=False), dict(TOKENS=1, GATHER=True)]
     for sync in (True, False):
         for early in (True, False):
-            assert compile_for_hopper(decoder_stack._stack_kernel, {**shapes, "SYNC": sync, "EARLY": early}, types) > 0
+            for form in forms:
+                kinds = {**types, "code_ptr": "*i64"} if form["GATHER"] else types
+                constexprs = {**shapes, **form, "SYNC": sync, "EARLY": early}
+                assert compile_for_hopper(decoder_stack._stack_kernel, constexprs, kinds) > 0
 
 
 def test_only_cuda_rows_few_enough_take_the_stack():

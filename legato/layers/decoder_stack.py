@@ -1,8 +1,10 @@
 """A stack of Qwen3 decoder layers for a few rows as one persistent kernel: the code predictor's pass per codebook.
 
-A frame runs the code predictor 16 times (two prompt tokens, then one per codebook), each pass 5 layers. Unfused
+A frame runs the code predictor over 16 tokens (two prompt tokens, then one per codebook), each pass 5 layers. Unfused
 that is ~45 kernels a pass: ~750 a frame at batch 1, each a few microseconds of launch and ramp around 4-12 MB of
-weight reads (docs/benchmarks.md, "The frame step"). Here one launch runs a whole pass. Its programs (one per SM)
+weight reads (docs/benchmarks.md, "The frame step"). Here one launch runs a whole pass: 15 a frame, the two prompt
+tokens sharing one (the weights read once for both), and a codebook's embedding lookup done by the launch's first
+load where no projection sits between the embedding and the layers. Its programs (one per SM)
 split every matmul's output columns, and a grid-wide barrier (an atomic counter in global memory) separates the
 phases that need each other's results:
 
@@ -203,20 +205,39 @@ def default_programs(device: torch.device) -> int:
 
 
 def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: int,
-        cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, *, programs: int | None = None,
-        sync: bool | None = None, phases: tuple[int, int] | None = None, early_tiles: bool = True) -> torch.Tensor:
-    """One token per row through every layer, the final norm and `head` [V, hidden] -> logits [B, V] (fp32).
+        cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, *, code: torch.Tensor | None = None,
+        programs: int | None = None, sync: bool | None = None, phases: tuple[int, int] | None = None,
+        early_tiles: bool = True) -> torch.Tensor:
+    """T tokens per row through every layer, the final norm and `head` [V, hidden] -> the last token's logits
+    [B, V] (fp32).
 
-    x [B, hidden] (read only); k_cache/v_cache [L, B, kv_heads, capacity, D] hold the positions before `position`
-    and get this token's key and value there; cos/sin [D] (fp32) of `position`. `sync` False runs each phase as its
-    own launch (the interpreter's way; the default on CPU tensors). `early_tiles` False loads each phase's weights
-    after its barrier (the kernel before 2026-12-06: the same arithmetic, kept to compare against)."""
-    rows, hidden = x.shape
-    layers, _, kv_heads, capacity, head_dim = k_cache.shape
-    if not 0 <= position < capacity:
-        raise RuntimeError(f"KV cache full: position {position}, capacity {capacity}")
-    if k_cache.shape[1] != rows or not (k_cache.is_contiguous() and v_cache.is_contiguous() and x.is_contiguous()):
-        raise ValueError("decoder_stack.run needs contiguous rows and caches of the rows' batch")
+    x [B T, hidden] (read only): row b's tokens at positions `position` .. `position` + T - 1, T = x rows / B.
+    k_cache/v_cache [L, B, kv_heads, capacity, D] hold the positions before `position` and get the tokens' keys and
+    values; cos/sin [T, D] (or [D] for one token, fp32) of those positions. `code` int64 [B]: x is an embedding
+    table instead, and row b's one token is its row `code[b]` (the lookup is the first phase's load: no gather
+    kernel before the launch). `sync` False runs each phase as its own launch (the interpreter's way; the default
+    on CPU tensors). `early_tiles` False loads each phase's weights after its barrier (the kernel before
+    2026-12-06: the same arithmetic, kept to compare against)."""
+    layers, rows, kv_heads, capacity, head_dim = k_cache.shape
+    hidden = x.shape[1]
+    if code is not None:
+        if code.shape != (rows,) or code.dtype != torch.int64:
+            raise ValueError("decoder_stack.run: `code` must be int64 [B], one code per cache row")
+        code = code.contiguous()  # a column of a codes tensor: the kernel reads code[b] at b
+        tokens = 1
+    elif x.shape[0] % rows:
+        raise ValueError(f"decoder_stack.run: {x.shape[0]} input rows are not a whole number of tokens per each of "
+                         f"{rows} cache rows")
+    else:
+        tokens = x.shape[0] // rows
+    cos, sin = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)
+    if cos.shape[0] != tokens or sin.shape[0] != tokens:
+        raise ValueError(f"decoder_stack.run: cos/sin hold {cos.shape[0]} positions for {tokens} tokens a row")
+    if not 0 <= position <= capacity - tokens:
+        raise RuntimeError(f"KV cache full: positions {position}..{position + tokens - 1}, capacity {capacity}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and x.is_contiguous() and cos.is_contiguous()
+            and sin.is_contiguous()):
+        raise ValueError("decoder_stack.run needs contiguous rows, caches and rotary tables")
     if sync is None:
         sync = x.is_cuda
     if programs is None:
@@ -224,10 +245,11 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     heads, inter = w.heads, w.inter
     n_qkv = (heads + 2 * kv_heads) * head_dim
     vocab = head.shape[0]
-    x_work = torch.empty_like(x)
-    qkv = torch.empty(rows, n_qkv, dtype=x.dtype, device=x.device)
-    attn = torch.empty(rows, heads * head_dim, dtype=x.dtype, device=x.device)
-    g = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    acts = rows * tokens  # activation rows: each row's tokens in turn
+    x_work = torch.empty(acts, hidden, dtype=x.dtype, device=x.device)
+    qkv = torch.empty(acts, n_qkv, dtype=x.dtype, device=x.device)
+    attn = torch.empty(acts, heads * head_dim, dtype=x.dtype, device=x.device)
+    g = torch.empty(acts, inter, dtype=x.dtype, device=x.device)
     logits = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
     bar = _barrier(x.device) if sync else torch.zeros(4, dtype=torch.int32, device=x.device)
     kc_h, c_h, cp_h = _chunk(hidden)
@@ -239,12 +261,12 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         KC_H=kc_h, C_H=c_h, CP_H=cp_h, KC_A=kc_a, C_A=c_a, KC_I=kc_i, C_I=c_i, CP_I=cp_i,
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
         BN_V=_block(vocab, programs), SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
-        GU_PARTS=2 if _block(inter, programs) > 1 else 1, EARLY=early_tiles,
+        GU_PARTS=2 if _block(inter, programs) > 1 else 1, EARLY=early_tiles, TOKENS=tokens, GATHER=code is not None,
     )
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
     args = (x, x_work, qkv, attn, g, logits, w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.q_norm, w.k_norm,
-            w.final_norm, head, k_cache, v_cache, cos, sin, bar, rows, position, w.eps,
+            w.final_norm, head, k_cache, v_cache, cos, sin, bar, x if code is None else code, rows, position, w.eps,
             head_dim**-0.5)
     last = PHASES_PER_LAYER * layers  # the head's phase
     if sync:
@@ -325,19 +347,61 @@ if triton is not None:
         return tl.where((phase >= first) & (phase <= last), hi, lo)
 
     @triton.jit
+    def _input_row(x_in_ptr, code_ptr, i, HIDDEN: tl.constexpr, GATHER: tl.constexpr):
+        # Activation row i of the launch's input: a row of x, or with GATHER the embedding table's row of code[i].
+        if GATHER:
+            return x_in_ptr + tl.load(code_ptr + i).to(tl.int64) * HIDDEN
+        else:
+            return x_in_ptr + i * HIDDEN
+
+    @triton.jit
+    def _new_key_value(row, kvh, t, cos_ptr, sin_ptr, kw, kwp, d, dp, is_low, eps, x_ptr, k_ptr, v_ptr,
+                       WIDTH: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        # Token t's key (normed, rotated) and value for kv head kvh, from its q/k/v row, in the caches' dtype.
+        cos = tl.load(cos_ptr + t * HEAD_DIM + d)
+        sin = tl.load(sin_ptr + t * HEAD_DIM + d)
+        kcol = row + WIDTH + kvh * HEAD_DIM
+        kn = tl.load(kcol + d, cache_modifier=".cg").to(tl.float32)[None, :]
+        knp = tl.load(kcol + dp, cache_modifier=".cg").to(tl.float32)[None, :]
+        k_new = _norm_rope(kn, knp, kw, kwp, cos, sin, is_low, eps, HEAD_DIM, x_ptr)
+        k_new = tl.sum(k_new, axis=0).to(k_ptr.dtype.element_ty)  # [D]: the one row
+        v_new = tl.load(kcol + KV_HEADS * HEAD_DIM + d, cache_modifier=".cg").to(v_ptr.dtype.element_ty)
+        return k_new, v_new
+
+    @triton.jit
+    def _query(row, heads, t, cos_ptr, sin_ptr, qw, qwp, d, dp, is_low, eps, x_ptr, HEAD_DIM: tl.constexpr):
+        # Token t's query heads `heads` [G, D] (normed, rotated, fp32) from its q/k/v row.
+        cos = tl.load(cos_ptr + t * HEAD_DIM + d)
+        sin = tl.load(sin_ptr + t * HEAD_DIM + d)
+        q = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg").to(tl.float32)
+        qp = tl.load(row + heads[:, None] * HEAD_DIM + dp[None, :], cache_modifier=".cg")
+        return _norm_rope(q, qp.to(tl.float32), qw, qwp, cos, sin, is_low, eps, HEAD_DIM, x_ptr)
+
+    @triton.jit
+    def _attend(q, keys, vals, p, last, scale):
+        # Softmax attention of q [G, D] over positions p <= last of keys/vals [P, D] (fp32) -> [G, D].
+        scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale  # [G, P]
+        scores = tl.where((p <= last)[None, :], scores, float("-inf"))
+        e = tl.exp(scores - tl.max(scores, axis=1)[:, None])
+        probs = e / tl.sum(e, axis=1)[:, None]
+        return tl.sum(probs[:, :, None] * vals[None, :, :], axis=1)
+
+    @triton.jit
     def _stack_kernel(
         x_in_ptr, x_ptr, qkv_ptr, attn_ptr, g_ptr, logits_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr,
-        qn_ptr, kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr, rows, position, eps, scale, first,
-        last,
+        qn_ptr, kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr, code_ptr, rows, position, eps,
+        scale, first, last,
         LAYERS: tl.constexpr, HIDDEN: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr,
         CAP: tl.constexpr, CAP_P2: tl.constexpr, KC_H: tl.constexpr, C_H: tl.constexpr, CP_H: tl.constexpr,
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, SPIN: tl.constexpr,
-        PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, EARLY: tl.constexpr, SYNC: tl.constexpr,
+        PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, EARLY: tl.constexpr, TOKENS: tl.constexpr,
+        GATHER: tl.constexpr, SYNC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
+        acts = rows * TOKENS  # activation rows, row r's tokens at r * TOKENS + t
         N_QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         WIDTH: tl.constexpr = HEADS * HEAD_DIM
         GROUP: tl.constexpr = HEADS // KV_HEADS
@@ -367,13 +431,13 @@ if triton is not None:
                 else:
                     w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo_q, hi_q, C_H, CP_H, KC_H, BN_QKV)
                 n = lo_q + tl.arange(0, BN_QKV)
-                for r in range(rows):
-                    if layer == 0:  # the input stays as given; phase 2 starts the working copy x
-                        xv = _vector(x_in_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                for i in range(acts):
+                    if layer == 0:  # the input stays as given; phase 3 starts the working copy x
+                        xv = _vector(_input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER), C_H, CP_H, KC_H)
                     else:
-                        xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                        xv = _vector(x_ptr + i * HIDDEN, C_H, CP_H, KC_H)
                     h = _rms(xv, ln1_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
-                    tl.store(qkv_ptr + r * N_QKV + n, _dot(w, h), mask=n < hi_q)
+                    tl.store(qkv_ptr + i * N_QKV + n, _dot(w, h), mask=n < hi_q)
             if SYNC:
                 _arrive(bar_ptr)
                 _wait(bar_ptr, (s + 1) * programs, SPIN)
@@ -385,8 +449,6 @@ if triton is not None:
                 is_low = d < half
                 g = tl.arange(0, GROUP)
                 p = tl.arange(0, CAP_P2)
-                cos = tl.load(cos_ptr + d)
-                sin = tl.load(sin_ptr + d)
                 qw = tl.load(qn_ptr + layer * HEAD_DIM + d).to(tl.float32)
                 qwp = tl.load(qn_ptr + layer * HEAD_DIM + dp).to(tl.float32)
                 kw = tl.load(kn_ptr + layer * HEAD_DIM + d).to(tl.float32)
@@ -394,35 +456,48 @@ if triton is not None:
                 for item in range(pid, rows * KV_HEADS, programs):
                     r = item // KV_HEADS
                     kvh = item % KV_HEADS
-                    row = qkv_ptr + r * N_QKV
                     heads = kvh * GROUP + g
-                    q = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg").to(tl.float32)
-                    qp = tl.load(row + heads[:, None] * HEAD_DIM + dp[None, :], cache_modifier=".cg")
-                    q = _norm_rope(q, qp.to(tl.float32), qw, qwp, cos, sin, is_low, eps, HEAD_DIM, x_ptr)
-                    kcol = row + WIDTH + kvh * HEAD_DIM
-                    kn = tl.load(kcol + d, cache_modifier=".cg").to(tl.float32)[None, :]
-                    knp = tl.load(kcol + dp, cache_modifier=".cg").to(tl.float32)[None, :]
-                    k_new = _norm_rope(kn, knp, kw, kwp, cos, sin, is_low, eps, HEAD_DIM, x_ptr)
-                    k_new = tl.sum(k_new, axis=0).to(k_ptr.dtype.element_ty)  # [D]: the one row
-                    v_new = tl.load(kcol + KV_HEADS * HEAD_DIM + d, cache_modifier=".cg").to(v_ptr.dtype.element_ty)
-                    # Cached positions [0, position) of this row, then the new token from registers.
                     base = ((layer * rows + r) * KV_HEADS + kvh).to(tl.int64) * (CAP * HEAD_DIM)
                     addr = base + p[:, None] * HEAD_DIM + d[None, :]
-                    old = (p < position)[:, None]
-                    keys = tl.load(k_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    vals = tl.load(v_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    new = (p == position)[:, None]
-                    keys = tl.where(new, k_new.to(tl.float32)[None, :], keys)
-                    vals = tl.where(new, v_new.to(tl.float32)[None, :], vals)
-                    scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale  # [G, P]
-                    scores = tl.where((p <= position)[None, :], scores, float("-inf"))
-                    e = tl.exp(scores - tl.max(scores, axis=1)[:, None])
-                    probs = e / tl.sum(e, axis=1)[:, None]
-                    attn = tl.sum(probs[:, :, None] * vals[None, :, :], axis=1)  # [G, D]
-                    tl.store(attn_ptr + r * WIDTH + heads[:, None] * HEAD_DIM + d[None, :], attn)
-                    at = base + position * HEAD_DIM + d
-                    tl.store(k_ptr + at, k_new)
-                    tl.store(v_ptr + at, v_new)
+                    if TOKENS == 1:
+                        # Cached positions [0, position) of this row, then the new token from registers.
+                        row = qkv_ptr + r * N_QKV
+                        q = _query(row, heads, 0, cos_ptr, sin_ptr, qw, qwp, d, dp, is_low, eps, x_ptr, HEAD_DIM)
+                        k_new, v_new = _new_key_value(row, kvh, 0, cos_ptr, sin_ptr, kw, kwp, d, dp, is_low, eps, x_ptr,
+                                                      k_ptr, v_ptr, WIDTH, KV_HEADS, HEAD_DIM)
+                        old = (p < position)[:, None]
+                        keys = tl.load(k_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
+                        vals = tl.load(v_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
+                        new = (p == position)[:, None]
+                        keys = tl.where(new, k_new.to(tl.float32)[None, :], keys)
+                        vals = tl.where(new, v_new.to(tl.float32)[None, :], vals)
+                        attn = _attend(q, keys, vals, p, position, scale)
+                        tl.store(attn_ptr + r * WIDTH + heads[:, None] * HEAD_DIM + d[None, :], attn)
+                        at = base + position * HEAD_DIM + d
+                        tl.store(k_ptr + at, k_new)
+                        tl.store(v_ptr + at, v_new)
+                    else:
+                        # Several tokens of a row (a frame's two prompt tokens): every token's key and value into
+                        # the cache first, then each token attends over the cache up to its own position. The CTA
+                        # barrier makes the stores visible to the whole program; the values read back are the
+                        # rounded ones a later pass reads, as the one-token branch merges them.
+                        for t in tl.static_range(TOKENS):
+                            row = qkv_ptr + (r * TOKENS + t) * N_QKV
+                            k_new, v_new = _new_key_value(row, kvh, t, cos_ptr, sin_ptr, kw, kwp, d, dp, is_low, eps,
+                                                          x_ptr, k_ptr, v_ptr, WIDTH, KV_HEADS, HEAD_DIM)
+                            at = base + (position + t) * HEAD_DIM + d
+                            tl.store(k_ptr + at, k_new)
+                            tl.store(v_ptr + at, v_new)
+                        tl.debug_barrier()
+                        for t in tl.static_range(TOKENS):
+                            i = r * TOKENS + t
+                            row = qkv_ptr + i * N_QKV
+                            q = _query(row, heads, t, cos_ptr, sin_ptr, qw, qwp, d, dp, is_low, eps, x_ptr, HEAD_DIM)
+                            seen = (p <= position + t)[:, None]
+                            keys = tl.load(k_ptr + addr, mask=seen, other=0.0, cache_modifier=".cg").to(tl.float32)
+                            vals = tl.load(v_ptr + addr, mask=seen, other=0.0, cache_modifier=".cg").to(tl.float32)
+                            attn = _attend(q, keys, vals, p, position + t, scale)
+                            tl.store(attn_ptr + i * WIDTH + heads[:, None] * HEAD_DIM + d[None, :], attn)
             if SYNC:
                 _arrive(bar_ptr)
             if EARLY:
@@ -437,14 +512,15 @@ if triton is not None:
                 else:
                     w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_h, hi_h, C_A, C_A, KC_A, BN_O)
                 n = lo_h + tl.arange(0, BN_O)
-                for r in range(rows):
-                    o = _round(_dot(w, _vector(attn_ptr + r * WIDTH, C_A, C_A, KC_A)), x_ptr)
+                for i in range(acts):
+                    o = _round(_dot(w, _vector(attn_ptr + i * WIDTH, C_A, C_A, KC_A)), x_ptr)
                     if layer == 0:
-                        res = tl.load(x_in_ptr + r * HIDDEN + n, mask=n < hi_h, other=0.0).to(tl.float32)
-                    else:
-                        res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
+                        res = tl.load(_input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER) + n, mask=n < hi_h, other=0.0)
                         res = res.to(tl.float32)
-                    tl.store(x_ptr + r * HIDDEN + n, res + o, mask=n < hi_h)
+                    else:
+                        res = tl.load(x_ptr + i * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
+                        res = res.to(tl.float32)
+                    tl.store(x_ptr + i * HIDDEN + n, res + o, mask=n < hi_h)
             base_gu = wgu_ptr + layer * (2 * INTER * HIDDEN)
             if SYNC:
                 _arrive(bar_ptr)
@@ -467,12 +543,12 @@ if triton is not None:
                         wg = _tile(base_gu, part_lo, hi_i, C_H, CP_H, KC_H, BN_PART)
                         wu = _tile(base_gu + INTER * HIDDEN, part_lo, hi_i, C_H, CP_H, KC_H, BN_PART)
                     n = part_lo + tl.arange(0, BN_PART)
-                    for r in range(rows):
-                        xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                    for i in range(acts):
+                        xv = _vector(x_ptr + i * HIDDEN, C_H, CP_H, KC_H)
                         h = _rms(xv, ln2_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
                         gate = _round(_dot(wg, h), x_ptr)
                         up = _round(_dot(wu, h), x_ptr)
-                        tl.store(g_ptr + r * INTER + n, gate / (1.0 + tl.exp(-gate)) * up, mask=n < hi_i)
+                        tl.store(g_ptr + i * INTER + n, gate / (1.0 + tl.exp(-gate)) * up, mask=n < hi_i)
             if SYNC:
                 _arrive(bar_ptr)
             if EARLY:
@@ -487,12 +563,12 @@ if triton is not None:
                 else:
                     w = _tile(wd_ptr + layer * (HIDDEN * INTER), lo_h, hi_h, C_I, CP_I, KC_I, BN_O)
                 n = lo_h + tl.arange(0, BN_O)
-                for r in range(rows):
-                    a = _vector(g_ptr + r * INTER, C_I, CP_I, KC_I)
+                for i in range(acts):
+                    a = _vector(g_ptr + i * INTER, C_I, CP_I, KC_I)
                     delta = _round(_dot(w, a), x_ptr)
-                    res = tl.load(x_ptr + r * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
-                    tl.store(x_ptr + r * HIDDEN + n, res.to(tl.float32) + delta, mask=n < hi_h)
-        # 6. final norm and the head.
+                    res = tl.load(x_ptr + i * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
+                    tl.store(x_ptr + i * HIDDEN + n, res.to(tl.float32) + delta, mask=n < hi_h)
+        # 6. final norm and the head, for each row's last token.
         s = PHASES_PER_LAYER * LAYERS
         lo, hi = _span(pid, programs, VOCAB)
         if SYNC:
@@ -508,7 +584,7 @@ if triton is not None:
                 w = _tile(head_ptr, lo, hi, C_H, CP_H, KC_H, BN_V)
             n = lo + tl.arange(0, BN_V)
             for r in range(rows):
-                xv = _vector(x_ptr + r * HIDDEN, C_H, CP_H, KC_H)
+                xv = _vector(x_ptr + (r * TOKENS + TOKENS - 1) * HIDDEN, C_H, CP_H, KC_H)
                 h = _rms(xv, fn_ptr, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
                 tl.store(logits_ptr + r * VOCAB + n, _round(_dot(w, h), x_ptr), mask=n < hi)
         if SYNC:

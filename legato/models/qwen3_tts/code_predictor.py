@@ -129,21 +129,28 @@ class CodePredictor(nn.Module):
 
     def _predict_in_stack_launches(self, past_hidden: torch.Tensor, first_embed: torch.Tensor, sample: CodeSampler,
                                    cache: ContiguousKVCache) -> torch.Tensor:
-        # `predict_residuals` with each token's pass through the layers, final norm and head as one launch. The
-        # two prompt tokens go one at a time: causal attention over them is the same. The first token's logits are
-        # not read, but the kernel always ends with a head (about 2 us of it): one kernel variant to compile.
+        # `predict_residuals` with each pass through the layers, final norm and head as one launch. The two prompt
+        # tokens share one launch (its weights read once for both). Where the talker's width is the code
+        # predictor's (no projection between), a codebook's embedding lookup is the launch's first load.
         positions = torch.arange(self.config.num_code_groups, device=past_hidden.device)
         cos, sin = self.model.rotary(positions)
+        gather = isinstance(self.small_to_mtp_projection, nn.Identity)
 
-        def logits(embed: torch.Tensor, pos: int, head: nn.Linear) -> torch.Tensor:
-            x = self.small_to_mtp_projection(embed).contiguous()
-            return decoder_stack.run(self.stack, x, cache.k, cache.v, pos, cos[pos], sin[pos], head.weight)
+        def logits(x: torch.Tensor, pos: int, head: nn.Linear, code: torch.Tensor | None = None) -> torch.Tensor:
+            tokens = 1 if code is not None else x.shape[0] // past_hidden.shape[0]
+            return decoder_stack.run(self.stack, x, cache.k, cache.v, pos, cos[pos : pos + tokens],
+                                     sin[pos : pos + tokens], head.weight, code=code)
 
-        logits(past_hidden, 0, self.lm_head[0])
-        code = sample(logits(first_embed, 1, self.lm_head[0]), 1)
+        prompt = self.small_to_mtp_projection(torch.stack((past_hidden, first_embed), dim=1))
+        code = sample(logits(prompt.flatten(0, 1).contiguous(), 0, self.lm_head[0]), 1)
         codes = [code]
         for g in range(1, self.num_residual_groups):
-            code = sample(logits(self.model.codec_embedding[g - 1](code), g + 1, self.lm_head[g]), g + 1)
+            table = self.model.codec_embedding[g - 1]
+            if gather:
+                scores = logits(table.weight, g + 1, self.lm_head[g], code=code)
+            else:
+                scores = logits(self.small_to_mtp_projection(table(code)).contiguous(), g + 1, self.lm_head[g])
+            code = sample(scores, g + 1)
             codes.append(code)
         cache.advance(self.config.num_code_groups)
         return torch.stack(codes, dim=1)
