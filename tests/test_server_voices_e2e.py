@@ -1,7 +1,7 @@
 """End to end through the real server (`build_app`) on the tiny Base model: upload a voice, speak with it,
 restart the server over the same voices directory and speak with it again (same seed, same audio), delete
 it; the encoders run once, at upload, never when a saved voice speaks. Reference audio naming a local file
-outside the allowed directory is refused by /v1/audio/speech."""
+outside the allowed directory is refused by /v1/audio/speech and its WebSocket, by the voices route's code."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import soundfile as sf
 import torch
 from fastapi.testclient import TestClient
 from voice_helpers import CLIP
+from ws_helpers import WsClient
 
 from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts import inputs
@@ -22,6 +23,7 @@ from legato.pipeline.local import LocalEngineClient
 from legato.server.app import build_app
 from legato.server.settings import ServerSettings
 from legato.server.voices import VoiceStore
+from legato.server.ws_protocol import STREAM_PATH
 
 SPEECH = "/v1/audio/speech"
 VOICES = "/v1/audio/voices"
@@ -121,16 +123,30 @@ def test_speech_ref_audio_obeys_the_local_media_policy(loaded, dirs, encoder_cal
             r = speak(http, ref_audio=url, x_vector_only_mode=True)
             assert r.status_code == 403, (url, r.text)
             assert "outside" in r.json()["error"]["message"]
+            assert r.json()["error"]["code"] == "forbidden_media"  # the voices route's name for it
         plain = speak(http, ref_audio=str(private / "secret.wav"), x_vector_only_mode=True)
         assert plain.status_code == 400 and "file://" in plain.json()["error"]["message"]
+        assert plain.json()["error"]["code"] == "invalid_ref_audio"
         r = http.post(VOICES, json={"name": "sneaky", "ref_audio": f"file://{private}/secret.wav"})
         assert r.status_code == 403 and http.get(VOICES).json()["voices"] == []
+        assert r.json()["error"]["code"] == "forbidden_media"
+        with http.websocket_connect(STREAM_PATH) as ws:  # the streaming route refuses it by the same name
+            c = WsClient(ws)
+            c.send(type="session.update", session={"ref_audio": f"file://{private}/secret.wav",
+                                                   "x_vector_only_mode": True})
+            c.event("session.updated")
+            c.send(type="input_text.append", context_id="a", text="Hello there.")
+            c.send(type="input_text.end", context_id="a")
+            err = c.until(lambda e: e["type"] == "error", "the refusal", errors_ok=True)["error"]
+            assert err["code"] == "forbidden_media" and err["param"] == "ref_audio", err
+            c.close_and_wait(http)
         assert encoder_calls["extract_voice"] == 1
 
     no_files = ServerSettings(voices_dir=str(voices_dir))  # no allowed directory: no file:// at all
     with server(loaded, no_files) as http:
         r = speak(http, ref_audio=f"file://{media}/clip.wav", x_vector_only_mode=True)
         assert r.status_code == 403 and "allowed-local-media-path" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "forbidden_media"
 
 
 def test_an_inline_clip_sent_again_is_neither_decoded_nor_hashed_nor_encoded_again(loaded, dirs, encoder_calls,

@@ -270,7 +270,10 @@ class SpeechService:
         try:
             clip = await resolve_ref_clip(body.ref_audio, self.media_policy, self.clips)
         except MediaError as e:
-            raise ApiError(e.status, e.message, "invalid_ref_audio", "ref_audio") from e
+            # the voices route's codes (voices_api._CODES): a path or URL the media policy forbids is
+            # `forbidden_media` there, and the same refusal should not change its name between routes
+            code = "forbidden_media" if e.status == 403 else "invalid_ref_audio"
+            raise ApiError(e.status, e.message, code, "ref_audio") from e
         return {"ref_audio": clip.samples, "ref_sample_rate": clip.rate, "ref_audio_key": clip.key,
                 "ref_text": body.ref_text, "x_vector_only": body.x_vector_only_mode}
 
