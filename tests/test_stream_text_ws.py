@@ -450,6 +450,21 @@ def test_a_topology_without_text_input_refuses_a_context():
         c.close_and_wait(http)
 
 
+def test_a_plain_http_get_on_the_websocket_path_is_426_upgrade_required():
+    """A browser or curl opening the stream URL without the handshake learns the route speaks WebSocket, in the
+    server's error shape, instead of a 404 that says there is no such route."""
+    from server_helpers import FakeClient
+
+    with TestClient(build_app(FakeClient(lambda req: []), server_settings())) as http:
+        for method in ("GET", "HEAD"):
+            r = http.request(method, STREAM_PATH)
+            assert r.status_code == 426, (method, r.text)
+            assert r.headers["upgrade"] == "websocket" and "upgrade" in r.headers["connection"].lower()
+        err = http.get(STREAM_PATH).json()["error"]
+        assert err["code"] == "upgrade_required" and err["type"] == "invalid_request_error"
+        assert "WebSocket" in err["message"] and STREAM_PATH in err["message"]
+
+
 def test_a_draining_server_refuses_new_sockets(loaded):
     app, _ = make_app(loaded)
     with TestClient(app) as http:
