@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -170,6 +171,19 @@ def test_fixed_length_requests_for_benchmarks(cv):
     r = speak(cv, response_format="pcm", ignore_eos=True, num_frames=7)
     assert r.status_code == 200
     assert r.headers["x-usage-output-tokens"] == "7" and len(r.content) == 7 * SAMPLES_PER_FRAME * 2
+
+
+def test_max_new_tokens_n_gives_at_most_n_minus_1_frames_as_the_readme_says(cv):
+    """`max_new_tokens` counts codec tokens as the reference does, the last one the end-of-speech token's place,
+    so N gives at most N - 1 audio frames: a request that never ends (ignore_eos) gives exactly N - 1, and the
+    usage's output tokens are those frames. The README states the rule where it documents the field."""
+    for n in (2, 9):
+        r = speak(cv, response_format="pcm", ignore_eos=True, max_new_tokens=n, seed=3)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-usage-output-tokens"] == str(n - 1) and len(r.content) == (n - 1) * SAMPLES_PER_FRAME * 2
+        assert r.headers["x-finish-reason"] == "length"
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    assert re.search(r"`max_new_tokens: N`[^.;]*at most N [−-] 1 audio frames", readme)
 
 
 # --- refusals -----------------------------------------------------------------------------------------
