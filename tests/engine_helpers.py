@@ -39,6 +39,7 @@ class Collected:
     finished: dict[str, str] = field(default_factory=dict)
     finish_count: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str | None] = field(default_factory=dict)
+    error_codes: dict[str, str | None] = field(default_factory=dict)
 
     def frames(self, rid: str) -> torch.Tensor:
         parts = self.codes.get(rid, [])
@@ -57,6 +58,7 @@ class Collected:
                 self.finished[o.request_id] = o.finish_reason
                 self.finish_count[o.request_id] = self.finish_count.get(o.request_id, 0) + 1
                 self.errors[o.request_id] = o.error
+                self.error_codes[o.request_id] = o.error_code
 
 
 def run_all(engine: Engine, requests: list[EngineRequest], join_at: dict[int, list[EngineRequest]] | None = None,

@@ -59,17 +59,19 @@ def test_a_read_pass_is_one_hand_over_keeping_each_streams_chunks_and_order(tiny
 def test_a_steps_chunks_cross_in_one_message_each_whole_and_in_order():
     chunks = [("a", _chunk(0, last=False)), ("b", StreamChunk(np.zeros(0, np.float32), 3, codes=None)),
               ("a", _chunk(2, last=True)), ("c", StreamChunk(np.ones(5, np.float32), 1, finished=True,
-                                                             finish_reason="error", error="boom", retryable=True))]
+                                                             finish_reason="error", error="boom", retryable=True)),
+              ("d", StreamChunk(np.zeros(0, np.float32), 4, finished=True, finish_reason="error", error="long",
+                                error_code="text_too_long"))]
     [header, rows, audio, codes] = m.encode(m.Chunks(chunks))  # one header for all, one frame per array kind
     got = m.decode([header, rows, audio, codes])
-    assert isinstance(got, m.Chunks) and [rid for rid, _ in got.chunks] == ["a", "b", "a", "c"]
+    assert isinstance(got, m.Chunks) and [rid for rid, _ in got.chunks] == ["a", "b", "a", "c", "d"]
     for (_, want), (_, have) in zip(chunks, got.chunks, strict=True):
         assert have.audio.tolist() == want.audio.tolist() and have.num_frames == want.num_frames
         assert (have.codes is None) == (want.codes is None)
         if want.codes is not None:
             assert have.codes.tolist() == want.codes.tolist()
-        assert (have.finished, have.finish_reason, have.error, have.retryable) == (
-            want.finished, want.finish_reason, want.error, want.retryable)
+        assert (have.finished, have.finish_reason, have.error, have.error_code, have.retryable) == (
+            want.finished, want.finish_reason, want.error, want.error_code, want.retryable)
 
 
 def _refused(frames: list, what: str) -> None:
@@ -114,7 +116,8 @@ def test_a_steps_message_round_trips_every_field_of_many_chunks():
             rng.standard_normal(n).astype(np.float32), int(rng.integers(0, 5000)),
             num_prompt_tokens=int(rng.integers(0, 9000)), finished=bool(i % 7 == 0),
             finish_reason=("stop", "length", "abort", "error", "handoff")[i % 5] if i % 7 == 0 else None,
-            error="boom" if i % 35 == 0 else None, seed=int(rng.integers(0, 2**63 - 1)),
+            error="boom" if i % 35 == 0 else None, error_code="text_too_long" if i % 49 == 0 else None,
+            seed=int(rng.integers(0, 2**63 - 1)),
             codes=None if f < 0 else rng.integers(0, 2048, (f, 16)), retryable=i % 70 == 0,
             stages={"engine": 0.01 * i} if i % 11 == 0 else None)))
     got = m.decode(m.encode(m.Chunks(chunks)))
@@ -123,8 +126,8 @@ def test_a_steps_message_round_trips_every_field_of_many_chunks():
         assert np.array_equal(have.audio, want.audio) and have.audio.dtype == np.float32
         assert (have.codes is None) == (want.codes is None)
         assert want.codes is None or np.array_equal(have.codes, want.codes)
-        for field in ("num_frames", "num_prompt_tokens", "finished", "finish_reason", "error", "seed", "retryable",
-                      "stages"):
+        for field in ("num_frames", "num_prompt_tokens", "finished", "finish_reason", "error", "error_code", "seed",
+                      "retryable", "stages"):
             assert getattr(have, field) == getattr(want, field), field
 
 

@@ -71,14 +71,14 @@ def test_messages_round_trip():
     assert gi.ref_code.dtype == torch.int64 and torch.equal(gi.ref_code, torch.from_numpy(code))
 
     chunk = StreamChunk(np.ones(8, np.float32), 3, num_prompt_tokens=11, finished=True, finish_reason="error",
-                        error="boom", seed=5, codes=code)
+                        error="boom", error_code="text_too_long", seed=5, codes=code)
     back = m.decode(m.encode(m.Chunk("a", chunk))).chunk
     assert np.array_equal(back.audio, chunk.audio) and np.array_equal(back.codes, code)
-    assert (back.num_frames, back.num_prompt_tokens, back.finished, back.finish_reason, back.error, back.seed) == \
-        (3, 11, True, "error", "boom", 5)
+    assert (back.num_frames, back.num_prompt_tokens, back.finished, back.finish_reason, back.error, back.error_code,
+            back.seed) == (3, 11, True, "error", "boom", "text_too_long", 5)
     assert not back.retryable
     plain = m.decode(m.encode(m.Chunk("a", StreamChunk(np.zeros(0, np.float32), 0)))).chunk
-    assert plain.codes is None and not plain.retryable
+    assert plain.codes is None and not plain.retryable and plain.error_code is None
     failed = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error", error="x", retryable=True)
     assert m.decode(m.encode(m.Chunk("a", failed))).chunk.retryable
 

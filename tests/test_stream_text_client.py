@@ -188,6 +188,38 @@ def test_split_holds_text_until_its_talker_stream_opens(loaded):
     assert held == {}
 
 
+@pytest.mark.parametrize("topology", ["single", "split"])
+def test_text_past_the_engines_buffer_ends_the_request_with_its_code(loaded, topology):
+    """Streamed text past max_text_tokens fails the request with `error_code` text_too_long on its last chunk,
+    through the in-process client and through split (which passes its talker's end on), so the front tells the
+    client's fault by the code, not by the message."""
+    from legato.pipeline.split import build_split_client
+
+    config = engine_config()
+    config.max_text_tokens = 24
+
+    async def main():
+        if topology == "split":
+            client = build_split_client(lambda device: loaded, config, ["cpu"])
+        else:
+            client = LocalEngineClient(loaded, config)
+        await client.start()
+        try:
+            chunks: list = []
+            task = asyncio.create_task(drain(client.generate(request("s", "Hello there. ", True)), chunks))
+            for _ in range(8):
+                await client.append_text("s", "and more words to say, ")
+            await client.append_text("s", "", close=True)
+            await asyncio.wait_for(task, 120)
+            return chunks
+        finally:
+            await client.stop()
+
+    last = asyncio.run(main())[-1]
+    assert last.finished and last.finish_reason == "error", last
+    assert last.error_code == "text_too_long" and "max_text_tokens" in last.error
+
+
 def test_prefill_decode_in_process_hands_the_text_on_with_the_request(loaded):
     """1p1d in threads: text appended while the prefill engine has the request is held by the router and
     reaches the decode engine behind the handoff; the codes equal the whole text's, and both engines free

@@ -161,6 +161,7 @@ def test_abort_and_overflow_free_a_waiting_request(root):
         out.take(engine.step())
     assert out.finished == {"a": "abort", "b": "error"}
     assert "max_text_tokens" in out.errors["b"]
+    assert out.error_codes == {"a": None, "b": "text_too_long"}  # the client's fault, by code, for the front
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

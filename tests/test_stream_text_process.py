@@ -1,7 +1,8 @@
 """Streaming text input across the process boundary, a replica router, split's talker and codec workers and a
 prefill-decode pair: the wire carries `text_open` and AppendText, and a request streamed to an engine worker
 process (through a router of them, to a talker worker whose codes a codec worker decodes, or prefilled by one
-worker and decoded by another, its text following the handoff) gives the codes and audio of the whole text."""
+worker and decoded by another, its text following the handoff) gives the codes and audio of the whole text; text
+past a worker engine's buffer ends the request with its error code on the far side of the wire."""
 
 from __future__ import annotations
 
@@ -69,3 +70,28 @@ def test_streamed_text_through_worker_processes_equals_the_whole_text(tiny_check
     got, want = np.concatenate([c.audio for c in streamed]), np.concatenate([c.audio for c in whole])
     assert got.shape == want.shape and np.abs(got - want).max() < 1e-5
     assert stats.free_kv_blocks == stats.num_kv_blocks
+
+
+@pytest.mark.parametrize("topology", ["single", "replicas:2", "split", "1p1d"])
+def test_text_past_a_worker_engines_buffer_crosses_the_wire_with_its_code(tiny_checkpoint, topology):
+    """Streamed text past max_text_tokens fails the request in its worker process; the last chunk carries
+    `error_code` text_too_long across the process boundary, so the front reports it by the code."""
+    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=128, max_model_len=512,
+                          max_num_batched_tokens=256, max_text_tokens=24)
+    client = build_client(parse_topology(topology), None, config, workers="process", model_path=str(tiny_checkpoint),
+                          process_options={"torch_threads": 1, "start_timeout_s": 60})
+
+    async def main():
+        await client.start()
+        try:
+            gen = client.generate(request("s", "Hello there. ", True))
+            for _ in range(8):
+                await client.append_text("s", "and more words to say, ")
+            await client.append_text("s", "", close=True)
+            return [c async for c in gen]
+        finally:
+            await client.stop()
+
+    last = asyncio.run(asyncio.wait_for(main(), 300))[-1]
+    assert last.finished and last.finish_reason == "error", last
+    assert last.error_code == "text_too_long" and "max_text_tokens" in last.error

@@ -16,6 +16,7 @@ from server_helpers import local_client, server_settings, tiny_loaded
 from starlette.websockets import WebSocketDisconnect
 from ws_helpers import WsClient
 
+from legato.pipeline.client import StreamChunk
 from legato.server.app import build_app
 from legato.server.ws_protocol import STREAM_PATH, WsLimits
 from legato.server.ws_session import StreamSession
@@ -414,6 +415,36 @@ def test_streamed_text_past_the_engines_text_buffer_is_the_clients_error(loaded)
         err = c.until(lambda e: e["type"] == "error", "the overflow error", errors_ok=True)
         assert err["context_id"] == "a" and err["error"]["code"] == "text_too_long"
         assert err["error"]["type"] == "invalid_request_error" and "max_text_tokens" in err["error"]["message"]
+        c.close_and_wait(http)
+
+
+@pytest.mark.parametrize("error, code, event", [
+    ("the text outgrew the buffer", "text_too_long", (400, "text_too_long", "text")),
+    ("streamed text exceeds max_text_tokens=24 (as a message alone)", None, (500, "synthesis_failed", None)),
+])
+def test_a_failed_context_is_the_clients_error_by_the_chunks_code_not_its_message(error, code, event):
+    """The session reports a context's failure as the client's 400 `text_too_long` by the code its last chunk
+    carries; a message that reads like it, without the code, is the server's failure."""
+    from server_helpers import FakeClient
+
+    class TextClient(FakeClient):
+        takes_text_input = True
+
+        async def append_text(self, request_id: str, text: str, close: bool = False) -> None:
+            pass
+
+    end = StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error", error=error, error_code=code)
+    app = build_app(TextClient(lambda req: [end]), server_settings())
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="session.update", session={"voice": "ryan"})
+        c.event("session.updated")
+        c.send(type="input_text.append", context_id="a", text="Hello there.")
+        c.send(type="input_text.end", context_id="a")
+        err = c.until(lambda e: e["type"] == "error", "the failure", errors_ok=True)
+        assert err["context_id"] == "a"
+        assert (err["error"]["code"], err["error"]["param"]) == event[1:]
+        assert err["error"]["type"] == ("invalid_request_error" if event[0] == 400 else "server_error")
         c.close_and_wait(http)
 
 

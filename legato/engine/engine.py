@@ -47,8 +47,10 @@ STACK_GAVE_UP = ("engine step failed: the code predictor's one-launch pass gave 
 
 
 CODE_GROUPS = 16  # codebooks a frame: the released models' num_code_groups
-# How a request whose streamed text outgrew its buffer fails (the socket reports it as the client's error).
+# How a request whose streamed text outgrew its buffer fails, and the code its final output carries to the front:
+# the socket reports it as the client's error by the code, not by matching the message.
 TEXT_OVERFLOW = "streamed text exceeds max_text_tokens"
+TEXT_TOO_LONG = "text_too_long"
 
 
 class RequestIdEnding(DuplicateRequestError):
@@ -82,6 +84,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
+    error_code: str | None = None  # on an "error" end the request itself caused (TEXT_TOO_LONG); None otherwise
     num_prompt_tokens: int = 0
     num_frames: int = 0  # total so far
     seed: int = 0
@@ -105,6 +108,7 @@ class _Live:
     frames: int = 0  # frames collected (a frame in flight past the request's end is never counted)
     reason: str | None = None  # how it ended, once it has
     error: str | None = None
+    error_code: str | None = None  # RequestOutput.error_code of its end
 
 
 @dataclass
@@ -254,7 +258,7 @@ class Engine:
         embeds = torch.cat(parts)
         start = req.text_frames
         if start + embeds.shape[0] > self.config.max_text_tokens:
-            self._done += self._fail([req], f"{TEXT_OVERFLOW}={self.config.max_text_tokens}")
+            self._done += self._fail([req], f"{TEXT_OVERFLOW}={self.config.max_text_tokens}", TEXT_TOO_LONG)
             return True
         if live.started:
             self.runner.slots.extend_text(req.slot, start, embeds)
@@ -523,6 +527,7 @@ class Engine:
         return [RequestOutput(
             request_id=live.req.request_id, codes=codes, audio=audio, finished=finished,
             finish_reason=live.reason if finished else None, error=live.error if finished else None,
+            error_code=live.error_code if finished else None,
             num_prompt_tokens=live.req.prompt_len, num_frames=live.frames, seed=live.seed, handoff=live.outgoing,
         )]
 
@@ -569,8 +574,9 @@ class Engine:
             live.incoming = None
             self.scheduler.handoff_complete(req.request_id)
 
-    def _fail(self, reqs: list[Request], reason: str) -> list[RequestOutput]:
-        """Finishes `reqs` with an error: blocks, slot and codec stream are freed at once."""
+    def _fail(self, reqs: list[Request], reason: str, code: str | None = None) -> list[RequestOutput]:
+        """Finishes `reqs` with an error (`code`: RequestOutput.error_code): blocks, slot and codec stream are
+        freed at once."""
         outputs = []
         for r in reqs:
             self.scheduler.fail(r.request_id, reason)
@@ -578,7 +584,7 @@ class Engine:
                 self.codec.close(r.request_id)
             live = self.live.pop(r.request_id, None)
             if live is not None:
-                outputs.append(self._final(live, "error", reason))
+                outputs.append(self._final(live, "error", reason, code))
         return outputs
 
     def _run_prefills(self, chunks, launched: _Launched) -> tuple[list[torch.Tensor], list[StepResult]]:
@@ -618,6 +624,6 @@ class Engine:
         launched.rows += [(r.request_id, "frame") for r in reqs]
         return self.runner.decode(work)
 
-    def _final(self, live: _Live, reason: str, error: str | None) -> RequestOutput:
-        live.reason, live.error = reason, error
+    def _final(self, live: _Live, reason: str, error: str | None, code: str | None = None) -> RequestOutput:
+        live.reason, live.error, live.error_code = reason, error, code
         return self._output(live, finished=True)[0]

@@ -47,6 +47,9 @@ class StreamChunk:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
+    # On an "error" chunk the request itself caused, a machine-readable reason the front reports to its client
+    # (the engine's TEXT_TOO_LONG); None for a failure of the server's.
+    error_code: str | None = None
     seed: int = 0
     codes: np.ndarray | None = None  # [n, 16] int64: the new frames' codec codes (topology equivalence checks)
     handoff: Handoff | None = None  # on the last chunk of a `handoff_only` request (finish_reason "handoff")

@@ -605,7 +605,8 @@ class LocalEngineClient(EngineClient):
             chunk = StreamChunk(
                 audio=o.audio if o.audio is not None else np.zeros(0, np.float32),
                 num_frames=o.num_frames, num_prompt_tokens=o.num_prompt_tokens, finished=o.finished,
-                finish_reason=o.finish_reason, error=o.error, seed=o.seed, codes=o.codes.numpy(),
+                finish_reason=o.finish_reason, error=o.error, error_code=o.error_code, seed=o.seed,
+                codes=o.codes.numpy(),
                 handoff=o.handoff,
             )
             if o.finished:

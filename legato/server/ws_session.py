@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from legato.engine.engine import TEXT_OVERFLOW
+from legato.engine.engine import TEXT_TOO_LONG
 from legato.models.qwen3_tts.text_stream import TextStream
 from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk
 from legato.server.encoding import STREAMABLE, AudioFormat, audio_options_problem
@@ -301,8 +301,9 @@ class StreamSession:
                         await self._audio(ctx, await encoder.finish(), 0)
                     break
             if last is not None and last.finish_reason == "error":
-                if (last.error or "").startswith(TEXT_OVERFLOW):  # the client's text, not the server, was too much
-                    await self._put(_Out(error_event(400, last.error, "text_too_long", "text", context_id=ctx.id)))
+                if last.error_code == TEXT_TOO_LONG:  # the client's text, not the server, was too much
+                    await self._put(_Out(error_event(400, last.error or "the context's text is too long",
+                                                     TEXT_TOO_LONG, "text", context_id=ctx.id)))
                 else:
                     await self._put(_Out(error_event(500, last.error or "synthesis failed", "synthesis_failed",
                                                      context_id=ctx.id)))
