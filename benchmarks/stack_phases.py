@@ -1,7 +1,8 @@
 """Device time of each phase of the code predictor's one-launch pass (`layers/decoder_stack.py`), each phase run as
 its own launch, and of the whole pass as one launch (each phase's weights requested before its barrier's wait, the
-default, and after it; the default timed again last, so drift shows): 0.6B code predictor shapes, random weights,
-bf16, CUDA graphs of back-to-back launches.
+default, and after it; without the L2 prefetches; the default timed again last, so drift shows), and at one row the
+launch forms a frame uses (two prompt tokens in one launch, an embedding row looked up by the launch) against the
+launches they replace: 0.6B code predictor shapes, random weights, bf16, CUDA graphs of back-to-back launches.
 
     python benchmarks/stack_phases.py --rows 1,2 --out phases.json
 """
@@ -41,10 +42,40 @@ def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
         row[name] = time_launches(lambda phase=phase: run(sync=False, phases=(phase, phase)), 40)
     row["whole pass, one launch"] = time_launches(run, 40)
     row["whole pass, one launch, weights after the barrier"] = time_launches(lambda: run(early_tiles=False), 40)
+    row["whole pass, one launch, no L2 prefetch"] = time_launches(lambda: run(l2_prefetch=False), 40)
     row["whole pass, one launch (again)"] = time_launches(run, 40)
+    if rows == 1:
+        row.update(_launch_forms(cp))
     row["whole pass, phase launches"] = time_launches(lambda: run(sync=False), 4)
     row["barrier errors"] = decoder_stack.barrier_errors()
     return row
+
+
+def _launch_forms(cp: CodePredictor) -> dict[str, float]:
+    """A frame's two prompt tokens as one launch against two, and a codebook's embedding row looked up by the
+    launch against given to it (one row)."""
+    cfg, dev = cp.config, torch.device("cuda")
+    cache = cp.new_cache(1, torch.bfloat16, dev)
+    cos, sin = torch.ones(2, cfg.head_dim, device=dev), torch.zeros(2, cfg.head_dim, device=dev)
+    x = torch.randn(2, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    table = torch.randn(2048, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    code = torch.tensor([5], device=dev)
+    head = cp.lm_head[0].weight
+
+    def one(x, pos, **kw):
+        return decoder_stack.run(cp.stack, x, cache.k, cache.v, pos, cos[0], sin[0], head, **kw)
+
+    def apart():
+        one(x[:1], 0)
+        one(x[1:], 1)
+
+    return {
+        "two prompt tokens, one launch": time_launches(
+            lambda: decoder_stack.run(cp.stack, x, cache.k, cache.v, 0, cos, sin, head), 40),
+        "two prompt tokens, two launches": time_launches(apart, 40),
+        "embedding row looked up by the launch": time_launches(lambda: one(table, 2, code=code), 40),
+        "embedding row gathered, then the launch": time_launches(lambda: one(table[code], 2), 40),
+    }
 
 
 def sweep(cp: CodePredictor, knobs: list[tuple[int, int]]) -> dict[str, float]:
