@@ -36,18 +36,21 @@ def available(logits: torch.Tensor) -> bool:
 
 
 def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-               top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: torch.Tensor,
+               top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: torch.Tensor | int,
                exact_math: bool | None = None) -> torch.Tensor:
     """Tokens int64 [B] from float32 logits [B, V] (see `sampler.draw`; the head's knobs as [B] tensors,
-    codebook an int64 [B] tensor). `exact_math`: libdevice functions (default on CUDA)."""
+    codebook an int64 [B] tensor or one int for every row: no tensor to fill before each draw).
+    `exact_math`: libdevice functions (default on CUDA)."""
     b, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError("fused_draw needs unit-stride float32 logits")
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     block = triton.next_power_of_2(vocab)
+    fixed = isinstance(codebook, int)
     _draw_kernel[(b,)](
-        logits, do_sample, temperature, top_k, top_p, seed, frame, codebook, out, logits.stride(0), vocab,
-        BLOCK_V=block, EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
+        logits, do_sample, temperature, top_k, top_p, seed, frame, out if fixed else codebook,
+        codebook if fixed else 0, out, logits.stride(0), vocab, FIXED_CODEBOOK=fixed, BLOCK_V=block,
+        EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
         num_warps=8 if block >= 4096 else 4,
     )
     return out
@@ -135,8 +138,9 @@ if triton is not None:
         return tl.min(tl.where(valid & (key >= at), values, float("inf")), axis=0)
 
     @triton.jit
-    def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr, out_ptr,
-                     stride_row, V, BLOCK_V: tl.constexpr, EXACT: tl.constexpr, MASS_SCALE: tl.constexpr):
+    def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr,
+                     codebook_value, out_ptr, stride_row, V, FIXED_CODEBOOK: tl.constexpr, BLOCK_V: tl.constexpr,
+                     EXACT: tl.constexpr, MASS_SCALE: tl.constexpr):
         row = tl.program_id(0)
         v = tl.arange(0, BLOCK_V)
         valid = v < V
@@ -176,7 +180,10 @@ if triton is not None:
             k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
             k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
             c1 = (tl.load(frame_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
-            c2 = (tl.load(codebook_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
+            if FIXED_CODEBOOK:
+                c2 = (codebook_value.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
+            else:
+                c2 = (tl.load(codebook_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
             bits = _philox_word(v, c1, c2, k0, k1)
             u = ((bits.to(tl.float64) + 0.5) * 2.3283064365386963e-10).to(tl.float32)  # * 2**-32
             u = tl.minimum(u, 0.99999994)  # the largest float32 below 1

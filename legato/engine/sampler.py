@@ -211,12 +211,14 @@ class Sampler:
         self._compiled = torch.compile(draw, fullgraph=True, dynamic=True) if compile else draw
 
     def _draw(self, logits: torch.Tensor, w: HeadTensors, seed: torch.Tensor, frame: torch.Tensor,
-              codebook: torch.Tensor) -> torch.Tensor:
-        # On CUDA one Triton program per row (engine/draw_kernel.py): the same tokens, ~6 kernels fewer a draw.
+              codebook: int) -> torch.Tensor:
+        # On CUDA one Triton program per row (engine/draw_kernel.py): the same tokens, ~6 kernels fewer a draw,
+        # and the codebook a launch argument (a frame's 16 draws fill no codebook tensor).
         if draw_kernel.available(logits):
             return draw_kernel.fused_draw(logits.contiguous(), w.do_sample, w.temperature, w.top_k, w.top_p, seed,
                                           frame, codebook)
-        return self._compiled(logits, w, seed, frame, codebook)
+        # A tensor, so a compiled draw is not specialised per codebook.
+        return self._compiled(logits, w, seed, frame, torch.full_like(seed, codebook))
 
     @classmethod
     def from_talker_config(cls, talker_config: object, compile: bool = False) -> Sampler:
@@ -250,8 +252,7 @@ class Sampler:
         slots: int64 [B], the row of `seen` for each batch row; None means seen is [B, V] in batch order.
         Padding rows of a graph bucket should point at a scratch slot, since their ids are recorded too."""
         rows = seen if slots is None else seen.index_select(0, slots)
-        codebook = torch.zeros_like(st.seed)  # a tensor, so a compiled draw is not specialised per codebook
-        tokens = self._draw(self.process_codebook0(logits, st, rows), st.talker, st.seed, st.frame, codebook)
+        tokens = self._draw(self.process_codebook0(logits, st, rows), st.talker, st.seed, st.frame, 0)
         if slots is None:
             seen.scatter_(1, tokens[:, None], True)
         else:
@@ -261,4 +262,4 @@ class Sampler:
     def sample_residual(self, logits: torch.Tensor, st: SamplingTensors, codebook: int) -> torch.Tensor:
         """Code-predictor tokens int64 [B] for `codebook` (1..15) from its logits [B, 2048], with the
         sub-talker parameters: Temperature -> TopK -> TopP -> draw, no penalty and no EOS."""
-        return self._draw(logits.float(), st.subtalker, st.seed, st.frame, torch.full_like(st.seed, codebook))
+        return self._draw(logits.float(), st.subtalker, st.seed, st.frame, codebook)
