@@ -1,8 +1,8 @@
 """The code predictor's one-launch pass (`legato/layers/decoder_stack.py`): equal to the unfused layers under
 Triton's interpreter (each phase its own launch, fp32: greedy codes equal, logits and caches within 1e-5), compiled
-for Hopper in both forms (the barrier's atomics and polls, and the one launch's inline-PTX L2 prefetches, included),
-and taken only where it may run: CUDA rows, few of them, shapes it takes, one replica group. The one-launch form
-against the phase launches runs on the GPU (tests/test_gpu.py)."""
+for Hopper in both forms (the barrier's atomics and polls included), and taken only where it may run: CUDA rows, few
+of them, shapes it takes, one replica group. The one-launch form against the phase launches runs on the GPU
+(tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_the_stacked_pass_equals_the_unfused_code_predictor_under_the_interprete
     assert run.stdout.count(" ok\n") == 18
 
 
-def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_early_tiles_and_prefetches_in_each_form():
+def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_and_early_tiles_in_each_launch_form():
     skip_unless_ptxas()
     shapes = dict(LAYERS=5, HIDDEN=1024, HEADS=16, KV_HEADS=8, HEAD_DIM=128, INTER=3072, VOCAB=2048, CAP=16,
                   CAP_P2=16, KC_H=1024, C_H=1, CP_H=1, KC_A=1024, C_A=2, KC_I=1024, C_I=3, CP_I=4, BN_QKV=32, BN_O=8,
@@ -38,7 +38,7 @@ def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_early
         for early in (True, False):
             for form in forms:
                 kinds = {**types, "code_ptr": "*i64"} if form["GATHER"] else types
-                constexprs = {**shapes, **form, "SYNC": sync, "EARLY": early, "PREFETCH": sync}
+                constexprs = {**shapes, **form, "SYNC": sync, "EARLY": early}
                 assert compile_for_hopper(decoder_stack._stack_kernel, constexprs, kinds) > 0
 
 

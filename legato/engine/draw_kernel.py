@@ -137,7 +137,9 @@ if triton is not None:
         # The value whose key is `at` (the smallest value keyed at or above it).
         return tl.min(tl.where(valid & (key >= at), values, float("inf")), axis=0)
 
-    @triton.jit
+    # The codebook's value is not specialised: Triton makes a 1 a compile-time constant (another kernel variant,
+    # and no tensor methods on it).
+    @triton.jit(do_not_specialize=["codebook_value"])
     def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr,
                      codebook_value, out_ptr, stride_row, V, FIXED_CODEBOOK: tl.constexpr, BLOCK_V: tl.constexpr,
                      EXACT: tl.constexpr, MASS_SCALE: tl.constexpr):

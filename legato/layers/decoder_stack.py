@@ -20,7 +20,9 @@ then, after the last layer, the final norm and the codebook's head, whose logits
 A barrier is an arrive (a release increment) and a wait (acquire polls). Weights are never written in a launch, so
 each phase's weight tile is requested between the two: it streams in while the slowest program finishes the phase
 before. (Requested before the arrive, as a first version did, the release waited for those loads to land, and the
-pass ran slower: 134 against 123 us on the H200.)
+pass ran slower: 134 against 123 us on the H200.) Bulk L2 prefetches of each weight phase's rows two phases ahead
+(`cp.async.bulk.prefetch.L2`, one thread a program) made the pass slower, 139.7 against 128.7 us (H100,
+2026-12-06), and were dropped.
 
 Rounding follows the eager path (`decoder_layer.run_layers`): every activation is rounded to the activation dtype
 where the unfused path stores one, and the sums run in fp32, so the only difference is the order of the sums.
@@ -61,8 +63,6 @@ WARPS = 16
 # through LEGATO_STACK_SPIN).
 SPIN_LIMIT = int(os.environ.get("LEGATO_STACK_SPIN", 1 << 22))
 PHASES_PER_LAYER = 5  # norm + q/k/v, attention, o, norm + gate/up, down
-# Bulk L2 prefetches of the weights two phases ahead in the one-launch form (`run(l2_prefetch=...)`).
-L2_PREFETCH = True
 
 
 @dataclass
@@ -209,7 +209,7 @@ def default_programs(device: torch.device) -> int:
 def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: int,
         cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, *, code: torch.Tensor | None = None,
         programs: int | None = None, sync: bool | None = None, phases: tuple[int, int] | None = None,
-        early_tiles: bool = True, l2_prefetch: bool | None = None) -> torch.Tensor:
+        early_tiles: bool = True) -> torch.Tensor:
     """T tokens per row through every layer, the final norm and `head` [V, hidden] -> the last token's logits
     [B, V] (fp32).
 
@@ -219,9 +219,7 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     table instead, and row b's one token is its row `code[b]` (the lookup is the first phase's load: no gather
     kernel before the launch). `sync` False runs each phase as its own launch (the interpreter's way; the default
     on CPU tensors). `early_tiles` False loads each phase's weights after its barrier (the kernel before
-    2026-12-06: the same arithmetic, kept to compare against). `l2_prefetch` (default `L2_PREFETCH`; one launch
-    only, never under the interpreter, which has no inline PTX) requests each weight phase's rows into L2 two
-    weight phases ahead: timing only, the same arithmetic."""
+    2026-12-06: the same arithmetic, kept to compare against)."""
     layers, rows, kv_heads, capacity, head_dim = k_cache.shape
     hidden = x.shape[1]
     if code is not None:
@@ -266,7 +264,6 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
         BN_V=_block(vocab, programs), SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
         GU_PARTS=2 if _block(inter, programs) > 1 else 1, EARLY=early_tiles, TOKENS=tokens, GATHER=code is not None,
-        PREFETCH=sync and (L2_PREFETCH if l2_prefetch is None else l2_prefetch),
     )
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
@@ -347,19 +344,6 @@ if triton is not None:
         return _round(w * _round(x * inv, like_ptr), like_ptr)
 
     @triton.jit
-    def _prefetch(w_ptr, lo, hi, K: tl.constexpr, PREFETCH: tl.constexpr):
-        # Rows lo..hi of W [N, K] (contiguous bytes) requested into L2 by one bulk prefetch from the program's first
-        # thread: no registers, no wait. HBM streams a later phase's weights while this one's barrier and sums run.
-        if PREFETCH:
-            nbytes = ((hi - lo) * (K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))).to(tl.int32)
-            if nbytes > 0:
-                addr = (w_ptr + lo.to(tl.int64) * K).to(tl.int64, bitcast=True)
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                    "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _when(hi, lo, phase, first, last):
         # A span's end, or its start (an empty span: the tile loads nothing) where `phase` is not run.
         return tl.where((phase >= first) & (phase <= last), hi, lo)
@@ -415,7 +399,7 @@ if triton is not None:
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, SPIN: tl.constexpr,
         PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, EARLY: tl.constexpr, TOKENS: tl.constexpr,
-        GATHER: tl.constexpr, PREFETCH: tl.constexpr, SYNC: tl.constexpr,
+        GATHER: tl.constexpr, SYNC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
@@ -431,17 +415,11 @@ if triton is not None:
         # so it streams in while the slowest program finishes the phase before. The barrier that ends a layer opens
         # the next one's iteration: a q/k/v tile carried from one iteration to the next spilled (ptxas: 1,592 bytes
         # of stack a thread against 488).
-        # PREFETCH: each weight phase's rows are also requested into L2 two weight phases ahead (q/k/v, o, gate/up,
-        # down, the next q/k/v, ..., the head), so HBM keeps streaming through the barriers.
-        _prefetch(wo_ptr, lo_h, hi_h, WIDTH, PREFETCH)
         for layer in range(LAYERS):
             s = PHASES_PER_LAYER * layer
-            base_gu = wgu_ptr + layer * (2 * INTER * HIDDEN)
             if SYNC:
                 if layer > 0:
                     _arrive(bar_ptr)
-            _prefetch(base_gu, lo_i, hi_i, HIDDEN, PREFETCH)
-            _prefetch(base_gu + INTER * HIDDEN, lo_i, hi_i, HIDDEN, PREFETCH)
             if EARLY:
                 w_qkv = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo_q, _when(hi_q, lo_q, s, first, last), C_H, CP_H,
                               KC_H, BN_QKV)
@@ -524,7 +502,6 @@ if triton is not None:
                             tl.store(attn_ptr + i * WIDTH + heads[:, None] * HEAD_DIM + d[None, :], attn)
             if SYNC:
                 _arrive(bar_ptr)
-            _prefetch(wd_ptr + layer * (HIDDEN * INTER), lo_h, hi_h, INTER, PREFETCH)
             if EARLY:
                 w_o = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_h, _when(hi_h, lo_h, s + 2, first, last), C_A, C_A,
                             KC_A, BN_O)
@@ -546,13 +523,9 @@ if triton is not None:
                         res = tl.load(x_ptr + i * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
                         res = res.to(tl.float32)
                     tl.store(x_ptr + i * HIDDEN + n, res + o, mask=n < hi_h)
+            base_gu = wgu_ptr + layer * (2 * INTER * HIDDEN)
             if SYNC:
                 _arrive(bar_ptr)
-            if layer + 1 < LAYERS:
-                _prefetch(wqkv_ptr + (layer + 1) * (N_QKV * HIDDEN), lo_q, hi_q, HIDDEN, PREFETCH)
-            else:
-                lo_v, hi_v = _span(pid, programs, VOCAB)
-                _prefetch(head_ptr, lo_v, hi_v, HIDDEN, PREFETCH)
             if EARLY:  # the first of the gate/up parts
                 hi_part = _when(hi_i, lo_i, s + 3, first, last)
                 wg_first = _tile(base_gu, lo_i, hi_part, C_H, CP_H, KC_H, BN_PART)
@@ -580,8 +553,6 @@ if triton is not None:
                         tl.store(g_ptr + i * INTER + n, gate / (1.0 + tl.exp(-gate)) * up, mask=n < hi_i)
             if SYNC:
                 _arrive(bar_ptr)
-            if layer + 1 < LAYERS:
-                _prefetch(wo_ptr + (layer + 1) * (HIDDEN * WIDTH), lo_h, hi_h, WIDTH, PREFETCH)
             if EARLY:
                 w_down = _tile(wd_ptr + layer * (HIDDEN * INTER), lo_h, _when(hi_h, lo_h, s + 4, first, last), C_I,
                                CP_I, KC_I, BN_O)
