@@ -448,6 +448,30 @@ def test_a_failed_context_is_the_clients_error_by_the_chunks_code_not_its_messag
         c.close_and_wait(http)
 
 
+def test_a_context_is_bounded_by_the_request_timeout_as_an_http_request_is(loaded):
+    """--request-timeout aborts a context as it aborts an HTTP request: a context whose text never ends (a client
+    keeping it open) gets a 504 `timeout` error and its request leaves the engine. Before, it ran on, holding its
+    decode slot and KV blocks for as long as the client kept the socket busy."""
+    app, client = make_app(loaded, request_timeout_s=0.5)
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="session.update", session={"voice": client.info.speakers[0]})
+        c.event("session.updated")
+        c.send(type="input_text.append", context_id="a", text="Hello there, ")  # the text stays open
+        err = c.until(lambda e: e["type"] == "error", "the timeout error", errors_ok=True)
+        assert err["context_id"] == "a" and err["error"]["code"] == "timeout"
+        assert "timed out after 0.5 s" in err["error"]["message"]
+        deadline = time.monotonic() + 60
+        while (s := client.stats()).running or s.waiting or s.free_kv_blocks != s.num_kv_blocks:
+            assert time.monotonic() < deadline, f"the timed-out request still holds the engine: {s}"
+            time.sleep(0.01)
+        c.send(type="input_text.end", context_id="a")  # the context is gone
+        reply = c.until(lambda e: e["type"] == "error", "the reply", errors_ok=True)
+        assert reply["error"]["code"] == "unknown_context"
+        c.close_and_wait(http)
+        assert 'legato_request_aborts_total{reason="timeout"} 1.0' in http.get("/metrics").text
+
+
 def test_a_session_update_with_audio_options_http_would_refuse_is_refused_then(loaded):
     app, _ = make_app(loaded)
     with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:

@@ -46,6 +46,13 @@ from legato.server.ws_protocol import (
 log = logging.getLogger(__name__)
 
 
+async def _next_chunk(gen: AsyncIterator[StreamChunk], deadline: float | None) -> StreamChunk:
+    """The stream's next chunk; TimeoutError once `deadline` (monotonic; None: none) has passed."""
+    if deadline is None:
+        return await anext(gen)
+    return await within(anext(gen), max(deadline - time.monotonic(), 0.0))
+
+
 class SlowClient(Exception):
     """The client did not take its messages within `send_timeout_s`."""
 
@@ -288,11 +295,19 @@ class StreamSession:
     async def _pump(self, ctx: Context, gen: AsyncIterator[StreamChunk], fmt: AudioFormat) -> None:
         encoder = _Encoder(fmt, self.rate)
         last: StreamChunk | None = None
+        # --request-timeout bounds a context as it bounds an HTTP request: a context whose text stays open (a client
+        # appending a word a minute) would otherwise hold its decode slot and KV blocks for as long as it likes.
+        timeout_s = self.service.settings.request_timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if self.in_flight is not None:  # entered here, where the finally below is sure to run
             self.in_flight.enter()
         try:
             await self._audio(ctx, await encoder.start(), 0)
-            async for chunk in gen:
+            while True:
+                try:
+                    chunk = await _next_chunk(gen, deadline)
+                except StopAsyncIteration:
+                    break
                 last = chunk
                 if chunk.audio.size:
                     await self._audio(ctx, await encoder.encode(chunk.audio), chunk.audio.size)
@@ -312,6 +327,12 @@ class StreamSession:
         except RequestRejected as e:
             code = rejection_code(e)
             await self._put(_Out(error_event(e.status, e.message, code, context_id=ctx.id)))
+        except TimeoutError:  # the pull was cancelled inside the engine stream, which aborts the request
+            log.info("streaming-text context %s timed out after %g s", ctx.id, timeout_s,
+                     extra={"request_id": ctx.request_id})
+            self.metrics.aborts.labels("timeout").inc()
+            await self._put(_Out(error_event(504, f"request timed out after {timeout_s:g} s", "timeout",
+                                             context_id=ctx.id)))
         except SlowClient:
             pass
         finally:
