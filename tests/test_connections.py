@@ -4,6 +4,7 @@ connections count as slow against their client's share, and when they stop count
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
@@ -72,3 +73,37 @@ def test_a_request_still_arriving_counts_as_slow_until_it_is_whole(parser, part)
         sock.sendall(rest)
         assert _read_response(sock).startswith(b"HTTP/1.1 200")
         assert wait_until(lambda: protocol.slow.held("127.0.0.1") == 0, timeout=HANG_GUARD)
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_client_that_stops_reading_a_response_is_cut_after_the_send_timeout(parser):
+    """uvicorn waits for a client's buffers to drain with no limit: a client that stopped reading a streamed
+    response held its request (and everything the engine made for it) for ever. The guard aborts the connection
+    once nothing has drained for the send timeout, and the app sees the disconnect."""
+    gone = []
+
+    async def endless(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await _app(scope, receive, send)
+            return
+        while (await receive()).get("more_body"):
+            pass
+        watcher = asyncio.ensure_future(receive())  # the request is whole: the next message is the disconnect
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"audio/pcm")]})
+        chunk = b"\0" * 65536
+        for _ in range(1 << 14):  # a GiB at most: far more than any socket buffers, and never an endless test
+            if watcher.done():
+                break
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await asyncio.wait_for(watcher, HANG_GUARD)
+        gone.append(watcher.result()["type"])
+
+    protocol = guarded_http(HANG_GUARD, parser=parser, send_timeout_s=0.5)
+    with LiveServer(endless, http=protocol) as server, socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(HANG_GUARD)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"GET /audio HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert sock.recv(12).startswith(b"HTTP/1.1 200")  # then reads nothing more
+        assert wait_until(lambda: gone, timeout=HANG_GUARD), "the connection of a client not reading was kept"
+        assert gone == ["http.disconnect"]

@@ -56,6 +56,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     h.add_argument("--timeout-body", type=float, default=30.0,
                    help="seconds a request body may pause between two chunks, and how far behind --min-body-rate "
                         "it may fall; then 408")
+    h.add_argument("--timeout-send", type=float, default=30.0,
+                   help="seconds a response may wait on a client that takes none of it (its send buffers full); "
+                        "then the connection is closed and the request aborted")
     h.add_argument("--min-body-rate", type=float, default=16384.0, metavar="BYTES_PER_S",
                    help="a request body must arrive at this many bytes a second on average: its deadline is "
                         "--timeout-body seconds plus one second per BYTES_PER_S bytes received; then 408")

@@ -16,6 +16,14 @@ So a connection that has owed its request (head or body) for longer than `SLOW_A
 against its source address, and an address may hold `per_client` slow connections at once: one more gets
 429 (OpenAI's error shape, `Retry-After`) and is closed. A request that arrives in less than that, however
 many a client sends in parallel, never counts, and neither does a response being streamed.
+
+A response has a deadline too: uvicorn waits for a client's send buffers to drain with no limit, so a client that
+stops reading a streamed response (and keeps its connection open) held the request, its connection and all the
+audio the engine went on making, for ever: `--request-timeout` is checked only between chunks. The guard arms a
+timer whenever the transport pauses writing (its buffers full, the kernel's included) and disarms it when writing
+resumes; a client that takes nothing for `send_timeout_s` has its connection aborted, which the app sees as a
+disconnect (the request is aborted, counted 499). A client that reads, however slowly, drains the buffer and is
+never cut.
 """
 
 from __future__ import annotations
@@ -38,9 +46,11 @@ SLOW_AFTER_S = 1.0
 
 
 def check_limits(timeout_header_s: float, timeout_body_s: float, max_connections: int,
-                 min_body_rate: float | None = None, slow_per_client: int | None = None) -> None:
+                 min_body_rate: float | None = None, slow_per_client: int | None = None,
+                 timeout_send_s: float = 30.0) -> None:
     """Refuses limits that would disable a guard by accident (one line naming the flag)."""
-    for flag, value in (("--timeout-header", timeout_header_s), ("--timeout-body", timeout_body_s)):
+    for flag, value in (("--timeout-header", timeout_header_s), ("--timeout-body", timeout_body_s),
+                        ("--timeout-send", timeout_send_s)):
         if not value > 0:
             raise ValueError(f"{flag} must be a positive number of seconds, got {value!r}")
     if max_connections < 1:
@@ -90,6 +100,7 @@ class _Guard:
     which uvicorn's keep-alive timer looks after)."""
 
     header_timeout_s = 10.0
+    send_timeout_s = 30.0
     slow: SlowConnections | None = None  # set per server by `guarded_http`
     slow_after_s = SLOW_AFTER_S
 
@@ -105,6 +116,7 @@ class _Guard:
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
         self._slow_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._counted_slow = False
         super().connection_made(transport)  # type: ignore[misc]
         self._arm_head_timer()  # a fresh connection owes us a request head, even if it sends nothing
@@ -133,8 +145,32 @@ class _Guard:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_send_timer()
         self._not_slow()
         super().connection_lost(exc)  # type: ignore[misc]
+
+    # --- the response's deadline ----------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        self._cancel_send_timer()
+        super().resume_writing()  # type: ignore[misc]
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        log.warning("closing a connection to %s: it took none of its response for %g s", _peer(self.client),
+                    self.send_timeout_s)
+        # abort, not close: close waits to flush the very buffers the client does not read
+        self.transport.abort()
 
     # --- the request head's deadline ----------------------------------------------------------------
 
@@ -252,14 +288,14 @@ PROTOCOLS = {"httptools": _GuardedHttpTools, "h11": _GuardedH11}
 
 
 def guarded_http(header_timeout_s: float, slow_per_client: int | None = None, slow_after_s: float = SLOW_AFTER_S,
-                 parser: str = "httptools") -> type:
-    """uvicorn's HTTP/1.1 protocol (`parser`: httptools or h11) with a request-head deadline and, with
-    `slow_per_client`, a per-client share of slow connections (one share table per call: one per server), for
-    `uvicorn.Config(http=...)`."""
+                 parser: str = "httptools", send_timeout_s: float = 30.0) -> type:
+    """uvicorn's HTTP/1.1 protocol (`parser`: httptools or h11) with a request-head deadline, a response deadline
+    (`send_timeout_s` without the client taking any of it) and, with `slow_per_client`, a per-client share of slow
+    connections (one share table per call: one per server), for `uvicorn.Config(http=...)`."""
     base = PROTOCOLS[parser]
     slow = SlowConnections(slow_per_client) if slow_per_client is not None else None
     return type(base.__name__.lstrip("_"), (base,), {"header_timeout_s": header_timeout_s, "slow": slow,
-                                                      "slow_after_s": slow_after_s})
+                                                      "slow_after_s": slow_after_s, "send_timeout_s": send_timeout_s})
 
 
 def _address(client: tuple[str, int] | None) -> str:

@@ -106,7 +106,7 @@ def serve(args: argparse.Namespace) -> int:
         if args.launcher == "local":  # Ray workers run on other nodes: their devices are theirs to check
             check_devices([device, *(args.devices.split(",") if args.devices else [])])
         check_limits(args.timeout_header, args.timeout_body, args.max_connections, args.min_body_rate,
-                     args.max_slow_connections_per_client)
+                     args.max_slow_connections_per_client, args.timeout_send)
         topology = parse_topology(args.topology)
         devices = args.devices.split(",") if args.devices else None
         args.workers = resolve_workers(args.workers, devices or [device])
@@ -211,7 +211,8 @@ def serve(args: argparse.Namespace) -> int:
     slow_share = -(-slow_share // args.fronts)
     # uvicorn's limit counts the connection asking too, so one more lets exactly --max-connections in.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
-                            http=guarded_http(args.timeout_header, slow_share, parser=args.http),
+                            http=guarded_http(args.timeout_header, slow_share, parser=args.http,
+                                              send_timeout_s=args.timeout_send),
                             limit_concurrency=max_connections + 1,
                             **uvicorn_ws_options(args),
                             timeout_graceful_shutdown=graceful_timeout(settings.shutdown_grace_s))
