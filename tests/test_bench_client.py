@@ -108,6 +108,21 @@ def test_bench_refuses_seconds_and_rates_that_are_not_finite_and_positive_in_one
     assert exit_.value.code == 2 and "must be a finite number > 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    (["serve", "--base-url", "http://127.0.0.1:8000/v1"], "drop the /v1 (http://127.0.0.1:8000)"),
+    (["serve", "--base-url", "http://127.0.0.1:8000/v1/"], "drop the /v1 (http://127.0.0.1:8000)"),
+    (["soak", "--url", "http://127.0.0.1:8000/v1"], "drop the /v1 (http://127.0.0.1:8000)"),
+    (["serve", "--base-url", "127.0.0.1:8000"], "must be the server's http:// or https:// URL"),
+])
+def test_bench_refuses_a_server_url_its_routes_cannot_follow_in_one_line(args, said, capsys):
+    """The OpenAI SDK's base URL (`.../v1`, as the README's example has it) made the bench read `/v1/v1/models`, a
+    404 answered with "give --mode", which could not help; a URL without a scheme got the same advice."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and said in err and "give --mode" not in err
+
+
 @pytest.mark.parametrize("flag", [["--text-rate", "0"], ["--request-rate", "-1"], ["--text-rate", "nan"]])
 def test_bench_serve_rates_name_themselves_when_refused(flag, capsys):
     """`--text-rate 0` answered "request rate must be > 0": the rate the user gave is named, not another's."""
@@ -233,8 +248,8 @@ def test_bench_serve_from_a_fresh_clone_needs_no_dataset_and_follows_the_model(t
 
     loaded = tiny_loaded(tmp_path_factory.getbasetemp(), "custom_voice")
     app = build_app(local_client(loaded, name="cv"), server_settings(loaded, max_new_tokens_limit=64), None)
-    with LiveServer(app) as srv:
-        rc = main(["bench", "serve", "--base-url", srv.url, "--num-prompts", "3", "--fixed-length",
+    with LiveServer(app) as srv:  # a base URL written with a trailing slash read //v1/models: 404, "give --mode"
+        rc = main(["bench", "serve", "--base-url", srv.url + "/", "--num-prompts", "3", "--fixed-length",
                    "--frames-per-char", "0.05", "--min-frames", "2", "--max-frames", "3", "--num-warmups", "0",
                    "--no-progress", "--result-dir", str(tmp_path / "res"), "--label", "fresh"])
     assert rc == 0

@@ -11,6 +11,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from legato.cli_help import DefaultsFormatter
 
@@ -48,6 +49,20 @@ def _positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
     return number
+
+
+def _server_url(value: str) -> str:
+    """A server's root URL, without a trailing slash: the bench appends its routes (`/v1/models`, ...) to it, and
+    `http://host:8000/` read `//v1/models`, a 404 reported as "give --mode". The OpenAI SDK's base URL (ending in
+    `/v1`) is refused by name: its routes would be `/v1/v1/...`."""
+    url = value.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"must be the server's http:// or https:// URL, got {value!r}")
+    if parts.path.endswith("/v1"):
+        raise argparse.ArgumentTypeError(f"must be the server's root URL, not the OpenAI SDK's base URL: drop the /v1 "
+                                         f"({url[:-3]}), got {value!r}")
+    return url
 
 
 def _ints(value: str) -> list[int]:
@@ -117,7 +132,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = bsub.add_parser("serve", help="benchmark one running server", formatter_class=DefaultsFormatter)
     _add_workload_args(p)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
+    p.add_argument("--base-url", type=_server_url, default="http://127.0.0.1:8000",
+                   help="the server's root URL (without the /v1 of an OpenAI base URL)")
     p.add_argument("--api-key", default=None,
                    help="bearer token of a server run with --api-key (default: $LEGATO_API_KEY when set)")
     p.add_argument("--max-concurrency", type=int, default=None,
@@ -196,7 +212,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "last window, and leaked KV blocks after the drain. The operators' run is ten minutes: "
                     "legato bench soak --duration 600 --pid <server pid> --out soak.json. Exit 1 on any bad "
                     "response or leaked block.")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    p.add_argument("--url", type=_server_url, default="http://127.0.0.1:8000",
+                   help="the server's root URL (without the /v1 of an OpenAI base URL)")
     p.add_argument("--duration", type=_positive, default=600.0, help="seconds of load (600: the operators' soak)")
     p.add_argument("--concurrency", type=int, default=8, help="clients, each looping requests")
     p.add_argument("--disconnect-rate", type=float, default=0.1, help="share of requests the client leaves early")
