@@ -377,6 +377,39 @@ def test_a_text_stream_asked_for_and_never_read_is_forgotten_at_its_abort(loaded
         assert left == [], (name, left)
 
 
+def test_an_open_text_aborted_before_its_admission_ran_never_reaches_the_engine(loaded):
+    """A worker process takes its front's Submit and starts the request's task, then handles the front's Abort (a
+    context cancelled at once) before that task has run: the abort found nothing in the engine, and the request
+    was admitted after it, waiting for text that never came, a slot and its blocks held for ever (a socket
+    cancelling contexts right after their first words leaked one running request each). It now ends with its
+    abort and never reaches the engine."""
+
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        try:
+            sunk: list = []
+            for how in ("generate_into", "generate"):
+                rid = f"early-{how}"
+                if how == "generate_into":  # the worker's way: asked for, then run as a task of its own
+                    run = client.generate_into(request(rid, "Hello there", True), sunk.extend)
+                else:
+                    chunks: list = []
+                    run = drain(client.generate(request(rid, "Hello there", True)), chunks)
+                await client.abort(rid, "cancelled")
+                await asyncio.wait_for(run, 60)
+                ends = [c for _, c in sunk] if how == "generate_into" else chunks
+                assert len(ends) == 1 and ends[0].finished and ends[0].finish_reason == "abort", how
+            await wait_for(lambda: client.stats().running == 0 and client.stats().waiting == 0, "an empty engine")
+            stats = client.stats()
+            assert stats.waiting_for_text == 0 and stats.free_kv_blocks == stats.num_kv_blocks
+            assert client._early_text == {}
+        finally:
+            await client.stop()
+
+    asyncio.run(main())
+
+
 def test_a_client_without_text_input_refuses_it():
     class NoText(EngineClient):
         start = stop = generate = abort = extract_voice = stats = is_alive = None

@@ -95,3 +95,32 @@ def test_text_past_a_worker_engines_buffer_crosses_the_wire_with_its_code(tiny_c
     last = asyncio.run(asyncio.wait_for(main(), 300))[-1]
     assert last.finished and last.finish_reason == "error", last
     assert last.error_code == "text_too_long" and "max_text_tokens" in last.error
+
+
+def test_an_open_text_cancelled_at_once_leaves_nothing_running_in_its_worker(tiny_checkpoint):
+    """A streaming-text context cancelled right after its first words (barge-in) sends its worker a Submit and at
+    once an Abort: the worker handled the Abort before the request's task had run, and then admitted the request,
+    which waited for text for ever (one leaked slot per such context; 64 and the server was full)."""
+    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=128, max_model_len=512,
+                          max_num_batched_tokens=256)
+    client = build_client(parse_topology("single"), None, config, workers="process", model_path=str(tiny_checkpoint),
+                          process_options={"torch_threads": 1, "start_timeout_s": 60})
+
+    async def main():
+        await client.start()
+        try:
+            for i in range(3):
+                rid = f"cancelled-{i}"
+                client.generate(request(rid, "Hello there", True))  # asked for (sent), never read: a socket's way
+                await client.abort(rid, "cancelled")
+            deadline = asyncio.get_running_loop().time() + 60
+            while client._streams:  # each one's last chunk, after the Stats that no longer count it
+                assert asyncio.get_running_loop().time() < deadline, f"still listed: {list(client._streams)}"
+                await asyncio.sleep(0.01)
+            return client.stats()
+        finally:
+            await client.stop()
+
+    stats = asyncio.run(asyncio.wait_for(main(), 300))
+    assert stats.running == 0 and stats.waiting == 0 and stats.waiting_for_text == 0
+    assert stats.free_kv_blocks == stats.num_kv_blocks

@@ -214,9 +214,9 @@ class LocalEngineClient(EngineClient):
     async def _admit(self, req: SynthesisRequest, owner: bool,
                      marks: dict[str, float]) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
         """The request ready for the engine (voice, tokens, prompt) and the text that came meanwhile; or, for an
-        open in-context clone aborted while it waited for text, its last chunk. `marks` gets the perf_counter()
-        stamps of the way: the voice found, the admission thread taking it and its prompt built."""
-        then: list[tuple] = []
+        open text aborted before it reached the engine (an in-context clone waiting for text included), its last
+        chunk. `marks` gets the perf_counter() stamps of the way: the voice found, the admission thread taking it
+        and its prompt built."""
         try:
             if req.text_open and not owner:
                 raise RequestRejected(409, f"duplicate request id {req.request_id!r}")
@@ -235,9 +235,14 @@ class LocalEngineClient(EngineClient):
                                        error=self._text_waits.pop(req.request_id, None) or "aborted"), []
         finally:
             self._text_waits.pop(req.request_id, None)
-            if owner:
-                then = self._early_text.pop(req.request_id, [])
-        return prepared, then
+            taken = self._early_text.pop(req.request_id, None) if owner else None
+        if owner and taken is None:
+            # abort() took its early text: the request was aborted while it was being admitted. A worker process
+            # hears its front's Abort as a message of its own, while the request's task is still here; added now,
+            # an open text would wait for text that never comes, holding a slot and its blocks for ever.
+            return StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="abort",
+                               error="aborted before it reached the engine"), []
+        return prepared, taken or []
 
     async def _with_enough_text(self, prepared: EngineRequest) -> EngineRequest | None:
         """Waits until the text that came (held in `_early_text`) fills an open in-context clone's prompt, or
