@@ -549,6 +549,36 @@ def test_cancelling_generate_into_aborts_the_request_and_frees_its_blocks(loaded
     assert stats.aborted.get("client disconnected") == 1
 
 
+@pytest.mark.parametrize("during", ["before_it_runs", "during_admission"])
+def test_a_request_aborted_before_it_reached_the_engine_ends_with_the_abort(loaded, during):
+    """A worker process starts a request's task for its front's Submit and handles the front's Abort (a client
+    that left at once) as a message of its own, before or while that task admits the request. The engine had
+    nothing to abort yet, and the request was added after the abort: it ran to its frame cap for nobody (200
+    frames here, minutes of a CPU worker for a client that connected and left)."""
+
+    async def main():
+        client = make_client(loaded)
+        await client.start()
+        sunk: list = []
+        try:
+            run = asyncio.ensure_future(client.generate_into(request("gone", frames=200, ignore_eos=True),
+                                                             sunk.extend))
+            if during == "during_admission":  # the task has started and waits on the admission thread
+                await asyncio.sleep(0)  # one pass of the loop: the task runs to its first wait (no timing)
+                assert not run.done()
+            await client.abort("gone", "client disconnected")
+            await asyncio.wait_for(run, 60)
+            stats = client.stats()
+        finally:
+            await client.stop()
+        return [c for _, c in sunk], stats, client
+
+    chunks, stats, client = asyncio.run(main())
+    assert len(chunks) == 1 and chunks[0].finish_reason == "abort" and chunks[0].num_frames == 0
+    assert stats.running == 0 and stats.free_kv_blocks == stats.num_kv_blocks
+    assert client._admitting == {}
+
+
 def test_a_burst_admitted_as_one_batch_reaches_the_engine_with_each_prompt_built_alone(loaded):
     """Requests that queue for the admission thread while it works are prepared as one batch (their prompts built
     together), reach the engine in the order they came, and carry the prompt each gets alone; a bad request among

@@ -346,7 +346,7 @@ def test_a_text_stream_asked_for_and_never_read_is_forgotten_at_its_abort(loaded
     from legato.pipeline.split import build_split_client
 
     def held(client) -> list[dict]:
-        tables = [getattr(client, name) for name in ("_early_text", "_placement", "_text_waits")
+        tables = [getattr(client, name) for name in ("_early_text", "_placement", "_text_waits", "_admitting")
                   if hasattr(client, name)]
         if hasattr(client, "_text"):  # HeldText: text held for a next hop, and where it goes
             tables += [client._text.held, client._text.routes]

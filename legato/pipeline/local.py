@@ -82,6 +82,16 @@ def rejection(exc: Exception, retry_after: float = 1.0) -> RequestRejected:
     return RequestRejected(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+class _Admitting:
+    """A request asked for and not yet handed to the engine thread. An abort in that time finds nothing in the
+    engine to abort, so it is noted here, and the request ends with it instead of being added."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+
 class LocalEngineClient(EngineClient):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, name: str = "legato") -> None:
         self.loaded = loaded
@@ -119,6 +129,9 @@ class LocalEngineClient(EngineClient):
         # In-context clones whose open text does not fill their prompt yet: woken by text (or by an abort, which
         # puts its reason in place of the event).
         self._text_waits: dict[str, asyncio.Event | str] = {}
+        # Requests from the moment they are asked for (not when their stream first runs: a worker process may hear
+        # its front's Abort before the request's task has started) until they reach the engine thread.
+        self._admitting: dict[str, _Admitting] = {}
 
     # --- server side ----------------------------------------------------------------------------------
 
@@ -174,11 +187,12 @@ class LocalEngineClient(EngineClient):
         owner = req.text_open and req.request_id not in self._early_text
         if owner:
             self._early_text[req.request_id] = []
-        return self._generate(req, owner, marks)
+        admitting = self._admitting[req.request_id] = _Admitting()
+        return self._generate(req, owner, marks, admitting)
 
-    async def _generate(self, req: SynthesisRequest, owner: bool,
-                        marks: dict[str, float]) -> AsyncIterator[StreamChunk]:
-        prepared, then = await self._admit(req, owner, marks)
+    async def _generate(self, req: SynthesisRequest, owner: bool, marks: dict[str, float],
+                        admitting: _Admitting) -> AsyncIterator[StreamChunk]:
+        prepared, then = await self._admit(req, owner, marks, admitting)
         if isinstance(prepared, StreamChunk):
             yield prepared
             return
@@ -199,11 +213,12 @@ class LocalEngineClient(EngineClient):
         owner = req.text_open and req.request_id not in self._early_text
         if owner:
             self._early_text[req.request_id] = []
-        return self._generate_into(req, sink, owner, marks)
+        admitting = self._admitting[req.request_id] = _Admitting()
+        return self._generate_into(req, sink, owner, marks, admitting)
 
-    async def _generate_into(self, req: SynthesisRequest, sink: ChunkSink, owner: bool,
-                             marks: dict[str, float]) -> None:
-        prepared, then = await self._admit(req, owner, marks)
+    async def _generate_into(self, req: SynthesisRequest, sink: ChunkSink, owner: bool, marks: dict[str, float],
+                             admitting: _Admitting) -> None:
+        prepared, then = await self._admit(req, owner, marks, admitting)
         if isinstance(prepared, StreamChunk):
             sink([(req.request_id, prepared)])
             return
@@ -211,12 +226,14 @@ class LocalEngineClient(EngineClient):
         await self._run_into("add", prepared, req.request_id, then,
                              EngineStream(loop, sink=sink, done=loop.create_future(), marks=marks))
 
-    async def _admit(self, req: SynthesisRequest, owner: bool,
-                     marks: dict[str, float]) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
-        """The request ready for the engine (voice, tokens, prompt) and the text that came meanwhile; or, for an
-        open text aborted before it reached the engine (an in-context clone waiting for text included), its last
+    async def _admit(self, req: SynthesisRequest, owner: bool, marks: dict[str, float],
+                     admitting: _Admitting) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
+        """The request ready for the engine (voice, tokens, prompt) and the text that came meanwhile; or, for a
+        request aborted before it reached the engine (an open in-context clone waiting for text included), its last
         chunk. `marks` gets the perf_counter() stamps of the way: the voice found, the admission thread taking it
-        and its prompt built."""
+        and its prompt built. The caller hands a prepared request to the engine thread without awaiting first, so
+        an abort after this returns finds it there."""
+        then: list[tuple] = []
         try:
             if req.text_open and not owner:
                 raise RequestRejected(409, f"duplicate request id {req.request_id!r}")
@@ -235,14 +252,17 @@ class LocalEngineClient(EngineClient):
                                        error=self._text_waits.pop(req.request_id, None) or "aborted"), []
         finally:
             self._text_waits.pop(req.request_id, None)
-            taken = self._early_text.pop(req.request_id, None) if owner else None
-        if owner and taken is None:
-            # abort() took its early text: the request was aborted while it was being admitted. A worker process
-            # hears its front's Abort as a message of its own, while the request's task is still here; added now,
-            # an open text would wait for text that never comes, holding a slot and its blocks for ever.
+            if owner:
+                then = self._early_text.pop(req.request_id, [])
+            if self._admitting.get(req.request_id) is admitting:
+                del self._admitting[req.request_id]
+        if admitting.reason is not None:
+            # Aborted while it was being admitted (a worker process hears its front's Abort while the request's
+            # task is still here). Added now, it would run to its frame cap for nobody, and an open text would
+            # wait for text that never comes, holding a slot and its blocks for ever.
             return StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="abort",
-                               error="aborted before it reached the engine"), []
-        return prepared, taken or []
+                               error=admitting.reason), []
+        return prepared, then
 
     async def _with_enough_text(self, prepared: EngineRequest) -> EngineRequest | None:
         """Waits until the text that came (held in `_early_text`) fills an open in-context clone's prompt, or
@@ -364,6 +384,8 @@ class LocalEngineClient(EngineClient):
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
         # A text_open stream that was asked for and never read holds its early text here: nothing else frees it.
         self._early_text.pop(request_id, None)
+        if (admitting := self._admitting.pop(request_id, None)) is not None:  # not in the engine yet: ends there
+            admitting.reason = reason
         waiting = self._text_waits.get(request_id)
         if isinstance(waiting, asyncio.Event):  # not in the engine yet: waiting for its text
             self._text_waits[request_id] = reason
