@@ -556,6 +556,24 @@ def test_a_running_context_counts_in_flight_so_the_drain_lets_it_finish(loaded):
         c.close_and_wait(http)
 
 
+def test_a_context_the_drain_ends_at_its_grace_gets_an_error_not_a_done(loaded):
+    """At the drain's grace the engine aborts what still runs; HTTP answers such a request 503 (SSE: an error
+    event). A streaming-text context got `response.audio.done` with finish_reason "abort", read as the end of a
+    turn by clients that look only at the event's type (the example client printed it as a success)."""
+    app, client = make_app(loaded, shutdown_grace_s=0.2)
+    lifecycle = app.state.lifecycle
+    with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+        c = WsClient(ws)
+        c.send(type="session.update", session={"voice": client.info.speakers[0]})
+        c.event("session.updated")
+        c.send(type="input_text.append", context_id="t", text="Hello there, ")  # its text never ends
+        c.until(lambda m: m["type"] == "audio" and m["context_id"] == "t", "its first audio")
+        http.portal.call(lifecycle.begin_drain)  # as the first SIGTERM does: the engine stops at the grace
+        end = c.until(lambda m: m["type"] in ("error", "response.audio.done"), "the context's end", errors_ok=True)
+        assert end["type"] == "error" and end["context_id"] == "t", end
+        assert end["error"]["code"] == "shutting_down" and end["error"]["type"] == "service_unavailable_error"
+
+
 def test_the_servers_websocket_limits_come_from_its_settings_and_flags(loaded):
     """`legato serve --ws-*` reach the socket through ServerSettings; out-of-range values are refused naming
     the flag, before anything loads."""

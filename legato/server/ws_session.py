@@ -22,7 +22,7 @@ from typing import Protocol
 
 from legato.engine.engine import TEXT_TOO_LONG
 from legato.models.qwen3_tts.text_stream import TextStream
-from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk
+from legato.pipeline.client import EngineClient, RequestRejected, StreamChunk, unavailable_code
 from legato.server.encoding import STREAMABLE, AudioFormat, audio_options_problem
 from legato.server.errors import ApiError
 from legato.server.metrics import ServerMetrics
@@ -322,6 +322,13 @@ class StreamSession:
                 else:
                     await self._put(_Out(error_event(500, last.error or "synthesis failed", "synthesis_failed",
                                                      context_id=ctx.id)))
+            elif last is not None and last.finish_reason == "abort":
+                # Ended by the server (its drain's grace ran out), not by this client, whose own cancel is answered
+                # with response.cancelled: an error, as HTTP's 503, not a `done` a client would take for the whole
+                # turn. Tied to the context, so a cancel that crosses it still silences it.
+                message = last.error or "aborted: the server is shutting down"
+                await self._put(_Out(error_event(503, message, unavailable_code(message), context_id=ctx.id),
+                                     context=ctx))
             elif last is not None:
                 await self._put(_Out(lambda: self._done(ctx, last), context=ctx))
         except RequestRejected as e:
