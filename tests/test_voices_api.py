@@ -213,6 +213,18 @@ def test_unsupported_content_type_and_methods(fake_app):
     assert_error(http.delete(f"{URL}/{quote('../../etc/passwd', safe='')}"), 404)
 
 
+def test_a_name_that_only_lower_cases_to_a_voice_s_name_neither_finds_nor_deletes_it(fake_app):
+    """str.lower() folds the Kelvin sign (U+212A) to "k": DELETE /v1/audio/voices/%E2%84%AAx deleted the voice
+    "kx" (answering with the name it was given), and a speech request naming "\u212ax" spoke in it. Names are
+    case-insensitive over the letters a name may hold, nothing else; a DELETE answers with the voice's name."""
+    http, store, _ = fake_app
+    assert http.post(URL, json={"name": "Kx", "speaker_embedding": embedding()}).status_code == 201
+    assert store.get("\u212ax") is None
+    assert_error(http.delete(f"{URL}/{quote(chr(0x212A) + 'x', safe='')}"), 404, "not found")
+    assert [v["name"] for v in http.get(URL).json()["voices"]] == ["Kx"]
+    assert http.delete(f"{URL}/kX").json() == {"deleted": True, "name": "Kx"}
+
+
 def test_non_base_model_lists_presets_and_refuses_uploads(tmp_path):
     client = FakeClient(model_type="custom_voice", speakers=["ryan", "serena"])
     http = make_app(VoiceStore(tmp_path, client), MediaPolicy())

@@ -137,10 +137,10 @@ class VoiceStore:
     # --- queries --------------------------------------------------------------------------------------
 
     def get(self, name: str) -> Voice | None:
-        if not isinstance(name, str):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):  # not a name a voice can have (see delete)
             return None
         key = name.lower()
-        if self.shared and _NAME.fullmatch(name):
+        if self.shared:
             self._sync(key)
         return self._voices.get(key)
 
@@ -213,8 +213,10 @@ class VoiceStore:
         is creating or replacing it (the key stays reserved across the file removal for the same reason), and
         VoiceError(400) on a model other than Base, as `create` (its presets are not saved voices to delete)."""
         self.require_base()
-        key = name.lower() if isinstance(name, str) else None
-        if key is not None and self.shared and _NAME.fullmatch(name):
+        # Only a name a voice could have: str.lower() folds some non-ASCII letters to ASCII (the Kelvin sign
+        # U+212A to "k"), so "\u212ax" named, and deleted, the voice "kx".
+        key = name.lower() if isinstance(name, str) and _NAME.fullmatch(name) else None
+        if key is not None and self.shared:
             self._sync(key)
         if key is None or key not in self._voices:
             return False

@@ -93,13 +93,14 @@ def build_voices_router(store: VoiceStore, policy: MediaPolicy) -> APIRouter:
 
     @router.delete("/v1/audio/voices/{name:path}")
     async def delete_voice(name: str) -> JSONResponse:
+        voice = store.get(name)
         try:
             deleted = await store.delete(name)
         except VoiceError as e:
             return _error(e.status, e.message, "name")
         if not deleted:
             return _error(404, f"voice {name[:80]!r} not found", "name")
-        return JSONResponse({"deleted": True, "name": name})
+        return JSONResponse({"deleted": True, "name": voice.name if voice is not None else name})
 
     answer_head(router)
     return router
