@@ -121,6 +121,28 @@ def test_compression_is_off_unless_the_flag_asks_and_session_updated_does_not_ec
             assert "ref_audio" not in session and "speaker_embedding" not in session
 
 
+def test_a_message_cap_raised_past_uvicorns_default_is_the_cap(loaded):
+    """--ws-max-message-bytes is the largest client message, but uvicorn closed the socket (1009) on any message over
+    its own 16 MiB default first: a server raised to 20 MiB (for inline clips) dropped a 17 MiB session.update with
+    the connection instead of reading it."""
+    import argparse
+
+    from legato.server.cli import add_serve_parser, uvicorn_ws_options, ws_settings
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--ws-max-message-bytes", str(20 << 20)])
+    app = build_app(local_client(loaded), server_settings(loaded, **ws_settings(args)))
+    with LiveServer(app, **uvicorn_ws_options(args)) as server:
+        async def main():
+            async with connect(f"ws://127.0.0.1:{server.port}{STREAM_PATH}", open_timeout=30, max_size=None) as ws:
+                await ws.send("x" * (17 << 20))  # read by the session: not JSON, and said so
+                return json.loads(await asyncio.wait_for(ws.recv(), 60))
+
+        reply = asyncio.run(main())
+    assert reply["type"] == "error" and reply["error"]["code"] == "invalid_json"
+
+
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_websockets_never_count_against_the_clients_share_of_slow_connections(loaded, parser):
     """A WebSocket is a request that finished (its upgrade): however many a client opens one after another,

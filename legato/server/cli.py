@@ -247,9 +247,16 @@ def ws_settings(args: argparse.Namespace) -> dict:
             "ws_send_timeout_s": args.ws_send_timeout}
 
 
+_UVICORN_WS_MAX_SIZE = 16 * 1024 * 1024  # uvicorn's own default ws_max_size
+
+
 def uvicorn_ws_options(args: argparse.Namespace) -> dict:
     """The uvicorn options the --ws-* flags set (the others reach the socket through ServerSettings)."""
-    return {"ws_per_message_deflate": args.ws_per_message_deflate}
+    # uvicorn closes a socket (1009) on a message over its ws_max_size before the session sees it: left at its 16 MiB,
+    # a --ws-max-message-bytes above that was never reached. A MiB of room over the flag keeps a message just too
+    # large within reach of the session, which answers it with its message_too_large event.
+    max_size = max(_UVICORN_WS_MAX_SIZE, args.ws_max_message_bytes + 1024 * 1024)
+    return {"ws_per_message_deflate": args.ws_per_message_deflate, "ws_max_size": max_size}
 
 
 def access_settings(args: argparse.Namespace) -> dict:
