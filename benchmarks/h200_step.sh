@@ -119,7 +119,7 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       # STACK_BASE=1: .base/'s stack first, in the same call (a kernel change against the one before it)
       [ -n "${STACK_BASE:-}" ] && offline .base base-stack "$size" "${BATCHES:-1,2,4,8}" --stack
       offline . stack "$size" "${BATCHES:-1,2,4,8}" --stack
-      offline . no-stack "$size" "${BATCHES:-1,2,4,8}"
+      [ -n "${NO_STACK-1}" ] && offline . no-stack "$size" "${BATCHES:-1,2,4,8}"  # NO_STACK= skips it
     done ;;
   profile)  # PB: the batch profiled; PMODES=graphs,eager adds the graph replay's (--profile-graphs), PFLAGS more
             # offline.py flags (--stack)
