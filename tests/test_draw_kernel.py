@@ -32,3 +32,24 @@ def test_the_draw_kernel_compiles_for_hopper():
         for fixed in (False, True):
             constexprs = dict(BLOCK_V=block, EXACT=True, MASS_SCALE=draw_kernel._MASS_SCALE, FIXED_CODEBOOK=fixed)
             assert compile_for_hopper(draw_kernel._draw_kernel, constexprs, types) > 0
+
+
+def test_the_launcher_passes_the_codebook_as_a_runtime_value_even_when_it_is_1():
+    """Triton's launcher makes an int argument of 1 a compile-time constant unless the kernel says otherwise: the
+    codebook-1 draw then failed to compile on the H100 (a constant has no `.to`), on every engine's first frame. The
+    launcher's own binder (no GPU needed) must give codebook 1 the runtime int type it gives 5."""
+    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from legato.engine import draw_kernel
+
+    kernel = draw_kernel._draw_kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    ids, logits = torch.zeros(4, dtype=torch.int64), torch.zeros(4, 2048)
+    names = [p.name for p in kernel.params]
+    for codebook in (1, 5):
+        args = (logits, ids, logits, ids, logits, ids, ids, ids, codebook, ids, 2048, 2048)
+        _, specialization, _ = binder(*args, FIXED_CODEBOOK=True, BLOCK_V=2048, EXACT=True, MASS_SCALE=2.0**36)
+        assert dict(zip(names, specialization, strict=True))["codebook_value"][0] == "i32", codebook
