@@ -352,6 +352,26 @@ def test_models_health_and_metrics(cv):
         assert name in text, name
 
 
+def test_model_retrieve_answers_the_listed_card_and_404s_an_unknown_id(cv):
+    """The OpenAI SDK's `models.retrieve` GETs /v1/models/{id}: it was a 404 for the served model too."""
+    listed = cv.get("/v1/models").json()["data"][0]
+    got = cv.get("/v1/models/tiny")
+    assert got.status_code == 200 and got.json() == listed
+    missing = cv.get("/v1/models/tts-9")
+    assert missing.status_code == 404
+    err = missing.json()["error"]  # the speech route's code for an unknown model, in the usual error body
+    assert err["code"] == "model_not_found" and err["type"] == "not_found_error" and "'tiny'" in err["message"]
+
+
+def test_model_retrieve_takes_a_hub_id_with_its_slash(cv_loaded):
+    """A served name defaults to a hub id ("Qwen/..."): its slash must not split the route."""
+    app = build_app(local_client(cv_loaded), server_settings(cv_loaded, model_name="Qwen/tiny"), None)
+    with TestClient(app) as c:
+        got = c.get("/v1/models/Qwen/tiny")
+        assert got.status_code == 200 and got.json()["id"] == "Qwen/tiny"
+        assert c.get("/v1/models/Qwen").json()["error"]["code"] == "model_not_found"
+
+
 def test_logs_carry_the_request_id_and_usage(cv, caplog):
     with caplog.at_level(logging.INFO, logger="legato.server"):
         r = cv.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "max_new_tokens": 5, "stream": False},
