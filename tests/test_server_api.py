@@ -620,6 +620,29 @@ def test_timeouts_abort_and_report(tmp_path):
         assert 'legato_request_aborts_total{reason="timeout"} 2.0' in c.get("/metrics").text
 
 
+def test_a_timed_out_request_reaches_the_engine_s_abort_counts_as_a_timeout(cv_loaded):
+    """The cancelled pull of a timed-out request closed its engine stream, which aborts as a client gone: the
+    engine (/health `aborted`) counted "client disconnected" while the server's own metric said timeout. The
+    engine's steps are held until the 504 is out, so the request cannot finish first."""
+    client = local_client(cv_loaded)
+    gate = threading.Event()
+    step = client.engine.step
+
+    def held_step():
+        gate.wait(30)
+        return step()
+
+    client.engine.step = held_step
+    app = build_app(client, server_settings(cv_loaded, request_timeout_s=0.3), None)
+    with TestClient(app) as c:
+        try:
+            assert_error(speak(c), 504, "timed out")
+        finally:
+            gate.set()
+        assert wait_until(lambda: c.get("/health").json()["engine"]["aborted"], timeout=30)
+        assert c.get("/health").json()["engine"]["aborted"] == {"timeout": 1}
+
+
 def test_raw_stream_failure_cuts_the_connection_and_disconnects_abort():
     def script(req):
         if req.input.text == "fail":

@@ -470,6 +470,8 @@ def test_a_context_is_bounded_by_the_request_timeout_as_an_http_request_is(loade
         assert reply["error"]["code"] == "unknown_context"
         c.close_and_wait(http)
         assert 'legato_request_aborts_total{reason="timeout"} 1.0' in http.get("/metrics").text
+        # the engine heard why, not the cancelled pull's "client disconnected"
+        assert client.stats().aborted == {"timeout": 1}
 
 
 def test_a_session_update_with_audio_options_http_would_refuse_is_refused_then(loaded):

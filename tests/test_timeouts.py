@@ -56,6 +56,49 @@ def test_a_cancel_from_outside_stays_a_cancel():
     asyncio.run(main())
 
 
+def test_before_cancel_runs_at_the_deadline_before_the_await_is_cancelled():
+    """An engine stream aborts as a client gone when its pull is cancelled, and the engine counts the first
+    reason it hears: the timeout's own abort (`before_cancel`) must come first."""
+    async def main() -> None:
+        order = []
+
+        async def slow() -> None:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                order.append("cancelled")
+                raise
+
+        async def abort() -> None:
+            await asyncio.sleep(0)  # a client's abort may yield before it is sent
+            order.append("abort")
+
+        with pytest.raises(TimeoutError):
+            await within(slow(), 0.01, before_cancel=abort)
+        assert order == ["abort", "cancelled"]
+        assert await within(asyncio.sleep(0, "ok"), 5.0, before_cancel=abort) == "ok"
+        assert order == ["abort", "cancelled"]  # no deadline passed: not run
+
+    asyncio.run(main())
+
+
+def test_a_cancel_from_outside_stays_a_cancel_with_before_cancel():
+    async def main() -> None:
+        ran = []
+
+        async def abort() -> None:
+            ran.append(True)
+
+        task = asyncio.create_task(within(asyncio.sleep(30), 30.0, before_cancel=abort))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not ran
+
+    asyncio.run(main())
+
+
 @NO_TIMEOUT_CM
 def test_a_body_already_there_passes_the_body_deadline_without_a_loop_pass():
     """The body's deadline wraps every `receive` of the request body: it must not cost the request event-loop

@@ -68,6 +68,7 @@ class Generation:
         self.deadline = None if timeout_s is None else started + timeout_s
         self.metrics = metrics
         self.sample_rate = client.info.sample_rate
+        self._client = client
         self._chunks = client.generate(req)
         self.prompt_tokens = 0
         self.frames = 0
@@ -91,8 +92,10 @@ class Generation:
             if self.deadline is None:
                 chunk = await pending
             else:
-                # On timeout the pull inside the engine iterator is cancelled, which aborts the request.
-                chunk = await within(pending, max(self.deadline - time.perf_counter(), 0.0))
+                # On timeout the pull inside the engine iterator is cancelled, which aborts the request as a client
+                # gone: the engine is told "timeout" first, so its abort counts (/health, metrics) say why.
+                chunk = await within(pending, max(self.deadline - time.perf_counter(), 0.0),
+                                     before_cancel=lambda: self._client.abort(self.req.request_id, "timeout"))
         except StopAsyncIteration:  # a client breaking the contract: say so rather than hang or crash
             chunk = StreamChunk(np.zeros(0, np.float32), self.frames, finished=True, finish_reason="error",
                                 error="the engine stream ended without a final chunk", seed=self.seed or 0)

@@ -10,14 +10,64 @@ against the deadline with `asyncio.wait`, which never swallows the caller's canc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import logging
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
 
-async def within(pending: Awaitable[T], timeout_s: float) -> T:
-    """`pending`, or TimeoutError once `timeout_s` has passed (`pending` is cancelled then)."""
+_expiring: set[asyncio.Task] = set()  # `before_cancel` tasks: the loop holds tasks only weakly
+
+
+async def within(pending: Awaitable[T], timeout_s: float,
+                 before_cancel: Callable[[], Awaitable[None]] | None = None) -> T:
+    """`pending`, or TimeoutError once `timeout_s` has passed (`pending` is cancelled then).
+
+    `before_cancel` runs at the deadline before `pending` is cancelled: an engine stream aborts its request as a
+    client gone ("client disconnected") when its pull is cancelled, and the engine counts an abort under the
+    first reason it hears, so a timeout is told to the engine first. An error it raises is logged, and the
+    cancel follows all the same."""
+    if before_cancel is None:
+        return await _within(pending, timeout_s)
+    if not hasattr(asyncio, "timeout"):
+        task = asyncio.ensure_future(pending)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                await _run_logged(before_cancel)
+                raise TimeoutError
+            return task.result()
+        finally:
+            task.cancel()
+    loop = asyncio.get_running_loop()
+    inside, expired = True, False
+    async with asyncio.timeout(None) as timeout:
+        def cancel_now(_: asyncio.Task) -> None:
+            if inside:  # asyncio.timeout cancels `pending` and turns the cancel into TimeoutError
+                timeout.reschedule(loop.time())
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task = loop.create_task(_run_logged(before_cancel))
+            _expiring.add(task)
+            task.add_done_callback(_expiring.discard)
+            task.add_done_callback(cancel_now)
+
+        handle = loop.call_later(timeout_s, expire)
+        try:
+            result = await pending
+        finally:
+            inside = False
+            handle.cancel()
+    if expired:  # `pending` ended while `before_cancel` ran: the deadline had passed all the same
+        raise TimeoutError
+    return result
+
+
+async def _within(pending: Awaitable[T], timeout_s: float) -> T:
     if hasattr(asyncio, "timeout"):
         async with asyncio.timeout(timeout_s):
             return await pending
@@ -31,3 +81,10 @@ async def within(pending: Awaitable[T], timeout_s: float) -> T:
         task.cancel()
         raise TimeoutError
     return task.result()
+
+
+async def _run_logged(fn: Callable[[], Awaitable[None]]) -> None:
+    try:
+        await fn()
+    except Exception:
+        log.exception("work before a timeout's cancel failed")

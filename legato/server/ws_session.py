@@ -46,11 +46,13 @@ from legato.server.ws_protocol import (
 log = logging.getLogger(__name__)
 
 
-async def _next_chunk(gen: AsyncIterator[StreamChunk], deadline: float | None) -> StreamChunk:
-    """The stream's next chunk; TimeoutError once `deadline` (monotonic; None: none) has passed."""
+async def _next_chunk(gen: AsyncIterator[StreamChunk], deadline: float | None,
+                      abort: Callable[[], Awaitable[None]] | None = None) -> StreamChunk:
+    """The stream's next chunk; TimeoutError once `deadline` (monotonic; None: none) has passed, after `abort`
+    (the engine told "timeout" before the cancelled pull aborts the request as a client gone)."""
     if deadline is None:
         return await anext(gen)
-    return await within(anext(gen), max(deadline - time.monotonic(), 0.0))
+    return await within(anext(gen), max(deadline - time.monotonic(), 0.0), before_cancel=abort)
 
 
 class SlowClient(Exception):
@@ -299,13 +301,19 @@ class StreamSession:
         # appending a word a minute) would otherwise hold its decode slot and KV blocks for as long as it likes.
         timeout_s = self.service.settings.request_timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        request_id = ctx.request_id
+
+        async def abort() -> None:
+            if request_id is not None:
+                await self.client.abort(request_id, "timeout")
+
         if self.in_flight is not None:  # entered here, where the finally below is sure to run
             self.in_flight.enter()
         try:
             await self._audio(ctx, await encoder.start(), 0)
             while True:
                 try:
-                    chunk = await _next_chunk(gen, deadline)
+                    chunk = await _next_chunk(gen, deadline, abort)
                 except StopAsyncIteration:
                     break
                 last = chunk
