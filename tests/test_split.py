@@ -5,6 +5,7 @@ failure fails only its request, aborts free both sides, and talker and codec wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import load_model
 from legato.models.qwen3_tts.sampling import SamplingParams
-from legato.pipeline.client import RequestRejected, SynthesisRequest
+from legato.pipeline.client import RequestRejected, StreamChunk, SynthesisRequest
 from legato.pipeline.codec_worker import CodecEngine, load_codec_decoder
 from legato.pipeline.local import LocalEngineClient
 from legato.pipeline.split import SplitClient, build_split_client
@@ -210,6 +211,31 @@ def test_a_codec_failure_fails_only_its_request(tiny_checkpoint, every_step):
     # The talker's half is aborted (unless it had already finished its frames) and the failure is counted.
     assert stats.aborted.get("codec error") == 1 and set(stats.aborted) <= {"codec error", "codec failed"}
     assert client.codec.stats().streams == 0
+
+
+def test_a_retryable_talker_failure_stays_retryable(tiny_checkpoint):
+    """The last chunk split rebuilds from its talker's end dropped `retryable`: a talker worker's death (the
+    deployment's fault, worth running elsewhere) reached the front as the request's own failure."""
+    client = split_client(tiny_checkpoint, ["cpu"])
+    real = client.talker.generate
+
+    async def dying(req):  # the talker's worker dies after its first codes
+        async with contextlib.aclosing(real(req)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+                if chunk.codes is not None and chunk.codes.size:
+                    break
+        yield StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="error",
+                          error="engine worker t-0 died (exit code -9)", retryable=True)
+
+    client.talker.generate = dying
+    req = SynthesisRequest("r", SpeechInput("Long enough.", language="english", speaker_embedding=EMB,
+                                            x_vector_only=True), SamplingParams(seed=1, max_new_tokens=60),
+                           ignore_eos=True)
+    [chunks] = asyncio.run(run(client, [req], 1))
+    last = chunks[-1]
+    assert last.finished and last.finish_reason == "error" and "died" in last.error
+    assert last.retryable
 
 
 def test_abort_mid_stream_frees_both_sides(tiny_checkpoint):

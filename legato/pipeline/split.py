@@ -62,7 +62,7 @@ class _Progress:
     last: StreamChunk | None = None
 
     def chunk(self, audio: np.ndarray, finished: bool = False, reason: str | None = None,
-              error: str | None = None, error_code: str | None = None) -> StreamChunk:
+              error: str | None = None, error_code: str | None = None, retryable: bool = False) -> StreamChunk:
         codes = np.concatenate(self.codes) if self.codes else np.zeros((0, 16), np.int64)
         self.codes = []
         last = self.last or StreamChunk(_EMPTY, 0)
@@ -70,7 +70,7 @@ class _Progress:
             reason = last.finish_reason
         return StreamChunk(audio=audio, num_frames=last.num_frames, num_prompt_tokens=last.num_prompt_tokens,
                            finished=finished, finish_reason=reason, error=error, error_code=error_code,
-                           seed=last.seed, codes=codes)
+                           retryable=retryable, seed=last.seed, codes=codes)
 
 
 class SplitClient(EngineClient):
@@ -152,8 +152,9 @@ class SplitClient(EngineClient):
                 async for piece in pieces:
                     yield progress.chunk(piece.audio, finished=piece.last)
         except _TalkerEnded as e:
+            # The talker's end as it was: its code (the client's fault) and whether another worker could run it
             yield progress.chunk(_EMPTY, finished=True, reason=e.chunk.finish_reason, error=e.chunk.error,
-                                 error_code=e.chunk.error_code)
+                                 error_code=e.chunk.error_code, retryable=e.chunk.retryable)
         except CodecError as e:
             if progress.last is None and not self.codec.is_alive():  # refused before anything ran
                 raise RequestRejected(503, e.reason) from None
