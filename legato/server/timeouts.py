@@ -29,18 +29,11 @@ async def within(pending: Awaitable[T], timeout_s: float,
     client gone ("client disconnected") when its pull is cancelled, and the engine counts an abort under the
     first reason it hears, so a timeout is told to the engine first. An error it raises is logged, and the
     cancel follows all the same."""
-    if before_cancel is None:
-        return await _within(pending, timeout_s)
     if not hasattr(asyncio, "timeout"):
-        task = asyncio.ensure_future(pending)
-        try:
-            done, _ = await asyncio.wait({task}, timeout=timeout_s)
-            if not done:
-                await _run_logged(before_cancel)
-                raise TimeoutError
-            return task.result()
-        finally:
-            task.cancel()
+        return await _within_task(pending, timeout_s, before_cancel)
+    if before_cancel is None:
+        async with asyncio.timeout(timeout_s):
+            return await pending
     loop = asyncio.get_running_loop()
     inside, expired = True, False
     async with asyncio.timeout(None) as timeout:
@@ -67,20 +60,19 @@ async def within(pending: Awaitable[T], timeout_s: float,
     return result
 
 
-async def _within(pending: Awaitable[T], timeout_s: float) -> T:
-    if hasattr(asyncio, "timeout"):
-        async with asyncio.timeout(timeout_s):
-            return await pending
+async def _within_task(pending: Awaitable[T], timeout_s: float,
+                       before_cancel: Callable[[], Awaitable[None]] | None) -> T:
+    # Python 3.10: the await in a task of its own, raced against the deadline.
     task = asyncio.ensure_future(pending)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    except BaseException:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        raise TimeoutError
-    return task.result()
+        if not done:
+            if before_cancel is not None:
+                await _run_logged(before_cancel)
+            raise TimeoutError
+        return task.result()
+    finally:
+        task.cancel()  # a no-op once it is done
 
 
 async def _run_logged(fn: Callable[[], Awaitable[None]]) -> None:
