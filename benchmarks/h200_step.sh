@@ -17,6 +17,8 @@
 #   benchmarks/h200_step.sh stack     # the code predictor as one launch per pass: its CUDA checks, offline.py with
 #                                     # it (--stack) against without (BATCHES, SIZES; STACK_BASE=1 adds .base/'s stack)
 #   benchmarks/h200_step.sh profile   # c=64 decode steps of this tree by kernel (offline.py --profile-batch; PB, PMODES)
+#   benchmarks/h200_step.sh ncu       # Nsight Compute's warp-stall samples of one one-row stack pass, per SASS
+#                                     # instruction (stall_ledger.py prints the top; the report and CSV come back)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
 #                                     # and MAX_PROMPTS size a cell; PROFILE=mode:conc,... py-spies those cells)
@@ -121,6 +123,17 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       offline . stack "$size" "${BATCHES:-1,2,4,8}" --stack
       [ -n "${NO_STACK-1}" ] && offline . no-stack "$size" "${BATCHES:-1,2,4,8}"  # NO_STACK= skips it
     done ;;
+  ncu)  # --clock-control none: METHOD.md says to leave the clocks alone
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    PYTHONPATH=.:$PYTHONPATH timeout ${T:-240} "$NCU" --clock-control none --kernel-name regex:_stack_kernel \
+      --launch-skip 4 --launch-count 1 --section WarpStateStats --section SourceCounters --section SpeedOfLight \
+      --section LaunchStats --import-source yes -f -o "$OUT/stack" python3 benchmarks/stack_phases.py --ncu 8 2>&1 \
+      | grep -v "^==PROF==" | tail -5
+    "$NCU" -i "$OUT/stack.ncu-rep" --page source --csv --print-source sass > "$OUT/stack-sass.csv" 2> /tmp/ncu-err.txt \
+      || { cat /tmp/ncu-err.txt; "$NCU" -i "$OUT/stack.ncu-rep" --page source --csv > "$OUT/stack-sass.csv"; }
+    "$NCU" -i "$OUT/stack.ncu-rep" --page details --csv > "$OUT/stack-details.csv"
+    grep -i -E "duration|stall|warp cycles" "$OUT/stack-details.csv" | cut -c1-200 | head -40
+    python3 benchmarks/stall_ledger.py "$OUT/stack-sass.csv" --top ${TOP:-45} | tee "$OUT/stack-stalls.txt" ;;
   profile)  # PB: the batch profiled; PMODES=graphs,eager adds the graph replay's (--profile-graphs), PFLAGS more
             # offline.py flags (--stack)
     PYTHONPATH=.:$PYTHONPATH timeout ${T:-200} python3 benchmarks/offline.py --size ${PSIZE:-0.6B} \

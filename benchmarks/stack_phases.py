@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("--knobs", default="",
                     help="warps:programs,... for the one-row pass as one launch (a program per SM at most: the "
                          "barrier needs them all resident)")
+    ap.add_argument("--ncu", type=int, default=0,
+                    help="only run the one-row pass as one launch this many times, plain launches, for a profiler "
+                         "(benchmarks/h200_step.sh ncu)")
     args = ap.parse_args()
     cfg = CodePredictorConfig()
     cp = CodePredictor(cfg, 1024)
@@ -108,6 +111,13 @@ def main() -> None:
     cp.to(device="cuda", dtype=torch.bfloat16).eval()
     pack_projections(cp)
     cp.pack_stack()
+    if args.ncu:
+        run = _pass(cp, 1)
+        for _ in range(args.ncu):
+            run()
+        torch.cuda.synchronize()
+        print(json.dumps({"ncu launches": args.ncu, "barrier errors": decoder_stack.barrier_errors()}), flush=True)
+        return
     names = ["norm+qkv", "attention", "o", "norm+gate_up", "down", "head"]
     result = {"gpu": torch.cuda.get_device_name(), "rows": {}}
     for rows in [int(r) for r in args.rows.split(",")]:
