@@ -63,6 +63,9 @@ WARPS = 16
 # through LEGATO_STACK_SPIN).
 SPIN_LIMIT = int(os.environ.get("LEGATO_STACK_SPIN", 1 << 22))
 PHASES_PER_LAYER = 5  # norm + q/k/v, attention, o, norm + gate/up, down
+# A weight chunk's width in the spread form (`_spread`): a warp's 32 threads of 8 (16-byte) values, so no warp
+# shares a weight row with another and a row's sum needs no shared memory.
+SPREAD_WIDTH = 256
 
 
 @dataclass
@@ -189,10 +192,10 @@ def gave_up(device: torch.device) -> torch.Tensor:
     return pool[:, 2].sum(dtype=torch.int64)
 
 
-def _chunk(k: int) -> tuple[int, int, int]:
-    # A length-k vector as [chunks, width]: the largest power-of-two width up to 1024 that divides k.
+def _chunk(k: int, widest: int = 1024) -> tuple[int, int, int]:
+    # A length-k vector as [chunks, width]: the largest power-of-two width up to `widest` that divides k.
     width = k & -k
-    while width > 1024:
+    while width > widest:
         width //= 2
     chunks = k // width
     return width, chunks, triton.next_power_of_2(chunks)
@@ -209,7 +212,7 @@ def default_programs(device: torch.device) -> int:
 def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: int,
         cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, *, code: torch.Tensor | None = None,
         programs: int | None = None, sync: bool | None = None, phases: tuple[int, int] | None = None,
-        early_tiles: bool = True) -> torch.Tensor:
+        early_tiles: bool = True, spread: bool = True) -> torch.Tensor:
     """T tokens per row through every layer, the final norm and `head` [V, hidden] -> the last token's logits
     [B, V] (fp32).
 
@@ -219,7 +222,9 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     table instead, and row b's one token is its row `code[b]` (the lookup is the first phase's load: no gather
     kernel before the launch). `sync` False runs each phase as its own launch (the interpreter's way; the default
     on CPU tensors). `early_tiles` False loads each phase's weights after its barrier (the kernel before
-    2026-12-06: the same arithmetic, kept to compare against)."""
+    2026-12-06: the same arithmetic, kept to compare against). `spread` False keeps each activation row once per
+    program, in a layout of its own, the form before 2026-12-06 (session 52), kept to compare against: its sums
+    and layout changes went through shared memory (see `_spread`)."""
     layers, rows, kv_heads, capacity, head_dim = k_cache.shape
     hidden = x.shape[1]
     if code is not None:
@@ -254,9 +259,10 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     g = torch.empty(acts, inter, dtype=x.dtype, device=x.device)
     logits = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
     bar = _barrier(x.device) if sync else torch.zeros(4, dtype=torch.int32, device=x.device)
-    kc_h, c_h, cp_h = _chunk(hidden)
-    kc_a, c_a, cp_a = _chunk(heads * head_dim)
-    kc_i, c_i, cp_i = _chunk(inter)
+    widest = SPREAD_WIDTH if spread else 1024
+    kc_h, c_h, cp_h = _chunk(hidden, widest)
+    kc_a, c_a, cp_a = _chunk(heads * head_dim, widest)
+    kc_i, c_i, cp_i = _chunk(inter, widest)
     meta = dict(
         LAYERS=layers, HIDDEN=hidden, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, INTER=inter,
         VOCAB=vocab, CAP=capacity, CAP_P2=triton.next_power_of_2(capacity),
@@ -264,6 +270,7 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
         BN_V=_block(vocab, programs), SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
         GU_PARTS=2 if _block(inter, programs) > 1 else 1, EARLY=early_tiles, TOKENS=tokens, GATHER=code is not None,
+        SPREAD=spread,
     )
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
@@ -318,6 +325,28 @@ if triton is not None:
         return tl.load(ptr + c * KC + k, mask=c < C, other=0.0, cache_modifier=".cg").to(tl.float32)
 
     @triton.jit
+    def _spread(ptr, BN: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr):
+        # An activation row as [BN, CP, KC] fp32, the same values for each of the BN weight rows, so it takes the
+        # weight tile's layout: the compiler gives a load a layout from its shape alone, and a [CP, KC] row's
+        # layout spread its sums across warps and needed a layout change before the product, each a trip
+        # through shared memory with CTA barriers (9 BAR.SYNC for a q/k/v phase in the sm_90 SASS, against 1
+        # here, the store's). With KC = SPREAD_WIDTH each weight row lies in one warp: its sums are shuffles.
+        # The copies are plain loads: after a barrier's acquire (which invalidates L1) L1 serves them.
+        r = tl.arange(0, BN)[:, None, None]
+        c = tl.arange(0, CP)[None, :, None]
+        k = tl.arange(0, KC)[None, None, :]
+        return tl.load(ptr + (c * KC + k + 0 * r), mask=(c < C) & (r >= 0), other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _activation(ptr, BN: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr,
+                    SPREAD: tl.constexpr):
+        # An activation row as `_dot` takes it: [BN, CP, KC] (spread) or [CP, KC].
+        if SPREAD:
+            return _spread(ptr, BN, C, CP, KC)
+        else:
+            return _vector(ptr, C, CP, KC)
+
+    @triton.jit
     def _tile(w_ptr, lo, hi, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr):
         # Weight rows lo..hi of W [N, C * KC] as [BN, CP, KC] (masked past hi and past C).
         n = lo + tl.arange(0, BN)
@@ -330,17 +359,26 @@ if triton is not None:
         return tl.load(w_ptr + off, mask=mask, other=0.0)
 
     @triton.jit
-    def _dot(w, a):
-        # [BN, CP, KC] weights times a [CP, KC] activation -> [BN] fp32 sums.
-        return tl.sum(tl.sum(w.to(tl.float32) * a[None, :, :], axis=2), axis=1)
+    def _dot(w, a, SPREAD: tl.constexpr):
+        # [BN, CP, KC] weights times an activation ([BN, CP, KC] spread, or [CP, KC]) -> [BN] fp32 sums.
+        if SPREAD:
+            return tl.sum(tl.sum(w.to(tl.float32) * a, axis=2), axis=1)
+        else:
+            return tl.sum(tl.sum(w.to(tl.float32) * a[None, :, :], axis=2), axis=1)
 
     @triton.jit
-    def _rms(x, w_ptr, eps, n, like_ptr, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr):
-        # RMSNorm of a [CP, KC] row as the eager path rounds it: weight * (x * rsqrt(mean x^2 + eps)).to(dtype).
-        c = tl.arange(0, CP)[:, None]
-        k = tl.arange(0, KC)[None, :]
-        w = tl.load(w_ptr + c * KC + k, mask=c < C, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / n + eps)
+    def _rms(x, w_ptr, eps, n, like_ptr, BN: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr,
+             SPREAD: tl.constexpr):
+        # RMSNorm of an activation row (as `_activation` gives it) as the eager path rounds it:
+        # weight * (x * rsqrt(mean x^2 + eps)).to(dtype).
+        if SPREAD:
+            w = _spread(w_ptr, BN, C, CP, KC)
+            inv = tl.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / n + eps)[:, None, None]
+        else:
+            c = tl.arange(0, CP)[:, None]
+            k = tl.arange(0, KC)[None, :]
+            w = tl.load(w_ptr + c * KC + k, mask=c < C, other=0.0).to(tl.float32)
+            inv = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / n + eps)
         return _round(w * _round(x * inv, like_ptr), like_ptr)
 
     @triton.jit
@@ -399,7 +437,7 @@ if triton is not None:
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, SPIN: tl.constexpr,
         PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, EARLY: tl.constexpr, TOKENS: tl.constexpr,
-        GATHER: tl.constexpr, SYNC: tl.constexpr,
+        GATHER: tl.constexpr, SPREAD: tl.constexpr, SYNC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
@@ -435,11 +473,12 @@ if triton is not None:
                 n = lo_q + tl.arange(0, BN_QKV)
                 for i in range(acts):
                     if layer == 0:  # the input stays as given; phase 3 starts the working copy x
-                        xv = _vector(_input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER), C_H, CP_H, KC_H)
+                        xv = _activation(_input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER), BN_QKV, C_H, CP_H,
+                                         KC_H, SPREAD)
                     else:
-                        xv = _vector(x_ptr + i * HIDDEN, C_H, CP_H, KC_H)
-                    h = _rms(xv, ln1_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
-                    tl.store(qkv_ptr + i * N_QKV + n, _dot(w, h), mask=n < hi_q)
+                        xv = _activation(x_ptr + i * HIDDEN, BN_QKV, C_H, CP_H, KC_H, SPREAD)
+                    h = _rms(xv, ln1_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, BN_QKV, C_H, CP_H, KC_H, SPREAD)
+                    tl.store(qkv_ptr + i * N_QKV + n, _dot(w, h, SPREAD), mask=n < hi_q)
             if SYNC:
                 _arrive(bar_ptr)
                 _wait(bar_ptr, (s + 1) * programs, SPIN)
@@ -515,7 +554,7 @@ if triton is not None:
                     w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_h, hi_h, C_A, C_A, KC_A, BN_O)
                 n = lo_h + tl.arange(0, BN_O)
                 for i in range(acts):
-                    o = _round(_dot(w, _vector(attn_ptr + i * WIDTH, C_A, C_A, KC_A)), x_ptr)
+                    o = _round(_dot(w, _activation(attn_ptr + i * WIDTH, BN_O, C_A, C_A, KC_A, SPREAD), SPREAD), x_ptr)
                     if layer == 0:
                         res = tl.load(_input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER) + n, mask=n < hi_h, other=0.0)
                         res = res.to(tl.float32)
@@ -546,10 +585,10 @@ if triton is not None:
                         wu = _tile(base_gu + INTER * HIDDEN, part_lo, hi_i, C_H, CP_H, KC_H, BN_PART)
                     n = part_lo + tl.arange(0, BN_PART)
                     for i in range(acts):
-                        xv = _vector(x_ptr + i * HIDDEN, C_H, CP_H, KC_H)
-                        h = _rms(xv, ln2_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
-                        gate = _round(_dot(wg, h), x_ptr)
-                        up = _round(_dot(wu, h), x_ptr)
+                        xv = _activation(x_ptr + i * HIDDEN, BN_PART, C_H, CP_H, KC_H, SPREAD)
+                        h = _rms(xv, ln2_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, BN_PART, C_H, CP_H, KC_H, SPREAD)
+                        gate = _round(_dot(wg, h, SPREAD), x_ptr)
+                        up = _round(_dot(wu, h, SPREAD), x_ptr)
                         tl.store(g_ptr + i * INTER + n, gate / (1.0 + tl.exp(-gate)) * up, mask=n < hi_i)
             if SYNC:
                 _arrive(bar_ptr)
@@ -566,8 +605,8 @@ if triton is not None:
                     w = _tile(wd_ptr + layer * (HIDDEN * INTER), lo_h, hi_h, C_I, CP_I, KC_I, BN_O)
                 n = lo_h + tl.arange(0, BN_O)
                 for i in range(acts):
-                    a = _vector(g_ptr + i * INTER, C_I, CP_I, KC_I)
-                    delta = _round(_dot(w, a), x_ptr)
+                    a = _activation(g_ptr + i * INTER, BN_O, C_I, CP_I, KC_I, SPREAD)
+                    delta = _round(_dot(w, a, SPREAD), x_ptr)
                     res = tl.load(x_ptr + i * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
                     tl.store(x_ptr + i * HIDDEN + n, res.to(tl.float32) + delta, mask=n < hi_h)
         # 6. final norm and the head, for each row's last token.
@@ -586,9 +625,9 @@ if triton is not None:
                 w = _tile(head_ptr, lo, hi, C_H, CP_H, KC_H, BN_V)
             n = lo + tl.arange(0, BN_V)
             for r in range(rows):
-                xv = _vector(x_ptr + (r * TOKENS + TOKENS - 1) * HIDDEN, C_H, CP_H, KC_H)
-                h = _rms(xv, fn_ptr, eps, HIDDEN, x_ptr, C_H, CP_H, KC_H)
-                tl.store(logits_ptr + r * VOCAB + n, _round(_dot(w, h), x_ptr), mask=n < hi)
+                xv = _activation(x_ptr + (r * TOKENS + TOKENS - 1) * HIDDEN, BN_V, C_H, CP_H, KC_H, SPREAD)
+                h = _rms(xv, fn_ptr, eps, HIDDEN, x_ptr, BN_V, C_H, CP_H, KC_H, SPREAD)
+                tl.store(logits_ptr + r * VOCAB + n, _round(_dot(w, h, SPREAD), x_ptr), mask=n < hi)
         if SYNC:
             # The last program out resets the counters for the next launch on this stream.
             done = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
