@@ -290,6 +290,8 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 if triton is not None:
     _round = fused_attention._round
+    # Under Triton's interpreter (the CPU's path, where no layout exists) `_spread` loads one copy.
+    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
     _norm_rope = fused_attention._norm_rope
 
     @triton.jit
@@ -371,7 +373,10 @@ if triton is not None:
         # through shared memory with CTA barriers (9 BAR.SYNC for a q/k/v phase in the sm_90 SASS, against 1
         # here, the store's). With KC = SPREAD_WIDTH each weight row lies in one warp: its sums are shuffles.
         # The copies are plain loads: after a barrier's acquire (which invalidates L1) L1 serves them.
-        r = tl.arange(0, BN)[:, None, None]
+        if _INTERPRETED:  # one copy broadcasts to the same numbers, without BN times the interpreter's work
+            r = tl.arange(0, 1)[:, None, None]
+        else:
+            r = tl.arange(0, BN)[:, None, None]
         c = tl.arange(0, CP)[None, :, None]
         k = tl.arange(0, KC)[None, None, :]
         return tl.load(ptr + (c * KC + k + 0 * r), mask=(c < C) & (r >= 0), other=0.0).to(tl.float32)
