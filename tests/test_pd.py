@@ -124,6 +124,43 @@ def test_aborting_during_decode_frees_both_sides(loaded):
     assert stats.free_kv_blocks == stats.num_kv_blocks == 192
 
 
+@pytest.mark.parametrize("path", ["generate_from_handoff", "generate_from_handoff_into"])
+def test_a_handoff_aborted_before_it_reached_the_decode_engine_ends_with_the_abort(loaded, path):
+    """A decode worker asks for a handoff's decode, then awaits (handing on held text) before that decode's task
+    runs; its front's Abort (a client that left) can be handled in that gap, when the decode engine has nothing
+    to abort. The handoff, added after, decoded to its frame cap (200 frames here) for nobody."""
+    from dataclasses import replace
+
+    async def main():
+        pre, dec = engine(loaded, prefill_only=True), engine(loaded)
+        await pre.start()
+        await dec.start()
+        try:
+            req = SynthesisRequest("gone", SpeechInput("A long one.", language="english", speaker_embedding=EMB,
+                                                       x_vector_only=True),
+                                   SamplingParams(seed=1, max_new_tokens=200), ignore_eos=True)
+            handoff = [c async for c in pre.generate(replace(req, handoff_only=True))][-1].handoff
+            sunk: list = []
+            if path == "generate_from_handoff":
+                stream = dec.generate_from_handoff(handoff)
+                await dec.abort("gone", "client disconnected")
+                sunk = [c async for c in stream]
+            else:
+                run = dec.generate_from_handoff_into(handoff, lambda out: sunk.extend(c for _, c in out))
+                await dec.abort("gone", "client disconnected")
+                await asyncio.wait_for(run, 60)
+            return sunk, dec.stats(), dec
+        finally:
+            await pre.stop()
+            await dec.stop()
+
+    chunks, stats, dec = asyncio.run(main())
+    assert len(chunks) == 1 and chunks[0].finish_reason == "abort" and chunks[0].num_frames == 0
+    assert chunks[0].error == "client disconnected"
+    assert stats.running == 0 and stats.free_kv_blocks == stats.num_kv_blocks
+    assert dec._admitting == {}
+
+
 def test_pairing_least_loaded_and_round_robin():
     """Least loaded picks the idlest live decode engine (ties in turn); round robin ignores the load."""
 

@@ -254,15 +254,21 @@ class LocalEngineClient(EngineClient):
             self._text_waits.pop(req.request_id, None)
             if owner:
                 then = self._early_text.pop(req.request_id, [])
-            if self._admitting.get(req.request_id) is admitting:
-                del self._admitting[req.request_id]
-        if admitting.reason is not None:
-            # Aborted while it was being admitted (a worker process hears its front's Abort while the request's
-            # task is still here). Added now, it would run to its frame cap for nobody, and an open text would
-            # wait for text that never comes, holding a slot and its blocks for ever.
-            return StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="abort",
-                               error=admitting.reason), []
+            ended = self._admission_over(req.request_id, admitting)
+        if ended is not None:
+            return ended, []
         return prepared, then
+
+    def _admission_over(self, request_id: str, admitting: _Admitting) -> StreamChunk | None:
+        """Forgets `admitting` (unless a later request under its id took the entry); the request's last chunk if
+        it was aborted meanwhile. Aborted while it was being admitted (a worker process hears its front's Abort
+        while the request's task is still here), the request, added now, would run to its frame cap for nobody,
+        and an open text would wait for text that never comes, holding a slot and its blocks for ever."""
+        if self._admitting.get(request_id) is admitting:
+            del self._admitting[request_id]
+        if admitting.reason is None:
+            return None
+        return StreamChunk(np.zeros(0, np.float32), 0, finished=True, finish_reason="abort", error=admitting.reason)
 
     async def _with_enough_text(self, prepared: EngineRequest) -> EngineRequest | None:
         """Waits until the text that came (held in `_early_text`) fills an open in-context clone's prompt, or
@@ -313,13 +319,16 @@ class LocalEngineClient(EngineClient):
         owner = handoff.text_open and rid not in self._early_text
         if owner:
             self._early_text[rid] = []
-        return self._decode_handoff(handoff, owner)
+        admitting = self._admitting[rid] = _Admitting()
+        return self._decode_handoff(handoff, owner, admitting)
 
-    async def _decode_handoff(self, handoff: Handoff, owner: bool) -> AsyncIterator[StreamChunk]:
+    async def _decode_handoff(self, handoff: Handoff, owner: bool,
+                              admitting: _Admitting) -> AsyncIterator[StreamChunk]:
         rid = handoff.request_id
-        if handoff.text_open and not owner:
-            raise RequestRejected(409, f"duplicate request id {rid!r}")
-        then = self._early_text.pop(rid, []) if owner else []
+        then = self._handoff_admitted(handoff, owner, admitting)
+        if isinstance(then, StreamChunk):
+            yield then
+            return
         async with contextlib.aclosing(self._stream("handoff", handoff, rid, then)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -332,15 +341,33 @@ class LocalEngineClient(EngineClient):
         owner = handoff.text_open and rid not in self._early_text
         if owner:
             self._early_text[rid] = []
-        return self._decode_handoff_into(handoff, sink, owner)
+        admitting = self._admitting[rid] = _Admitting()
+        return self._decode_handoff_into(handoff, sink, owner, admitting)
 
-    async def _decode_handoff_into(self, handoff: Handoff, sink: ChunkSink, owner: bool) -> None:
+    async def _decode_handoff_into(self, handoff: Handoff, sink: ChunkSink, owner: bool,
+                                   admitting: _Admitting) -> None:
         rid = handoff.request_id
-        if handoff.text_open and not owner:
-            raise RequestRejected(409, f"duplicate request id {rid!r}")
-        then = self._early_text.pop(rid, []) if owner else []
+        then = self._handoff_admitted(handoff, owner, admitting)
+        if isinstance(then, StreamChunk):
+            sink([(rid, then)])
+            return
         loop = asyncio.get_running_loop()
         await self._run_into("handoff", handoff, rid, then, EngineStream(loop, sink=sink, done=loop.create_future()))
+
+    def _handoff_admitted(self, handoff: Handoff, owner: bool, admitting: _Admitting) -> list[tuple] | StreamChunk:
+        """The text that came for a handoff since it was asked for, to follow it to the engine thread; or its last
+        chunk, if it was aborted before it got there. A decode worker hears its front's Abort as a message of its
+        own, and may handle it after asking for the handoff's decode and before that decode's task first runs:
+        the engine has nothing to abort then, and the handoff, added after, would decode to its frame cap for
+        nobody (as `_admit` guards a new request)."""
+        rid = handoff.request_id
+        try:
+            if handoff.text_open and not owner:
+                raise RequestRejected(409, f"duplicate request id {rid!r}")
+        finally:
+            then = self._early_text.pop(rid, []) if owner else []
+            ended = self._admission_over(rid, admitting)
+        return then if ended is None else ended
 
     async def _stream(self, kind: str, payload: object, request_id: str,
                       then: list[tuple] = (), marks: dict[str, float] | None = None) -> AsyncIterator[StreamChunk]:
