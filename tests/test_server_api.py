@@ -363,6 +363,27 @@ def test_model_retrieve_answers_the_listed_card_and_404s_an_unknown_id(cv):
     assert err["code"] == "model_not_found" and err["type"] == "not_found_error" and "'tiny'" in err["message"]
 
 
+def test_openais_model_names_are_listed_and_retrieved_as_cards_of_the_served_model(cv):
+    """The speech route takes OpenAI's model names as the served model, yet /v1/models listed only the served
+    name and /v1/models/tts-1 was a 404: a client that checks its configured model against the list (or
+    retrieves it) refused a name the server accepts. Each is its own card, `root` naming the served model."""
+    cards = cv.get("/v1/models").json()["data"]
+    ids = [c["id"] for c in cards]
+    assert ids[0] == "tiny" and sorted(ids[1:]) == ["gpt-4o-mini-tts", "tts-1", "tts-1-hd"]
+    assert all(c["root"] == "tiny" and c["task_type"] == "CustomVoice" for c in cards)
+    for card in cards:
+        got = cv.get(f"/v1/models/{card['id']}")
+        assert got.status_code == 200 and got.json() == card
+    assert "'tts-1-hd'" in cv.get("/v1/models/tts-9").json()["error"]["message"]  # the 404 names them too
+
+
+def test_a_served_name_that_is_an_openai_name_is_listed_once(cv_loaded):
+    app = build_app(local_client(cv_loaded), server_settings(cv_loaded, model_name="tts-1"), None)
+    with TestClient(app) as c:
+        ids = [card["id"] for card in c.get("/v1/models").json()["data"]]
+    assert ids[0] == "tts-1" and sorted(ids) == ["gpt-4o-mini-tts", "tts-1", "tts-1-hd"]
+
+
 def test_model_retrieve_takes_a_hub_id_with_its_slash(cv_loaded):
     """A served name defaults to a hub id ("Qwen/..."): its slash must not split the route."""
     app = build_app(local_client(cv_loaded), server_settings(cv_loaded, model_name="Qwen/tiny"), None)

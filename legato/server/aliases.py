@@ -1,8 +1,18 @@
-"""Voice names a request may use for another voice: OpenAI's, by default (no heavy imports: the CLI reads it)."""
+"""Names a request may use for another model or voice: OpenAI's, by default (no heavy imports: the CLI reads it)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+
+# OpenAI's speech model names, taken as this server's model: code written for OpenAI's API runs unchanged. The
+# speech route accepts them and /v1/models lists them, both from `model_ids`, so the two never disagree.
+OPENAI_TTS_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+def model_ids(served: str) -> list[str]:
+    """Every model id a request may name: the served model first (clients read the first card as it), then
+    OpenAI's names for it (one the operator took as the served name is not listed twice)."""
+    return [served, *(name for name in OPENAI_TTS_MODELS if name != served)]
 
 # OpenAI's voice names (every voice of its speech API) -> presets of the released CustomVoice models, most
 # alike first: a male or female voice for a male or female one (a Base model looks the first target up among

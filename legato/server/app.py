@@ -1,13 +1,13 @@
 """The FastAPI application, built by `build_app` from its dependencies (no module-level state).
 
 Routes: `POST /v1/audio/speech` (speech.py), the voice routes (voices_api.py, when a voice store is given),
-`GET /v1/models` (and `/v1/models/{id}`, one card), `GET /health`, `GET /metrics`. Two pure-ASGI middlewares
-run first: request ids (taken from a valid `X-Request-Id` or generated, echoed on every response, set for the
-logs) and a request-body size cap. The lifespan starts the engine client. Shutdown (lifecycle.py): on the
-first SIGTERM/SIGINT the app drains (new speech/voice requests and /health answer 503 "server is shutting
-down" / "stopping") and the engine is stopped with the grace, so requests still running at its end get their
-format's error ending; uvicorn exits once nothing is in flight, and the lifespan waits for that same engine
-stop.
+`GET /v1/models` (the served model's card, then one per OpenAI name taken for it; `/v1/models/{id}`, one card),
+`GET /health`, `GET /metrics`. Two pure-ASGI middlewares run first: request ids (taken from a valid
+`X-Request-Id` or generated, echoed on every response, set for the logs) and a request-body size cap. The
+lifespan starts the engine client. Shutdown (lifecycle.py): on the first SIGTERM/SIGINT the app drains (new
+speech/voice requests and /health answer 503 "server is shutting down" / "stopping") and the engine is stopped
+with the grace, so requests still running at its end get their format's error ending; uvicorn exits once
+nothing is in flight, and the lifespan waits for that same engine stop.
 """
 
 from __future__ import annotations
@@ -98,30 +98,33 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
 
         app.include_router(build_voices_router(voice_store, service.media_policy))
 
-    def model_card() -> ModelCard:
+    def model_card(model_id: str) -> ModelCard:
+        """One id's card; an alias's is the served model's under the alias (the same model answers it)."""
         info = client.info
         saved = info.model_type == "base" and voice_store is not None
         voices = [v.name for v in voice_store.list()] if saved else info.speakers
         return ModelCard(
-            id=service.model_name, created=created, task_type=service.task_type, sample_rate=info.sample_rate,
-            languages=info.languages, voices=voices, max_num_seqs=settings.max_num_seqs,
-            decode_slots=settings.decode_slots, ws_max_message_bytes=ws_limits.max_message_bytes,
+            id=model_id, created=created, root=service.model_name, task_type=service.task_type,
+            sample_rate=info.sample_rate, languages=info.languages, voices=voices,
+            max_num_seqs=settings.max_num_seqs, decode_slots=settings.decode_slots,
+            ws_max_message_bytes=ws_limits.max_message_bytes,
         )
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(i) for i in service.model_ids])
 
     # `:path`: a served name defaults to a hub id ("Qwen/..."), whose slash a plain parameter would not match
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
              responses={404: {"model": ErrorResponse, "description": "No model of that id is served here."}})
     async def retrieve_model(model_id: str) -> ModelCard:
         """The card `/v1/models` lists, for the OpenAI SDK's `models.retrieve`."""
-        if model_id != service.model_name:
+        ids = service.model_ids
+        if model_id not in ids:
             # the speech route's code for an unknown model, so a client handles both alike
-            raise ApiError(404, f"model {model_id!r} is not served here; available: [{service.model_name!r}]",
+            raise ApiError(404, f"model {model_id!r} is not served here; available: {ids!r}",
                            "model_not_found", "model")
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

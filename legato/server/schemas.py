@@ -145,6 +145,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "legato"
+    # The served model this id runs: its own id, or for one of OpenAI's names (tts-1, ...) the model taken for it,
+    # so a client listing models sees the aliases are one model, not several.
+    root: str
     task_type: str
     sample_rate: int
     languages: list[str]

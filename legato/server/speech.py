@@ -17,7 +17,14 @@ from legato.models.qwen3_tts.inputs import SpeechInput
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.pipeline.client import EngineClient, SynthesisRequest
 from legato.pipeline.messages import brief
-from legato.server.aliases import OPENAI_VOICE_ALIASES, is_openai_voice, preset_of, resolve_alias
+from legato.server.aliases import (
+    OPENAI_TTS_MODELS,
+    OPENAI_VOICE_ALIASES,
+    is_openai_voice,
+    model_ids,
+    preset_of,
+    resolve_alias,
+)
 from legato.server.encoding import (
     MEDIA_TYPES,
     STREAMABLE,
@@ -38,10 +45,6 @@ from legato.server.voices import VoiceStore, parse_speaker_embedding
 SPEECH_PATH = "/v1/audio/speech"
 TASK_TYPES = {"base": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
 _BASE_ONLY = ("ref_audio", "ref_text", "speaker_embedding", "x_vector_only_mode")
-
-
-# OpenAI's speech model names, taken as this server's model: code written for OpenAI's API runs unchanged.
-OPENAI_TTS_MODELS = frozenset({"tts-1", "tts-1-hd", "gpt-4o-mini-tts"})
 
 
 @dataclass
@@ -73,6 +76,11 @@ class SpeechService:
     @property
     def model_name(self) -> str:
         return self.settings.model_name or self.client.info.name
+
+    @property
+    def model_ids(self) -> list[str]:
+        """The ids a request's `model` may take (the served name first), as /v1/models lists them."""
+        return model_ids(self.model_name)
 
     @property
     def task_type(self) -> str:
@@ -115,7 +123,7 @@ class SpeechService:
     # --- checks that need the model or the limits ------------------------------------------------------
 
     def _check_request(self, body: SpeechRequest) -> None:
-        if body.model is not None and body.model != self.model_name and body.model not in OPENAI_TTS_MODELS:
+        if body.model is not None and body.model not in self.model_ids:
             raise ApiError(404, f"model {body.model!r} is not served here; available: [{self.model_name!r}] (or "
                                 f"one of OpenAI's names: {', '.join(sorted(OPENAI_TTS_MODELS))})",
                            "model_not_found", "model")
