@@ -5,6 +5,7 @@ outside the allowed directory is refused by /v1/audio/speech and its WebSocket, 
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 from collections import Counter
@@ -168,3 +169,17 @@ def test_an_inline_clip_sent_again_is_neither_decoded_nor_hashed_nor_encoded_aga
     assert encoder_calls["extract_voice"] == 1  # the voice cache's miss; the second request hits it
     assert hashed["engine"] == 0  # the key came with the request
     assert (clips.hits, clips.misses) == (1, 1)
+
+
+def test_a_too_large_clip_has_one_code_on_both_routes(loaded, dirs):
+    """The speech route once named a clip over the media policy's limit `invalid_ref_audio`, the voices route
+    `too_large`; both now say `request_too_large`, as the server's other 413s do."""
+    voices_dir, _, _ = dirs
+    settings = ServerSettings(voices_dir=str(voices_dir), max_ref_audio_bytes=64 * 1024)
+    clip = "data:audio/wav;base64," + base64.b64encode(CLIP.read_bytes()).decode()  # ~190 KB, over 64 KiB
+    with server(loaded, settings) as http:
+        spoken = speak(http, ref_audio=clip, x_vector_only_mode=True)
+        saved = http.post(VOICES, json={"name": "big", "ref_audio": clip})
+    for r in (spoken, saved):
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large" and r.json()["error"]["param"] == "ref_audio"

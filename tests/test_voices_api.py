@@ -186,7 +186,7 @@ def test_body_size_caps(fake_app):
     http, store, _ = fake_app
     big = CLIP_BYTES + bytes(1000)  # 900 bytes over the policy's limit
     err = assert_error(http.post(URL, data={"name": "x"}, files={"file": ("a.wav", big, "audio/wav")}), 413)
-    assert err["code"] == "too_large"
+    assert err["code"] == "request_too_large"
     # a body far over the cap is refused from its Content-Length, before it is read
     huge = b"x" * (len(CLIP_BYTES) + 400_000)
     assert_error(http.post(URL, content=huge, headers={"content-type": "multipart/form-data; boundary=b"}), 413)

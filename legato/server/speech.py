@@ -279,8 +279,9 @@ class SpeechService:
             clip = await resolve_ref_clip(body.ref_audio, self.media_policy, self.clips)
         except MediaError as e:
             # the voices route's codes (voices_api._CODES): a path or URL the media policy forbids is
-            # `forbidden_media` there, and the same refusal should not change its name between routes
-            code = "forbidden_media" if e.status == 403 else "invalid_ref_audio"
+            # `forbidden_media` there, a clip over the policy's bytes or seconds `request_too_large`, and the
+            # same refusal should not change its name between routes
+            code = _MEDIA_CODES.get(e.status, "invalid_ref_audio")
             raise ApiError(e.status, e.message, code, "ref_audio") from e
         return {"ref_audio": clip.samples, "ref_sample_rate": clip.rate, "ref_audio_key": clip.key,
                 "ref_text": body.ref_text, "x_vector_only": body.x_vector_only_mode}
@@ -314,6 +315,8 @@ class SpeechService:
 
 
 _LISTED = 20  # saved voices an error message names
+# a MediaError's code by status (voices_api._CODES names them alike); any other status is a clip we cannot use
+_MEDIA_CODES = {403: "forbidden_media", 413: "request_too_large"}
 
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 415, 429, 500, 503, 504)}

@@ -39,9 +39,10 @@ _FORM_FIELDS = {
 }
 _FORM_FILES = ("file", "audio_sample")
 
-# machine-readable `code` of a refusal, by status
+# machine-readable `code` of a refusal, by status; a 413 is named as every other 413 of the server is (the body
+# limit, the engine's refusal), so a too-large clip is one code on this route and on /v1/audio/speech
 _CODES = {400: "invalid_voice_request", 403: "forbidden_media", 404: "voice_not_found", 409: "voice_conflict",
-          413: "too_large", 415: "unsupported_media_type"}
+          413: "request_too_large", 415: "unsupported_media_type"}
 
 
 class CreateVoiceRequest(BaseModel):
