@@ -166,5 +166,5 @@ def frames_chunk(n_new: int, total: int, finished: bool = False, reason: str | N
                        finish_reason=reason, error=error, seed=11)
 
 
-def rejected(status: int, message: str, retry_after: float | None = None) -> RequestRejected:
-    return RequestRejected(status, message, retry_after)
+def rejected(status: int, message: str, retry_after: float | None = None, code: str | None = None) -> RequestRejected:
+    return RequestRejected(status, message, retry_after, code)

@@ -146,7 +146,7 @@ def test_stop_finishes_running_requests_then_refuses(loaded):
 
     chunks, err = asyncio.run(main())
     assert chunks[-1].finish_reason == "length"
-    assert err.status == 503
+    assert err.status == 503 and err.code == "shutting_down"  # carried, not read out of the message
 
 
 def test_extract_voice_runs_on_the_engine_thread(loaded):

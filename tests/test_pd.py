@@ -212,8 +212,9 @@ def test_stop_is_in_order_so_a_handoff_on_its_way_still_decodes(loaded):
         stream = asyncio.ensure_future(gather_streams(router, [req], 1))
         await held.wait()
         await router.stop(10.0)
-        with pytest.raises(RequestRejected, match="shutting down"):
+        with pytest.raises(RequestRejected, match="shutting down") as refused:
             await anext(router.generate(req))
+        assert refused.value.code == "shutting_down"
         return (await stream)[0]
 
     held = asyncio.Event()

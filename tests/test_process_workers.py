@@ -84,6 +84,7 @@ def test_messages_round_trip():
 
     info = ModelInfo("n", "base", "0b6", 24000, ["auto"], ["x"], 64)
     simple = [m.Abort("a", "gone"), m.Rejected("a", 429, "busy", 1.0), m.Rejected("b", 400, "bad"),
+              m.Rejected("c", 503, "going", code="shutting_down"),
               m.Stats(EngineStats(1, 2, 0.5, 10, 5, {"client disconnected": 3}, steps=4, decode_rows=9)),
               m.Ready(info, 42, {"top_k": 50}),
               m.Shutdown(2.5), m.Heartbeat(9)]
@@ -271,8 +272,9 @@ def test_killed_worker_fails_its_requests_and_the_other_replica_serves(tiny_chec
     # stop() leaves no process and no socket file behind (the SIGKILLed worker's included).
     assert victim.proc.returncode == -signal.SIGKILL and survivor.proc.returncode == 0
     assert glob.glob(f"/tmp/legato-{instance}-*") == []
-    with pytest.raises(RequestRejected, match="shutting down"):
+    with pytest.raises(RequestRejected, match="shutting down") as refused:
         asyncio.run(_collect(survivor, _req(3)))
+    assert refused.value.code == "shutting_down"
 
 
 def test_summed_stats_add_every_engine_s_counters():

@@ -38,7 +38,7 @@ from server_helpers import (
 )
 from starlette.testclient import TestClient
 
-from legato.pipeline.client import StreamChunk
+from legato.pipeline.client import RequestRejected, StreamChunk
 from legato.server.app import build_app
 from legato.server.encoding import MEDIA_TYPES
 from legato.server.voices import VoiceStore
@@ -507,17 +507,21 @@ def test_full_queue_is_429_with_retry_after():
         assert 'legato_requests_total{status="429"} 2.0' in c.get("/metrics").text
 
 
-@pytest.mark.parametrize("message, code", [
-    ("no engine replica is serving", "engine_unavailable"),
-    ("engine worker abc-0 is not serving: worker died (exit code -9)", "engine_unavailable"),
-    ("the codec worker is not running", "engine_unavailable"),
-    ("server is shutting down", "shutting_down"),
+@pytest.mark.parametrize("refusal, code", [
+    (rejected(503, "no engine replica is serving"), "engine_unavailable"),
+    (rejected(503, "engine worker abc-0 is not serving: worker died (exit code -9)"), "engine_unavailable"),
+    (rejected(503, "the codec worker is not running"), "engine_unavailable"),
+    (RequestRejected.shutting_down(), "shutting_down"),
+    (RequestRejected.shutting_down("the worker is shutting down"), "shutting_down"),
+    # the code is the one the refusal carries, never read out of its text
+    (rejected(503, "a worker said shutting down while it died"), "engine_unavailable"),
+    (rejected(503, "draining", code="shutting_down"), "shutting_down"),
 ])
-def test_a_503_says_whether_the_server_drains_or_an_engine_is_down(message, code):
+def test_a_503_says_whether_the_server_drains_or_an_engine_is_down(refusal, code):
     """A dead worker's 503 carried `shutting_down`, which a balancer reads as the server leaving (an outside probe)."""
-    client, app = fake_app(lambda req: [rejected(503, message)])
+    client, app = fake_app(lambda req: [refusal])
     with TestClient(app) as c:
-        err = assert_error(speak(c), 503, message)
+        err = assert_error(speak(c), 503, refusal.message)
         assert err["code"] == code
 
 

@@ -73,23 +73,39 @@ STAGES = ("prepare", "inbox", "engine", "voice", "queue", "build", "resume", "wo
 ENDING_WAIT_S = 5.0
 
 
+# The `code` of a 503 refusal: `shutting_down` while the server (or a worker) drains, which a client or a
+# balancer reads as "go elsewhere, for good"; `engine_unavailable` when a worker is down (dead, not yet started),
+# which a retry may outlive.
+SHUTTING_DOWN = "shutting_down"
+ENGINE_UNAVAILABLE = "engine_unavailable"
+
+
 class RequestRejected(Exception):
     """The engine refused a request before running it. `status` follows HTTP (400 bad input, 413 too large,
-    429 queue full, 503 shutting down or no engine serving: `unavailable_code` tells which); `retry_after`
-    (seconds) is set for 429."""
+    429 queue full, 503 shutting down or no engine serving); `retry_after` (seconds) is set for 429. `code` is
+    the machine-readable reason the client sees, set where the refusal is made (a 503 is `SHUTTING_DOWN` or
+    `ENGINE_UNAVAILABLE`, a prompt over the engine's text buffer `text_too_long`); None: the status's usual
+    code (the server's `rejection_code`)."""
 
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after = retry_after
+        self.code = code
+
+    @classmethod
+    def shutting_down(cls, message: str = "server is shutting down") -> RequestRejected:
+        """The 503 of a server or worker that drains."""
+        return cls(503, message, code=SHUTTING_DOWN)
 
 
 def unavailable_code(message: str) -> str:
-    """The machine-readable code of a 503: `shutting_down` while the server (or a worker) drains, which a client
-    or a balancer reads as "go elsewhere, for good"; `engine_unavailable` when a worker is down (dead, not yet
-    started), which a retry may outlive. Every drain refusal says "shutting down"."""
-    return "shutting_down" if "shutting down" in message else "engine_unavailable"
+    """The code of a 503 whose only record is an ended stream's text (an `abort` chunk's reason, which carries
+    no code): `SHUTTING_DOWN` when it says so, else `ENGINE_UNAVAILABLE`. A refusal carries its own
+    (`RequestRejected.code`)."""
+    return SHUTTING_DOWN if "shutting down" in message else ENGINE_UNAVAILABLE
 
 
 async def refused_stream(e: RequestRejected) -> AsyncIterator[StreamChunk]:

@@ -27,7 +27,7 @@ import zmq.asyncio
 from legato.engine.codec_schedule import StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.pipeline import messages as m
-from legato.pipeline.client import EngineStats, RequestRejected, StreamChunk
+from legato.pipeline.client import SHUTTING_DOWN, EngineStats, RequestRejected, StreamChunk
 from legato.pipeline.codec_worker import (
     CodecChunk,
     CodecError,
@@ -94,7 +94,7 @@ class ProcessCodecClient:
         try:
             chunks = self.worker.stream(request_id, m.CodecOpen(request_id, ref, first_chunk_frames))
         except RequestRejected as e:
-            raise CodecError(e.message) from None
+            raise CodecError(e.message, code=e.code) from None
         feeder = asyncio.create_task(self._feed(request_id, frames))
         emitted = 0
         try:
@@ -111,7 +111,7 @@ class ProcessCodecClient:
                     if chunk.finished:
                         return
         except RequestRejected as e:  # the worker refused the stream (shutting down, duplicate id)
-            raise CodecError(e.message) from None
+            raise CodecError(e.message, code=e.code) from None
         finally:
             # Not awaited: the caller's own abort of the source (SplitClient's "codec failed") goes first.
             feeder.cancel()
@@ -183,7 +183,8 @@ class _CodecWorker:
             rid = msg.request_id
             if self.draining or rid in self.tasks:
                 why = "the codec worker is shutting down" if self.draining else f"codec stream {rid!r} is open"
-                await self.send(m.Rejected(rid, 503 if self.draining else 400, why))
+                await self.send(m.Rejected(rid, 503 if self.draining else 400, why,
+                                           code=SHUTTING_DOWN if self.draining else None))
                 return
             self.feeds[rid] = asyncio.Queue()
             self.tasks[rid] = asyncio.create_task(self.stream(msg))

@@ -35,7 +35,7 @@ from legato.engine.config import codec_dtype_name
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.models.qwen3_tts.config import load_speech_tokenizer_config
 from legato.models.qwen3_tts.loader import load_into, read_safetensors
-from legato.pipeline.client import put_all
+from legato.pipeline.client import SHUTTING_DOWN, put_all
 from legato.pipeline.threads import name_native_thread
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class CodecOutput:
     finished: bool = False
     error: str | None = None  # a failed or aborted stream (always finished)
     aborted: bool = False
+    code: str | None = None  # CodecError.code of the failure
 
 
 class CodecEngine:
@@ -164,10 +165,11 @@ class CodecEngine:
 class CodecError(Exception):
     """A codec stream ended without its audio: it failed (`aborted` False) or was aborted."""
 
-    def __init__(self, reason: str, aborted: bool = False) -> None:
+    def __init__(self, reason: str, aborted: bool = False, code: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.aborted = aborted
+        self.code = code  # a refusal's RequestRejected.code (SHUTTING_DOWN while the codec drains), if known
 
 
 @dataclass
@@ -245,7 +247,7 @@ class LocalCodecClient:
                     raise item
                 if item.error is not None:
                     done = True
-                    raise CodecError(item.error, item.aborted)
+                    raise CodecError(item.error, item.aborted, item.code)
                 done = item.finished
                 yield CodecChunk(item.audio, item.frames, item.finished)
                 if done:
@@ -324,7 +326,7 @@ class LocalCodecClient:
         if kind == "open":
             _, rid, ref_code, first, sink = cmd
             if self._deadline is not None:
-                _put(sink, CodecOutput(rid, _EMPTY, 0, True, "the codec worker is shutting down"))
+                _put(sink, CodecOutput(rid, _EMPTY, 0, True, "the codec worker is shutting down", code=SHUTTING_DOWN))
                 return
             try:
                 self.engine.open(rid, ref_code, first)

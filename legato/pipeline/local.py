@@ -238,7 +238,7 @@ class LocalEngineClient(EngineClient):
             if req.text_open and not owner:
                 raise RequestRejected(409, f"duplicate request id {req.request_id!r}")
             if self._stopping:
-                raise RequestRejected(503, "server is shutting down")
+                raise RequestRejected.shutting_down()
             voice = await self._voice_of(req.input)
             marks["voice"] = time.perf_counter()
             prepared = await self._admitted_request(lambda: self._engine_request(req, voice), marks)
@@ -294,7 +294,7 @@ class LocalEngineClient(EngineClient):
             if self._text_waits.get(rid) is not arrived:  # abort() replaced it with its reason
                 return None
             if self._stopping:
-                raise RequestRejected(503, "server is shutting down")
+                raise RequestRejected.shutting_down()
         del self._text_waits[rid]
         return await self._admitted_request(lambda: dataclasses.replace(prepared, spec=spec))
 
@@ -391,7 +391,7 @@ class LocalEngineClient(EngineClient):
         """Hands the request to the engine thread and waits for its admission (raising RequestRejected); the body
         then takes its chunks and sets `ended[0]` at the last. Left before that, the request is aborted."""
         if self._stopping:
-            raise RequestRejected(503, "server is shutting down")
+            raise RequestRejected.shutting_down()
         admitted = stream.loop.create_future()
         stream.submitted = time.perf_counter()
         if not self._submit((kind, payload, admitted, stream)):
@@ -461,7 +461,7 @@ class LocalEngineClient(EngineClient):
                 marks.update(done.marks)
             return req
         except AdmissionClosed as e:
-            raise RequestRejected(503, "server is shutting down") from e
+            raise RequestRejected.shutting_down() from e
         except Exception as e:
             raise rejection(e) from e
 
@@ -471,7 +471,7 @@ class LocalEngineClient(EngineClient):
             return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
         except Exception as e:
             if isinstance(e, RuntimeError) and self._stopping:  # the executor was shut down under us
-                raise RequestRejected(503, "server is shutting down") from e
+                raise RequestRejected.shutting_down() from e
             raise rejection(e) from e
 
     def _engine_request(self, req: SynthesisRequest, voice: VoiceFeatures | None = None) -> EngineRequest:
@@ -624,7 +624,7 @@ class LocalEngineClient(EngineClient):
         """Admits the request, or settles `admitted` with why not; returns when to give up instead when the request
         must wait for its id's earlier request to finish ending (the caller holds it until then)."""
         if self._stopping:
-            settle(admitted, error=RequestRejected(503, "server is shutting down"))
+            settle(admitted, error=RequestRejected.shutting_down())
             return None
         try:
             seed = self.engine.add_handoff(req) if isinstance(req, Handoff) else self.engine.add_request(req)

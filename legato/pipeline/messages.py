@@ -138,6 +138,7 @@ class Rejected:
     status: int
     message: str
     retry_after: float | None = None
+    code: str | None = None  # RequestRejected.code, carried so the front need not read it out of `message`
 
 
 @dataclass
@@ -569,7 +570,7 @@ _ENCODERS = {
     Chunk: _enc_chunk,
     Chunks: _enc_chunks,
     Rejected: lambda m: ("rejected", {"request_id": m.request_id, "status": m.status, "message": m.message,
-                                      "retry_after": m.retry_after}, {}),
+                                      "retry_after": m.retry_after, "code": m.code}, {}),
     ExtractVoice: lambda m: ("extract_voice", {"request_id": m.request_id, "sample_rate": m.sample_rate},
                              {"samples": _np(m.samples, "float32")}),
     VoiceResult: lambda m: ("voice_result", {"request_id": m.request_id},
@@ -596,7 +597,7 @@ _DECODERS = {
     "chunk": _dec_chunk,
     "chunks": _dec_chunks,
     "rejected": lambda b: Rejected(b.get("request_id", str), b.get("status", int), b.get("message", str),
-                                   b.get("retry_after", float, optional=True)),
+                                   b.get("retry_after", float, optional=True), b.get("code", str, optional=True)),
     "extract_voice": lambda b: ExtractVoice(b.get("request_id", str), b.array("samples", "float32", 1),
                                             b.get("sample_rate", int)),
     "voice_result": lambda b: VoiceResult(b.get("request_id", str), b.array("speaker_embedding", "float32", 1),

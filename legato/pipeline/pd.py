@@ -122,7 +122,7 @@ class PrefillDecodeRouter(EngineClient):
 
     async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         if self._stopping:
-            raise RequestRejected(503, "server is shutting down")
+            raise RequestRejected.shutting_down()
         self._before_decode += 1
         taken, idx = False, None
         try:
@@ -250,7 +250,7 @@ class LinkedPrefillDecodeRouter(PrefillDecodeRouter):
 
     async def _prefill_then_decode(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         if self._stopping:
-            raise RequestRejected(503, "server is shutting down")
+            raise RequestRejected.shutting_down()
         p, d = self.prefill.pick(), self.pick_decode()
         prefill, decode = self.prefill.replicas[p], self.decode[d]
         rid = req.request_id

@@ -38,6 +38,8 @@ from legato.pipeline import ipc
 from legato.pipeline import messages as m
 from legato.pipeline.client import (
     ENDING_WAIT_S,
+    ENGINE_UNAVAILABLE,
+    SHUTTING_DOWN,
     EngineClient,
     EngineStats,
     ModelInfo,
@@ -280,16 +282,16 @@ class ProcessEngineClient(EngineClient):
             self._send(m.Abort(rid, "server is shutting down"))
         with self._lock:
             self._cmd.setsockopt(zmq.LINGER, 1000)  # those aborts still reach the worker after the close
-        await self._close_link("server is shutting down")
+        await self._close_link("server is shutting down", SHUTTING_DOWN)
 
-    async def _close_link(self, reason: str) -> None:
+    async def _close_link(self, reason: str, code: str = ENGINE_UNAVAILABLE) -> None:
         """Stops the I/O thread, ends what is still open with `reason`, closes the sockets and their files."""
         self._closing.set()
         loop = asyncio.get_running_loop()
         for t in self._threads:
             await loop.run_in_executor(None, t.join, 10.0)
         self._holds_nothing()  # the worker's final Stats may be unread, and it is gone (or not ours) either way
-        self._fail_all(reason)
+        self._fail_all(reason, code)
         with self._lock:
             for sock in (self._cmd, self._out):
                 sock.close()
@@ -368,7 +370,7 @@ class ProcessEngineClient(EngineClient):
 
     def _open(self, rid: str, msg: m.Message) -> _Stream:
         if not self.is_alive():
-            raise RequestRejected(503, self._unavailable())
+            raise self._unavailable()
         frames = self._encode(msg)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -381,7 +383,7 @@ class ProcessEngineClient(EngineClient):
             self._streams[rid] = stream
         if not self._send(msg, frames):
             self._streams.pop(rid, None)
-            raise RequestRejected(503, self._unavailable())
+            raise self._unavailable()
         return stream
 
     async def _read(self, rid: str, stream: _Stream) -> AsyncIterator[StreamChunk]:
@@ -410,7 +412,7 @@ class ProcessEngineClient(EngineClient):
 
     async def extract_voice(self, samples: np.ndarray, sample_rate: int) -> VoiceFeatures:
         if not self.is_alive():
-            raise RequestRejected(503, self._unavailable())
+            raise self._unavailable()
         call_id = f"voice-{uuid.uuid4().hex}"
         msg = m.ExtractVoice(call_id, np.asarray(samples, np.float32), int(sample_rate))
         frames = self._encode(msg)
@@ -419,7 +421,7 @@ class ProcessEngineClient(EngineClient):
             self._calls[call_id] = fut
         if not self._send(msg, frames):
             self._calls.pop(call_id, None)
-            raise RequestRejected(503, self._unavailable())
+            raise self._unavailable()
         try:
             return await fut
         finally:
@@ -433,10 +435,14 @@ class ProcessEngineClient(EngineClient):
         return (self._ready.is_set() and self.dead_reason is None and not self._stopping and running
                 and not self._liveness.expired)
 
-    def _unavailable(self) -> str:
+    def _unavailable(self) -> RequestRejected:
+        """The 503 of a request this worker cannot take now."""
         if self.dead_reason:
-            return f"engine worker {self.label} is not serving: {self.dead_reason}"
-        return "server is shutting down" if self._stopping else f"engine worker {self.label} is not running"
+            return RequestRejected(503, f"engine worker {self.label} is not serving: {self.dead_reason}",
+                                   code=ENGINE_UNAVAILABLE)
+        if self._stopping:
+            return RequestRejected.shutting_down()
+        return RequestRejected(503, f"engine worker {self.label} is not running", code=ENGINE_UNAVAILABLE)
 
     def _encode(self, msg: m.Message) -> list[bytes | memoryview]:
         """The frames of a request's opening message; RequestRejected (413) when the worker would drop them as
@@ -520,7 +526,8 @@ class ProcessEngineClient(EngineClient):
         blocks = self._stats.num_kv_blocks
         self._stats = dataclasses.replace(self._stats, waiting=0, running=0, kv_usage=0.0, free_kv_blocks=blocks)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, code: str = ENGINE_UNAVAILABLE) -> None:
+        """Ends every open stream and call with `reason`; a call's refusal is a 503 of `code`."""
         with self._lock:
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
@@ -529,7 +536,7 @@ class ProcessEngineClient(EngineClient):
                                 retryable=True)
             _call(s.loop, s.queue.put_nowait, chunk)
         for fut in calls.values():
-            _settle(fut, error=RequestRejected(503, reason))
+            _settle(fut, error=RequestRejected(503, reason, code=code))
 
     def _dispatch(self, msg: m.Message) -> None:
         self._liveness.heard()  # any message, not only a heartbeat: a worker streaming chunks is alive
@@ -548,7 +555,7 @@ class ProcessEngineClient(EngineClient):
             with self._lock:
                 stream = self._streams.pop(msg.request_id, None)
                 fut = self._calls.pop(msg.request_id, None)
-            error = RequestRejected(msg.status, msg.message, msg.retry_after)
+            error = RequestRejected(msg.status, msg.message, msg.retry_after, msg.code)
             if stream is not None:
                 self._deliver(stream, error)
             if fut is not None:

@@ -157,7 +157,7 @@ class SplitClient(EngineClient):
                                  error_code=e.chunk.error_code, retryable=e.chunk.retryable)
         except CodecError as e:
             if progress.last is None and not self.codec.is_alive():  # refused before anything ran
-                raise RequestRejected(503, e.reason) from None
+                raise RequestRejected(503, e.reason, code=e.code) from None
             await self.talker.abort(req.request_id, e.reason if e.aborted else "codec failed")
             yield progress.chunk(_EMPTY, finished=True, reason="abort" if e.aborted else "error", error=e.reason)
 

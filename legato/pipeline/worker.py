@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from legato.kv_transfer import EventKind
 from legato.pipeline import messages as m
-from legato.pipeline.client import HeldText, RequestRejected, StreamChunk
+from legato.pipeline.client import SHUTTING_DOWN, HeldText, RequestRejected, StreamChunk
 from legato.pipeline.front_links import FrontLinks, front_endpoints, request_id_of
 from legato.pipeline.kv_links import KVLinks, KVLinkSpec
 
@@ -187,7 +187,7 @@ class _Worker:
             if self.ready is not None:
                 await self.fronts.send_to(front, self.ready)
         elif self.draining and isinstance(msg, (m.Submit, m.AwaitHandoff, m.ExtractVoice)):
-            await self.send(m.Rejected(request_id_of(msg), 503, "the worker is shutting down"))
+            await self.send(m.Rejected(request_id_of(msg), 503, "the worker is shutting down", code=SHUTTING_DOWN))
         elif isinstance(msg, (m.Submit, m.AwaitHandoff)) and request_id_of(msg) in self.tasks:
             # Its id's earlier request is still ending here: a second task under one id would lose the first.
             await self.send(m.Rejected(request_id_of(msg), 409, f"request id {request_id_of(msg)!r} is still "
@@ -239,7 +239,7 @@ class _Worker:
         try:
             await run
         except RequestRejected as e:
-            await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
+            await self.send(m.Rejected(rid, e.status, e.message, e.retry_after, e.code))
             await self.send(m.Stats(self.client.stats()))  # blocks may have come back all the same
         except Exception as e:  # a failure here fails this request, with a reason, not the worker
             log.exception("running %s failed", rid)
@@ -283,7 +283,7 @@ class _Worker:
             else:
                 await self.finish(rid, self._transfer_failed(rid, f"to decode worker {peer}", ev))
         except RequestRejected as e:
-            await self.send(m.Rejected(rid, e.status, e.message, e.retry_after))
+            await self.send(m.Rejected(rid, e.status, e.message, e.retry_after, e.code))
             await self.send(m.Stats(self.client.stats()))
         except Exception as e:
             log.exception("prefill of %s failed", rid)
@@ -336,7 +336,7 @@ class _Worker:
         try:
             v = await self.client.extract_voice(msg.samples, msg.sample_rate)
         except RequestRejected as e:
-            await self.send(m.Rejected(msg.request_id, e.status, e.message, e.retry_after))
+            await self.send(m.Rejected(msg.request_id, e.status, e.message, e.retry_after, e.code))
         except Exception as e:  # unanswered, the server's call would wait forever
             log.exception("voice extraction %s failed", msg.request_id)
             await self.send(m.Rejected(msg.request_id, 500, f"worker error: {e}"))

@@ -29,6 +29,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from legato.pipeline.client import (
+    ENGINE_UNAVAILABLE,
     EngineClient,
     RequestRejected,
     StreamChunk,
@@ -354,10 +355,11 @@ class SpeechResponder:
 
 
 def rejection_code(e: RequestRejected) -> str:
-    """The `code` of an engine's refusal, by its status (a 503 by why: `unavailable_code`)."""
-    if e.status == 503:
-        return unavailable_code(e.message)
-    codes = {429: "queue_full", 413: "request_too_large", 409: "duplicate_request_id"}
+    """The `code` of an engine's refusal: the one it carries, else its status's (a 503 that names none is a
+    worker that is not serving)."""
+    if e.code is not None:
+        return e.code
+    codes = {429: "queue_full", 413: "request_too_large", 409: "duplicate_request_id", 503: ENGINE_UNAVAILABLE}
     return codes.get(e.status, "internal_error" if e.status >= 500 else "invalid_request")
 
 
