@@ -276,6 +276,18 @@ def test_oversized_bodies_are_413_before_parsing(cv):
     assert_error(speak(cv, input=huge), 413, "exceeds the limit")
 
 
+def test_a_prompt_over_the_engine_s_text_buffer_at_admission_is_text_too_long(cv_loaded):
+    """The streamed-text overflow is `text_too_long`; a prompt already over `max_text_tokens` when it is admitted
+    is the same fault of the client's, so the same code (it was a bare `invalid_request`)."""
+    app = build_app(local_client(cv_loaded, max_text_tokens=8), server_settings(cv_loaded), None)
+    with TestClient(app) as c:
+        for stream in (False, True):
+            # non_streaming_mode false: the text is fed a token a frame from the engine's text buffer
+            err = assert_error(speak(c, input="A sentence of rather more than eight text tokens, surely.",
+                                     non_streaming_mode=False, stream=stream), 400, "max_text_tokens")
+            assert err["code"] == "text_too_long" and err["type"] == "invalid_request_error"
+
+
 def test_request_ids_are_echoed_generated_or_refused(cv):
     r = cv.post("/v1/audio/speech", json={"input": "Hi.", "voice": "ryan", "max_new_tokens": 3},
                 headers={"X-Request-Id": "client-7:a.b_c"})

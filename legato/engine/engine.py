@@ -53,6 +53,12 @@ TEXT_OVERFLOW = "streamed text exceeds max_text_tokens"
 TEXT_TOO_LONG = "text_too_long"
 
 
+class TextTooLongError(ValueError):
+    """A prompt whose text is already over `max_text_tokens` at admission: the client's text, not the server,
+    is too much, so the front reports it as the streamed overflow is reported (TEXT_TOO_LONG), not as a
+    generic bad request."""
+
+
 class RequestIdEnding(DuplicateRequestError):
     """The id's earlier request has ended, but its last output is still on its way out of the engine: the id is
     free once that is delivered (a step or so). The engine's thread may hold the request until then."""
@@ -210,9 +216,9 @@ class Engine:
             else:
                 frame_cap = None
         if prompt.trailing_text.shape[0] > self.config.max_text_tokens:
-            raise ValueError(
+            raise TextTooLongError(
                 f"input text of {prompt.trailing_text.shape[0]} tokens exceeds max_text_tokens="
-                f"{self.config.max_text_tokens}"
+                f"{self.config.max_text_tokens}; send a shorter input"
             )
         seed = er.sampling.seed if er.sampling.seed is not None else draw_seed()
         if er.handoff_only or self.codec is None:

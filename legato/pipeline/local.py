@@ -27,7 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from legato.engine.config import EngineConfig
-from legato.engine.engine import Engine, EngineRequest, RequestIdEnding, RequestOutput, warm_up_input
+from legato.engine.engine import (
+    TEXT_TOO_LONG,
+    Engine,
+    EngineRequest,
+    RequestIdEnding,
+    RequestOutput,
+    TextTooLongError,
+    warm_up_input,
+)
 from legato.engine.scheduler import DuplicateRequestError, QueueFullError, RequestTooLargeError
 from legato.kv_transfer.handoff import Handoff, LayoutMismatch
 from legato.models.qwen3_tts.audio import AudioError
@@ -77,6 +85,8 @@ def rejection(exc: Exception, retry_after: float = 1.0) -> RequestRejected:
         return RequestRejected(409, str(exc))
     if isinstance(exc, LayoutMismatch):  # two workers of one deployment disagree: a deployment error
         return RequestRejected(500, f"KV layout mismatch between workers: {exc}")
+    if isinstance(exc, TextTooLongError):
+        return RequestRejected(400, str(exc), code=TEXT_TOO_LONG)
     if isinstance(exc, (PromptError, AudioError, SamplingParamsError, RequestTooLargeError, ValueError)):
         return RequestRejected(400, str(exc))
     return RequestRejected(500, f"internal error: {type(exc).__name__}: {exc}")
