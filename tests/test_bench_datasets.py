@@ -151,3 +151,16 @@ def test_the_bench_mode_follows_the_model(tmp_path, monkeypatch):
     assert mode_of_model(argparse.Namespace(server_args=str(design))) == ("design", None)
     with pytest.raises(ValueError, match="no server answers at"):
         mode_of_model(argparse.Namespace(base_url="http://127.0.0.1:9"))
+
+
+def test_fixed_length_with_max_new_tokens_is_refused_before_any_request():
+    """Each fixed-length request's num_frames is its length; a --max-new-tokens beside it once went along
+    ignored, and the server now refuses two lengths (400 conflicting_length) for every request."""
+    import argparse
+
+    from legato.bench.cli import _prepare
+
+    args = argparse.Namespace(fixed_length=True, frames_per_char=0.8, min_frames=4, max_frames=250,
+                              max_new_tokens=64, extra_body=None)
+    with pytest.raises(ValueError, match="--max-new-tokens and --fixed-length"):
+        _prepare(args)

@@ -168,9 +168,10 @@ def test_sse_streams_deltas_then_done_with_usage(cv):
 
 
 def test_fixed_length_requests_for_benchmarks(cv):
-    r = speak(cv, response_format="pcm", ignore_eos=True, num_frames=7)
-    assert r.status_code == 200
-    assert r.headers["x-usage-output-tokens"] == "7" and len(r.content) == 7 * SAMPLES_PER_FRAME * 2
+    for same_length in ({}, {"max_new_tokens": 8}):  # num_frames N and max_new_tokens N + 1 agree
+        r = speak(cv, response_format="pcm", ignore_eos=True, num_frames=7, **same_length)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-usage-output-tokens"] == "7" and len(r.content) == 7 * SAMPLES_PER_FRAME * 2
 
 
 def test_max_new_tokens_n_gives_at_most_n_minus_1_frames_as_the_readme_says(cv):
@@ -208,6 +209,10 @@ def test_max_new_tokens_n_gives_at_most_n_minus_1_frames_as_the_readme_says(cv):
     ({"input": "x" * 201}, 400, ["201 characters", "limit is 200"], "input"),
     ({"max_new_tokens": 65}, 400, ["exceeds the limit of 64"], "max_new_tokens"),
     ({"num_frames": 64, "ignore_eos": True}, 400, ["limit of 63"], "num_frames"),
+    # num_frames once silently overrode a max_new_tokens of another length
+    ({"num_frames": 5, "max_new_tokens": 4, "ignore_eos": True}, 400, ["different lengths", "give one"],
+     "max_new_tokens"),
+    ({"num_frames": 5, "max_new_tokens": 20}, 400, ["num_frames 5 and max_new_tokens 20"], "max_new_tokens"),
     ({"ref_audio": "data:audio/wav;base64,AAAA"}, 400, ["for Base"], "ref_audio"),
     ({"language": "klingon"}, 400, ["unsupported language", "english"], "language"),
     ({"input": "   "}, 400, ["blank"], "input"),

@@ -268,6 +268,9 @@ def _prepare(args: argparse.Namespace):
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
+    if fixed is not None and args.max_new_tokens is not None:
+        # each request's num_frames is its length: a second length is the server's 400 conflicting_length
+        raise ValueError("--max-new-tokens and --fixed-length both set the length: give one")
     mode, voice = args.mode, args.voice
     if mode is None:
         mode, voice = ("voice", voice) if voice else mode_of_model(args)

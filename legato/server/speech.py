@@ -156,6 +156,13 @@ class SpeechService:
         if body.num_frames is not None and body.num_frames + 1 > cap:
             raise ApiError(400, f"num_frames {body.num_frames} exceeds the limit of {cap - 1}",
                            "num_frames_too_large", "num_frames")
+        # Both name the request's length: num_frames N is max_new_tokens N + 1. Two different lengths leave no
+        # way to tell which the client meant, and taking one silently would run a request it did not ask for.
+        if (body.num_frames is not None and body.max_new_tokens is not None
+                and body.max_new_tokens != body.num_frames + 1):
+            raise ApiError(400, f"num_frames {body.num_frames} and max_new_tokens {body.max_new_tokens} ask for "
+                                f"different lengths (num_frames N is max_new_tokens N + 1): give one of them",
+                           "conflicting_length", "max_new_tokens")
 
     def _sampling(self, body: SpeechRequest) -> tuple[SamplingParams, int | None]:
         def pick(value: Any, default: Any) -> Any:
