@@ -37,15 +37,15 @@ def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_and_e
                   POLL_LOADS=False)
     types = {"logits_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bar_ptr": "*i32", "eps": "fp32",
              "scale": "fp32"}
-    forms = [dict(TOKENS=1, GATHER=False), dict(TOKENS=2, GATHER=False), dict(TOKENS=1, GATHER=True)]
-    for sync in (True, False):
-        for early in (True, False):
-            for form in forms:
-                kinds = {**types, "code_ptr": "*i64"} if form["GATHER"] else types
-                constexprs = {**shapes, **form, "SYNC": sync, "EARLY": early}
-                assert compile_for_hopper(decoder_stack._stack_kernel, constexprs, kinds) > 0
-        constexprs = {**shapes, **forms[0], **before, "SYNC": sync, "EARLY": True}
-        assert compile_for_hopper(decoder_stack._stack_kernel, constexprs, types) > 0
+    one, two, looked_up = dict(TOKENS=1, GATHER=False), dict(TOKENS=2, GATHER=False), dict(TOKENS=1, GATHER=True)
+    # (form, barrier, early tiles, forms before): each launch form with the barrier, then one form each way the
+    # barrier and the tiles can go (a compile is ~11 s of the CPU: not every product)
+    cases = [(one, True, True, False), (two, True, True, False), (looked_up, True, True, False),
+             (one, True, False, False), (one, False, True, False), (one, True, True, True)]
+    for form, sync, early, old in cases:
+        kinds = {**types, "code_ptr": "*i64"} if form["GATHER"] else types
+        constexprs = {**shapes, **form, **(before if old else {}), "SYNC": sync, "EARLY": early}
+        assert compile_for_hopper(decoder_stack._stack_kernel, constexprs, kinds) > 0
 
 
 def test_only_cuda_rows_few_enough_take_the_stack():
