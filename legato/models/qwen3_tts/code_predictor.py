@@ -25,6 +25,12 @@ from .decoder_layer import ContiguousKVCache, KVCache, build_layers, run_layers
 CodeSampler = Callable[[torch.Tensor, int], torch.Tensor]
 
 
+# A codebook's embedding row looked up by the stack's launch (`decoder_stack.run(code=...)`) rather than gathered
+# before it. Off: with the activation rows spread over the weight layout, the looked-up launch spilled more
+# (208 bytes of stack a thread against 120) and took 130.0 us against 126.1 for the gather and the launch
+# (H100, 2026-12-06, stack_phases.py); before the spread form it won, 139.7 against 145.4.
+STACK_LOOKUP = False
+
 class CodePredictorModel(nn.Module):
     def __init__(self, cfg: CodePredictorConfig, talker_hidden: int) -> None:
         super().__init__()
@@ -131,10 +137,11 @@ class CodePredictor(nn.Module):
                                    cache: ContiguousKVCache) -> torch.Tensor:
         # `predict_residuals` with each pass through the layers, final norm and head as one launch. The two prompt
         # tokens share one launch (its weights read once for both). Where the talker's width is the code
-        # predictor's (no projection between), a codebook's embedding lookup is the launch's first load.
+        # predictor's (no projection between), a codebook's embedding lookup can be the launch's first load
+        # (`STACK_LOOKUP`).
         positions = torch.arange(self.config.num_code_groups, device=past_hidden.device)
         cos, sin = self.model.rotary(positions)
-        gather = isinstance(self.small_to_mtp_projection, nn.Identity)
+        gather = STACK_LOOKUP and isinstance(self.small_to_mtp_projection, nn.Identity)
 
         def logits(x: torch.Tensor, pos: int, head: nn.Linear, code: torch.Tensor | None = None) -> torch.Tensor:
             tokens = 1 if code is not None else x.shape[0] // past_hidden.shape[0]
