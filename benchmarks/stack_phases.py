@@ -1,10 +1,9 @@
 """Device time of each phase of the code predictor's one-launch pass (`layers/decoder_stack.py`), each phase run as
 its own launch, and of the whole pass as one launch: each phase's weights requested before its barrier's wait (the
 default) and after it; activation rows spread over the weight tile's layout (the default) and once per program;
-barriers polled with loads (the default) and with atomics; the default timed again last, so drift shows. At one
-row, also the launch forms a frame uses (two prompt tokens in one launch, an embedding row looked up by the launch)
-against the launches they replace: 0.6B code predictor shapes, random weights, bf16, CUDA graphs of back-to-back
-launches.
+the default timed again last, so drift shows. At one row, also the launch forms a frame uses (two prompt tokens in
+one launch, an embedding row looked up by the launch) against the launches they replace: 0.6B code predictor
+shapes, random weights, bf16, CUDA graphs of back-to-back launches.
 
     python benchmarks/stack_phases.py --rows 1,2 --out phases.json
 """
@@ -45,8 +44,6 @@ def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
     row["whole pass, one launch"] = time_launches(run, 40)
     row["whole pass, one launch, weights after the barrier"] = time_launches(lambda: run(early_tiles=False), 40)
     row["whole pass, one launch, activation once per program"] = time_launches(lambda: run(spread=False), 40)
-    row["whole pass, one launch, barriers polled with atomics"] = time_launches(lambda: run(poll_loads=False), 40)
-    row["whole pass, one launch, both forms before"] = time_launches(lambda: run(spread=False, poll_loads=False), 40)
     row["whole pass, one launch (again)"] = time_launches(run, 40)
     if rows == 1:
         row.update(_launch_forms(cp))

@@ -212,7 +212,7 @@ def default_programs(device: torch.device) -> int:
 def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: int,
         cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, *, code: torch.Tensor | None = None,
         programs: int | None = None, sync: bool | None = None, phases: tuple[int, int] | None = None,
-        early_tiles: bool = True, spread: bool = True, poll_loads: bool = True) -> torch.Tensor:
+        early_tiles: bool = True, spread: bool = True) -> torch.Tensor:
     """T tokens per row through every layer, the final norm and `head` [V, hidden] -> the last token's logits
     [B, V] (fp32).
 
@@ -224,8 +224,7 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     on CPU tensors). `early_tiles` False loads each phase's weights after its barrier (the kernel before
     2026-12-06: the same arithmetic, kept to compare against). `spread` False keeps each activation row once per
     program, in a layout of its own, the form before 2026-12-06 (session 52), kept to compare against: its sums
-    and layout changes went through shared memory (see `_spread`). `poll_loads` False polls each barrier with
-    atomics, the form before (see `_wait_loads`)."""
+    and layout changes went through shared memory (see `_spread`)."""
     layers, rows, kv_heads, capacity, head_dim = k_cache.shape
     hidden = x.shape[1]
     if code is not None:
@@ -271,7 +270,7 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
         BN_V=_block(vocab, programs), SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
         GU_PARTS=2 if _block(inter, programs) > 1 else 1, EARLY=early_tiles, TOKENS=tokens, GATHER=code is not None,
-        SPREAD=spread, POLL_LOADS=poll_loads,
+        SPREAD=spread,
     )
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
@@ -301,15 +300,13 @@ if triton is not None:
         tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
 
     @triton.jit
-    def _wait(bar_ptr, target, SPIN: tl.constexpr, POLL_LOADS: tl.constexpr):
-        if POLL_LOADS:
-            _wait_loads(bar_ptr, target, SPIN)
-        else:
-            _wait_atomics(bar_ptr, target, SPIN)
-
-    @triton.jit
-    def _wait_atomics(bar_ptr, target, SPIN: tl.constexpr):
-        # The form before `_wait_loads` (kept to compare against): every poll a scalar atomic read-modify-write.
+    def _wait(bar_ptr, target, SPIN: tl.constexpr):
+        # The acquire polls make the other programs' stores visible to the loads after it (an acquire at GPU scope
+        # invalidates L1, so `_spread`'s plain loads read them too). Loads issued between `_arrive` and here (the
+        # next phase's weights, which no program writes) are in flight while it polls: the release in `_arrive`
+        # would have waited for them. Polling with thread 0's acquire loads in inline PTX instead of these scalar
+        # atomics (each a read-modify-write, its value passed to the other threads through shared memory) was
+        # measured and dropped: 123.4 against 122.3 us a pass (H100, 2026-12-06, stack_phases.py).
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         spins = 0
         while (seen < target) & (spins < SPIN):
@@ -317,39 +314,6 @@ if triton is not None:
             spins += 1
         if seen < target:
             tl.atomic_add(bar_ptr + 2, 1)
-        tl.debug_barrier()
-
-    @triton.jit
-    def _wait_loads(bar_ptr, target, SPIN: tl.constexpr):
-        # Thread 0 polls the counter with acquire loads until it reaches `target`, then the CTA barrier lets the
-        # rest go on: the acquire (which invalidates L1) and the barrier make the other programs' stores visible
-        # to every thread's loads after it. Loads issued between `_arrive` and here (the next phase's weights, which
-        # no program writes) are in flight while it polls: the release in `_arrive` would have waited for them.
-        # Polled from Triton, a scalar atomic's value reached the other threads through shared memory, two CTA
-        # barriers a poll, and 132 programs' read-modify-writes of one word queued at its L2 slice behind the
-        # arrivals; a plain acquire load does neither. After SPIN polls it gives up and counts an error.
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred %p<3>;
-            .reg .u32 %t, %n;
-            .reg .s32 %v;
-            mov.u32 $0, 0;
-            mov.u32 %t, %tid.x;
-            setp.ne.u32 %p0, %t, 0;
-            @%p0 bra done${:uid};
-            mov.u32 %n, 0;
-            poll${:uid}:
-            ld.acquire.gpu.global.s32 %v, [$1];
-            setp.ge.s32 %p1, %v, $2;
-            @%p1 bra done${:uid};
-            add.u32 %n, %n, 1;
-            setp.lt.u32 %p2, %n, $3;
-            @%p2 bra poll${:uid};
-            red.relaxed.gpu.global.add.s32 [$4], 1;
-            mov.u32 $0, 1;
-            done${:uid}:
-            }""",
-            "=r,l,r,r,l", [bar_ptr, target, SPIN, bar_ptr + 2], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
 
     @triton.jit
@@ -481,7 +445,7 @@ if triton is not None:
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, SPIN: tl.constexpr,
         PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, EARLY: tl.constexpr, TOKENS: tl.constexpr,
-        GATHER: tl.constexpr, SPREAD: tl.constexpr, POLL_LOADS: tl.constexpr, SYNC: tl.constexpr,
+        GATHER: tl.constexpr, SPREAD: tl.constexpr, SYNC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
@@ -507,7 +471,7 @@ if triton is not None:
                               KC_H, BN_QKV)
             if SYNC:
                 if layer > 0:
-                    _wait(bar_ptr, s * programs, SPIN, POLL_LOADS)
+                    _wait(bar_ptr, s * programs, SPIN)
             # 1. norm, then q/k/v.
             if (s >= first) & (s <= last):
                 if EARLY:
@@ -525,7 +489,7 @@ if triton is not None:
                     tl.store(qkv_ptr + i * N_QKV + n, _dot(w, h, SPREAD), mask=n < hi_q)
             if SYNC:
                 _arrive(bar_ptr)
-                _wait(bar_ptr, (s + 1) * programs, SPIN, POLL_LOADS)
+                _wait(bar_ptr, (s + 1) * programs, SPIN)
             # 2. attention: one (row, kv head) per program, its group of query heads over the row's positions.
             if (s + 1 >= first) & (s + 1 <= last):
                 d = tl.arange(0, HEAD_DIM)
@@ -589,7 +553,7 @@ if triton is not None:
                 w_o = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_h, _when(hi_h, lo_h, s + 2, first, last), C_A, C_A,
                             KC_A, BN_O)
             if SYNC:
-                _wait(bar_ptr, (s + 2) * programs, SPIN, POLL_LOADS)
+                _wait(bar_ptr, (s + 2) * programs, SPIN)
             # 3. o projection, residual add.
             if (s + 2 >= first) & (s + 2 <= last):
                 if EARLY:
@@ -614,7 +578,7 @@ if triton is not None:
                 wg_first = _tile(base_gu, lo_i, hi_part, C_H, CP_H, KC_H, BN_PART)
                 wu_first = _tile(base_gu + INTER * HIDDEN, lo_i, hi_part, C_H, CP_H, KC_H, BN_PART)
             if SYNC:
-                _wait(bar_ptr, (s + 3) * programs, SPIN, POLL_LOADS)
+                _wait(bar_ptr, (s + 3) * programs, SPIN)
             # 4. norm, then gate/up with SiLU.
             if (s + 3 >= first) & (s + 3 <= last):
                 # The program's columns in two passes: the gate and up tiles of all of them at once held twice the
@@ -640,7 +604,7 @@ if triton is not None:
                 w_down = _tile(wd_ptr + layer * (HIDDEN * INTER), lo_h, _when(hi_h, lo_h, s + 4, first, last), C_I,
                                CP_I, KC_I, BN_O)
             if SYNC:
-                _wait(bar_ptr, (s + 4) * programs, SPIN, POLL_LOADS)
+                _wait(bar_ptr, (s + 4) * programs, SPIN)
             # 5. down, residual add.
             if (s + 4 >= first) & (s + 4 <= last):
                 if EARLY:
@@ -661,7 +625,7 @@ if triton is not None:
         if EARLY:
             w_head = _tile(head_ptr, lo, _when(hi, lo, s, first, last), C_H, CP_H, KC_H, BN_V)
         if SYNC:
-            _wait(bar_ptr, s * programs, SPIN, POLL_LOADS)
+            _wait(bar_ptr, s * programs, SPIN)
         if (s >= first) & (s <= last):
             if EARLY:
                 w = w_head
