@@ -22,7 +22,11 @@ each phase's weight tile is requested between the two: it streams in while the s
 before. (Requested before the arrive, as a first version did, the release waited for those loads to land, and the
 pass ran slower: 134 against 123 us on the H200.) Bulk L2 prefetches of each weight phase's rows two phases ahead
 (`cp.async.bulk.prefetch.L2`, one thread a program) made the pass slower, 139.7 against 128.7 us (H100,
-2026-12-06), and were dropped.
+2026-12-06), and were dropped. Each matmul phase reads its activation row spread over the weight tile's layout
+(`_spread`): 123.4 against 128.3 us a pass. Under Nsight Compute 58% of a pass's warp-stall samples wait at the CTA
+barrier behind the grid barrier's poll, and DRAM runs at 40% of its peak: a pass is the chain of its 26 phases'
+slowest programs and barriers, so fewer phases (or less skew within one) is what would move it
+(docs/benchmarks.md, session of 2026-12-06 (5)).
 
 Rounding follows the eager path (`decoder_layer.run_layers`): every activation is rounded to the activation dtype
 where the unfused path stores one, and the sums run in fp32, so the only difference is the order of the sums.
