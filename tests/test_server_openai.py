@@ -171,5 +171,7 @@ def test_sdk_sees_openai_errors(sdk):
         sdk.audio.speech.create(model="tts-2", voice="ryan", input="Hi.")
     # OpenAI's own model names run on the served model: code written for OpenAI's API works unchanged
     assert sdk.audio.speech.create(model="tts-1", voice="ryan", input="Hi.", response_format="pcm").content
-    models = sdk.models.list()
-    assert [m.id for m in models.data] == ["qwen3-tts-tiny"]
+    # /v1/models lists the served model first, then the OpenAI names it answers to, each retrievable
+    ids = [m.id for m in sdk.models.list().data]
+    assert ids[0] == "qwen3-tts-tiny" and {"tts-1", "tts-1-hd", "gpt-4o-mini-tts"} <= set(ids[1:])
+    assert sdk.models.retrieve("tts-1").id == "tts-1"
