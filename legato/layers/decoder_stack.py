@@ -347,7 +347,7 @@ if triton is not None:
             r = tl.arange(0, BN)[:, None, None]
         c = tl.arange(0, CP)[None, :, None]
         k = tl.arange(0, KC)[None, None, :]
-        return tl.load(ptr + (c * KC + k + 0 * r), mask=(c < C) & (r >= 0), other=0.0).to(tl.float32)
+        return tl.load(ptr + (c * KC + k + 0 * r), mask=c < C, other=0.0).to(tl.float32)
 
     @triton.jit
     def _activation(ptr, BN: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr,

@@ -98,13 +98,13 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
 
         app.include_router(build_voices_router(voice_store, service.media_policy))
 
-    def model_card(model_id: str) -> ModelCard:
-        """One id's card; an alias's is the served model's under the alias (the same model answers it)."""
+    def model_card() -> ModelCard:
+        """The served model's card; an alias's is this one under the alias's id (the same model answers it)."""
         info = client.info
         saved = info.model_type == "base" and voice_store is not None
         voices = [v.name for v in voice_store.list()] if saved else info.speakers
         return ModelCard(
-            id=model_id, created=created, root=service.model_name, task_type=service.task_type,
+            id=service.model_name, created=created, root=service.model_name, task_type=service.task_type,
             sample_rate=info.sample_rate, languages=info.languages, voices=voices,
             max_num_seqs=settings.max_num_seqs, decode_slots=settings.decode_slots,
             ws_max_message_bytes=ws_limits.max_message_bytes,
@@ -112,7 +112,8 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(i) for i in service.model_ids])
+        card = model_card()  # one voice-store listing, however many ids share it
+        return ModelList(data=[card.model_copy(update={"id": i}) for i in service.model_ids])
 
     # `:path`: a served name defaults to a hub id ("Qwen/..."), whose slash a plain parameter would not match
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
@@ -124,7 +125,7 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
             # the speech route's code for an unknown model, so a client handles both alike
             raise ApiError(404, f"model {model_id!r} is not served here; available: {ids!r}",
                            "model_not_found", "model")
-        return model_card(model_id)
+        return model_card().model_copy(update={"id": model_id})
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

@@ -141,7 +141,7 @@ class CodePredictor(nn.Module):
         # (`STACK_LOOKUP`).
         positions = torch.arange(self.config.num_code_groups, device=past_hidden.device)
         cos, sin = self.model.rotary(positions)
-        gather = STACK_LOOKUP and isinstance(self.small_to_mtp_projection, nn.Identity)
+        look_up = STACK_LOOKUP and isinstance(self.small_to_mtp_projection, nn.Identity)
 
         def logits(x: torch.Tensor, pos: int, head: nn.Linear, code: torch.Tensor | None = None) -> torch.Tensor:
             tokens = 1 if code is not None else x.shape[0] // past_hidden.shape[0]
@@ -153,7 +153,7 @@ class CodePredictor(nn.Module):
         codes = [code]
         for g in range(1, self.num_residual_groups):
             table = self.model.codec_embedding[g - 1]
-            if gather:
+            if look_up:
                 scores = logits(table.weight, g + 1, self.lm_head[g], code=code)
             else:
                 scores = logits(self.small_to_mtp_projection(table(code)).contiguous(), g + 1, self.lm_head[g])
