@@ -1,5 +1,6 @@
 """Device time of each phase of the code predictor's one-launch pass (`layers/decoder_stack.py`), each phase run as
-its own launch, and of the whole pass as one launch: each phase's weights requested before its barrier's wait (the
+its own launch, and of the whole pass as one launch: the o projection inside the attention's phase (the default) and
+as a phase of its own (with q/k/v in one pass or two); each phase's weights requested before its barrier's wait (the
 default) and after it; activation rows spread over the weight tile's layout (the default) and once per program;
 the default timed again last, so drift shows. At one row, also the launch forms a frame uses (two prompt tokens in
 one launch, an embedding row looked up by the launch) against the launches they replace: 0.6B code predictor
@@ -38,10 +39,14 @@ def _pass(cp: CodePredictor, rows: int) -> Callable[..., torch.Tensor]:
 def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
     run = _pass(cp, rows)
     row = {}
+    per_layer = decoder_stack.PHASES_PER_LAYER
     for kind, name in enumerate(names):
-        phase = kind if kind < decoder_stack.PHASES_PER_LAYER else decoder_stack.PHASES_PER_LAYER * cp.stack.layers
+        phase = kind if kind < per_layer else per_layer * cp.stack.layers
         row[name] = time_launches(lambda phase=phase: run(sync=False, phases=(phase, phase)), 40)
     row["whole pass, one launch"] = time_launches(run, 40)
+    row["whole pass, one launch, o a phase of its own"] = time_launches(lambda: run(split_o=False), 40)
+    row["whole pass, one launch, o a phase of its own, q/k/v in one pass (session 52)"] = time_launches(
+        lambda: run(split_o=False, qkv_parts=1), 40)
     row["whole pass, one launch, weights after the barrier"] = time_launches(lambda: run(early_tiles=False), 40)
     row["whole pass, one launch, activation once per program"] = time_launches(lambda: run(spread=False), 40)
     row["whole pass, one launch (again)"] = time_launches(run, 40)
@@ -120,7 +125,7 @@ def main() -> None:
         torch.cuda.synchronize()
         print(json.dumps({"ncu launches": args.ncu, "barrier errors": decoder_stack.barrier_errors()}), flush=True)
         return
-    names = ["norm+qkv", "attention", "o", "norm+gate_up", "down", "head"]
+    names = ["norm+qkv", "attention+o partials", "norm+gate_up", "down", "head"]
     result = {"gpu": torch.cuda.get_device_name(), "rows": {}}
     for rows in [int(r) for r in args.rows.split(",")]:
         row = measure(cp, rows, names)

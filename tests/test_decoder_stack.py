@@ -28,14 +28,17 @@ def test_the_stacked_pass_equals_the_unfused_code_predictor_under_the_interprete
 
 def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_and_early_tiles_in_each_launch_form():
     skip_unless_ptxas()
-    # The spread form's 256-wide chunks (SPREAD_WIDTH), and the form before it (`spread=False`) once.
+    # The spread form's 256-wide chunks (SPREAD_WIDTH) with o's partials in the attention's phase (132 programs: 16
+    # o tiles a kv head), and the forms before them (`spread=False`, `split_o=False`, `qkv_parts=1`) once.
     shapes = dict(LAYERS=5, HIDDEN=1024, HEADS=16, KV_HEADS=8, HEAD_DIM=128, INTER=3072, VOCAB=2048, CAP=16,
                   CAP_P2=16, KC_H=256, C_H=4, CP_H=4, KC_A=256, C_A=8, KC_I=256, C_I=12, CP_I=16, BN_QKV=32, BN_O=8,
                   BN_GU=32, BN_V=16, SPIN=decoder_stack.SPIN_LIMIT,
-                  PHASES_PER_LAYER=decoder_stack.PHASES_PER_LAYER, GU_PARTS=2, SPREAD=True)
-    before = dict(KC_H=1024, C_H=1, CP_H=1, KC_A=1024, C_A=2, KC_I=1024, C_I=3, CP_I=4, SPREAD=False)
-    types = {"logits_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bar_ptr": "*i32", "eps": "fp32",
-             "scale": "fp32"}
+                  PHASES_PER_LAYER=decoder_stack.PHASES_PER_LAYER, GU_PARTS=2, QKV_PARTS=2, SPREAD=True, SPLIT_O=True,
+                  O_TILES=16, BN_OS=64, KC_G=256, C_G=1, CP_G=1)
+    before = dict(KC_H=1024, C_H=1, CP_H=1, KC_A=1024, C_A=2, KC_I=1024, C_I=3, CP_I=4, SPREAD=False, SPLIT_O=False,
+                  PHASES_PER_LAYER=decoder_stack.PHASES_PER_LAYER + 1, QKV_PARTS=1)
+    types = {"logits_ptr": "*fp32", "op_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bar_ptr": "*i32",
+             "eps": "fp32", "scale": "fp32"}
     one, two, looked_up = dict(TOKENS=1, GATHER=False), dict(TOKENS=2, GATHER=False), dict(TOKENS=1, GATHER=True)
     # (form, barrier, early tiles, forms before): each launch form with the barrier, then one form each way the
     # barrier and the tiles can go (a compile is ~11 s of the CPU: not every product)
@@ -43,7 +46,7 @@ def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_and_e
              (one, True, False, False), (one, False, True, False), (one, True, True, True)]
     for form, sync, early, old in cases:
         kinds = {**types, "code_ptr": "*i64"} if form["GATHER"] else types
-        constexprs = {**shapes, **form, **(before if old else {}), "SYNC": sync, "EARLY": early}
+        constexprs = {**shapes, **form, **(before if old else {}), "SYNC": sync, "EARLY": early, "O_EARLY": early}
         assert compile_for_hopper(decoder_stack._stack_kernel, constexprs, kinds) > 0
 
 

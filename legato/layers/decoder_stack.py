@@ -66,7 +66,9 @@ WARPS = 16
 # Polls of a barrier before it gives up: seconds of waiting, never reached when all is well (a probe may set fewer
 # through LEGATO_STACK_SPIN).
 SPIN_LIMIT = int(os.environ.get("LEGATO_STACK_SPIN", 1 << 22))
-PHASES_PER_LAYER = 5  # norm + q/k/v, attention, o, norm + gate/up, down
+# Norm + q/k/v, attention with o's partial per kv head, norm + gate/up, down; 5 with `run(split_o=False)`, where the o
+# projection is a phase of its own.
+PHASES_PER_LAYER = 4
 # A weight chunk's width in the spread form (`_spread`): a warp's 32 threads of 8 (16-byte) values, so no warp
 # shares a weight row with another and a row's sum needs no shared memory.
 SPREAD_WIDTH = 256
@@ -216,7 +218,8 @@ def default_programs(device: torch.device) -> int:
 def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, position: int,
         cos: torch.Tensor, sin: torch.Tensor, head: torch.Tensor, *, code: torch.Tensor | None = None,
         programs: int | None = None, sync: bool | None = None, phases: tuple[int, int] | None = None,
-        early_tiles: bool = True, spread: bool = True) -> torch.Tensor:
+        early_tiles: bool = True, spread: bool = True, split_o: bool = True,
+        qkv_parts: int | None = None) -> torch.Tensor:
     """T tokens per row through every layer, the final norm and `head` [V, hidden] -> the last token's logits
     [B, V] (fp32).
 
@@ -228,7 +231,9 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     on CPU tensors). `early_tiles` False loads each phase's weights after its barrier (the kernel before
     2026-12-06: the same arithmetic, kept to compare against). `spread` False keeps each activation row once per
     program, in a layout of its own, the form before 2026-12-06 (session 52), kept to compare against: its sums
-    and layout changes went through shared memory (see `_spread`)."""
+    and layout changes went through shared memory (see `_spread`). `split_o` False runs the o projection as a phase
+    of its own (5 a layer, the form before session 53), kept to compare against. `qkv_parts` (1 or 2): passes over a
+    program's q/k/v columns; by default 2 where a program has 32 or more (1 was the form before session 53)."""
     layers, rows, kv_heads, capacity, head_dim = k_cache.shape
     hidden = x.shape[1]
     if code is not None:
@@ -261,27 +266,40 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     qkv = torch.empty(acts, n_qkv, dtype=x.dtype, device=x.device)
     attn = torch.empty(acts, heads * head_dim, dtype=x.dtype, device=x.device)
     g = torch.empty(acts, inter, dtype=x.dtype, device=x.device)
+    # split_o: o's partial sums per kv head (fp32), the residual row after attention, and each program's copy of it
+    o_parts = torch.empty(acts, kv_heads, hidden, dtype=torch.float32, device=x.device)
+    mid = torch.empty(acts, hidden, dtype=x.dtype, device=x.device)
+    scratch = torch.empty(programs, acts, hidden, dtype=x.dtype, device=x.device)
+    o_tiles = max(1, programs // kv_heads)
     logits = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
     bar = _barrier(x.device) if sync else torch.zeros(4, dtype=torch.int32, device=x.device)
     widest = SPREAD_WIDTH if spread else 1024
     kc_h, c_h, cp_h = _chunk(hidden, widest)
     kc_a, c_a, cp_a = _chunk(heads * head_dim, widest)
     kc_i, c_i, cp_i = _chunk(inter, widest)
+    kc_g, c_g, cp_g = _chunk(heads // kv_heads * head_dim, widest)
+    per_layer = PHASES_PER_LAYER if split_o else PHASES_PER_LAYER + 1
+    if qkv_parts is None:
+        qkv_parts = 2 if _block(n_qkv, programs) >= 32 else 1
+    if qkv_parts not in (1, 2):
+        raise ValueError("decoder_stack.run: qkv_parts is 1 or 2")
     meta = dict(
         LAYERS=layers, HIDDEN=hidden, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, INTER=inter,
         VOCAB=vocab, CAP=capacity, CAP_P2=triton.next_power_of_2(capacity),
         KC_H=kc_h, C_H=c_h, CP_H=cp_h, KC_A=kc_a, C_A=c_a, KC_I=kc_i, C_I=c_i, CP_I=cp_i,
         BN_QKV=_block(n_qkv, programs), BN_O=_block(hidden, programs), BN_GU=_block(inter, programs),
-        BN_V=_block(vocab, programs), SPIN=SPIN_LIMIT, PHASES_PER_LAYER=PHASES_PER_LAYER,
-        GU_PARTS=2 if _block(inter, programs) > 1 else 1, EARLY=early_tiles, TOKENS=tokens, GATHER=code is not None,
-        SPREAD=spread,
+        BN_V=_block(vocab, programs), SPIN=SPIN_LIMIT, PHASES_PER_LAYER=per_layer,
+        GU_PARTS=2 if _block(inter, programs) > 1 else 1, QKV_PARTS=qkv_parts, EARLY=early_tiles, TOKENS=tokens,
+        GATHER=code is not None, SPREAD=spread, SPLIT_O=split_o, O_TILES=o_tiles,
+        O_EARLY=early_tiles and kv_heads * o_tiles <= programs, BN_OS=_block(hidden, o_tiles), KC_G=kc_g, C_G=c_g,
+        CP_G=cp_g,
     )
     if cp_a != c_a:
         raise ValueError("the attention width must be a power-of-two multiple of its chunk")
-    args = (x, x_work, qkv, attn, g, logits, w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.q_norm, w.k_norm,
-            w.final_norm, head, k_cache, v_cache, cos, sin, bar, x if code is None else code, rows, position, w.eps,
-            head_dim**-0.5)
-    last = PHASES_PER_LAYER * layers  # the head's phase
+    args = (x, x_work, qkv, attn, g, o_parts, mid, scratch, logits, w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2,
+            w.q_norm, w.k_norm, w.final_norm, head, k_cache, v_cache, cos, sin, bar, x if code is None else code, rows,
+            position, w.eps, head_dim**-0.5)
+    last = per_layer * layers  # the head's phase
     if sync:
         _stack_kernel[(programs,)](*args, 0, last, **meta, SYNC=True, num_warps=WARPS)
     else:  # `phases` (first, last): only those (benchmarks/stack_phases.py times them one by one)
@@ -361,10 +379,16 @@ if triton is not None:
     @triton.jit
     def _tile(w_ptr, lo, hi, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr):
         # Weight rows lo..hi of W [N, C * KC] as [BN, CP, KC] (masked past hi and past C).
+        return _strided_tile(w_ptr, lo, hi, C * KC, C, CP, KC, BN)
+
+    @triton.jit
+    def _strided_tile(w_ptr, lo, hi, STRIDE: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr,
+                      BN: tl.constexpr):
+        # Rows lo..hi of the first C * KC columns of W [N, STRIDE] as [BN, CP, KC] (masked past hi and past C).
         n = lo + tl.arange(0, BN)
         c = tl.arange(0, CP)
         k = tl.arange(0, KC)
-        off = n.to(tl.int64)[:, None, None] * (C * KC) + (c * KC)[None, :, None] + k[None, None, :]
+        off = n.to(tl.int64)[:, None, None] * STRIDE + (c * KC)[None, :, None] + k[None, None, :]
         # The mask varies along rows and chunks only, so each thread's contiguous K run loads as 16-byte vectors
         # (a mask term along K, even an always-true one, made every load a 2-byte one).
         mask = (n < hi)[:, None, None] & (c < C)[None, :, None]
@@ -439,17 +463,82 @@ if triton is not None:
         return tl.sum(probs[:, :, None] * vals[None, :, :], axis=1)
 
     @triton.jit
+    def _attention(qkv_ptr, attn_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, x_ptr, layer, r, kvh, rows, position, eps, scale,
+                   qw, qwp, kw, kwp, d, dp, is_low, write, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   GROUP: tl.constexpr, CAP: tl.constexpr, CAP_P2: tl.constexpr, N_QKV: tl.constexpr,
+                   WIDTH: tl.constexpr, TOKENS: tl.constexpr):
+        # Row r's tokens, kv head kvh: the group's query heads over the row's positions -> attn (rounded to its
+        # dtype, as the unfused path stores it); the new keys and values go to the cache where `write`.
+        g = tl.arange(0, GROUP)
+        p = tl.arange(0, CAP_P2)
+        heads = kvh * GROUP + g
+        base = ((layer * rows + r) * KV_HEADS + kvh).to(tl.int64) * (CAP * HEAD_DIM)
+        addr = base + p[:, None] * HEAD_DIM + d[None, :]
+        if TOKENS == 1:
+            # Cached positions [0, position) of this row, then the new token from registers.
+            row = qkv_ptr + r * N_QKV
+            q = _query(row, heads, 0, cos_ptr, sin_ptr, qw, qwp, d, dp, is_low, eps, x_ptr, HEAD_DIM)
+            k_new, v_new = _new_key_value(row, kvh, 0, cos_ptr, sin_ptr, kw, kwp, d, dp, is_low, eps, x_ptr, k_ptr,
+                                          v_ptr, WIDTH, KV_HEADS, HEAD_DIM)
+            old = (p < position)[:, None]
+            keys = tl.load(k_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
+            vals = tl.load(v_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
+            new = (p == position)[:, None]
+            keys = tl.where(new, k_new.to(tl.float32)[None, :], keys)
+            vals = tl.where(new, v_new.to(tl.float32)[None, :], vals)
+            attn = _attend(q, keys, vals, p, position, scale)
+            tl.store(attn_ptr + r * WIDTH + heads[:, None] * HEAD_DIM + d[None, :], attn)
+            at = base + position * HEAD_DIM + d
+            tl.store(k_ptr + at, k_new, mask=write & (d >= 0))
+            tl.store(v_ptr + at, v_new, mask=write & (d >= 0))
+        else:
+            # Several tokens of a row (a frame's two prompt tokens): every token's key and value into the cache
+            # first, then each token attends over the cache up to its own position. The CTA barrier makes the
+            # stores visible to the whole program; the values read back are the rounded ones a later pass reads,
+            # as the one-token branch merges them. Each program reads back what it stored itself, so every caller
+            # writes here (programs sharing a kv head store the same bits).
+            for t in tl.static_range(TOKENS):
+                row = qkv_ptr + (r * TOKENS + t) * N_QKV
+                k_new, v_new = _new_key_value(row, kvh, t, cos_ptr, sin_ptr, kw, kwp, d, dp, is_low, eps, x_ptr,
+                                              k_ptr, v_ptr, WIDTH, KV_HEADS, HEAD_DIM)
+                at = base + (position + t) * HEAD_DIM + d
+                tl.store(k_ptr + at, k_new)
+                tl.store(v_ptr + at, v_new)
+            tl.debug_barrier()
+            for t in tl.static_range(TOKENS):
+                i = r * TOKENS + t
+                row = qkv_ptr + i * N_QKV
+                q = _query(row, heads, t, cos_ptr, sin_ptr, qw, qwp, d, dp, is_low, eps, x_ptr, HEAD_DIM)
+                seen = (p <= position + t)[:, None]
+                keys = tl.load(k_ptr + addr, mask=seen, other=0.0, cache_modifier=".cg").to(tl.float32)
+                vals = tl.load(v_ptr + addr, mask=seen, other=0.0, cache_modifier=".cg").to(tl.float32)
+                attn = _attend(q, keys, vals, p, position + t, scale)
+                tl.store(attn_ptr + i * WIDTH + heads[:, None] * HEAD_DIM + d[None, :], attn)
+
+    @triton.jit
+    def _after_attention(res_row, part_row, col, mask, like_ptr, HIDDEN: tl.constexpr, KV_HEADS: tl.constexpr):
+        # The residual row after attention, at `col`: res + o, o the kv heads' partials summed in head order (the
+        # same order wherever it is computed), each rounded as the unfused path rounds o and the sum.
+        o = tl.load(part_row + col, mask=mask, other=0.0, cache_modifier=".cg")
+        for h in tl.static_range(1, KV_HEADS):
+            o += tl.load(part_row + h * HIDDEN + col, mask=mask, other=0.0, cache_modifier=".cg")
+        res = tl.load(res_row + col, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        return _round(res + _round(o, like_ptr), like_ptr)
+
+    @triton.jit
     def _stack_kernel(
-        x_in_ptr, x_ptr, qkv_ptr, attn_ptr, g_ptr, logits_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr,
-        qn_ptr, kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr, code_ptr, rows, position, eps,
-        scale, first, last,
+        x_in_ptr, x_ptr, qkv_ptr, attn_ptr, g_ptr, op_ptr, mid_ptr, scratch_ptr, logits_ptr, wqkv_ptr, wo_ptr,
+        wgu_ptr, wd_ptr, ln1_ptr, ln2_ptr, qn_ptr, kn_ptr, fn_ptr, head_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, bar_ptr,
+        code_ptr, rows, position, eps, scale, first, last,
         LAYERS: tl.constexpr, HIDDEN: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, INTER: tl.constexpr, VOCAB: tl.constexpr,
         CAP: tl.constexpr, CAP_P2: tl.constexpr, KC_H: tl.constexpr, C_H: tl.constexpr, CP_H: tl.constexpr,
         KC_A: tl.constexpr, C_A: tl.constexpr, KC_I: tl.constexpr, C_I: tl.constexpr, CP_I: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_V: tl.constexpr, SPIN: tl.constexpr,
-        PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, EARLY: tl.constexpr, TOKENS: tl.constexpr,
-        GATHER: tl.constexpr, SPREAD: tl.constexpr, SYNC: tl.constexpr,
+        PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, QKV_PARTS: tl.constexpr, EARLY: tl.constexpr,
+        TOKENS: tl.constexpr, GATHER: tl.constexpr, SPREAD: tl.constexpr, SPLIT_O: tl.constexpr, O_TILES: tl.constexpr,
+        O_EARLY: tl.constexpr, BN_OS: tl.constexpr, KC_G: tl.constexpr, C_G: tl.constexpr, CP_G: tl.constexpr,
+        SYNC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
@@ -458,133 +547,165 @@ if triton is not None:
         WIDTH: tl.constexpr = HEADS * HEAD_DIM
         GROUP: tl.constexpr = HEADS // KV_HEADS
         BN_PART: tl.constexpr = BN_GU // GU_PARTS
+        BN_QP: tl.constexpr = BN_QKV // QKV_PARTS
+        BN_OP: tl.constexpr = BN_OS // 2 if BN_OS > 1 else 1
         lo_q, hi_q = _span(pid, programs, N_QKV)
         lo_h, hi_h = _span(pid, programs, HIDDEN)  # the o and down projections' columns
         lo_i, hi_i = _span(pid, programs, INTER)
+        GW: tl.constexpr = GROUP * HEAD_DIM  # a kv head's group of attention outputs: o's columns for it
         # EARLY: a phase's weight tile is requested between the barrier's arrive and its wait (`_arrive`, `_wait`),
         # so it streams in while the slowest program finishes the phase before. The barrier that ends a layer opens
         # the next one's iteration: a q/k/v tile carried from one iteration to the next spilled (ptxas: 1,592 bytes
         # of stack a thread against 488).
         for layer in range(LAYERS):
             s = PHASES_PER_LAYER * layer
+            # The phases' numbers: with SPLIT_O the o projection runs inside the attention's phase, so the MLP's
+            # two phases come one earlier.
+            s_gu = s + PHASES_PER_LAYER - 2
+            s_down = s + PHASES_PER_LAYER - 1
             if SYNC:
                 if layer > 0:
                     _arrive(bar_ptr)
-            if EARLY:
-                w_qkv = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo_q, _when(hi_q, lo_q, s, first, last), C_H, CP_H,
-                              KC_H, BN_QKV)
+            wqkv_layer = wqkv_ptr + layer * (N_QKV * HIDDEN)
+            if EARLY:  # both halves of the tile (see QKV_PARTS below)
+                hi_run = _when(hi_q, lo_q, s, first, last)
+                w_qkv0 = _tile(wqkv_layer, lo_q, tl.minimum(lo_q + BN_QP, hi_run), C_H, CP_H, KC_H, BN_QP)
+                if QKV_PARTS == 2:
+                    w_qkv1 = _tile(wqkv_layer, tl.minimum(lo_q + BN_QP, hi_run), hi_run, C_H, CP_H, KC_H, BN_QP)
             if SYNC:
                 if layer > 0:
                     _wait(bar_ptr, s * programs, SPIN)
-            # 1. norm, then q/k/v.
+            # 1. norm, then q/k/v. The program's columns in QKV_PARTS passes: the activation row spread over a
+            # whole tile's rows, and its norm, took as many registers as the tile itself, and spilled.
             if (s >= first) & (s <= last):
-                if EARLY:
-                    w = w_qkv
-                else:
-                    w = _tile(wqkv_ptr + layer * (N_QKV * HIDDEN), lo_q, hi_q, C_H, CP_H, KC_H, BN_QKV)
-                n = lo_q + tl.arange(0, BN_QKV)
-                for i in range(acts):
-                    if layer == 0:  # the input stays as given; phase 3 starts the working copy x
-                        xv = _activation(_input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER), BN_QKV, C_H, CP_H,
-                                         KC_H, SPREAD)
+                for part in tl.static_range(QKV_PARTS):
+                    part_lo = tl.minimum(lo_q + part * BN_QP, hi_q)
+                    part_hi = tl.minimum(part_lo + BN_QP, hi_q)
+                    if EARLY and part == 0:
+                        w = w_qkv0
+                    elif EARLY:
+                        w = w_qkv1
                     else:
-                        xv = _activation(x_ptr + i * HIDDEN, BN_QKV, C_H, CP_H, KC_H, SPREAD)
-                    h = _rms(xv, ln1_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, BN_QKV, C_H, CP_H, KC_H, SPREAD)
-                    tl.store(qkv_ptr + i * N_QKV + n, _dot(w, h, SPREAD), mask=n < hi_q)
+                        w = _tile(wqkv_layer, part_lo, part_hi, C_H, CP_H, KC_H, BN_QP)
+                    n = part_lo + tl.arange(0, BN_QP)
+                    for i in range(acts):
+                        if layer == 0:  # the input stays as given; a later phase starts the working copy x
+                            xv = _activation(_input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER), BN_QP, C_H, CP_H,
+                                             KC_H, SPREAD)
+                        else:
+                            xv = _activation(x_ptr + i * HIDDEN, BN_QP, C_H, CP_H, KC_H, SPREAD)
+                        h = _rms(xv, ln1_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, BN_QP, C_H, CP_H, KC_H, SPREAD)
+                        tl.store(qkv_ptr + i * N_QKV + n, _dot(w, h, SPREAD), mask=n < part_hi)
+            wo_layer = wo_ptr + layer * (HIDDEN * WIDTH)
             if SYNC:
                 _arrive(bar_ptr)
+            if SPLIT_O and O_EARLY:  # this program's one (kv head, rows of o) item of the attention's phase
+                lo_os, hi_os = _span(pid % O_TILES, O_TILES, HIDDEN)
+                hi_os = tl.where(pid < KV_HEADS * O_TILES, _when(hi_os, lo_os, s + 1, first, last), lo_os)
+                wo_group = wo_layer + (pid // O_TILES) * GW
+                w_os0 = _strided_tile(wo_group, lo_os, tl.minimum(lo_os + BN_OP, hi_os), WIDTH, C_G, CP_G, KC_G, BN_OP)
+                w_os1 = _strided_tile(wo_group, tl.minimum(lo_os + BN_OP, hi_os), hi_os, WIDTH, C_G, CP_G, KC_G, BN_OP)
+            if SYNC:
                 _wait(bar_ptr, (s + 1) * programs, SPIN)
-            # 2. attention: one (row, kv head) per program, its group of query heads over the row's positions.
+            # 2. attention for a (row, kv head): its group of query heads over the row's positions. With SPLIT_O each
+            # program also multiplies the group's output by its tile of o's columns for that group: a partial o
+            # per kv head, summed in a fixed order by the phases after (`_after_attention`).
             if (s + 1 >= first) & (s + 1 <= last):
                 d = tl.arange(0, HEAD_DIM)
                 half: tl.constexpr = HEAD_DIM // 2
                 dp = (d + half) % HEAD_DIM
                 is_low = d < half
-                g = tl.arange(0, GROUP)
-                p = tl.arange(0, CAP_P2)
                 qw = tl.load(qn_ptr + layer * HEAD_DIM + d).to(tl.float32)
                 qwp = tl.load(qn_ptr + layer * HEAD_DIM + dp).to(tl.float32)
                 kw = tl.load(kn_ptr + layer * HEAD_DIM + d).to(tl.float32)
                 kwp = tl.load(kn_ptr + layer * HEAD_DIM + dp).to(tl.float32)
-                for item in range(pid, rows * KV_HEADS, programs):
-                    r = item // KV_HEADS
-                    kvh = item % KV_HEADS
-                    heads = kvh * GROUP + g
-                    base = ((layer * rows + r) * KV_HEADS + kvh).to(tl.int64) * (CAP * HEAD_DIM)
-                    addr = base + p[:, None] * HEAD_DIM + d[None, :]
-                    if TOKENS == 1:
-                        # Cached positions [0, position) of this row, then the new token from registers.
-                        row = qkv_ptr + r * N_QKV
-                        q = _query(row, heads, 0, cos_ptr, sin_ptr, qw, qwp, d, dp, is_low, eps, x_ptr, HEAD_DIM)
-                        k_new, v_new = _new_key_value(row, kvh, 0, cos_ptr, sin_ptr, kw, kwp, d, dp, is_low, eps, x_ptr,
-                                                      k_ptr, v_ptr, WIDTH, KV_HEADS, HEAD_DIM)
-                        old = (p < position)[:, None]
-                        keys = tl.load(k_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
-                        vals = tl.load(v_ptr + addr, mask=old, other=0.0, cache_modifier=".cg").to(tl.float32)
-                        new = (p == position)[:, None]
-                        keys = tl.where(new, k_new.to(tl.float32)[None, :], keys)
-                        vals = tl.where(new, v_new.to(tl.float32)[None, :], vals)
-                        attn = _attend(q, keys, vals, p, position, scale)
-                        tl.store(attn_ptr + r * WIDTH + heads[:, None] * HEAD_DIM + d[None, :], attn)
-                        at = base + position * HEAD_DIM + d
-                        tl.store(k_ptr + at, k_new)
-                        tl.store(v_ptr + at, v_new)
-                    else:
-                        # Several tokens of a row (a frame's two prompt tokens): every token's key and value into
-                        # the cache first, then each token attends over the cache up to its own position. The CTA
-                        # barrier makes the stores visible to the whole program; the values read back are the
-                        # rounded ones a later pass reads, as the one-token branch merges them.
-                        for t in tl.static_range(TOKENS):
-                            row = qkv_ptr + (r * TOKENS + t) * N_QKV
-                            k_new, v_new = _new_key_value(row, kvh, t, cos_ptr, sin_ptr, kw, kwp, d, dp, is_low, eps,
-                                                          x_ptr, k_ptr, v_ptr, WIDTH, KV_HEADS, HEAD_DIM)
-                            at = base + (position + t) * HEAD_DIM + d
-                            tl.store(k_ptr + at, k_new)
-                            tl.store(v_ptr + at, v_new)
-                        tl.debug_barrier()
-                        for t in tl.static_range(TOKENS):
-                            i = r * TOKENS + t
-                            row = qkv_ptr + i * N_QKV
-                            q = _query(row, heads, t, cos_ptr, sin_ptr, qw, qwp, d, dp, is_low, eps, x_ptr, HEAD_DIM)
-                            seen = (p <= position + t)[:, None]
-                            keys = tl.load(k_ptr + addr, mask=seen, other=0.0, cache_modifier=".cg").to(tl.float32)
-                            vals = tl.load(v_ptr + addr, mask=seen, other=0.0, cache_modifier=".cg").to(tl.float32)
-                            attn = _attend(q, keys, vals, p, position + t, scale)
-                            tl.store(attn_ptr + i * WIDTH + heads[:, None] * HEAD_DIM + d[None, :], attn)
-            if SYNC:
-                _arrive(bar_ptr)
-            if EARLY:
-                w_o = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_h, _when(hi_h, lo_h, s + 2, first, last), C_A, C_A,
-                            KC_A, BN_O)
-            if SYNC:
-                _wait(bar_ptr, (s + 2) * programs, SPIN)
-            # 3. o projection, residual add.
-            if (s + 2 >= first) & (s + 2 <= last):
-                if EARLY:
-                    w = w_o
+                if SPLIT_O:
+                    # O_TILES programs share each kv head, each with its own rows of o: all compute the same
+                    # attention (a few positions: cheaper than a barrier), and one of them writes the cache.
+                    for item in range(pid, KV_HEADS * O_TILES, programs):
+                        kvh = item // O_TILES
+                        lo_o, hi_o = _span(item % O_TILES, O_TILES, HIDDEN)
+                        for r in range(rows):
+                            _attention(qkv_ptr, attn_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, x_ptr, layer, r, kvh, rows,
+                                       position, eps, scale, qw, qwp, kw, kwp, d, dp, is_low,
+                                       (item % O_TILES == 0) | (TOKENS > 1), KV_HEADS, HEAD_DIM, GROUP, CAP, CAP_P2,
+                                       N_QKV, WIDTH, TOKENS)
+                            tl.debug_barrier()  # the group's output, stored by this program's threads, read back
+                            # o's rows in two halves, each with its own copy of the group's output (registers)
+                            for part in tl.static_range(2):
+                                part_lo = tl.minimum(lo_o + part * BN_OP, hi_o)
+                                part_hi = tl.minimum(part_lo + BN_OP, hi_o)
+                                if O_EARLY and part == 0:
+                                    w = w_os0
+                                elif O_EARLY:
+                                    w = w_os1
+                                else:
+                                    w = _strided_tile(wo_layer + kvh * GW, part_lo, part_hi, WIDTH, C_G, CP_G, KC_G,
+                                                      BN_OP)
+                                n = part_lo + tl.arange(0, BN_OP)
+                                for t in tl.static_range(TOKENS):
+                                    i = r * TOKENS + t
+                                    a = _activation(attn_ptr + i * WIDTH + kvh * GW, BN_OP, C_G, CP_G, KC_G, SPREAD)
+                                    tl.store(op_ptr + (i * KV_HEADS + kvh) * HIDDEN + n, _dot(w, a, SPREAD),
+                                             mask=n < part_hi)
                 else:
-                    w = _tile(wo_ptr + layer * (HIDDEN * WIDTH), lo_h, hi_h, C_A, C_A, KC_A, BN_O)
-                n = lo_h + tl.arange(0, BN_O)
-                for i in range(acts):
-                    o = _round(_dot(w, _activation(attn_ptr + i * WIDTH, BN_O, C_A, C_A, KC_A, SPREAD), SPREAD), x_ptr)
-                    if layer == 0:
-                        res = tl.load(_input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER) + n, mask=n < hi_h, other=0.0)
-                        res = res.to(tl.float32)
+                    for item in range(pid, rows * KV_HEADS, programs):
+                        _attention(qkv_ptr, attn_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, x_ptr, layer, item // KV_HEADS,
+                                   item % KV_HEADS, rows, position, eps, scale, qw, qwp, kw, kwp, d, dp, is_low,
+                                   item >= 0, KV_HEADS, HEAD_DIM, GROUP, CAP, CAP_P2, N_QKV, WIDTH, TOKENS)
+            if not SPLIT_O:
+                if SYNC:
+                    _arrive(bar_ptr)
+                if EARLY:
+                    w_o = _tile(wo_layer, lo_h, _when(hi_h, lo_h, s + 2, first, last), C_A, C_A, KC_A, BN_O)
+                if SYNC:
+                    _wait(bar_ptr, (s + 2) * programs, SPIN)
+                # 3. o projection, residual add.
+                if (s + 2 >= first) & (s + 2 <= last):
+                    if EARLY:
+                        w = w_o
                     else:
-                        res = tl.load(x_ptr + i * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
-                        res = res.to(tl.float32)
-                    tl.store(x_ptr + i * HIDDEN + n, res + o, mask=n < hi_h)
+                        w = _tile(wo_layer, lo_h, hi_h, C_A, C_A, KC_A, BN_O)
+                    n = lo_h + tl.arange(0, BN_O)
+                    for i in range(acts):
+                        o = _round(_dot(w, _activation(attn_ptr + i * WIDTH, BN_O, C_A, C_A, KC_A, SPREAD), SPREAD),
+                                   x_ptr)
+                        if layer == 0:
+                            res = tl.load(_input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER) + n, mask=n < hi_h,
+                                          other=0.0)
+                            res = res.to(tl.float32)
+                        else:
+                            res = tl.load(x_ptr + i * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
+                            res = res.to(tl.float32)
+                        tl.store(x_ptr + i * HIDDEN + n, res + o, mask=n < hi_h)
             base_gu = wgu_ptr + layer * (2 * INTER * HIDDEN)
             if SYNC:
                 _arrive(bar_ptr)
             if EARLY:  # the first of the gate/up parts
-                hi_part = _when(hi_i, lo_i, s + 3, first, last)
+                hi_part = _when(hi_i, lo_i, s_gu, first, last)
                 wg_first = _tile(base_gu, lo_i, hi_part, C_H, CP_H, KC_H, BN_PART)
                 wu_first = _tile(base_gu + INTER * HIDDEN, lo_i, hi_part, C_H, CP_H, KC_H, BN_PART)
             if SYNC:
-                _wait(bar_ptr, (s + 3) * programs, SPIN)
+                _wait(bar_ptr, s_gu * programs, SPIN)
             # 4. norm, then gate/up with SiLU.
-            if (s + 3 >= first) & (s + 3 <= last):
+            if (s_gu >= first) & (s_gu <= last):
+                if SPLIT_O:
+                    # Each program sums the o partials into the whole row (the residual after attention) and keeps
+                    # it in its own scratch row, read back below in the weight tile's layout; its columns of the
+                    # row also go to `mid`, the down phase's residual.
+                    c = tl.arange(0, CP_H)[:, None]
+                    k = tl.arange(0, KC_H)[None, :]
+                    col = c * KC_H + k
+                    for i in range(acts):
+                        if layer == 0:
+                            res_row = _input_row(x_in_ptr, code_ptr, i, HIDDEN, GATHER)
+                        else:
+                            res_row = x_ptr + i * HIDDEN
+                        mid = _after_attention(res_row, op_ptr + i * (KV_HEADS * HIDDEN), col, c < C_H, x_ptr,
+                                               HIDDEN, KV_HEADS)
+                        tl.store(scratch_ptr + (pid * acts + i) * HIDDEN + col, mid, mask=c < C_H)
+                        tl.store(mid_ptr + i * HIDDEN + col, mid, mask=(c < C_H) & (col >= lo_h) & (col < hi_h))
+                    tl.debug_barrier()
                 # The program's columns in two passes: the gate and up tiles of all of them at once held twice the
                 # q/k/v phase's registers and spilled (ptxas: 444 bytes of spills, 60 without the second tile).
                 for part in tl.static_range(GU_PARTS):
@@ -597,7 +718,10 @@ if triton is not None:
                         wu = _tile(base_gu + INTER * HIDDEN, part_lo, hi_i, C_H, CP_H, KC_H, BN_PART)
                     n = part_lo + tl.arange(0, BN_PART)
                     for i in range(acts):
-                        xv = _activation(x_ptr + i * HIDDEN, BN_PART, C_H, CP_H, KC_H, SPREAD)
+                        if SPLIT_O:
+                            xv = _activation(scratch_ptr + (pid * acts + i) * HIDDEN, BN_PART, C_H, CP_H, KC_H, SPREAD)
+                        else:
+                            xv = _activation(x_ptr + i * HIDDEN, BN_PART, C_H, CP_H, KC_H, SPREAD)
                         h = _rms(xv, ln2_ptr + layer * HIDDEN, eps, HIDDEN, x_ptr, BN_PART, C_H, CP_H, KC_H, SPREAD)
                         gate = _round(_dot(wg, h, SPREAD), x_ptr)
                         up = _round(_dot(wu, h, SPREAD), x_ptr)
@@ -605,12 +729,12 @@ if triton is not None:
             if SYNC:
                 _arrive(bar_ptr)
             if EARLY:
-                w_down = _tile(wd_ptr + layer * (HIDDEN * INTER), lo_h, _when(hi_h, lo_h, s + 4, first, last), C_I,
+                w_down = _tile(wd_ptr + layer * (HIDDEN * INTER), lo_h, _when(hi_h, lo_h, s_down, first, last), C_I,
                                CP_I, KC_I, BN_O)
             if SYNC:
-                _wait(bar_ptr, (s + 4) * programs, SPIN)
+                _wait(bar_ptr, s_down * programs, SPIN)
             # 5. down, residual add.
-            if (s + 4 >= first) & (s + 4 <= last):
+            if (s_down >= first) & (s_down <= last):
                 if EARLY:
                     w = w_down
                 else:
@@ -619,7 +743,10 @@ if triton is not None:
                 for i in range(acts):
                     a = _activation(g_ptr + i * INTER, BN_O, C_I, CP_I, KC_I, SPREAD)
                     delta = _round(_dot(w, a, SPREAD), x_ptr)
-                    res = tl.load(x_ptr + i * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
+                    if SPLIT_O:
+                        res = tl.load(mid_ptr + i * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
+                    else:
+                        res = tl.load(x_ptr + i * HIDDEN + n, mask=n < hi_h, other=0.0, cache_modifier=".cg")
                     tl.store(x_ptr + i * HIDDEN + n, res.to(tl.float32) + delta, mask=n < hi_h)
         # 6. final norm and the head, for each row's last token.
         s = PHASES_PER_LAYER * LAYERS
