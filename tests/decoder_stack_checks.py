@@ -8,10 +8,12 @@ with fewer layers and codebooks (the real chunking: 3 chunks for the MLP's 3072)
 interpreter one phase per launch (`TRITON_INTERPRET=1`, fp32, where greedy codes must also be equal); with each
 phase's weights requested after its barrier (`early_tiles=False`, the kernel's older order) it must equal itself bit
 for bit, and so must the launch forms the code predictor uses (a frame's two prompt tokens in one launch, a codebook's
-embedding row looked up in the kernel) equal plain one-token launches. On CUDA the one-launch form runs too (both
-orders, both launch forms) and must equal the phase-per-launch form bit for bit, no barrier may have given up, and
-reruns of the one launch (some behind matmuls on another stream) must equal it bit for bit; each half-precision path's
-logits are also measured against fp32 math on the same weights (`FP32_REFERENCE`, printed, not checked).
+embedding row looked up in the kernel) equal plain one-token launches; where a projection sits between the talker's
+width and the model's, inputs gathered from embedding tables projected once match a projection a pass. On CUDA the
+one-launch form runs too (both orders, both launch forms) and must equal the phase-per-launch form bit for bit, no
+barrier may have given up, and reruns of the one launch (some behind matmuls on another stream) must equal it bit for
+bit; each half-precision path's logits are also measured against fp32 math on the same weights (`FP32_REFERENCE`,
+printed, not checked).
 `python tests/decoder_stack_checks.py [cuda|cpu]`.
 """
 
@@ -183,6 +185,15 @@ def run_checks(device: str, dtype: torch.dtype, only: str | None = None,
                 late = _run(cp, past, first, want_codes, stacked=True, sync=False, early_tiles=False)
                 errors[f"{name}, {rows} rows: weights after the barrier vs before"] = float(
                     not (torch.equal(late[1], got_logits) and torch.equal(late[2], got_cache)))
+            if rows == 1 and cp.projected_tables is None and cfg.hidden_size != talker_hidden:
+                # codebooks' inputs gathered from tables projected once, against projected each pass
+                cp.project_tables()
+                try:
+                    tabled = _run(cp, past, first, want_codes, stacked=True, sync=False)
+                finally:
+                    cp.projected_tables = None
+                errors[f"{name}, {rows} rows: projected tables vs a projection a pass"] = rel_err(tabled[1],
+                                                                                                 got_logits)
             if dtype == torch.float32:  # greedy codes of the stacked pass run free
                 free_codes = _run(cp, past, first, None, stacked=True, sync=False)[0]
                 errors[f"{name}, {rows} rows: greedy codes differ"] = float((free_codes != want_codes).sum())

@@ -60,6 +60,10 @@ class CodePredictor(nn.Module):
         # call (`predict_residuals(stack=True)`): engines sharing these weights may differ, and several replica
         # groups running passes on concurrent streams must not take it (its barrier needs all programs resident).
         self.stack: decoder_stack.StackWeights | None = None
+        # With the stack, where a projection sits between the talker's width and this model's (the 1.7B): each
+        # codebook's embedding table already projected [V, hidden], so a pass gathers its input row instead of
+        # gathering and projecting it (one kernel instead of two or three before each of a frame's 14 launches).
+        self.projected_tables: list[torch.Tensor] | None = None
 
     def pack_stack(self) -> None:
         """Stacks the layers' weights for `decoder_stack` (CUDA half precision, shapes it takes; idempotent).
@@ -71,6 +75,15 @@ class CodePredictor(nn.Module):
                 or not decoder_stack.supported(c.num_attention_heads, c.num_key_value_heads, c.head_dim)):
             return
         self.stack = decoder_stack.stack(self.model.layers, self.model.norm)
+        self.project_tables()
+
+    def project_tables(self) -> None:
+        """The stack's inputs for codebooks 1..14 where a projection sits between the talker's width and this
+        model's: each embedding table through it once ([V, hidden] each; 63 MB for the 1.7B in bf16)."""
+        if not isinstance(self.small_to_mtp_projection, nn.Identity):
+            with torch.no_grad():
+                self.projected_tables = [self.small_to_mtp_projection(table.weight).contiguous()
+                                         for table in self.model.codec_embedding]
 
     @property
     def num_residual_groups(self) -> int:
@@ -138,10 +151,10 @@ class CodePredictor(nn.Module):
         # `predict_residuals` with each pass through the layers, final norm and head as one launch. The two prompt
         # tokens share one launch (its weights read once for both). Where the talker's width is the code
         # predictor's (no projection between), a codebook's embedding lookup can be the launch's first load
-        # (`STACK_LOOKUP`).
+        # (`STACK_LOOKUP`); where a projection sits between, a pass gathers from the projected tables.
         positions = torch.arange(self.config.num_code_groups, device=past_hidden.device)
         cos, sin = self.model.rotary(positions)
-        look_up = STACK_LOOKUP and isinstance(self.small_to_mtp_projection, nn.Identity)
+        same_width = isinstance(self.small_to_mtp_projection, nn.Identity)  # table rows are the layers' input
 
         def logits(x: torch.Tensor, pos: int, head: nn.Linear, code: torch.Tensor | None = None) -> torch.Tensor:
             tokens = 1 if code is not None else x.shape[0] // past_hidden.shape[0]
@@ -153,10 +166,13 @@ class CodePredictor(nn.Module):
         codes = [code]
         for g in range(1, self.num_residual_groups):
             table = self.model.codec_embedding[g - 1]
-            if look_up:
-                scores = logits(table.weight, g + 1, self.lm_head[g], code=code)
-            else:
+            rows = self.projected_tables[g - 1] if self.projected_tables is not None else table.weight
+            if not same_width and self.projected_tables is None:  # no tables (a stack built by hand)
                 scores = logits(self.small_to_mtp_projection(table(code)).contiguous(), g + 1, self.lm_head[g])
+            elif STACK_LOOKUP:
+                scores = logits(rows, g + 1, self.lm_head[g], code=code)
+            else:
+                scores = logits(rows[code], g + 1, self.lm_head[g])
             code = sample(scores, g + 1)
             codes.append(code)
         cache.advance(self.config.num_code_groups)

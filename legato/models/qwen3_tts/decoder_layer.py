@@ -239,7 +239,8 @@ def packed_bytes(module: nn.Module) -> int:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
         stacked = getattr(sub, "stack", None)  # the stacked launch's own copies (its q/k/v and gate/up are views)
-        for t in (getattr(stacked, "o", None), getattr(stacked, "down", None)):
+        tables = getattr(sub, "projected_tables", None) or []  # and its inputs' tables, where projected
+        for t in (getattr(stacked, "o", None), getattr(stacked, "down", None), *tables):
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
