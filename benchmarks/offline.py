@@ -170,9 +170,8 @@ def main() -> None:
     ap.add_argument("--no-small-matmul", action="store_true",
                     help="few-row matmuls through the one-row kernel and cuBLAS (the path before "
                          "layers/small_matmul.py), to measure its share")
-    ap.add_argument("--stack-gather", action="store_true",
-                    help="with --stack, a codebook's embedding row is gathered before the launch instead of looked up "
-                         "by it (code_predictor.STACK_LOOKUP off, the path before 2026-12-06 (6))")
+    ap.add_argument("--stack-lookup", action="store_true",
+                    help="with --stack, the launch looks up a codebook's embedding row (code_predictor.STACK_LOOKUP)")
     ap.add_argument("--stack", action="store_true",
                     help="the code predictor's one-launch pass for one-row passes (EngineConfig.code_predictor_stack)")
     ap.add_argument("--compiled-sampler", action="store_true",
@@ -190,10 +189,10 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 
-    if args.stack_gather:
+    if args.stack_lookup:
         from legato.models.qwen3_tts import code_predictor
 
-        code_predictor.STACK_LOOKUP = False
+        code_predictor.STACK_LOOKUP = True
     if args.unfused_attention:
         from legato.layers import fused_attention
 
@@ -236,7 +235,7 @@ def main() -> None:
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack,
-        "stack_lookup": not args.stack_gather,
+        "stack_lookup": args.stack_lookup,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

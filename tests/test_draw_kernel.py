@@ -31,9 +31,7 @@ def test_the_draw_kernel_compiles_for_hopper():
     for block in (2048, 4096):
         for fixed in (False, True):
             constexprs = dict(BLOCK_V=block, EXACT=True, MASS_SCALE=draw_kernel._MASS_SCALE, FIXED_CODEBOOK=fixed)
-            # the warps a batch of few rows runs with (one program an SM), and those of a large batch
-            warps = draw_kernel._warps(1 if fixed else 2 * draw_kernel.WIDE_ROWS, block)
-            assert compile_for_hopper(draw_kernel._draw_kernel, constexprs, types, num_warps=warps) > 0
+            assert compile_for_hopper(draw_kernel._draw_kernel, constexprs, types) > 0
 
 
 def test_the_launcher_passes_the_codebook_as_a_runtime_value_even_when_it_is_1():

@@ -83,7 +83,7 @@ def skip_unless_ptxas() -> None:
         pytest.skip("this Triton build has no ptxas to compile for a GPU")
 
 
-def compile_for_hopper(kernel, constexprs: dict, types: dict[str, str], num_warps: int = 4) -> int:
+def compile_for_hopper(kernel, constexprs: dict, types: dict[str, str]) -> int:
     """Compiles a Triton kernel to an sm_90 cubin on this machine (no GPU needed: Triton's own ptxas) and returns
     the cubin's size. Pointer arguments are bf16 and scalars int32 unless `types` names them. The interpreter
     runs a kernel's semantics, not the GPU compiler: this catches a construct the GPU backend refuses."""
@@ -98,6 +98,5 @@ def compile_for_hopper(kernel, constexprs: dict, types: dict[str, str], num_warp
             signature[name] = "constexpr"
         else:
             signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps})
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
     return len(compiled.asm["cubin"])

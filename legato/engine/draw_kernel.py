@@ -35,17 +35,6 @@ def available(logits: torch.Tensor) -> bool:
     return ENABLED and triton is not None and logits.is_cuda
 
 
-# Warps a row's program runs with. Up to this many rows, a program has an SM to itself, and its per-value work
-# (Philox, the logarithms, the searches' compares) spreads over 16 warps.
-WIDE_ROWS = 64
-
-
-def _warps(rows: int, block: int) -> int:
-    if rows <= WIDE_ROWS:
-        return 16
-    return 8 if block >= 4096 else 4
-
-
 def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: torch.Tensor | int,
                exact_math: bool | None = None) -> torch.Tensor:
@@ -62,7 +51,7 @@ def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch
         logits, do_sample, temperature, top_k, top_p, seed, frame, out if fixed else codebook,
         codebook if fixed else 0, out, logits.stride(0), vocab, FIXED_CODEBOOK=fixed, BLOCK_V=block,
         EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
-        num_warps=_warps(b, block),
+        num_warps=8 if block >= 4096 else 4,
     )
     return out
 
@@ -119,38 +108,28 @@ if triton is not None:
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         return tl.where(x == 0.0, 0, key).to(tl.int64)
 
-    # The searches below test WAYS thresholds a pass, not one: a pass costs about one block-wide reduction
-    # whatever its width, and 32 halvings were most of a draw at batch 1 (22 us each on the H100, 16 a frame).
-    # SEARCH_PASSES covers the int32 range: an interval of up to 2**32 + 1 keys shrinks to ceil(n / 16) a pass,
-    # to 1 in 9; once converged a pass changes nothing.
-    WAYS = tl.constexpr(16)
-    SEARCH_PASSES = tl.constexpr(9)
-
     @triton.jit
-    def _kth_largest_key(key, valid, k, lowest, highest, WAYS: tl.constexpr, PASSES: tl.constexpr):
+    def _kth_largest_key(key, valid, k, lowest, highest):
         # The largest t with count(key >= t) >= k: the k-th largest key, counting ties (k <= the valid count).
+        # 32 halvings cover the int32 range; once converged an iteration changes nothing.
         lo = lowest  # count = all >= k
         hi = highest + 1  # count = 0 < k
-        j = tl.arange(0, WAYS).to(tl.int64)
-        for _ in tl.static_range(PASSES):
-            t = lo + ((hi - lo) * j) // WAYS  # t[0] = lo, which holds
-            counts = tl.sum((valid[None, :] & (key[None, :] >= t[:, None])).to(tl.int32), axis=1)
-            enough = counts >= k  # true up to some j, false after (counts fall as t grows)
-            lo = tl.max(tl.where(enough, t, lo), axis=0)
-            hi = tl.min(tl.where(enough, hi, t), axis=0)
+        for _ in tl.static_range(32):
+            mid = lo + (hi - lo) // 2
+            enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
         return lo
 
     @triton.jit
-    def _top_p_key(key, mass, threshold, lo, hi, WAYS: tl.constexpr, PASSES: tl.constexpr):
+    def _top_p_key(key, mass, threshold, lo, hi):
         # The smallest key t with float64(sum of mass over key <= t) > threshold, searched in (lo, hi] where lo
         # fails and hi holds.
-        j = tl.arange(0, WAYS).to(tl.int64) + 1
-        for _ in tl.static_range(PASSES):
-            t = lo + ((hi - lo) * j + WAYS - 1) // WAYS  # t[WAYS - 1] = hi, which holds
-            sums = tl.sum(tl.where(key[None, :] <= t[:, None], mass[None, :], 0), axis=1)
-            holds = sums.to(tl.float64) > threshold  # false up to some j, true after (sums grow with t)
-            lo = tl.max(tl.where(holds, lo, t), axis=0)
-            hi = tl.min(tl.where(holds, t, hi), axis=0)
+        for _ in tl.static_range(32):
+            mid = lo + (hi - lo) // 2
+            holds = tl.sum(tl.where(key <= mid, mass, 0), axis=0).to(tl.float64) > threshold
+            hi = tl.where(holds, mid, hi)
+            lo = tl.where(holds, lo, mid)
         return hi
 
     @triton.jit
@@ -180,8 +159,7 @@ if triton is not None:
             k = tl.where(top_k <= 0, V, tl.minimum(top_k, V))
             kth = tl.min(tl.where(valid, scaled, float("inf")), axis=0)
             if k < V:
-                kth = _value_at_key(scaled, key, valid, _kth_largest_key(key, valid, k, lowest, highest, WAYS,
-                                                                         SEARCH_PASSES))
+                kth = _value_at_key(scaled, key, valid, _kth_largest_key(key, valid, k, lowest, highest))
             cut = kth
             top_p = tl.load(topp_ptr + row)
             if top_p < 1.0:
@@ -195,8 +173,7 @@ if triton is not None:
                 total = tl.sum(mass, axis=0)
                 threshold = (1.0 - top_p.to(tl.float64)) * total.to(tl.float64)
                 if total.to(tl.float64) > threshold:
-                    last = _value_at_key(scaled, key, valid, _top_p_key(key, mass, threshold, lowest - 1, highest,
-                                                                        WAYS, SEARCH_PASSES))
+                    last = _value_at_key(scaled, key, valid, _top_p_key(key, mass, threshold, lowest - 1, highest))
                     cut = tl.maximum(kth, last)
                 else:
                     cut = top

@@ -26,10 +26,10 @@ CodeSampler = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 # A codebook's embedding row looked up by the stack's launch (`decoder_stack.run(code=...)`) rather than gathered
-# before it: 121.1 us against 124.3 for the gather and the launch (H100, 2026-12-06 (6), stack_phases.py). It had
-# lost in session 52's kernel, which spilled more with it (208 bytes of stack a thread against 120): 130.0 against
-# 126.1.
-STACK_LOOKUP = True
+# before it. Off: with the activation rows spread over the weight layout, the looked-up launch spilled more
+# (208 bytes of stack a thread against 120) and took 130.0 us against 126.1 for the gather and the launch
+# (H100, 2026-12-06, stack_phases.py); before the spread form it won, 139.7 against 145.4.
+STACK_LOOKUP = False
 
 class CodePredictorModel(nn.Module):
     def __init__(self, cfg: CodePredictorConfig, talker_hidden: int) -> None:
