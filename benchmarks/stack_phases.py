@@ -44,6 +44,7 @@ def measure(cp: CodePredictor, rows: int, names: list[str]) -> dict[str, float]:
         phase = kind if kind < per_layer else per_layer * cp.stack.layers
         row[name] = time_launches(lambda phase=phase: run(sync=False, phases=(phase, phase)), 40)
     row["whole pass, one launch"] = time_launches(run, 40)
+    row["whole pass, one launch, q/k/v in one pass"] = time_launches(lambda: run(qkv_parts=1), 40)
     row["whole pass, one launch, o a phase of its own"] = time_launches(lambda: run(split_o=False), 40)
     row["whole pass, one launch, o a phase of its own, q/k/v in one pass (session 52)"] = time_launches(
         lambda: run(split_o=False, qkv_parts=1), 40)

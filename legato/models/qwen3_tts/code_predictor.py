@@ -28,7 +28,9 @@ CodeSampler = Callable[[torch.Tensor, int], torch.Tensor]
 # A codebook's embedding row looked up by the stack's launch (`decoder_stack.run(code=...)`) rather than gathered
 # before it. Off: with the activation rows spread over the weight layout, the looked-up launch spilled more
 # (208 bytes of stack a thread against 120) and took 130.0 us against 126.1 for the gather and the launch
-# (H100, 2026-12-06, stack_phases.py); before the spread form it won, 139.7 against 145.4.
+# (H100, 2026-12-06, stack_phases.py); before the spread form it won, 139.7 against 145.4. With o inside the
+# attention's phase it wins the pass again, 121.1 against 124.3 (H100, 2026-12-06 (6)), but no frame has been timed
+# with it alone: the one frame run with it on also had a slower draw (docs/benchmarks.md).
 STACK_LOOKUP = False
 
 class CodePredictorModel(nn.Module):
