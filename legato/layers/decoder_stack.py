@@ -30,7 +30,8 @@ pass ran slower: 134 against 123 us on the H200.) Bulk L2 prefetches of each wei
 (`_spread`): 123.4 against 128.3 us a pass. Under Nsight Compute 58% of a pass's warp-stall samples wait at the CTA
 barrier behind the grid barrier's poll, and DRAM runs at 40% of its peak: a pass is the chain of its phases'
 slowest programs and barriers, so fewer phases (or less skew within one) is what would move it
-(docs/benchmarks.md, session of 2026-12-06 (5)); hence o inside the attention's phase.
+(docs/benchmarks.md, session of 2026-12-06 (5)); hence o inside the attention's phase: 119.95 against 123.87 us a
+pass (H100, session of 2026-12-06 (6)).
 
 Rounding follows the eager path (`decoder_layer.run_layers`): every activation is rounded to the activation dtype
 where the unfused path stores one, and the sums run in fp32, so the only difference is the order of the sums.
