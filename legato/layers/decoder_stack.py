@@ -320,6 +320,7 @@ if triton is not None:
         _attention,
         _dot,
         _input_row,
+        _part,
         _rms,
         _round,
         _span,
@@ -373,9 +374,11 @@ if triton is not None:
             wqkv_layer = wqkv_ptr + layer * (N_QKV * HIDDEN)
             if EARLY:  # both halves of the tile (see QKV_PARTS below)
                 hi_run = _when(hi_q, lo_q, s, first, last)
-                w_qkv0 = _tile(wqkv_layer, lo_q, tl.minimum(lo_q + BN_QP, hi_run), C_H, CP_H, KC_H, BN_QP)
+                lo0, hi0 = _part(lo_q, hi_run, 0, BN_QP)
+                w_qkv0 = _tile(wqkv_layer, lo0, hi0, C_H, CP_H, KC_H, BN_QP)
                 if QKV_PARTS == 2:
-                    w_qkv1 = _tile(wqkv_layer, tl.minimum(lo_q + BN_QP, hi_run), hi_run, C_H, CP_H, KC_H, BN_QP)
+                    lo1, hi1 = _part(lo_q, hi_run, 1, BN_QP)
+                    w_qkv1 = _tile(wqkv_layer, lo1, hi1, C_H, CP_H, KC_H, BN_QP)
             if SYNC:
                 if layer > 0:
                     _wait(bar_ptr, s * programs, SPIN)
@@ -383,8 +386,7 @@ if triton is not None:
             # whole tile's rows, and its norm, took as many registers as the tile itself, and spilled.
             if (s >= first) & (s <= last):
                 for part in tl.static_range(QKV_PARTS):
-                    part_lo = tl.minimum(lo_q + part * BN_QP, hi_q)
-                    part_hi = tl.minimum(part_lo + BN_QP, hi_q)
+                    part_lo, part_hi = _part(lo_q, hi_q, part, BN_QP)
                     if EARLY and part == 0:
                         w = w_qkv0
                     elif EARLY:
@@ -407,8 +409,10 @@ if triton is not None:
                 lo_os, hi_os = _span(pid % O_TILES, O_TILES, HIDDEN)
                 hi_os = tl.where(pid < KV_HEADS * O_TILES, _when(hi_os, lo_os, s + 1, first, last), lo_os)
                 wo_group = wo_layer + (pid // O_TILES) * GW
-                w_os0 = _strided_tile(wo_group, lo_os, tl.minimum(lo_os + BN_OP, hi_os), WIDTH, C_G, CP_G, KC_G, BN_OP)
-                w_os1 = _strided_tile(wo_group, tl.minimum(lo_os + BN_OP, hi_os), hi_os, WIDTH, C_G, CP_G, KC_G, BN_OP)
+                lo0, hi0 = _part(lo_os, hi_os, 0, BN_OP)
+                lo1, hi1 = _part(lo_os, hi_os, 1, BN_OP)
+                w_os0 = _strided_tile(wo_group, lo0, hi0, WIDTH, C_G, CP_G, KC_G, BN_OP)
+                w_os1 = _strided_tile(wo_group, lo1, hi1, WIDTH, C_G, CP_G, KC_G, BN_OP)
             if SYNC:
                 _wait(bar_ptr, (s + 1) * programs, SPIN)
             # 2. attention for a (row, kv head): its group of query heads over the row's positions. With SPLIT_O each
@@ -437,8 +441,7 @@ if triton is not None:
                             tl.debug_barrier()  # the group's output, stored by this program's threads, read back
                             # o's rows in two halves, each with its own copy of the group's output (registers)
                             for part in tl.static_range(2):
-                                part_lo = tl.minimum(lo_o + part * BN_OP, hi_o)
-                                part_hi = tl.minimum(part_lo + BN_OP, hi_o)
+                                part_lo, part_hi = _part(lo_o, hi_o, part, BN_OP)
                                 if O_EARLY and part == 0:
                                     w = w_os0
                                 elif O_EARLY:

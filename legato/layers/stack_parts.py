@@ -49,6 +49,13 @@ def _span(pid, programs, n):
 
 
 @triton.jit
+def _part(lo, hi, part, BN: tl.constexpr):
+    # Piece `part` of a span [lo, hi) cut into pieces of BN rows (empty past hi): a phase's passes over its rows.
+    part_lo = tl.minimum(lo + part * BN, hi)
+    return part_lo, tl.minimum(part_lo + BN, hi)
+
+
+@triton.jit
 def _vector(ptr, C: tl.constexpr, CP: tl.constexpr, KC: tl.constexpr):
     # An activation row of C * KC values as [CP, KC] fp32 (rows past C zero), read past L1: other programs
     # wrote it in this launch.
