@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import threading
 import time
 
 import numpy as np
@@ -457,6 +458,7 @@ def test_a_context_is_bounded_by_the_request_timeout_as_an_http_request_is(loade
         c = WsClient(ws)
         c.send(type="session.update", session={"voice": client.info.speakers[0]})
         c.event("session.updated")
+        rows_before = client.stats().decode_rows
         c.send(type="input_text.append", context_id="a", text="Hello there, ")  # the text stays open
         err = c.until(lambda e: e["type"] == "error", "the timeout error", errors_ok=True)
         assert err["context_id"] == "a" and err["error"]["code"] == "timeout"
@@ -470,8 +472,52 @@ def test_a_context_is_bounded_by_the_request_timeout_as_an_http_request_is(loade
         assert reply["error"]["code"] == "unknown_context"
         c.close_and_wait(http)
         assert 'legato_request_aborts_total{reason="timeout"} 1.0' in http.get("/metrics").text
-        # the engine heard why, not the cancelled pull's "client disconnected"
-        assert client.stats().aborted == {"timeout": 1}
+        # The engine heard why, not the cancelled pull's "client disconnected". On a loaded machine the 0.5 s can
+        # run out while the request is still being admitted: then it never reaches the engine, which aborts
+        # nothing (the next test holds admission to prove that path). A request that was decoded was in the engine.
+        s = client.stats()
+        assert s.aborted == {"timeout": 1} or (s.aborted == {} and s.decode_rows == rows_before), s
+
+
+def test_a_context_timed_out_while_its_request_is_admitted_never_reaches_the_engine(loaded):
+    """The timeout can fire before the request is admitted (its prompt still being built on the admission
+    thread, on a busy machine): the client gets the same 504, and the request, once built, is dropped there
+    instead of running to its frame cap for nobody, holding a slot and its blocks."""
+    app, client = make_app(loaded, request_timeout_s=0.5)
+    release, built = threading.Event(), threading.Event()
+    build = client._engine_request
+
+    def held_build(*args, **kwargs):  # admission thread: held until the client has had its timeout
+        assert release.wait(60), "the test never released admission"
+        try:
+            return build(*args, **kwargs)
+        finally:
+            built.set()
+
+    client._engine_request = held_build
+    try:
+        with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
+            c = WsClient(ws)
+            c.send(type="session.update", session={"voice": client.info.speakers[0]})
+            c.event("session.updated")
+            rows_before = client.stats().decode_rows
+            c.send(type="input_text.append", context_id="a", text="Hello there, ")  # the text stays open
+            err = c.until(lambda e: e["type"] == "error", "the timeout error", errors_ok=True)
+            assert err["context_id"] == "a" and err["error"]["code"] == "timeout"
+            release.set()
+            assert built.wait(60), "admission never finished the request"
+            # Admission finished the request after its timeout; the context is gone, so a later message on it is
+            # refused.
+            c.send(type="input_text.end", context_id="a")
+            assert c.until(lambda e: e["type"] == "error", "the reply", errors_ok=True)["error"]["code"] == \
+                "unknown_context"
+            c.close_and_wait(http)
+            s = client.stats()
+            assert s.aborted == {} and s.decode_rows == rows_before and not s.running and not s.waiting, s
+            assert s.free_kv_blocks == s.num_kv_blocks
+            assert 'legato_request_aborts_total{reason="timeout"} 1.0' in http.get("/metrics").text
+    finally:
+        release.set()
 
 
 def test_a_session_update_with_audio_options_http_would_refuse_is_refused_then(loaded):
