@@ -194,6 +194,46 @@ def test_a_refused_duplicate_id_does_not_abort_the_live_request(loaded):
     assert chunks[-1].finish_reason == "length" and chunks[-1].num_frames == 8
 
 
+def test_a_duplicate_id_during_its_namesakes_admission_is_refused_and_leaves_it_whole(loaded):
+    """Two requests under one id (a client's X-Request-Id sent twice) while the first is still being admitted: the
+    second is refused at once as a duplicate. Before, it took over the first's admission guard, so an abort of
+    either reached the wrong one, and the second was refused only by the engine, after building its prompt."""
+    release, entered = threading.Event(), threading.Event()
+
+    async def main():
+        client = make_client(loaded)
+        build = client._engine_request
+
+        def held_build(*args, **kwargs):  # admission thread: held until the duplicate has been refused
+            entered.set()
+            assert release.wait(60), "the test never released admission"
+            return build(*args, **kwargs)
+
+        client._engine_request = held_build
+        await client.start()
+        try:
+            first = asyncio.create_task(collect(client, request("dup", frames=4, ignore_eos=True)))
+            assert await asyncio.to_thread(entered.wait, 60), "the first request never reached admission"
+            with pytest.raises(RequestRejected) as err:
+                await asyncio.wait_for(collect(client, request("dup")), 30)  # refused without admission's help
+            release.set()
+            chunks, _ = await asyncio.wait_for(first, 60)
+            # the id is free again once its request has ended: a third request under it runs
+            client._engine_request = build
+            again, _ = await asyncio.wait_for(collect(client, request("dup", frames=2, ignore_eos=True)), 60)
+            stats = client.stats()
+        finally:
+            release.set()
+            await client.stop()
+        return err.value, chunks, again, stats
+
+    err, chunks, again, stats = asyncio.run(main())
+    assert err.status == 409 and "duplicate" in err.message
+    assert chunks[-1].finish_reason == "length" and chunks[-1].num_frames == 4  # untouched by its namesake
+    assert again[-1].finish_reason == "length" and again[-1].num_frames == 2
+    assert stats.aborted == {} and stats.free_kv_blocks == stats.num_kv_blocks
+
+
 def test_a_dead_engine_refuses_at_once_instead_of_hanging(loaded):
     async def main():
         client = make_client(loaded)

@@ -197,11 +197,11 @@ class LocalEngineClient(EngineClient):
         owner = req.text_open and req.request_id not in self._early_text
         if owner:
             self._early_text[req.request_id] = []
-        admitting = self._admitting[req.request_id] = _Admitting()
+        admitting = self._claim(req.request_id)
         return self._generate(req, owner, marks, admitting)
 
     async def _generate(self, req: SynthesisRequest, owner: bool, marks: dict[str, float],
-                        admitting: _Admitting) -> AsyncIterator[StreamChunk]:
+                        admitting: _Admitting | None) -> AsyncIterator[StreamChunk]:
         prepared, then = await self._admit(req, owner, marks, admitting)
         if isinstance(prepared, StreamChunk):
             yield prepared
@@ -223,11 +223,11 @@ class LocalEngineClient(EngineClient):
         owner = req.text_open and req.request_id not in self._early_text
         if owner:
             self._early_text[req.request_id] = []
-        admitting = self._admitting[req.request_id] = _Admitting()
+        admitting = self._claim(req.request_id)
         return self._generate_into(req, sink, owner, marks, admitting)
 
     async def _generate_into(self, req: SynthesisRequest, sink: ChunkSink, owner: bool, marks: dict[str, float],
-                             admitting: _Admitting) -> None:
+                             admitting: _Admitting | None) -> None:
         prepared, then = await self._admit(req, owner, marks, admitting)
         if isinstance(prepared, StreamChunk):
             sink([(req.request_id, prepared)])
@@ -237,7 +237,7 @@ class LocalEngineClient(EngineClient):
                              EngineStream(loop, sink=sink, done=loop.create_future(), marks=marks))
 
     async def _admit(self, req: SynthesisRequest, owner: bool, marks: dict[str, float],
-                     admitting: _Admitting) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
+                     admitting: _Admitting | None) -> tuple[EngineRequest | StreamChunk, list[tuple]]:
         """The request ready for the engine (voice, tokens, prompt) and the text that came meanwhile; or, for a
         request aborted before it reached the engine (an open in-context clone waiting for text included), its last
         chunk. `marks` gets the perf_counter() stamps of the way: the voice found, the admission thread taking it
@@ -245,7 +245,7 @@ class LocalEngineClient(EngineClient):
         an abort after this returns finds it there."""
         then: list[tuple] = []
         try:
-            if req.text_open and not owner:
+            if admitting is None or (req.text_open and not owner):
                 raise RequestRejected(409, f"duplicate request id {req.request_id!r}")
             if self._stopping:
                 raise RequestRejected.shutting_down()
@@ -269,11 +269,22 @@ class LocalEngineClient(EngineClient):
             return ended, []
         return prepared, then
 
-    def _admission_over(self, request_id: str, admitting: _Admitting) -> StreamChunk | None:
+    def _claim(self, request_id: str) -> _Admitting | None:
+        """The id's admission guard, or None when another request under the same id (a client's X-Request-Id sent
+        twice) is being admitted: that one holds the guard, and replacing it would let an abort meant for one end
+        the other, or leave one to run on for nobody. The newcomer is refused as a duplicate."""
+        if request_id in self._admitting:
+            return None
+        admitting = self._admitting[request_id] = _Admitting()
+        return admitting
+
+    def _admission_over(self, request_id: str, admitting: _Admitting | None) -> StreamChunk | None:
         """Forgets `admitting` (unless a later request under its id took the entry); the request's last chunk if
         it was aborted meanwhile. Aborted while it was being admitted (a worker process hears its front's Abort
         while the request's task is still here), the request, added now, would run to its frame cap for nobody,
         and an open text would wait for text that never comes, holding a slot and its blocks for ever."""
+        if admitting is None:  # a duplicate, refused: the guard is its namesake's
+            return None
         if self._admitting.get(request_id) is admitting:
             del self._admitting[request_id]
         if admitting.reason is None:
@@ -329,11 +340,11 @@ class LocalEngineClient(EngineClient):
         owner = handoff.text_open and rid not in self._early_text
         if owner:
             self._early_text[rid] = []
-        admitting = self._admitting[rid] = _Admitting()
+        admitting = self._claim(rid)
         return self._decode_handoff(handoff, owner, admitting)
 
     async def _decode_handoff(self, handoff: Handoff, owner: bool,
-                              admitting: _Admitting) -> AsyncIterator[StreamChunk]:
+                              admitting: _Admitting | None) -> AsyncIterator[StreamChunk]:
         rid = handoff.request_id
         then = self._handoff_admitted(handoff, owner, admitting)
         if isinstance(then, StreamChunk):
@@ -351,11 +362,11 @@ class LocalEngineClient(EngineClient):
         owner = handoff.text_open and rid not in self._early_text
         if owner:
             self._early_text[rid] = []
-        admitting = self._admitting[rid] = _Admitting()
+        admitting = self._claim(rid)
         return self._decode_handoff_into(handoff, sink, owner, admitting)
 
     async def _decode_handoff_into(self, handoff: Handoff, sink: ChunkSink, owner: bool,
-                                   admitting: _Admitting) -> None:
+                                   admitting: _Admitting | None) -> None:
         rid = handoff.request_id
         then = self._handoff_admitted(handoff, owner, admitting)
         if isinstance(then, StreamChunk):
@@ -364,7 +375,8 @@ class LocalEngineClient(EngineClient):
         loop = asyncio.get_running_loop()
         await self._run_into("handoff", handoff, rid, then, EngineStream(loop, sink=sink, done=loop.create_future()))
 
-    def _handoff_admitted(self, handoff: Handoff, owner: bool, admitting: _Admitting) -> list[tuple] | StreamChunk:
+    def _handoff_admitted(self, handoff: Handoff, owner: bool,
+                          admitting: _Admitting | None) -> list[tuple] | StreamChunk:
         """The text that came for a handoff since it was asked for, to follow it to the engine thread; or its last
         chunk, if it was aborted before it got there. A decode worker hears its front's Abort as a message of its
         own, and may handle it after asking for the handoff's decode and before that decode's task first runs:
@@ -372,7 +384,7 @@ class LocalEngineClient(EngineClient):
         nobody (as `_admit` guards a new request)."""
         rid = handoff.request_id
         try:
-            if handoff.text_open and not owner:
+            if admitting is None or (handoff.text_open and not owner):
                 raise RequestRejected(409, f"duplicate request id {rid!r}")
         finally:
             then = self._early_text.pop(rid, []) if owner else []
