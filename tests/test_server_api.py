@@ -291,6 +291,7 @@ def test_a_prompt_over_the_engine_s_text_buffer_at_admission_is_text_too_long(cv
             err = assert_error(speak(c, input="A sentence of rather more than eight text tokens, surely.",
                                      non_streaming_mode=False, stream=stream), 400, "max_text_tokens")
             assert err["code"] == "text_too_long" and err["type"] == "invalid_request_error"
+            assert err["param"] == "input"  # the field to fix, as the WebSocket's error names `text`
 
 
 def test_request_ids_are_echoed_generated_or_refused(cv):

@@ -28,6 +28,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
+from legato.engine.engine import TEXT_TOO_LONG
 from legato.pipeline.client import (
     ENGINE_UNAVAILABLE,
     EngineClient,
@@ -241,7 +242,10 @@ class SpeechResponder:
         except RequestRejected as e:
             gen.finish(e.status, error=e.message)
             headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after is not None else None
-            raise ApiError(e.status, e.message, rejection_code(e), headers=headers) from e
+            code = rejection_code(e)
+            # the client's text was too long: the field to fix is `input`, as a validation error names it
+            raise ApiError(e.status, e.message, code, "input" if code == TEXT_TOO_LONG else None,
+                           headers=headers) from e
         except asyncio.TimeoutError as e:
             gen.finish(504, abort_reason="timeout")
             raise ApiError(504, f"request timed out after {self.settings.request_timeout_s:g} s", "timeout") from e
