@@ -35,7 +35,7 @@ def test_the_demo_page_is_served_as_html_that_uses_the_streaming_socket(app):
         page = http.get(DEMO_PATH)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     for needle in ("/v1/audio/speech/stream", "input_text.append", "input_text.end", "response.cancel",
-                   'id="speak"', 'id="stop"'):
+                   'id="speak"', 'id="stop"', 'id="instructions"'):
         assert needle in page.text
 
 
@@ -75,3 +75,30 @@ def test_the_demo_speaks_as_you_type_and_stops_in_a_real_browser(app):
             time.sleep(0.05)
     assert "legato_ws_cancels_total 1.0" in metrics
     assert "legato_ws_contexts 0.0" in metrics
+
+
+@pytest.mark.skipif(find_browser() is None, reason="no Chromium on this machine (CI installs Debian's chromium; "
+                                                   "or set LEGATO_CHROMIUM)")
+def test_the_demo_speaks_a_voice_design_model_in_the_voice_its_description_names(tmp_path_factory):
+    """A VoiceDesign model has no voices, and a request without instructions is refused: the page shows the
+    description field instead of the voice list and sends it with the session, so typing is spoken there too."""
+    loaded = tiny_loaded(tmp_path_factory.mktemp("demo-design"), "voice_design")
+    client = local_client(loaded, frames_per_text_token=2.0)
+    app = build_app(client, server_settings(loaded, default_max_new_tokens=40, max_new_tokens_limit=512))
+    with LiveServer(app) as live:
+        async def main() -> dict:
+            async with Browser(find_browser()) as browser:
+                page = await browser.open(f"{live.url}{DEMO_PATH}")
+                await page.until("window.legatoDemo && window.legatoDemo.state === 'ready'", "the session is ready")
+                shown = await page.eval("[document.getElementById('design').hidden, "
+                                        "document.getElementById('voice').closest('label').hidden]")
+                assert shown == [False, True], shown  # the description instead of an empty voice list
+                await page.eval(_type(["A ", "voice ", "from ", "its ", "description."]) +
+                                " && document.getElementById('speak').click()")
+                await page.until("window.legatoDemo.done === 1 || window.legatoDemo.errors.length > 0",
+                                 "the context finishes")
+                return json.loads(await page.eval("JSON.stringify(window.legatoDemo)"))
+
+        state = asyncio.run(main())
+    assert state["errors"] == [] and state["done"] == 1 and state["audioBytes"] > 0, state
+    assert state["taskType"] == "VoiceDesign"
