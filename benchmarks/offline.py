@@ -174,6 +174,8 @@ def main() -> None:
                     help="with --stack, the launch looks up a codebook's embedding row (code_predictor.STACK_LOOKUP)")
     ap.add_argument("--stack", action="store_true",
                     help="the code predictor's one-launch pass for one-row passes (EngineConfig.code_predictor_stack)")
+    ap.add_argument("--radix-draw", action="store_true",
+                    help="the fused draw's top-k by radix select (draw_kernel.RADIX_SELECT) instead of bisection")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="draws through torch.compile (the path before engine/draw_kernel.py)")
     ap.add_argument("--attn-splits", type=int, default=None,
@@ -205,10 +207,11 @@ def main() -> None:
         fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
         if args.attn_split_all:
             fused_attention.ONE_SPLIT_ROWS = 1 << 30
-    if args.compiled_sampler:
+    if args.compiled_sampler or args.radix_draw:
         from legato.engine import draw_kernel
 
-        draw_kernel.ENABLED = False
+        draw_kernel.ENABLED = not args.compiled_sampler
+        draw_kernel.RADIX_SELECT = args.radix_draw
     if args.cublas_linear or args.no_small_matmul:
         from legato.layers import skinny_linear, small_matmul
 
@@ -235,7 +238,7 @@ def main() -> None:
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack,
-        "stack_lookup": args.stack_lookup,
+        "stack_lookup": args.stack_lookup, "radix_draw": args.radix_draw,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

@@ -3,7 +3,8 @@
 `run_checks(device)` serves the GPU test (CUDA, libdevice math, against the eager and the compiled draw) and a
 CPU test that runs this file in a subprocess under Triton's interpreter (`TRITON_INTERPRET=1`). Rows mix
 greedy and sampled, temperature 0, top-k off / 1 / 50 / past the vocabulary, top-p off / 0.9 / 0.5 / 0.01,
-tied logits, suppressed (-inf) ids, and seeds and frames past 2**32; both head widths (2048 and 3072).
+tied logits, suppressed (-inf) ids, and seeds and frames past 2**32; both head widths (2048 and 3072); top-k by
+bisection and by radix select.
 `python tests/draw_kernel_checks.py [cuda|cpu]`.
 """
 
@@ -53,6 +54,10 @@ def run_checks(device: str, rows: dict[int, int], rounds: int) -> dict[str, int]
             got = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame, codebook)
             want = draw(logits, head, seed, frame, codebook)
             result[f"V={vocab} round {r}: vs draw"] = int((got != want).sum())
+            if r == 0:  # top-k by the radix select (draw_kernel.RADIX_SELECT) rather than the bisection
+                radix = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame,
+                                   codebook, radix=True)
+                result[f"V={vocab}: radix select vs draw"] = int((radix != want).sum())
             if r == 0:  # one codebook for every row, given as an int (the sampler's way) rather than a tensor; 1 is
                 # the value Triton would make a compile-time constant unless told not to
                 result[f"V={vocab}: codebook as an int vs draw"] = sum(

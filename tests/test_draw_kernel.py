@@ -13,7 +13,8 @@ def test_fused_draw_equals_draw_under_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
     run = run_checks_script("draw_kernel_checks.py")
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    assert run.stdout.count(" ok\n") == 6  # both head widths, two rounds, and a codebook given as an int
+    # both head widths: two rounds, a codebook given as an int, and top-k by the radix select
+    assert run.stdout.count(" ok\n") == 8
 
 
 def test_the_cpu_sampler_never_takes_the_kernel():
@@ -29,9 +30,10 @@ def test_the_draw_kernel_compiles_for_hopper():
     types = {"logits_ptr": "*fp32", "do_ptr": "*i1", "temp_ptr": "*fp32", "topk_ptr": "*i64", "topp_ptr": "*fp32",
              "seed_ptr": "*i64", "frame_ptr": "*i64", "codebook_ptr": "*i64", "out_ptr": "*i64"}
     for block in (2048, 4096):
-        for fixed in (False, True):
-            constexprs = dict(BLOCK_V=block, EXACT=True, MASS_SCALE=draw_kernel._MASS_SCALE, FIXED_CODEBOOK=fixed)
-            assert compile_for_hopper(draw_kernel._draw_kernel, constexprs, types) > 0
+        for fixed, radix in ((False, False), (True, False), (True, True)):
+            constexprs = dict(BLOCK_V=block, EXACT=True, MASS_SCALE=draw_kernel._MASS_SCALE, FIXED_CODEBOOK=fixed,
+                              RADIX=radix)
+            assert compile_for_hopper(draw_kernel._draw_kernel, constexprs, types) > 0, (block, fixed, radix)
 
 
 def test_the_launcher_passes_the_codebook_as_a_runtime_value_even_when_it_is_1():

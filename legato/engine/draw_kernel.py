@@ -28,6 +28,10 @@ except ImportError:  # pragma: no cover - depends on the install
 
 # The sampler takes the kernel on CUDA when this is on (benchmarks switch it off to measure the compiled path).
 ENABLED = True
+# Top-k's threshold by a radix select (four 256-bin histograms of the key's bytes) instead of 32 counting passes.
+# Equal by construction and under the interpreter (tests/draw_kernel_checks.py); off until a device call has
+# timed it against the bisection (benchmarks/draw_speed.py).
+RADIX_SELECT = False
 _MASS_SCALE = 2.0**36  # sampler._MASS_BITS
 
 
@@ -37,10 +41,11 @@ def available(logits: torch.Tensor) -> bool:
 
 def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: torch.Tensor | int,
-               exact_math: bool | None = None) -> torch.Tensor:
+               exact_math: bool | None = None, radix: bool | None = None) -> torch.Tensor:
     """Tokens int64 [B] from float32 logits [B, V] (see `sampler.draw`; the head's knobs as [B] tensors,
     codebook an int64 [B] tensor or one int for every row: no tensor to fill before each draw).
-    `exact_math`: libdevice functions (default on CUDA)."""
+    `exact_math`: libdevice functions (default on CUDA). `radix`: top-k by radix select (default
+    `RADIX_SELECT`)."""
     b, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError("fused_draw needs unit-stride float32 logits")
@@ -51,6 +56,7 @@ def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch
         logits, do_sample, temperature, top_k, top_p, seed, frame, out if fixed else codebook,
         codebook if fixed else 0, out, logits.stride(0), vocab, FIXED_CODEBOOK=fixed, BLOCK_V=block,
         EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
+        RADIX=RADIX_SELECT if radix is None else radix,
         num_warps=8 if block >= 4096 else 4,
     )
     return out
@@ -122,6 +128,32 @@ if triton is not None:
         return lo
 
     @triton.jit
+    def _kth_largest_key_radix(key, valid, k):
+        # `_kth_largest_key` by a radix select: the key's four bytes from the top, each pass a 256-bin histogram of
+        # the byte among the keys that share the bytes chosen so far. Counting down from the top bin, the bin
+        # where k is reached holds the k-th largest; the keys above it are k's head start for the next byte.
+        u = key + 2147483648  # [0, 2**32): the int32 order as unsigned, so bytes compare as the keys do
+        bins = tl.arange(0, 256)
+        found = tl.zeros_like(k)
+        in_play = valid
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            digit = ((u >> shift) & 255).to(tl.int32)
+            hist = tl.histogram(digit, 256, mask=in_play)
+            at_or_above = tl.cumsum(hist, 0, reverse=True)
+            b = tl.sum((at_or_above >= k).to(tl.int32), axis=0) - 1  # at_or_above only falls as the bin rises
+            k = k - tl.sum(tl.where(bins == b, at_or_above - hist, 0), axis=0)
+            found = found | (b.to(tl.int64) << shift)
+            in_play = in_play & (digit == b)
+        return found - 2147483648
+
+    @triton.jit
+    def _value_of_key(key):
+        # `_order_key` undone: the float32 of an int32 order key (0 gives +0.0, which compares as -0.0 does).
+        bits = key.to(tl.int32)
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _top_p_key(key, mass, threshold, lo, hi):
         # The smallest key t with float64(sum of mass over key <= t) > threshold, searched in (lo, hi] where lo
         # fails and hi holds.
@@ -142,7 +174,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["codebook_value"])
     def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr,
                      codebook_value, out_ptr, stride_row, V, FIXED_CODEBOOK: tl.constexpr, BLOCK_V: tl.constexpr,
-                     EXACT: tl.constexpr, MASS_SCALE: tl.constexpr):
+                     EXACT: tl.constexpr, MASS_SCALE: tl.constexpr, RADIX: tl.constexpr = False):
         row = tl.program_id(0)
         v = tl.arange(0, BLOCK_V)
         valid = v < V
@@ -152,17 +184,24 @@ if triton is not None:
         if (tl.load(do_ptr + row) != 0) & (temp > 0):
             scaled = tl.where(valid, x / temp, float("-inf"))
             key = _order_key(scaled)
-            lowest = tl.min(tl.where(valid, key, 2147483647), axis=0)
-            highest = tl.max(tl.where(valid, key, -2147483648), axis=0)
             # TopK: the k-th largest value (ties counted, as in a descending sort); top_k <= 0 is off (k = V).
             top_k = tl.load(topk_ptr + row)
             k = tl.where(top_k <= 0, V, tl.minimum(top_k, V))
             kth = tl.min(tl.where(valid, scaled, float("inf")), axis=0)
-            if k < V:
-                kth = _value_at_key(scaled, key, valid, _kth_largest_key(key, valid, k, lowest, highest))
+            if RADIX:  # the search's bounds are needed only by top-p's
+                if k < V:
+                    kth = _value_of_key(_kth_largest_key_radix(key, valid, k))
+            else:
+                lowest = tl.min(tl.where(valid, key, 2147483647), axis=0)
+                highest = tl.max(tl.where(valid, key, -2147483648), axis=0)
+                if k < V:
+                    kth = _value_at_key(scaled, key, valid, _kth_largest_key(key, valid, k, lowest, highest))
             cut = kth
             top_p = tl.load(topp_ptr + row)
             if top_p < 1.0:
+                if RADIX:
+                    lowest = tl.min(tl.where(valid, key, 2147483647), axis=0)
+                    highest = tl.max(tl.where(valid, key, -2147483648), axis=0)
                 # TopP over the top-k survivors, as a descending walk would do it: integer masses, exact in any
                 # order. Walking down, an id is dropped once the mass from it to the end is <= (1 - top_p) of
                 # the total (the first never), so the last kept value is the smallest t whose mass at or below
