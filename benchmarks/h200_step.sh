@@ -19,6 +19,9 @@
 #   benchmarks/h200_step.sh profile   # c=64 decode steps of this tree by kernel (offline.py --profile-batch; PB, PMODES)
 #   benchmarks/h200_step.sh ncu       # Nsight Compute's warp-stall samples of one one-row stack pass, per SASS
 #                                     # instruction (stall_ledger.py prints the top; the report and CSV come back)
+#   benchmarks/h200_step.sh draw      # the draw's top-k by radix select: draw_kernel_checks.py on CUDA (both forms
+#                                     # against sampler.draw), draw_speed.py, then offline.py with --radix-draw against
+#                                     # without, with the stack (FLAGS) and the stack's looked-up rows (LOOKUP=1 adds)
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
 #                                     # and MAX_PROMPTS size a cell; PROFILE=mode:conc,... py-spies those cells)
@@ -122,6 +125,16 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       [ -n "${STACK_BASE:-}" ] && offline .base base-stack "$size" "${BATCHES:-1,2,4,8}" --stack
       offline . stack "$size" "${BATCHES:-1,2,4,8}" --stack
       [ -n "${NO_STACK-1}" ] && offline . no-stack "$size" "${BATCHES:-1,2,4,8}"  # NO_STACK= skips it
+    done ;;
+  draw)
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-150} python3 tests/draw_kernel_checks.py cuda 2>&1 | tail -12
+    PYTHONPATH=.:$PYTHONPATH timeout ${T:-150} python3 benchmarks/draw_speed.py --out "$OUT/draw_speed.json" 2>&1 \
+      | grep -E '^\{|Error' | cut -c1-300
+    for size in ${SIZES:-0.6B}; do
+      offline . bisection "$size" "${BATCHES:-1,64}" "${FLAGS---stack}"
+      offline . radix "$size" "${BATCHES:-1,64}" "${FLAGS---stack} --radix-draw"
+      [ -n "${LOOKUP:-}" ] && offline . radix-lookup "$size" "${BATCHES:-1,64}" "${FLAGS---stack} --radix-draw --stack-lookup"
+      offline . bisection-again "$size" "${BATCHES:-1,64}" "${FLAGS---stack}"
     done ;;
   ncu)  # --clock-control none: METHOD.md says to leave the clocks alone
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
