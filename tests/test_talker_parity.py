@@ -278,3 +278,32 @@ def test_chunked_prefill_equals_whole_prefill():
         cache.advance(7)
         second = talker(x[:, 7:], pos[:, 7:], cache)
     assert _max_diff(torch.cat([first, second], dim=1), whole) <= 1e-5
+
+
+def test_the_packed_frame_table_embeds_frames_as_the_sixteen_tables_do():
+    """`pack_frame_table` (which every engine calls): a frame's embedding is one gather from the concatenated
+    tables, bit for bit the sum of the sixteen lookups. The tables become views of it (held once), so an in-place
+    change of a table reaches the gather; a module moved to another dtype afterwards takes its tables again."""
+    c = tiny_config().talker_config
+    talker = Talker(c).eval()
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in talker.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    vocabs = [c.vocab_size] + [c.code_predictor_config.vocab_size] * 15
+    codes = torch.stack([torch.randint(0, v, (4, 3), generator=gen) for v in vocabs], dim=-1)
+    codes[0, 0] = torch.tensor(vocabs) - 1  # each table's last row: an offset off by one would show
+    with torch.no_grad():
+        separate = talker.embed_frame(codes)
+        talker.pack_frame_table()
+        talker.pack_frame_table()  # idempotent
+        assert torch.equal(talker.embed_frame(codes), separate)
+        table = talker.code_predictor.model.codec_embedding[4].weight
+        assert table.untyped_storage().data_ptr() == talker.frame_table.untyped_storage().data_ptr()
+        assert sum(t.weight.numel() for t in talker._frame_tables()) == talker.frame_table.numel()
+        table[codes[1, 2, 5]] += 1.0  # codebook 5's row of frame [1, 2]
+        changed = talker.embed_frame(codes)
+        assert not torch.equal(changed[1, 2], separate[1, 2]) and torch.equal(changed[0], separate[0])
+        talker.to(torch.float64)  # the float32 table is stale now: the tables' own lookups, summed in float64
+        moved = talker.embed_frame(codes)
+        assert moved.dtype == torch.float64 and torch.allclose(moved, changed.double(), atol=1e-5)

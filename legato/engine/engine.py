@@ -152,6 +152,7 @@ class Engine:
         self.loaded = loaded
         self.config = config
         talker = loaded.talker
+        talker.pack_frame_table()  # a frame's 16 codebook embeddings in one gather (the tables become its views)
         if talker.codec_head.weight.is_cuda:
             # Packed serving copies of the projections exist before the KV cache is sized, so they count.
             pack_projections(talker)

@@ -264,8 +264,8 @@ class ModelRunner:
         st = s.gather_params(slots, frame)
         c0 = s.last_c0[slots]
         residual = talker.code_predictor.predict_residuals(
-            s.past_hidden[slots], talker.embed_codec(c0), lambda logits, g: self.sampler.sample_residual(logits, st, g),
-            stack=self.uses_stack,
+            s.past_hidden.index_select(0, slots), talker.embed_codec(c0),
+            lambda logits, g: self.sampler.sample_residual(logits, st, g), stack=self.uses_stack,
         )
         codes = torch.cat([c0.unsqueeze(1), residual], dim=1)
         embeds = talker.embed_frame(codes) + s.text_for(slots, frame, self.tts_pad)

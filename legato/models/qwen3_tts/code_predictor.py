@@ -173,8 +173,8 @@ class CodePredictor(nn.Module):
                 scores = logits(self.small_to_mtp_projection(table(code)).contiguous(), g + 1, self.lm_head[g])
             elif STACK_LOOKUP:
                 scores = logits(rows, g + 1, self.lm_head[g], code=code)
-            else:
-                scores = logits(rows[code], g + 1, self.lm_head[g])
+            else:  # index_select: at one row, half the device time of `rows[code]`'s indexing kernel (H100 profile)
+                scores = logits(rows.index_select(0, code), g + 1, self.lm_head[g])
             code = sample(scores, g + 1)
             codes.append(code)
         cache.advance(self.config.num_code_groups)

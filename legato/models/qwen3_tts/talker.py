@@ -52,6 +52,11 @@ class Talker(nn.Module):
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.hidden_size)
         self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg.code_predictor_config, cfg.hidden_size)
+        # The 16 codebooks' embedding tables as one (`pack_frame_table`): a frame's embedding is then one gather
+        # instead of sixteen. Each table's weight is a view of its rows, so the tables are held once.
+        self.frame_table: torch.Tensor | None = None
+        self.frame_offsets: torch.Tensor | None = None  # int64 [16]: codebook g's first row in frame_table
+        self._frame_pointers: list[int] = []
 
     @property
     def num_code_groups(self) -> int:
@@ -83,7 +88,41 @@ class Talker(nn.Module):
 
         Codebook 0 uses the talker's codec embedding, codebook g >= 1 the code predictor's table g-1.
         The per-codebook vectors are stacked and reduced in one `sum`, as the reference does, so prompt
-        and decode inputs match it bit for bit."""
-        tables = [self.model.codec_embedding, *self.code_predictor.model.codec_embedding]
+        and decode inputs match it bit for bit. With the packed table the stack is one gather's output, the
+        same [..., G, H] values (a frame's 16 embedding kernels and the stack's copy became one kernel)."""
+        if self._frame_table_current() and self.frame_table.device == codes.device:
+            rows = (codes + self.frame_offsets).reshape(-1)
+            parts = self.frame_table.index_select(0, rows).view(*codes.shape, -1)
+            return parts.sum(dim=-2)
+        tables = self._frame_tables()
         parts = [table(codes[..., g]) for g, table in enumerate(tables)]
         return torch.stack(parts, dim=-2).sum(dim=-2)
+
+    def _frame_tables(self) -> list[nn.Embedding]:
+        return [self.model.codec_embedding, *self.code_predictor.model.codec_embedding]
+
+    def _frame_table_current(self) -> bool:
+        # The tables still view `frame_table` (a move or dtype change of the module gives each weight its own
+        # copy, which the packed table would not follow).
+        if self.frame_table is None:
+            return False
+        return [t.weight.data_ptr() for t in self._frame_tables()] == self._frame_pointers
+
+    def pack_frame_table(self) -> None:
+        """Concatenates the 16 codebook tables into `frame_table` and makes each table's weight a view of its rows
+        (idempotent; call it once the weights are on their device: moving the module copies each weight apart
+        again, and `embed_frame` then takes the tables one by one)."""
+        if self.frame_table is not None:
+            return
+        tables = self._frame_tables()
+        with torch.no_grad():
+            packed = torch.cat([t.weight for t in tables])
+        offsets, start = [], 0
+        for t in tables:
+            rows = t.weight.shape[0]
+            t.weight = nn.Parameter(packed[start:start + rows], requires_grad=t.weight.requires_grad)
+            offsets.append(start)
+            start += rows
+        self.frame_table = packed
+        self.frame_offsets = torch.tensor(offsets, dtype=torch.int64, device=packed.device)
+        self._frame_pointers = [t.weight.data_ptr() for t in tables]
