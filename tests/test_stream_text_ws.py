@@ -449,20 +449,27 @@ def test_a_failed_context_is_the_clients_error_by_the_chunks_code_not_its_messag
         c.close_and_wait(http)
 
 
+def _open_context_until_it_times_out(ws, client) -> tuple[WsClient, int]:
+    """Opens context "a" with text that stays open, on an app whose request timeout is 0.5 s, and reads up to its
+    504 `timeout` error; returns the socket's client and the engine's decode rows before the context."""
+    c = WsClient(ws)
+    c.send(type="session.update", session={"voice": client.info.speakers[0]})
+    c.event("session.updated")
+    rows_before = client.stats().decode_rows
+    c.send(type="input_text.append", context_id="a", text="Hello there, ")  # the text stays open
+    err = c.until(lambda e: e["type"] == "error", "the timeout error", errors_ok=True)
+    assert err["context_id"] == "a" and err["error"]["code"] == "timeout"
+    assert "timed out after 0.5 s" in err["error"]["message"]
+    return c, rows_before
+
+
 def test_a_context_is_bounded_by_the_request_timeout_as_an_http_request_is(loaded):
     """--request-timeout aborts a context as it aborts an HTTP request: a context whose text never ends (a client
     keeping it open) gets a 504 `timeout` error and its request leaves the engine. Before, it ran on, holding its
     decode slot and KV blocks for as long as the client kept the socket busy."""
     app, client = make_app(loaded, request_timeout_s=0.5)
     with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
-        c = WsClient(ws)
-        c.send(type="session.update", session={"voice": client.info.speakers[0]})
-        c.event("session.updated")
-        rows_before = client.stats().decode_rows
-        c.send(type="input_text.append", context_id="a", text="Hello there, ")  # the text stays open
-        err = c.until(lambda e: e["type"] == "error", "the timeout error", errors_ok=True)
-        assert err["context_id"] == "a" and err["error"]["code"] == "timeout"
-        assert "timed out after 0.5 s" in err["error"]["message"]
+        c, rows_before = _open_context_until_it_times_out(ws, client)
         deadline = time.monotonic() + 60
         while (s := client.stats()).running or s.waiting or s.free_kv_blocks != s.num_kv_blocks:
             assert time.monotonic() < deadline, f"the timed-out request still holds the engine: {s}"
@@ -497,13 +504,7 @@ def test_a_context_timed_out_while_its_request_is_admitted_never_reaches_the_eng
     client._engine_request = held_build
     try:
         with TestClient(app) as http, http.websocket_connect(STREAM_PATH) as ws:
-            c = WsClient(ws)
-            c.send(type="session.update", session={"voice": client.info.speakers[0]})
-            c.event("session.updated")
-            rows_before = client.stats().decode_rows
-            c.send(type="input_text.append", context_id="a", text="Hello there, ")  # the text stays open
-            err = c.until(lambda e: e["type"] == "error", "the timeout error", errors_ok=True)
-            assert err["context_id"] == "a" and err["error"]["code"] == "timeout"
+            c, rows_before = _open_context_until_it_times_out(ws, client)
             release.set()
             assert built.wait(60), "admission never finished the request"
             # Admission finished the request after its timeout; the context is gone, so a later message on it is
