@@ -453,6 +453,10 @@ def test_warm_up_runs_a_throwaway_request_and_leaves_nothing_behind(root, model_
     assert not engine.live and not engine.codec.streams and not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
     assert engine.times.steps > 6
+    before = (engine.times.steps, engine.times.host_s)
+    for _ in range(3):  # the engine thread's call after each idle wait: nothing launched, collected or emitted
+        assert engine.step() == []
+    assert (engine.times.steps, engine.times.host_s) == before  # an idle engine does not count steps (a metric)
 
 
 def test_decoding_every_step_delivers_the_chunks_of_decoding_when_due(tmp_path):

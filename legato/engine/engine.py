@@ -391,17 +391,20 @@ class Engine:
         stop is seen; work queued later on the same stream reuses them only after frame t is done."""
         started = time.perf_counter()
         launched = self._launch()
+        ran = launched.copy is not None
         if not self.config.async_scheduling:
             outputs = launched.errors + self._collect(launched)
         else:
             previous = self._in_flight
-            self._in_flight = launched if launched.copy is not None else None
+            self._in_flight = launched if ran else None
+            ran = ran or previous is not None
             outputs = launched.errors + self._collect(previous)
         # Audio is read back without waiting, except when the engine would only spin: synchronous mode, or
         # nothing left on the device but the codec's work.
         outputs += self._audio(wait=not self.config.async_scheduling or self._in_flight is None)
-        self.times.steps += 1
-        self.times.host_s += time.perf_counter() - started
+        if ran or outputs:  # an idle call (the engine thread's, after each 50 ms wait for work) is not a step
+            self.times.steps += 1
+            self.times.host_s += time.perf_counter() - started
         return outputs
 
     def _launch(self) -> _Launched:
