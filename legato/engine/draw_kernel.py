@@ -6,7 +6,8 @@ A frame draws 16 tokens one after another (codebook 0, then the code predictor's
 kernel, and one argmax draws. The top-k value and the top-p cut are found by bisection over the values'
 bit patterns (32 counting passes each, the top-p one skipped when the row's top_p is 1), not by sorting: an
 in-register bitonic sort of 2,048 values took ~42 us per draw on the H200, the same at batch 1 and 64
-(docs/benchmarks.md), most of a frame's sixteen draws.
+(docs/benchmarks.md), most of a frame's sixteen draws. `RADIX_SELECT` finds the top-k value instead by four
+256-bin histograms of the key's bytes (opt-in until a device call has timed it: benchmarks/draw_speed.py).
 
 Same contract as `sampler.draw`, to the bit where the math library allows: the masses, thresholds, cut and
 Philox words are computed exactly as there (integer cumulative masses, float64 comparisons); on CUDA the
