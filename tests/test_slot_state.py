@@ -50,3 +50,29 @@ def test_assign_many_writes_what_assigning_each_slot_writes():
     assert many.params.talker.top_k[1].item() == 9 and many.params.subtalker.do_sample[1].item() is False
     assert many.trailing_len.tolist() == [3, 4, 3, 3, 2, 3, 3] and many.frames[[1, 4]].tolist() == [0, 0]
     assert not many.seen[1].any() and many.seen[0].all()
+
+
+def test_gather_params_gives_each_knob_of_the_slots_as_a_contiguous_row():
+    """A step's knobs come from three gathers (one per dtype) instead of one per knob; each knob must still equal
+    indexing that knob's slot row, and be contiguous (the draw kernel reads row b at offset b)."""
+    g = torch.Generator().manual_seed(2)
+    s = _state()
+    s.assign_many([SlotAssignment(slot, torch.randn(2, 8, generator=g),
+                                  SamplingParams(seed=slot, temperature=0.5 + slot / 10, top_k=slot + 1,
+                                                 top_p=0.9 - slot / 20, subtalker_temperature=1.0 + slot / 10,
+                                                 subtalker_top_k=slot + 20, subtalker_top_p=0.8,
+                                                 do_sample=slot % 2 == 0, subtalker_do_sample=slot % 3 == 0,
+                                                 repetition_penalty=1.0 + slot / 100, min_new_tokens=slot),
+                                  100 + slot, slot == 5) for slot in range(6)])
+    slots = torch.tensor([4, 1, 6, 1])  # a repeated slot and the scratch row, as a padded graph bucket has
+    frame = torch.tensor([3, 4, 5, 6])
+    got, every = _tensors(s), s.gather_params(slots, frame)
+    assert torch.equal(every.frame, frame)
+    for name, row in got.items():
+        if name in ("frames", "seen", "trailing", "trailing_len"):
+            continue
+        head, _, field = name.rpartition(".")
+        value = getattr(getattr(every, head), field) if head else getattr(every, field)
+        assert value.is_contiguous() and torch.equal(value, row[slots]), name
+    assert every.seed.tolist() == [104, 101, 0, 101] and every.min_new_tokens[0].item() == 4
+    assert every.talker.do_sample.tolist() == [True, False, False, False]

@@ -21,6 +21,21 @@ from legato.layers.host import upload
 NEVER_EOS = 1 << 62
 
 
+# The rows of SlotState's knob tables, by dtype.
+_INTS = ("seed", "min_new_tokens", "top_k", "subtalker_top_k")
+_FLOATS = ("repetition_penalty", "temperature", "top_p", "subtalker_temperature", "subtalker_top_p")
+_FLAGS = ("do_sample", "subtalker_do_sample")
+
+
+def _knobs(ints: torch.Tensor, floats: torch.Tensor, flags: torch.Tensor, frame: torch.Tensor) -> SamplingTensors:
+    """SamplingTensors viewing the rows of knob tables laid out as _INTS, _FLOATS and _FLAGS ([knob, column])."""
+    return SamplingTensors(
+        seed=ints[0], frame=frame, repetition_penalty=floats[0], min_new_tokens=ints[1],
+        talker=HeadTensors(do_sample=flags[0], temperature=floats[1], top_k=ints[2], top_p=floats[2]),
+        subtalker=HeadTensors(do_sample=flags[1], temperature=floats[3], top_k=ints[3], top_p=floats[4]),
+    )
+
+
 @dataclass
 class SlotAssignment:
     """What a slot holds for a new request: its trailing text embeddings [n, H] and sampling knobs."""
@@ -52,22 +67,13 @@ class SlotState:
         self.trailing = torch.zeros(n, max_text, hidden, dtype=dtype, device=device)
         self.trailing_len = torch.zeros(n, dtype=torch.long, device=device)
 
-        def head() -> HeadTensors:
-            return HeadTensors(
-                do_sample=torch.zeros(n, dtype=torch.bool, device=device),
-                temperature=torch.ones(n, dtype=torch.float32, device=device),
-                top_k=torch.zeros(n, dtype=torch.long, device=device),
-                top_p=torch.ones(n, dtype=torch.float32, device=device),
-            )
-
-        self.params = SamplingTensors(
-            seed=torch.zeros(n, dtype=torch.long, device=device),
-            frame=torch.zeros(n, dtype=torch.long, device=device),
-            repetition_penalty=torch.ones(n, dtype=torch.float32, device=device),
-            min_new_tokens=torch.zeros(n, dtype=torch.long, device=device),
-            talker=head(),
-            subtalker=head(),
-        )
+        # The sampling knobs, one table per dtype with a row per knob and a column per slot: a step gathers
+        # its slots' columns in three kernels (each knob a contiguous row of the result, as the draw reads
+        # it) instead of one per knob; `params` views the rows.
+        self._ints = torch.zeros(len(_INTS), n, dtype=torch.long, device=device)
+        self._floats = torch.ones(len(_FLOATS), n, dtype=torch.float32, device=device)
+        self._flags = torch.zeros(len(_FLAGS), n, dtype=torch.bool, device=device)
+        self.params = _knobs(self._ints, self._floats, self._flags, torch.zeros(n, dtype=torch.long, device=device))
 
     def assign(self, slot: int, trailing_text: torch.Tensor, params: object, seed: int, ignore_eos: bool) -> None:
         """Resets `slot` for a new request (its trailing text embeddings [n, H] and sampling params)."""
@@ -86,9 +92,8 @@ class SlotState:
             return
         for a in items:
             self.check(a)
-        p = self.params
         ints, floats, flags = [], [], []
-        for a in items:
+        for a in items:  # in the order of _INTS, _FLOATS and _FLAGS, then the trailing text's length
             q = a.params
             ints.append((a.seed, NEVER_EOS if a.ignore_eos else int(q.min_new_tokens), int(q.top_k),
                          int(q.subtalker_top_k), a.trailing_text.shape[0]))
@@ -97,15 +102,13 @@ class SlotState:
             flags.append((bool(q.do_sample), bool(q.subtalker_do_sample)))
         device = self.frames.device
         idx = upload(np.array([a.slot for a in items], dtype=np.int64), device)
-        i = upload(np.array(ints, dtype=np.int64), device)
-        f = upload(np.array(floats, dtype=np.float32), device)
-        b = upload(np.array(flags, dtype=np.bool_), device)
-        for dst, src in ((p.seed, i[:, 0]), (p.min_new_tokens, i[:, 1]), (p.talker.top_k, i[:, 2]),
-                         (p.subtalker.top_k, i[:, 3]), (self.trailing_len, i[:, 4]),
-                         (p.repetition_penalty, f[:, 0]), (p.talker.temperature, f[:, 1]), (p.talker.top_p, f[:, 2]),
-                         (p.subtalker.temperature, f[:, 3]), (p.subtalker.top_p, f[:, 4]),
-                         (p.talker.do_sample, b[:, 0]), (p.subtalker.do_sample, b[:, 1])):
-            dst.index_copy_(0, idx, src)
+        i = upload(np.array(ints, dtype=np.int64).T.copy(), device)  # [knob, item]
+        f = upload(np.array(floats, dtype=np.float32).T.copy(), device)
+        b = upload(np.array(flags, dtype=np.bool_).T.copy(), device)
+        self._ints.index_copy_(1, idx, i[: len(_INTS)])
+        self._floats.index_copy_(1, idx, f)
+        self._flags.index_copy_(1, idx, b)
+        self.trailing_len.index_copy_(0, idx, i[len(_INTS)])
         self.frames.index_fill_(0, idx, 0)
         self.seen.index_fill_(0, idx, False)
         for a in items:
@@ -123,19 +126,8 @@ class SlotState:
 
     def gather_params(self, slots: torch.Tensor, frame: torch.Tensor) -> SamplingTensors:
         """The sampling rows of `slots`, keyed to `frame` [B]."""
-        p = self.params
-
-        def rows(h: HeadTensors) -> HeadTensors:
-            return HeadTensors(h.do_sample[slots], h.temperature[slots], h.top_k[slots], h.top_p[slots])
-
-        return SamplingTensors(
-            seed=p.seed[slots],
-            frame=frame,
-            repetition_penalty=p.repetition_penalty[slots],
-            min_new_tokens=p.min_new_tokens[slots],
-            talker=rows(p.talker),
-            subtalker=rows(p.subtalker),
-        )
+        return _knobs(self._ints.index_select(1, slots), self._floats.index_select(1, slots),
+                      self._flags.index_select(1, slots), frame)
 
     def text_for(self, slots: torch.Tensor, step: torch.Tensor, tts_pad: torch.Tensor) -> torch.Tensor:
         """Text-track input of decode step `step` [B]: trailing text while it lasts, then tts_pad."""
