@@ -54,12 +54,13 @@ def run_checks(device: str, rows: dict[int, int], rounds: int) -> dict[str, int]
             got = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame, codebook)
             want = draw(logits, head, seed, frame, codebook)
             result[f"V={vocab} round {r}: vs draw"] = int((got != want).sum())
-            if r == 0:  # top-k by the radix select (draw_kernel.RADIX_SELECT) rather than the bisection
+            if r == 0:
+                # top-k by the radix select (draw_kernel.RADIX_SELECT) rather than the bisection
                 radix = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame,
                                    codebook, radix=True)
                 result[f"V={vocab}: radix select vs draw"] = int((radix != want).sum())
-            if r == 0:  # one codebook for every row, given as an int (the sampler's way) rather than a tensor; 1 is
-                # the value Triton would make a compile-time constant unless told not to
+                # one codebook for every row, given as an int (the sampler's way) rather than a tensor; 1 is the
+                # value Triton would make a compile-time constant unless told not to
                 result[f"V={vocab}: codebook as an int vs draw"] = sum(
                     int((fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame, cb)
                          != draw(logits, head, seed, frame, torch.full_like(codebook, cb))).sum()) for cb in (1, 15))

@@ -116,6 +116,11 @@ if triton is not None:
         return tl.where(x == 0.0, 0, key).to(tl.int64)
 
     @triton.jit
+    def _key_bounds(key, valid):
+        # The smallest and the largest valid key: where the searches start.
+        return tl.min(tl.where(valid, key, 2147483647), axis=0), tl.max(tl.where(valid, key, -2147483648), axis=0)
+
+    @triton.jit
     def _kth_largest_key(key, valid, k, lowest, highest):
         # The largest t with count(key >= t) >= k: the k-th largest key, counting ties (k <= the valid count).
         # 32 halvings cover the int32 range; once converged an iteration changes nothing.
@@ -189,20 +194,18 @@ if triton is not None:
             top_k = tl.load(topk_ptr + row)
             k = tl.where(top_k <= 0, V, tl.minimum(top_k, V))
             kth = tl.min(tl.where(valid, scaled, float("inf")), axis=0)
-            if RADIX:  # the search's bounds are needed only by top-p's
+            if RADIX:  # the radix select needs no bounds: they are found for top-p's search alone
                 if k < V:
                     kth = _value_of_key(_kth_largest_key_radix(key, valid, k))
             else:
-                lowest = tl.min(tl.where(valid, key, 2147483647), axis=0)
-                highest = tl.max(tl.where(valid, key, -2147483648), axis=0)
+                lowest, highest = _key_bounds(key, valid)
                 if k < V:
                     kth = _value_at_key(scaled, key, valid, _kth_largest_key(key, valid, k, lowest, highest))
             cut = kth
             top_p = tl.load(topp_ptr + row)
             if top_p < 1.0:
                 if RADIX:
-                    lowest = tl.min(tl.where(valid, key, 2147483647), axis=0)
-                    highest = tl.max(tl.where(valid, key, -2147483648), axis=0)
+                    lowest, highest = _key_bounds(key, valid)
                 # TopP over the top-k survivors, as a descending walk would do it: integer masses, exact in any
                 # order. Walking down, an id is dropped once the mass from it to the end is <= (1 - top_p) of
                 # the total (the first never), so the last kept value is the smallest t whose mass at or below

@@ -90,7 +90,7 @@ class Talker(nn.Module):
         The per-codebook vectors are stacked and reduced in one `sum`, as the reference does, so prompt
         and decode inputs match it bit for bit. With the packed table the stack is one gather's output, the
         same [..., G, H] values (a frame's 16 embedding kernels and the stack's copy became one kernel)."""
-        if self._frame_table_current() and self.frame_table.device == codes.device:
+        if self._frame_table_current():
             rows = (codes + self.frame_offsets).reshape(-1)
             parts = self.frame_table.index_select(0, rows).view(*codes.shape, -1)
             return parts.sum(dim=-2)
