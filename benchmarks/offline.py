@@ -170,6 +170,9 @@ def main() -> None:
     ap.add_argument("--no-small-matmul", action="store_true",
                     help="few-row matmuls through the one-row kernel and cuBLAS (the path before "
                          "layers/small_matmul.py), to measure its share")
+    ap.add_argument("--no-fused-norm", action="store_true",
+                    help="a split few-row product's sum, residual add and norm as two kernels (the path before "
+                         "small_matmul.FUSED_NORM)")
     ap.add_argument("--stack-lookup", action="store_true",
                     help="with --stack, the launch looks up a codebook's embedding row (code_predictor.STACK_LOOKUP)")
     ap.add_argument("--stack", action="store_true",
@@ -212,6 +215,10 @@ def main() -> None:
 
         draw_kernel.ENABLED = not args.compiled_sampler
         draw_kernel.RADIX_SELECT = args.radix_draw
+    if args.no_fused_norm:
+        from legato.layers import small_matmul
+
+        small_matmul.FUSED_NORM = False
     if args.cublas_linear or args.no_small_matmul:
         from legato.layers import skinny_linear, small_matmul
 
@@ -237,7 +244,7 @@ def main() -> None:
         "attn_split_all": args.attn_split_all,
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
-        "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack,
+        "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack, "fused_norm": not args.no_fused_norm,
         "stack_lookup": args.stack_lookup, "radix_draw": args.radix_draw,
     }
     for mode in args.modes.split(","):

@@ -25,6 +25,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_for_numpy()
 
 from legato.layers import small_matmul
+from legato.layers.fused import add_rms_norm
 from legato.layers.small_matmul import Tiles
 
 
@@ -75,6 +76,18 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
         want = residual.double() + _want(x, w, False)
         got = small_matmul.matmul(x, w, tiles=tiles, add_to=residual)
         errors[f"add {m}x{k} @ {n}x{k} {tiles}"] = _err(residual, want) + float(got.data_ptr() != residual.data_ptr())
+    # The split product finished with the residual add and the next RMSNorm in one kernel, against the two kernels
+    # it replaces (the product, then `add_rms_norm`): the residual to the bit under the interpreter (the same
+    # partial sums in the same order), the norm within the tolerance (its mean is summed in another order).
+    for m, n, k, tiles in [(1, 48, 128, Tiles(16, 32, split=4)), (19, 40, 160, Tiles(16, 64, split=2))]:
+        x = torch.randn(1, m, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+        residual = torch.randn(1, m, n, generator=gen).to(device, dtype)
+        norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(device, dtype)
+        y, h = small_matmul.matmul_add_rms_norm(x, w, residual, norm_w, 1e-6, tiles=tiles)
+        y0, h0 = add_rms_norm(residual, small_matmul.matmul(x, w, tiles=tiles), norm_w, 1e-6)
+        same = torch.equal(y, y0) if device == "cpu" else _err(y, y0) < 1e-2
+        errors[f"add norm {m}x{k} @ {n}x{k} {tiles}"] = _err(h, h0) + float(not same) + float(h.shape != (1, m, n))
     # A strided input with leading dimensions: [2, 3, K] taken from a wider buffer.
     buf = torch.randn(2, 3, 2 * 64, generator=gen).to(device, dtype)
     x, w = buf[..., ::2], (torch.randn(40, 64, generator=gen) / 8).to(device, dtype)

@@ -19,7 +19,8 @@ def test_small_matmul_equals_f_linear_under_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
     run = run_checks_script("small_matmul_checks.py")
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    assert run.stdout.count(" ok\n") == 12  # every case, the normalised and residual forms, the strided input
+    # every case, the normalised, residual and add-norm forms, the strided input
+    assert run.stdout.count(" ok\n") == 14
 
 
 def test_cpu_and_fp32_calls_keep_the_unfused_math():
@@ -57,7 +58,7 @@ def test_a_tune_table_file_replaces_the_measured_tiles(tmp_path):
 
 def test_the_small_matmul_kernels_compile_for_hopper():
     """The interpreter runs the kernels' semantics, not the GPU compiler: each form (plain and gated, whole K and
-    split, the row norm inside, the residual add) compiles as far as an sm_90 cubin, so a construct the GPU backend
+    split, the row norm inside, the residual add, the split sum with the add and the next norm) compiles as far as an sm_90 cubin, so a construct the GPU backend
     refuses fails on the CPU too."""
     skip_unless_ptxas()
     fp32 = {"part_ptr": "*fp32"}
@@ -70,3 +71,5 @@ def test_the_small_matmul_kernels_compile_for_hopper():
             assert size > 0
         for add in (False, True):
             assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=gated, ADD=add, BLOCK=256), fp32) > 0
+    for block in (1024, 2048):  # the 0.6B's and the 1.7B's hidden widths
+        assert compile_for_hopper(small_matmul._sum_add_norm_kernel, dict(BLOCK_N=block), {**fp32, "EPS": "fp32"}) > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from legato.layers import small_matmul
-from legato.layers.fused import silu_mul
+from legato.layers.fused import add_rms_norm, silu_mul
 from legato.layers.skinny_linear import linear as _one_row_or_cublas
 
 
@@ -25,3 +25,13 @@ def gated_linear(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         return small_matmul.matmul(x, gate_up, gated=True, tiles=tiles)
     gate, up = _one_row_or_cublas(x, gate_up).chunk(2, dim=-1)
     return silu_mul(gate, up)
+
+
+def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm(residual, linear(x, weight), norm_weight, eps)`: (the residual stream after the projection,
+    its RMSNorm). Where the few-row GEMM splits K, its partial sums, the add and the norm share one kernel."""
+    tiles = small_matmul.plan(x, weight)
+    if tiles is not None:
+        return small_matmul.matmul_add_rms_norm(x, weight, residual, norm_weight, eps, tiles=tiles)
+    return add_rms_norm(residual, _one_row_or_cublas(x, weight), norm_weight, eps)

@@ -29,5 +29,12 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:  # the serving layout: few-row calls take the Triton kernels
-            return linear(gated_linear(x, self.gate_up_weight), self.down_proj.weight)
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+            return linear(self.down_input(x), self.down_proj.weight)
+        return self.down_proj(self.down_input(x))
+
+    def down_input(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x): what the down projection takes (a decoder layer runs that projection together
+        with the residual add and the next norm)."""
+        if self.gate_up_weight is not None:
+            return gated_linear(x, self.gate_up_weight)
+        return silu_mul(self.gate_proj(x), self.up_proj(x))

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from legato.layers.fused import add_rms_norm
+
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
     import triton
     import triton.language as tl
@@ -37,6 +39,9 @@ except ImportError:  # pragma: no cover - depends on the install
 ENABLED = True
 MAX_ROWS = 256
 _MIN_PROGRAMS = 128  # about one per SM on an H200: fewer leave SMs idle while the weight streams
+# `matmul_add_rms_norm` finishes a split product with the residual add and the norm in one kernel; off, it runs the
+# sum and `add_rms_norm` apart, as before (benchmarks measure both in one process).
+FUSED_NORM = True
 RULE_MAX_ROWS = 64  # past this the rule of thumb lost to cuBLAS on the H200 (matmul_tune.py): the table's shapes only
 
 
@@ -143,7 +148,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Tiles | None = None,
-           norm_eps: float | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
+           norm_eps: float | None = None, add_to: torch.Tensor | None = None,
+           norm_after: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """x [..., K] @ weight [N, K]^T -> [..., N]; gated: weight is [gate; up] ([2I, K]) and the result
     silu(x @ gate^T) * (x @ up^T) [..., I]. Any dtype Triton takes (tests run fp32 under the interpreter);
     `tiles` overrides the table (the tune script).
@@ -151,7 +157,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     `norm_eps`: x's rows are RMS-normalised first (a weightless RMSNorm: fold its weight into `weight`): the
     program sums each row's squares as it walks K and scales the fp32 product by rsqrt(mean + eps), so the
     normalised rows never go through memory (K is not split then). `add_to` [..., N] (contiguous): the product
-    is added into it, in place, and it is returned (a residual stream: `h += x @ W^T` in one kernel)."""
+    is added into it, in place, and it is returned (a residual stream: `h += x @ W^T` in one kernel).
+    `norm_after` (residual, norm weight, eps), K split: `matmul_add_rms_norm`'s pair (call that instead)."""
     k = x.shape[-1]
     n_w = weight.shape[0]
     if weight.shape[1] != k:
@@ -188,6 +195,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.warps,
         num_stages=t.stages,
     )
+    if split > 1 and norm_after is not None:
+        residual, norm_weight, eps = norm_after
+        h = torch.empty_like(out)
+        _sum_add_norm_kernel[(m,)](parts, residual.reshape(m, n), norm_weight, out, h, m, n, split, float(eps),
+                                   BLOCK_N=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8)
+        return out.view(*x.shape[:-1], n), h.view(*x.shape[:-1], n)
     if split > 1:
         block = 256
         _sum_parts_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, split, GATED=gated,
@@ -195,6 +208,27 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     if add_to is not None:
         return add_to
     return out.view(*x.shape[:-1], n)
+
+
+def splits_k(m: int, weight: torch.Tensor, tiles: Tiles) -> bool:
+    """Whether the product of m rows with `weight` under `tiles` splits K over programs (so it ends in a second
+    kernel, which `matmul_add_rms_norm` makes the residual add and the norm after it too)."""
+    return max(1, min(tiles.split, -(-weight.shape[1] // tiles.block_k))) > 1
+
+
+def matmul_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float, tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x @ weight^T, RMSNorm of it): a decoder layer's projection back into the residual stream and
+    the norm that follows it. Where K is split over programs the kernel that adds the partial sums (in split order)
+    also rounds the product to the activation dtype, adds the residual and normalises the row, in one program per
+    row: the rounding of `add_rms_norm(residual, linear(x, weight))`, one launch fewer. Otherwise the product
+    and `add_rms_norm` run as before."""
+    m, n = x.numel() // x.shape[-1], weight.shape[0]
+    t = tiles or tiles_for(m, n, weight.shape[1]) or rule_of_thumb(m, n, weight.shape[1])
+    if (not FUSED_NORM or not splits_k(m, weight, t) or residual.shape[-1] != n or residual.dtype != x.dtype
+            or norm_weight.dtype != x.dtype or n > 8192):
+        return add_rms_norm(residual, matmul(x, weight, tiles=t), norm_weight, eps)
+    return matmul(x, weight, tiles=t, norm_after=(residual.contiguous(), norm_weight.contiguous(), eps))
 
 
 if triton is not None:
@@ -257,6 +291,27 @@ if triton is not None:
             if ADD:  # in fp32, one rounding, as cuBLAS's addmm (beta 1) does it
                 y = y + tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_ptr + at, y.to(ty), mask=mask)
+
+    @triton.jit
+    def _sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, y_ptr, h_ptr, M, N, splits, EPS, BLOCK_N: tl.constexpr):
+        # One row: the product from its split partial sums (in split order), rounded as the matmul's output is;
+        # the residual add, rounded as a bf16 add is; then `fused._rms`: fp32 mean of squares, the normalised row
+        # rounded, times the weight, rounded.
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        ok = cols < N
+        at = row * N + cols
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for s in range(0, splits):
+            acc += tl.load(part_ptr + s * M * N + at, mask=ok, other=0.0)
+        ty = y_ptr.dtype.element_ty
+        y = (tl.load(res_ptr + at, mask=ok, other=0.0).to(tl.float32) + acc.to(ty).to(tl.float32)).to(ty)
+        tl.store(y_ptr + at, y, mask=ok)
+        yf = y.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(yf * yf, axis=0) / N + EPS)
+        normed = (yf * scale).to(ty).to(tl.float32)
+        h = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * normed
+        tl.store(h_ptr + at, h.to(ty), mask=ok)
 
     @triton.jit
     def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, ADD: tl.constexpr,

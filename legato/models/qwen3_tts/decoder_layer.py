@@ -21,9 +21,13 @@ from torch import nn
 
 from legato.layers import fused_attention
 from legato.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
-from legato.layers.matmuls import linear
+from legato.layers.matmuls import linear, linear_add_rms_norm
 from legato.layers.mlp import SwiGLU
 from legato.layers.norm import RMSNorm
+
+# A layer's MLP down projection not yet run: its input [B, S, intermediate], its weight [hidden, intermediate], and
+# whether the layer is packed for serving (`project_add_norm`).
+Pending = tuple[torch.Tensor, torch.Tensor, bool]
 
 
 class KVCache(abc.ABC):
@@ -143,11 +147,19 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
         """x [B, S, hidden]; cos/sin [B, S, head_dim] (fp32) -> [B, S, hidden]."""
+        out = self.heads_out(x, cos, sin, cache, layer)
+        return linear(out, self.o_proj.weight) if self.qkv_weight is not None else self.o_proj(out)
+
+    def heads_out(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        """The attention before o_proj: the heads' outputs side by side, [B, S, heads * head_dim] (the layer
+        runs o_proj together with the residual add and the norm after it)."""
         b, s, _ = x.shape
         if self.qkv_weight is not None and fused_attention.available(x):
             out = cache.attend_fused(layer, linear(x, self.qkv_weight), self, cos, sin)
             if out is not None:
-                return linear(out, self.o_proj.weight)
+                return out
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
         if self.qkv_weight is not None:
             kv_width = self.kv_heads * self.head_dim
@@ -157,8 +169,7 @@ class Attention(nn.Module):
         q = rms_norm_rope(q.view(b, s, self.heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, cos, sin)
         k = rms_norm_rope(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, cos, sin)
         v = v.reshape(b, s, self.kv_heads, self.head_dim)
-        out = cache.attend(layer, q, k, v)
-        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
+        return cache.attend(layer, q, k, v).reshape(b, s, self.heads * self.head_dim)
 
 
 class DecoderLayer(nn.Module):
@@ -174,25 +185,26 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
-        x, delta = self.residual_step(x, None, cos, sin, cache, layer)
-        return x + delta
+        x, (down_in, down, serving) = self.residual_step(x, None, cos, sin, cache, layer)
+        return x + (linear(down_in, down) if serving else F.linear(down_in, down))
 
     def residual_step(
-        self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+        self, x: torch.Tensor, pending: Pending | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
         layer: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, Pending]:
         """The layer with both residual adds moved into the norm after them: `pending` is the previous layer's
-        MLP output, not yet added to `x` (None for the first layer). Returns (x, this layer's MLP output), so
-        the caller adds it inside the next norm. Eagerly this is the same arithmetic in the same order; on
-        CUDA each add shares the norm's kernel."""
-        norm = self.input_layernorm
+        MLP down projection (`Pending`), not yet run nor added to `x` (None for the first layer).
+        Returns (x, this layer's down projection), so the caller runs it inside the next norm. Eagerly this is
+        the same arithmetic in the same order; on CUDA each projection back into the residual shares a kernel
+        with the add and the norm where its K is split (`matmuls.linear_add_rms_norm`), else each add does."""
+        attn, norm = self.self_attn, self.input_layernorm
         if pending is None:
             h = norm(x)
         else:
-            x, h = add_rms_norm(x, pending, norm.weight, norm.eps)
-        x, h = add_rms_norm(x, self.self_attn(h, cos, sin, cache, layer),
-                            self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return x, self.mlp(h)
+            x, h = project_add_norm(*pending, x, norm)
+        x, h = project_add_norm(attn.heads_out(h, cos, sin, cache, layer), attn.o_proj.weight,
+                                attn.qkv_weight is not None, x, self.post_attention_layernorm)
+        return x, (self.mlp.down_input(h), self.mlp.down_proj.weight, self.mlp.gate_up_weight is not None)
 
 
 def build_layers(cfg) -> nn.ModuleList:
@@ -219,7 +231,16 @@ def run_layers(
     pending = None
     for i, layer in enumerate(layers):
         x, pending = layer.residual_step(x, pending, cos, sin, cache, i)
-    return add_rms_norm(x, pending, final_norm.weight, final_norm.eps)[1]
+    return project_add_norm(*pending, x, final_norm)[1]
+
+
+def project_add_norm(a: torch.Tensor, weight: torch.Tensor, serving: bool, x: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + a @ weight^T and its norm: with the serving kernels where the layer's weights are packed for serving
+    (`matmuls.linear_add_rms_norm`), else with `F.linear`, the checkpoint layout's arithmetic."""
+    if serving:
+        return linear_add_rms_norm(a, weight, x, norm.weight, norm.eps)
+    return add_rms_norm(x, F.linear(a, weight), norm.weight, norm.eps)
 
 
 def pack_projections(module: nn.Module) -> None:
