@@ -212,10 +212,9 @@ def test_batch_invariant_codes_do_not_depend_on_the_batch():
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
 
 
-def test_async_loop_equals_sync_loop_on_the_0_6b_config():
-    """The 0.6B config in bf16 (random weights): with fixed lengths both loops run the same batches, so the
-    asynchronous loop (results read one step late) gives the synchronous loop's codes bit for bit, with
-    requests joining mid-run; and the packed prefill of many prompts gives each prompt's codes alone."""
+def _random_0_6b_and_requests():
+    """The 0.6B config in bf16 with random weights, and `reqs(tag)`: nine seeded x-vector requests of fixed lengths
+    (12 to 20 frames) over three prompts."""
     from legato.models.qwen3_tts.config import SpeechTokenizerConfig, preset
     from legato.models.qwen3_tts.testing import random_model
 
@@ -229,6 +228,38 @@ def test_async_loop_equals_sync_loop_on_the_0_6b_config():
     def reqs(tag):
         return [EngineRequest(f"{tag}{i}", specs[i % 3], SamplingParams(seed=i, max_new_tokens=30), max_frames=12 + i,
                               ignore_eos=True, stream_audio=False) for i in range(9)]
+
+    return lm, reqs
+
+
+def test_programmatic_dependent_launch_gives_the_same_codes_on_the_0_6b_config():
+    """PDL (layers/pdl.py) changes when a kernel starts, never what it computes: the engine's CUDA-graph decode
+    gives the same codes bit for bit with it as without, requests joining mid-run, the stack off and on."""
+    from legato.layers import pdl
+
+    lm, reqs = _random_0_6b_and_requests()
+
+    def run(on, **kw):
+        old, pdl.ENABLED = pdl.ENABLED, on
+        try:
+            r = reqs("p")
+            engine = Engine(lm, engine_config(device="cuda", dtype="bfloat16", num_kv_blocks=512, **kw))
+            return run_all(engine, r[:6], join_at={3: r[6:]})
+        finally:
+            pdl.ENABLED = old
+
+    for kw in ({}, {"code_predictor_stack": True}):
+        off, on = run(False, **kw), run(True, **kw)
+        for i in range(9):
+            assert torch.equal(off.frames(f"p{i}"), on.frames(f"p{i}")), (kw, i)
+            assert on.frames(f"p{i}").shape[0] == 12 + i
+
+
+def test_async_loop_equals_sync_loop_on_the_0_6b_config():
+    """The 0.6B config in bf16 (random weights): with fixed lengths both loops run the same batches, so the
+    asynchronous loop (results read one step late) gives the synchronous loop's codes bit for bit, with
+    requests joining mid-run; and the packed prefill of many prompts gives each prompt's codes alone."""
+    lm, reqs = _random_0_6b_and_requests()
 
     def run(**kw):
         r = reqs("a")

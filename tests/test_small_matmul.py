@@ -58,8 +58,8 @@ def test_a_tune_table_file_replaces_the_measured_tiles(tmp_path):
 
 def test_the_small_matmul_kernels_compile_for_hopper():
     """The interpreter runs the kernels' semantics, not the GPU compiler: each form (plain and gated, whole K and
-    split, the row norm inside, the residual add, the split sum with the add and the next norm) compiles as far as an sm_90 cubin, so a construct the GPU backend
-    refuses fails on the CPU too."""
+    split, the row norm inside, the residual add, the split sum with the add and the next norm) compiles as far as
+    an sm_90 cubin, so a construct the GPU backend refuses fails on the CPU too."""
     skip_unless_ptxas()
     fp32 = {"part_ptr": "*fp32"}
     for gated in (False, True):
@@ -73,3 +73,33 @@ def test_the_small_matmul_kernels_compile_for_hopper():
             assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=gated, ADD=add, BLOCK=256), fp32) > 0
     for block in (1024, 2048):  # the 0.6B's and the 1.7B's hidden widths
         assert compile_for_hopper(small_matmul._sum_add_norm_kernel, dict(BLOCK_N=block), {**fp32, "EPS": "fp32"}) > 0
+
+
+def test_the_kernels_compile_for_hopper_with_programmatic_dependent_launch():
+    """With PDL (layers/pdl.py) each kernel signals, waits and (the GEMM) warms L2 with inline PTX that only the
+    GPU compiler sees: every form compiles to an sm_90 cubin, larger than the form without it."""
+    skip_unless_ptxas()
+    from legato.engine import draw_kernel
+    from legato.layers import fused_attention
+
+    fp32 = {"part_ptr": "*fp32"}
+    for gated, parts in ((False, False), (True, False), (False, True)):
+        meta = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GATED=gated, PARTS=parts, NORM=False, ADD=False,
+                    PRECISION="tf32", LINES=2, LINE=64)
+        plain = compile_for_hopper(small_matmul._rows_kernel, {**meta, "PDL": False}, fp32)
+        assert compile_for_hopper(small_matmul._rows_kernel, {**meta, "PDL": True}, fp32) > plain > 0
+    norm = {**fp32, "EPS": "fp32"}
+    assert compile_for_hopper(small_matmul._sum_add_norm_kernel, dict(BLOCK_N=1024, PDL=True), norm) > 0
+    assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=False, ADD=False, BLOCK=256, PDL=True),
+                              fp32) > 0
+    draw = {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "topp_ptr": "*fp32", "do_ptr": "*i8", "topk_ptr": "*i64",
+            "seed_ptr": "*i64", "frame_ptr": "*i64", "codebook_ptr": "*i64", "out_ptr": "*i64"}
+    assert compile_for_hopper(draw_kernel._draw_kernel, dict(FIXED_CODEBOOK=True, BLOCK_V=2048, EXACT=True,
+                                                             MASS_SCALE=2.0**36, RADIX=False, PDL=True), draw) > 0
+    attn = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "lens_ptr": "*i32", "tables_ptr": "*i32", "ml_ptr": "*fp32",
+            "acc_ptr": "*fp32", "eps": "fp32", "scale": "fp32"}
+    meta = dict(HEADS=16, KV_HEADS=8, GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, PAGED=True, SPLITS=4,
+                MIN_SPAN=64, BLOCK_N=32)
+    assert compile_for_hopper(fused_attention._fused_decode_kernel, {**meta, "DOT": True, "PRECISION": "tf32",
+                                                                     "PV_PRECISION": "tf32x3", "PDL": True}, attn) > 0
+    assert compile_for_hopper(fused_attention._combine_splits_kernel, {**meta, "GROUP_PAD": 2, "PDL": True}, attn) > 0

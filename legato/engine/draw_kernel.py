@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from legato.layers import pdl
+
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
     import triton
     import triton.language as tl
@@ -57,8 +59,8 @@ def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch
         logits, do_sample, temperature, top_k, top_p, seed, frame, out if fixed else codebook,
         codebook if fixed else 0, out, logits.stride(0), vocab, FIXED_CODEBOOK=fixed, BLOCK_V=block,
         EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
-        RADIX=RADIX_SELECT if radix is None else radix,
-        num_warps=8 if block >= 4096 else 4,
+        RADIX=RADIX_SELECT if radix is None else radix, PDL=pdl.launch(logits),
+        num_warps=8 if block >= 4096 else 4, **pdl.launch_options(pdl.launch(logits)),
     )
     return out
 
@@ -180,7 +182,10 @@ if triton is not None:
     @triton.jit(do_not_specialize=["codebook_value"])
     def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr,
                      codebook_value, out_ptr, stride_row, V, FIXED_CODEBOOK: tl.constexpr, BLOCK_V: tl.constexpr,
-                     EXACT: tl.constexpr, MASS_SCALE: tl.constexpr, RADIX: tl.constexpr = False):
+                     EXACT: tl.constexpr, MASS_SCALE: tl.constexpr, RADIX: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+        pdl.release(PDL)
+        pdl.wait(PDL)  # the logits and the knobs come from the kernels before
         row = tl.program_id(0)
         v = tl.arange(0, BLOCK_V)
         valid = v < V

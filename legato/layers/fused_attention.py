@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from legato.layers import pdl
 from legato.layers.fused import rms_norm_rope
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
@@ -172,16 +173,17 @@ def fused_decode_attention(
                 HEAD_DIM=d, BLOCK_SIZE=block_size if paged else 16, PAGED=paged, SPLITS=n_splits,
                 MIN_SPAN=MIN_SPAN, BLOCK_N=BLOCK_N if paged else 16)
     exact = k_cache.dtype == torch.float32  # fp32 caches: fp32 products, as the eager path
+    on = pdl.launch(qkv)
     _fused_decode_kernel[(b, kv_heads, n_splits)](
         qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, out, tables, lens, part_ml, part_acc,
         eps, d**-0.5, position,
         qkv.stride(0), cos.stride(0), sin.stride(0), stride_kb, stride_kp, stride_kh, tables_stride, out.stride(0),
         **meta, DOT=dot, PRECISION="ieee" if exact else "tf32", PV_PRECISION="ieee" if exact else "tf32x3",
-        num_warps=warps(b),
+        PDL=on, num_warps=warps(b), **pdl.launch_options(on),
     )
     if n_splits > 1:
         _combine_splits_kernel[(b, kv_heads)](lens, part_ml, part_acc, out, out.stride(0),
-                                              **{**meta, "GROUP_PAD": group_pad})
+                                              **{**meta, "GROUP_PAD": group_pad}, PDL=on, **pdl.launch_options(on))
     return out
 
 
@@ -234,8 +236,10 @@ if triton is not None:
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr,
         MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-        PV_PRECISION: tl.constexpr,
+        PV_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl.release(PDL)
+        pdl.wait(PDL)  # the row's length, table and q/k/v come from the kernels before
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -331,10 +335,12 @@ if triton is not None:
         lens_ptr, ml_ptr, acc_ptr, out_ptr, stride_out,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr,
-        MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
+        MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
     ):
         # Joins the used splits' partial softmaxes of one (row, kv head): out = sum_s w_s acc_s / sum_s w_s l_s,
         # w_s = exp(m_s - max m).
+        pdl.release(PDL)
+        pdl.wait(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         pos = tl.load(lens_ptr + b) - 1

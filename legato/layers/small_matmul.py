@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from legato.layers import pdl
 from legato.layers.fused import add_rms_norm
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
@@ -186,25 +187,29 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, bm), split)
     planes = 2 if gated else 1
     parts = out if split == 1 else torch.empty(split, planes, m, n, dtype=torch.float32, device=x.device)
+    on = pdl.launch(x)
+    line = max(1, 128 // weight.element_size())  # elements in a 128-byte line: one L2 prefetch each
     _rows_kernel[grid](
         rows, weight, out, parts, m, n, k, per_split, rows.stride(0), weight.stride(0),
         0.0 if norm_eps is None else float(norm_eps),
         BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GATED=gated, PARTS=split > 1,
         NORM=norm_eps is not None, ADD=add_to is not None,
         # fp32 (the interpreter's tests) sums exactly; half-precision inputs are exact on tensor cores anyway.
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.warps,
-        num_stages=t.stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on, LINES=max(1, t.block_k // line),
+        LINE=min(line, t.block_k), num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(on),
     )
     if split > 1 and norm_after is not None:
         residual, norm_weight, eps = norm_after
         h = torch.empty_like(out)
         _sum_add_norm_kernel[(m,)](parts, residual.reshape(m, n), norm_weight, out, h, m, n, split, float(eps),
-                                   BLOCK_N=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8)
+                                   BLOCK_N=triton.next_power_of_2(n), PDL=on, num_warps=4 if n <= 2048 else 8,
+                                   **pdl.launch_options(on))
         return out.view(*x.shape[:-1], n), h.view(*x.shape[:-1], n)
     if split > 1:
         block = 256
         _sum_parts_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, split, GATED=gated,
-                                                        ADD=add_to is not None, BLOCK=block)
+                                                        ADD=add_to is not None, BLOCK=block, PDL=on,
+                                                        **pdl.launch_options(on))
     if add_to is not None:
         return add_to
     return out.view(*x.shape[:-1], n)
@@ -243,7 +248,9 @@ if triton is not None:
     @triton.jit
     def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, per_split, stride_xm, stride_wn, EPS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                     PARTS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, PRECISION: tl.constexpr):
+                     PARTS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
+        pdl.release(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -256,6 +263,14 @@ if triton is not None:
         squares = tl.zeros([BLOCK_M], tl.float32)
         k_lo = split * per_split
         k_hi = tl.minimum(k_lo + per_split, K)
+        if PDL:  # the program's weight strip into L2 while the kernel before still runs (weights never change)
+            strip = w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                at = tl.minimum(k0 + tl.arange(0, LINES) * LINE, k_hi - 1)[None, :]
+                pdl.warm_l2(strip + at, PDL)
+                if GATED:
+                    pdl.warm_l2(strip + N * stride_wn + at, PDL)
+        pdl.wait(PDL)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + kk
             k_ok = k < k_hi
@@ -293,10 +308,13 @@ if triton is not None:
             tl.store(y_ptr + at, y.to(ty), mask=mask)
 
     @triton.jit
-    def _sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, y_ptr, h_ptr, M, N, splits, EPS, BLOCK_N: tl.constexpr):
+    def _sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, y_ptr, h_ptr, M, N, splits, EPS, BLOCK_N: tl.constexpr,
+                             PDL: tl.constexpr = False):
         # One row: the product from its split partial sums (in split order), rounded as the matmul's output is;
         # the residual add, rounded as a bf16 add is; then `fused._rms`: fp32 mean of squares, the normalised row
         # rounded, times the weight, rounded.
+        pdl.release(PDL)
+        pdl.wait(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         ok = cols < N
@@ -315,7 +333,9 @@ if triton is not None:
 
     @triton.jit
     def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, ADD: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl.release(PDL)
+        pdl.wait(PDL)
         at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = at < size
         acc = tl.zeros([BLOCK], tl.float32)

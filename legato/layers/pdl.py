@@ -1,0 +1,65 @@
+"""Programmatic dependent launch (PDL): a kernel's programs start while the kernel before it still runs.
+
+A batch-1 frame is some 400 kernels in a CUDA graph, most of them a few microseconds long, and between two of them
+the GPU sits idle while the next one launches and ramps up. Launched with PDL (Hopper and later), a kernel's
+programs are scheduled as soon as every program of the kernel before has signalled (`release`, which the kernels
+here do first thing), do what does not depend on it (warm L2 with their weight strip: weights never change during
+a step), and only then wait for it to finish (`wait`: its writes are visible after). So a matmul's weights stream
+while the norm or attention before it runs.
+
+The contract every kernel launched with PDL keeps: each of its programs calls `wait` before it reads anything an
+earlier kernel wrote and before it writes anything, and none returns before calling it (a kernel that ended
+without waiting would let the next one's `wait` pass before the kernel before it had finished). Kernels launched
+without PDL (torch's own, cuBLAS) start after the one before has finished, as always; one after a PDL kernel does
+too.
+
+Off by default until a device call has measured it (`benchmarks/offline.py --pdl`). `launch` decides per call:
+only CUDA tensors, never under Triton's interpreter (which has no inline PTX).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; the CPU build has none.
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+ENABLED = False
+
+
+def launch(t: torch.Tensor) -> bool:
+    """Whether a kernel about to run on `t`'s device is launched with PDL (its PDL constexpr, and `launch_pdl`)."""
+    return ENABLED and triton is not None and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def launch_options(on: bool) -> dict:
+    """The launch keyword that asks for PDL (none when off: the interpreter takes no such keyword)."""
+    return {"launch_pdl": True} if on else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def release(PDL: tl.constexpr):
+        # Lets the next kernel's programs be scheduled once every program of this one has called it.
+        if PDL:
+            gdc_launch_dependents()
+
+    @triton.jit
+    def wait(PDL: tl.constexpr):
+        # Until the kernel before has finished and its writes are visible (a no-op without PDL).
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def warm_l2(ptrs, PDL: tl.constexpr):
+        # One L2 prefetch per address (each fetches its 128-byte line), for data no earlier kernel writes.
+        if PDL:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                                      is_pure=False, pack=1)
