@@ -88,6 +88,11 @@ def test_the_kernels_compile_for_hopper_with_programmatic_dependent_launch():
                     PRECISION="tf32", LINES=2, LINE=64)
         plain = compile_for_hopper(small_matmul._rows_kernel, {**meta, "PDL": False}, fp32)
         assert compile_for_hopper(small_matmul._rows_kernel, {**meta, "PDL": True}, fp32) > plain > 0
+    from legato.layers import skinny_linear
+
+    skinny = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, LINES=8, LINE=64)
+    assert compile_for_hopper(skinny_linear._skinny_kernel, {**skinny, "PDL": True}, {}) > compile_for_hopper(
+        skinny_linear._skinny_kernel, {**skinny, "PDL": False}, {})
     norm = {**fp32, "EPS": "fp32"}
     assert compile_for_hopper(small_matmul._sum_add_norm_kernel, dict(BLOCK_N=1024, PDL=True), norm) > 0
     assert compile_for_hopper(small_matmul._sum_parts_kernel, dict(GATED=False, ADD=False, BLOCK=256, PDL=True),

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from legato.layers import pdl
+
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
     import triton
     import triton.language as tl
@@ -69,9 +71,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # A strip of K per loop step as long as ~64 fp32 products a thread allows (4 warps): long strips keep many
     # loads in flight at one row, short ones keep 8 rows from spilling registers.
     bk = min(512, max(64, 8192 // (bm * bn)))
+    on = pdl.launch(x)
+    line = min(bk, max(1, 128 // weight.element_size()))  # elements in a 128-byte line: one L2 prefetch each
     _skinny_kernel[(triton.cdiv(n, bn),)](
         rows, weight, out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=on, LINES=max(1, bk // line), LINE=line, num_warps=4, num_stages=3,
+        **pdl.launch_options(on),
     )
     return out.view(*x.shape[:-1], n)
 
@@ -80,8 +85,15 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
+        pdl.release(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PDL:  # the weight strip into L2 while the kernel before still runs (see small_matmul)
+            strip = w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn
+            for k0 in range(0, K, BLOCK_K):
+                pdl.warm_l2(strip + tl.minimum(k0 + tl.arange(0, LINES) * LINE, K - 1)[None, :], PDL)
+        pdl.wait(PDL)
         rows = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         col_ok = cols < N
