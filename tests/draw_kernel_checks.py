@@ -59,6 +59,12 @@ def run_checks(device: str, rows: dict[int, int], rounds: int) -> dict[str, int]
                 radix = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame,
                                    codebook, radix=True)
                 result[f"V={vocab}: radix select vs draw"] = int((radix != want).sum())
+                # a bf16 head's logits as they come, widened by the kernel as it loads them, against the draw of
+                # the same logits widened by .float() (what the sampler passed before)
+                half = logits.bfloat16()
+                result[f"V={vocab}: bf16 logits vs draw of .float()"] = int((fused_draw(
+                    half, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame, codebook)
+                    != draw(half.float(), head, seed, frame, codebook)).sum())
                 # one codebook for every row, given as an int (the sampler's way) rather than a tensor; 1 is the
                 # value Triton would make a compile-time constant unless told not to
                 result[f"V={vocab}: codebook as an int vs draw"] = sum(

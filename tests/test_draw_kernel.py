@@ -13,8 +13,8 @@ def test_fused_draw_equals_draw_under_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
     run = run_checks_script("draw_kernel_checks.py")
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    # both head widths: two rounds, a codebook given as an int, and top-k by the radix select
-    assert run.stdout.count(" ok\n") == 8
+    # both head widths: two rounds, a codebook given as an int, top-k by the radix select, bf16 logits
+    assert run.stdout.count(" ok\n") == 10
 
 
 def test_the_cpu_sampler_never_takes_the_kernel():
@@ -34,6 +34,9 @@ def test_the_draw_kernel_compiles_for_hopper():
             constexprs = dict(BLOCK_V=block, EXACT=True, MASS_SCALE=draw_kernel._MASS_SCALE, FIXED_CODEBOOK=fixed,
                               RADIX=radix)
             assert compile_for_hopper(draw_kernel._draw_kernel, constexprs, types) > 0, (block, fixed, radix)
+    # a bf16 head's logits, widened as they load
+    constexprs = dict(BLOCK_V=2048, EXACT=True, MASS_SCALE=draw_kernel._MASS_SCALE, FIXED_CODEBOOK=True, RADIX=False)
+    assert compile_for_hopper(draw_kernel._draw_kernel, constexprs, {**types, "logits_ptr": "*bf16"}) > 0
 
 
 def test_the_launcher_passes_the_codebook_as_a_runtime_value_even_when_it_is_1():

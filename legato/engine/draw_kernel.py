@@ -45,13 +45,14 @@ def available(logits: torch.Tensor) -> bool:
 def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: torch.Tensor | int,
                exact_math: bool | None = None, radix: bool | None = None) -> torch.Tensor:
-    """Tokens int64 [B] from float32 logits [B, V] (see `sampler.draw`; the head's knobs as [B] tensors,
+    """Tokens int64 [B] from logits [B, V] (see `sampler.draw`; float32, or the head's bf16/fp16, widened to
+    float32 as they load, exactly as `.float()` would; the head's knobs as [B] tensors,
     codebook an int64 [B] tensor or one int for every row: no tensor to fill before each draw).
     `exact_math`: libdevice functions (default on CUDA). `radix`: top-k by radix select (default
     `RADIX_SELECT`)."""
     b, vocab = logits.shape
-    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        raise ValueError("fused_draw needs unit-stride float32 logits")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.stride(-1) != 1:
+        raise ValueError("fused_draw needs unit-stride float32, bfloat16 or float16 logits")
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     block = triton.next_power_of_2(vocab)
     fixed = isinstance(codebook, int)
@@ -189,7 +190,7 @@ if triton is not None:
         row = tl.program_id(0)
         v = tl.arange(0, BLOCK_V)
         valid = v < V
-        x = tl.load(logits_ptr + row * stride_row + v, mask=valid, other=float("-inf"))
+        x = tl.load(logits_ptr + row * stride_row + v, mask=valid, other=float("-inf")).to(tl.float32)
         token = tl.argmax(x, 0, tie_break_left=True).to(tl.int64)
         temp = tl.load(temp_ptr + row)
         if (tl.load(do_ptr + row) != 0) & (temp > 0):

@@ -214,11 +214,11 @@ class Sampler:
               codebook: int) -> torch.Tensor:
         # On CUDA one Triton program per row (engine/draw_kernel.py): the same tokens, ~6 kernels fewer a draw,
         # and the codebook a launch argument (a frame's 16 draws fill no codebook tensor).
-        if draw_kernel.available(logits):
+        if draw_kernel.available(logits):  # widens a half-precision head's logits as it loads them
             return draw_kernel.fused_draw(logits.contiguous(), w.do_sample, w.temperature, w.top_k, w.top_p, seed,
                                           frame, codebook)
         # A tensor, so a compiled draw is not specialised per codebook.
-        return self._compiled(logits, w, seed, frame, torch.full_like(seed, codebook))
+        return self._compiled(logits.float(), w, seed, frame, torch.full_like(seed, codebook))
 
     @classmethod
     def from_talker_config(cls, talker_config: object, compile: bool = False) -> Sampler:
@@ -261,5 +261,6 @@ class Sampler:
 
     def sample_residual(self, logits: torch.Tensor, st: SamplingTensors, codebook: int) -> torch.Tensor:
         """Code-predictor tokens int64 [B] for `codebook` (1..15) from its logits [B, 2048], with the
-        sub-talker parameters: Temperature -> TopK -> TopP -> draw, no penalty and no EOS."""
-        return self._draw(logits.float(), st.subtalker, st.seed, st.frame, codebook)
+        sub-talker parameters: Temperature -> TopK -> TopP -> draw, no penalty and no EOS. Logits of any float
+        dtype, drawn from as float32 (on CUDA the draw kernel widens them as it loads: no cast kernel a draw)."""
+        return self._draw(logits, st.subtalker, st.seed, st.frame, codebook)

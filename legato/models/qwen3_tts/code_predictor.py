@@ -20,8 +20,9 @@ from legato.layers.rotary import RotaryEmbedding
 from .config import CodePredictorConfig
 from .decoder_layer import ContiguousKVCache, KVCache, build_layers, run_layers
 
-# (logits [B, V] fp32, codebook index g in 1..15) -> codes [B]; batched, so an engine can plug a
-# counter-based sampler without a per-request loop.
+# (logits [B, V], codebook index g in 1..15) -> codes [B]; batched, so an engine can plug a counter-based sampler
+# without a per-request loop. The logits come in the head's dtype (fp32 from the one-launch pass, else the model's):
+# a sampler widens them as it needs, so a bf16 model's draw kernel needs no cast kernel before it.
 CodeSampler = Callable[[torch.Tensor, int], torch.Tensor]
 
 
@@ -137,14 +138,15 @@ class CodePredictor(nn.Module):
         rope = (cos[:2].expand(b, 2, -1), sin[:2].expand(b, 2, -1))
         hidden = self(torch.stack((past_hidden, first_embed), dim=1), positions[:2].expand(b, 2), cache, rope)
         cache.advance(2)
-        code = sample(linear(hidden[:, -1], self.lm_head[0].weight).float(), 1)
+        # The head's logits in its dtype: the sampler widens them to float32 (`CodeSampler`).
+        code = sample(linear(hidden[:, -1], self.lm_head[0].weight), 1)
         codes = [code]
         for g in range(1, self.num_residual_groups):
             embed = self.model.codec_embedding[g - 1](code).unsqueeze(1)
             rope = (cos[g + 1 : g + 2].expand(b, 1, -1), sin[g + 1 : g + 2].expand(b, 1, -1))
             hidden = self(embed, positions[g + 1 : g + 2].expand(b, 1), cache, rope)
             cache.advance(1)
-            code = sample(linear(hidden[:, -1], self.lm_head[g].weight).float(), g + 1)
+            code = sample(linear(hidden[:, -1], self.lm_head[g].weight), g + 1)
             codes.append(code)
         return torch.stack(codes, dim=1)
 

@@ -51,6 +51,7 @@ def generate_codes(
     step_logits: list[torch.Tensor] = []  # the current frame's code-predictor logits, when tracing
 
     def pick_residual(logits: torch.Tensor, group: int) -> torch.Tensor:
+        logits = logits.float()  # the head's dtype comes in (code_predictor.CodeSampler)
         if trace is not None:
             step_logits.append(logits[0])
         return choose_tokens(logits, sub_warp, draw)
