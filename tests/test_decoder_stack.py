@@ -41,10 +41,11 @@ def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_and_e
              "eps": "fp32", "scale": "fp32"}
     one, two, looked_up = dict(TOKENS=1, GATHER=False), dict(TOKENS=2, GATHER=False), dict(TOKENS=1, GATHER=True)
     # (form, barrier, early tiles, forms before): each launch form with the barrier, then one form each way the
-    # barrier and the tiles can go (a compile is ~11 s of the CPU: not every product)
+    # barrier and the tiles can go (a compile is ~11 s of the CPU: not every product), and the looked-up launch
+    # with programmatic dependent launch (layers/pdl.py: its signal and wait are inline PTX)
     cases = [(one, True, True, False), (two, True, True, False), (looked_up, True, True, False),
              (one, True, False, False), (one, False, True, False), (one, True, True, True)]
-    for form, sync, early, old in cases:
+    for form, sync, early, old in cases + [({**looked_up, "PDL": True}, True, True, False)]:
         kinds = {**types, "code_ptr": "*i64"} if form["GATHER"] else types
         constexprs = {**shapes, **form, **(before if old else {}), "SYNC": sync, "EARLY": early, "O_EARLY": early}
         assert compile_for_hopper(decoder_stack._stack_kernel, constexprs, kinds) > 0

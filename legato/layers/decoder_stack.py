@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from legato.layers import pdl
+
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
     import triton
     import triton.language as tl
@@ -304,7 +306,8 @@ def run(w: StackWeights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             position, w.eps, head_dim**-0.5)
     last = per_layer * layers  # the head's phase
     if sync:
-        _stack_kernel[(programs,)](*args, 0, last, **meta, SYNC=True, num_warps=WARPS)
+        on = pdl.launch(x)
+        _stack_kernel[(programs,)](*args, 0, last, **meta, SYNC=True, PDL=on, num_warps=WARPS, **pdl.launch_options(on))
     else:  # `phases` (first, last): only those (benchmarks/stack_phases.py times them one by one)
         first, last = phases if phases is not None else (0, last)
         for phase in range(first, last + 1):
@@ -343,8 +346,9 @@ if triton is not None:
         PHASES_PER_LAYER: tl.constexpr, GU_PARTS: tl.constexpr, QKV_PARTS: tl.constexpr, EARLY: tl.constexpr,
         TOKENS: tl.constexpr, GATHER: tl.constexpr, SPREAD: tl.constexpr, SPLIT_O: tl.constexpr, O_TILES: tl.constexpr,
         O_EARLY: tl.constexpr, BN_OS: tl.constexpr, KC_G: tl.constexpr, C_G: tl.constexpr, CP_G: tl.constexpr,
-        SYNC: tl.constexpr,
+        SYNC: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl.release(PDL)
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         acts = rows * TOKENS  # activation rows, row r's tokens at r * TOKENS + t
@@ -379,6 +383,8 @@ if triton is not None:
                 if QKV_PARTS == 2:
                     lo1, hi1 = _part(lo_q, hi_run, 1, BN_QP)
                     w_qkv1 = _tile(wqkv_layer, lo1, hi1, C_H, CP_H, KC_H, BN_QP)
+            if layer == 0:  # with PDL the first layer's q/k/v tile was requested before the kernel before ended
+                pdl.wait(PDL)
             if SYNC:
                 if layer > 0:
                     _wait(bar_ptr, s * programs, SPIN)
