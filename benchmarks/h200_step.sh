@@ -19,6 +19,8 @@
 #   benchmarks/h200_step.sh stack     # the code predictor as one launch per pass: its CUDA checks, offline.py with
 #                                     # it (--stack) against without (BATCHES, SIZES; STACK_BASE=1 adds .base/'s stack)
 #   benchmarks/h200_step.sh profile   # c=64 decode steps of this tree by kernel (offline.py --profile-batch; PB, PMODES)
+#   benchmarks/h200_step.sh launch    # the fused norm's check; offline.py: .base/, this tree, --pdl; the stack with --pdl
+#                                     # and --radix-draw (codes digests must match); GPU_TEST=1 adds the PDL engine test
 #   benchmarks/h200_step.sh ncu       # Nsight Compute's warp-stall samples of one one-row stack pass, per SASS
 #                                     # instruction (stall_ledger.py prints the top; the report and CSV come back)
 #   benchmarks/h200_step.sh draw      # the draw's top-k by radix select: draw_kernel_checks.py on CUDA (both forms
@@ -36,7 +38,7 @@ BASE=${BASE:-366982a}
 offline() {  # tree tag size batches [flags]
   (cd "$1" && PYTHONPATH=.:$PYTHONPATH LEGATO_COMMIT=$([ "$1" = . ] && echo "$LEGATO_COMMIT" || echo "$BASE") \
     timeout ${T:-200} python3 benchmarks/offline.py --size "$3" --batch-sizes "$4" --frames ${FRAMES:-64} \
-    --modes graphs --codec-batches none --out "$OUT/offline-$2-$3.json" ${5:-}) 2>&1 | grep -E '^\[|Error' | cut -c1-330
+    --modes graphs --codec-batches none --out "$OUT/offline-$2-$3.json" ${5:-}) 2>&1 | grep -E '^\[|Error' | cut -c1-420
 }
 case "$PART" in
   check)  # EACH=1: one pytest (and one timeout T) per selected test, so a slow test cannot hide the others' results
@@ -140,6 +142,21 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       [ -n "${LOOKUP:-}" ] && offline . radix-lookup "$size" "${BATCHES:-1,64}" "${FLAGS---stack} --radix-draw --stack-lookup"
       offline . bisection-again "$size" "${BATCHES:-1,64}" "${FLAGS---stack}"
     done ;;
+  launch)  # session 55's call: the fused sum/add/norm's CUDA check, then offline.py at BATCHES (0.6B): .base/, this
+           # tree, this tree with PDL; with the stack at STACK_BATCHES: this tree, with PDL, with the radix draw, with
+           # both. Each run prints its codes' digest: PDL and the radix draw must not change it. Then (GPU_TEST=1) the
+           # PDL engine test.
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-60} python3 tests/small_matmul_checks.py cuda 2>&1 \
+      | grep -E "add norm|ALL OK|FAIL" | tail -6
+    offline .base base 0.6B "${BATCHES:-1,64}"
+    offline . new 0.6B "${BATCHES:-1,64}"
+    offline . pdl 0.6B "${BATCHES:-1,64}" --pdl
+    offline . stack 0.6B "${STACK_BATCHES:-1}" --stack
+    offline . stack-pdl 0.6B "${STACK_BATCHES:-1}" "--stack --pdl"
+    offline . stack-radix 0.6B "${STACK_BATCHES:-1}" "--stack --radix-draw"
+    offline . stack-pdl-radix 0.6B "${STACK_BATCHES:-1}" "--stack --pdl --radix-draw"
+    [ -n "${GPU_TEST:-}" ] && PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TEST:-200} python3 -m pytest -v -p no:cacheprovider \
+      tests/test_gpu.py -k dependent 2>&1 | grep -E "^E |passed|failed|Error" | tail -8 ;;
   ncu)  # --clock-control none: METHOD.md says to leave the clocks alone
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     PYTHONPATH=.:$PYTHONPATH timeout ${T:-240} "$NCU" --clock-control none --kernel-name regex:_stack_kernel \

@@ -10,6 +10,7 @@ reference (~130 prompt tokens by default).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -55,11 +56,14 @@ def run_batch(engine: Engine, lm, batch: int, frames: int, ref_frames: int, tag:
     sync()
     t0 = time.perf_counter()
     decode_steps, decode_time, other_time = 0, 0.0, 0.0
+    codes: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
     while engine.has_unfinished():
         running = engine.scheduler.num_running
         s = time.perf_counter()
         outs = engine.step()  # returns host tensors: the step is synchronised
         dt = time.perf_counter() - s
+        for o in outs:
+            codes[o.request_id].append(o.codes)
         if running == batch and sum(o.codes.shape[0] for o in outs) == batch:
             decode_steps += 1
             decode_time += dt
@@ -72,6 +76,9 @@ def run_batch(engine: Engine, lm, batch: int, frames: int, ref_frames: int, tag:
         "decode_ms_per_step": 1000 * step_s, "decode_frames_per_s": batch / step_s if decode_steps else None,
         "rtf_per_stream": step_s / 0.08, "prefill_and_tail_s": other_time, "total_s": total,
         "end_to_end_frames_per_s": batch * frames / total,
+        # The codes of every request, in order: two runs of the same tree and weights that differ only in how
+        # kernels launch (--pdl) must give the same digest.
+        "codes_sha1": hashlib.sha1(b"".join(torch.cat(c).numpy().tobytes() for c in codes.values())).hexdigest(),
     }
 
 
