@@ -157,6 +157,12 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     offline . stack-pdl-radix 0.6B "${STACK_BATCHES:-1}" "--stack --pdl --radix-draw"
     [ -n "${GPU_TEST:-}" ] && PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TEST:-200} python3 -m pytest -v -p no:cacheprovider \
       tests/test_gpu.py -k dependent 2>&1 | grep -E "^E |passed|failed|Error" | tail -8 ;;
+  pdl)  # PDL against none in the same call: offline.py at BATCHES without and with --pdl, then with the stack at
+         # STACK_BATCHES (0.6B); the digests must match pairwise
+    offline . new 0.6B "${BATCHES:-1,64}"
+    offline . pdl 0.6B "${BATCHES:-1,64}" --pdl
+    offline . stack 0.6B "${STACK_BATCHES:-1}" --stack
+    offline . stack-pdl 0.6B "${STACK_BATCHES:-1}" "--stack --pdl" ;;
   ncu)  # --clock-control none: METHOD.md says to leave the clocks alone
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     PYTHONPATH=.:$PYTHONPATH timeout ${T:-240} "$NCU" --clock-control none --kernel-name regex:_stack_kernel \

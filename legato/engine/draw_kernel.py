@@ -185,8 +185,8 @@ if triton is not None:
                      codebook_value, out_ptr, stride_row, V, FIXED_CODEBOOK: tl.constexpr, BLOCK_V: tl.constexpr,
                      EXACT: tl.constexpr, MASS_SCALE: tl.constexpr, RADIX: tl.constexpr = False,
                      PDL: tl.constexpr = False):
-        pdl.release(PDL)
         pdl.wait(PDL)  # the logits and the knobs come from the kernels before
+        pdl.release(PDL)
         row = tl.program_id(0)
         v = tl.arange(0, BLOCK_V)
         valid = v < V

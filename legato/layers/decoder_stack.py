@@ -348,7 +348,6 @@ if triton is not None:
         O_EARLY: tl.constexpr, BN_OS: tl.constexpr, KC_G: tl.constexpr, C_G: tl.constexpr, CP_G: tl.constexpr,
         SYNC: tl.constexpr, PDL: tl.constexpr = False,
     ):
-        pdl.release(PDL)
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         acts = rows * TOKENS  # activation rows, row r's tokens at r * TOKENS + t
@@ -385,6 +384,7 @@ if triton is not None:
                     w_qkv1 = _tile(wqkv_layer, lo1, hi1, C_H, CP_H, KC_H, BN_QP)
             if layer == 0:  # with PDL the first layer's q/k/v tile was requested before the kernel before ended
                 pdl.wait(PDL)
+                pdl.release(PDL)
             if SYNC:
                 if layer > 0:
                     _wait(bar_ptr, s * programs, SPIN)

@@ -238,8 +238,8 @@ if triton is not None:
         MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
         PV_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
-        pdl.release(PDL)
         pdl.wait(PDL)  # the row's length, table and q/k/v come from the kernels before
+        pdl.release(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -339,8 +339,8 @@ if triton is not None:
     ):
         # Joins the used splits' partial softmaxes of one (row, kv head): out = sum_s w_s acc_s / sum_s w_s l_s,
         # w_s = exp(m_s - max m).
-        pdl.release(PDL)
         pdl.wait(PDL)
+        pdl.release(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         pos = tl.load(lens_ptr + b) - 1

@@ -87,13 +87,13 @@ if triton is not None:
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        PDL: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
-        pdl.release(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         if PDL:  # the weight strip into L2 while the kernel before still runs (see small_matmul)
             strip = w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn
             for k0 in range(0, K, BLOCK_K):
                 pdl.warm_l2(strip + tl.minimum(k0 + tl.arange(0, LINES) * LINE, K - 1)[None, :], PDL)
         pdl.wait(PDL)
+        pdl.release(PDL)
         rows = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         col_ok = cols < N

@@ -250,7 +250,6 @@ if triton is not None:
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                      PARTS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, PRECISION: tl.constexpr,
                      PDL: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
-        pdl.release(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -271,6 +270,7 @@ if triton is not None:
                 if GATED:
                     pdl.warm_l2(strip + N * stride_wn + at, PDL)
         pdl.wait(PDL)
+        pdl.release(PDL)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + kk
             k_ok = k < k_hi
@@ -313,8 +313,8 @@ if triton is not None:
         # One row: the product from its split partial sums (in split order), rounded as the matmul's output is;
         # the residual add, rounded as a bf16 add is; then `fused._rms`: fp32 mean of squares, the normalised row
         # rounded, times the weight, rounded.
-        pdl.release(PDL)
         pdl.wait(PDL)
+        pdl.release(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         ok = cols < N
@@ -334,8 +334,8 @@ if triton is not None:
     @triton.jit
     def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, ADD: tl.constexpr,
                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        pdl.release(PDL)
         pdl.wait(PDL)
+        pdl.release(PDL)
         at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = at < size
         acc = tl.zeros([BLOCK], tl.float32)
