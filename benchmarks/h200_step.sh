@@ -148,20 +148,22 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
            # PDL engine test.
     PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-60} python3 tests/small_matmul_checks.py cuda 2>&1 \
       | grep -E "add norm|ALL OK|FAIL" | tail -6
+    # (PDL was opt-in when session 55 ran this part; --no-pdl now gives the runs without it)
     offline .base base 0.6B "${BATCHES:-1,64}"
-    offline . new 0.6B "${BATCHES:-1,64}"
+    offline . new 0.6B "${BATCHES:-1,64}" --no-pdl
     offline . pdl 0.6B "${BATCHES:-1,64}" --pdl
-    offline . stack 0.6B "${STACK_BATCHES:-1}" --stack
+    offline . stack 0.6B "${STACK_BATCHES:-1}" "--stack --no-pdl"
     offline . stack-pdl 0.6B "${STACK_BATCHES:-1}" "--stack --pdl"
-    offline . stack-radix 0.6B "${STACK_BATCHES:-1}" "--stack --radix-draw"
+    offline . stack-radix 0.6B "${STACK_BATCHES:-1}" "--stack --no-pdl --radix-draw"
     offline . stack-pdl-radix 0.6B "${STACK_BATCHES:-1}" "--stack --pdl --radix-draw"
     [ -n "${GPU_TEST:-}" ] && PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TEST:-200} python3 -m pytest -v -p no:cacheprovider \
       tests/test_gpu.py -k dependent 2>&1 | grep -E "^E |passed|failed|Error" | tail -8 ;;
-  pdl)  # PDL against none in the same call: offline.py at BATCHES without and with --pdl, then with the stack at
+  pdl)  # PDL against none in the same call: offline.py at BATCHES without (--no-pdl) and with it (the default since
+         # 2026-12-07; session 55's call 2 ran this part at 8f96282, where --pdl turned it on), then with the stack at
          # STACK_BATCHES (0.6B); the digests must match pairwise
-    offline . new 0.6B "${BATCHES:-1,64}"
+    offline . new 0.6B "${BATCHES:-1,64}" --no-pdl
     offline . pdl 0.6B "${BATCHES:-1,64}" --pdl
-    offline . stack 0.6B "${STACK_BATCHES:-1}" --stack
+    offline . stack 0.6B "${STACK_BATCHES:-1}" "--stack --no-pdl"
     offline . stack-pdl 0.6B "${STACK_BATCHES:-1}" "--stack --pdl" ;;
   ncu)  # --clock-control none: METHOD.md says to leave the clocks alone
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -180,8 +180,10 @@ def main() -> None:
     ap.add_argument("--no-fused-norm", action="store_true",
                     help="a split few-row product's sum, residual add and norm as two kernels (the path before "
                          "small_matmul.FUSED_NORM)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="our Triton kernels launched with programmatic dependent launch (layers/pdl.py)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="the decode step's kernels without programmatic dependent launch (layers/pdl.py; the path "
+                         "before it)")
+    ap.add_argument("--pdl", action="store_true", help="(the default since 2026-12-07; kept for older commands)")
     ap.add_argument("--stack-lookup", action="store_true",
                     help="with --stack, the launch looks up a codebook's embedding row (code_predictor.STACK_LOOKUP)")
     ap.add_argument("--stack", action="store_true",
@@ -224,10 +226,10 @@ def main() -> None:
 
         draw_kernel.ENABLED = not args.compiled_sampler
         draw_kernel.RADIX_SELECT = args.radix_draw
-    if args.pdl:
+    if args.pdl or args.no_pdl:
         from legato.layers import pdl
 
-        pdl.ENABLED = True
+        pdl.ENABLED = not args.no_pdl
     if args.no_fused_norm:
         from legato.layers import small_matmul
 
@@ -258,7 +260,7 @@ def main() -> None:
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack, "fused_norm": not args.no_fused_norm,
-        "pdl": args.pdl,
+        "pdl": not args.no_pdl,
         "stack_lookup": args.stack_lookup, "radix_draw": args.radix_draw,
     }
     for mode in args.modes.split(","):

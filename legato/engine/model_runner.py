@@ -27,7 +27,7 @@ from legato.engine.mtp_replicas import Replica, group_buckets
 from legato.engine.prefill_graphs import PrefillBuckets, token_buckets
 from legato.engine.sampler import Sampler
 from legato.engine.slot_state import SlotState
-from legato.layers import decoder_stack
+from legato.layers import decoder_stack, pdl
 from legato.layers.host import upload
 from legato.layers.packed_prefill import PackedPrefill
 from legato.models.qwen3_tts.decoder_layer import pack_projections
@@ -258,7 +258,12 @@ class ModelRunner:
         context_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole per-frame computation on device tensors only (graph-capturable). `kv` is the calling
-        group's view of the shared cache."""
+        group's view of the shared cache. Our kernels in it launch with PDL where the GPU has it (`layers/pdl.py`)."""
+        with pdl.scope():
+            return self._frame(kv, slots, positions, slot_mapping, block_tables, context_lens)
+
+    def _frame(self, kv: PagedKVCache, slots: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, talker = self.slots, self.talker
         frame = s.frames[slots]
         st = s.gather_params(slots, frame)

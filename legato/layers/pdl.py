@@ -13,13 +13,20 @@ without waiting would let the next one's `wait` pass before the kernel before it
 without PDL (torch's own, cuBLAS) start after the one before has finished, as always; one after a PDL kernel does
 too.
 
-Off by default until a device call has measured it (`benchmarks/offline.py --pdl`). `launch` decides per call:
-only CUDA tensors, never under Triton's interpreter (which has no inline PTX).
+Where it is on: the engine's decode step (`scope()`, around the talker and code-predictor frame, captured into
+its CUDA graphs), on GPUs of compute capability 9.0 or later, never under Triton's interpreter (which has no inline
+PTX). On an H100 it made the 0.6B's batch-1 frame 1.12x faster and batch 64 1.05x, with the same codes
+(docs/benchmarks.md, session of 2026-12-07). Kernels launched outside a scope (the codec, prefill) keep plain
+launches: no GPU run has tested them with it. `LEGATO_PDL=0` (or `ENABLED = False`) turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -30,12 +37,29 @@ try:  # Triton ships with CUDA builds of torch; the CPU build has none.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-ENABLED = False
+ENABLED = os.environ.get("LEGATO_PDL", "1") != "0"
+_scopes = threading.local()  # per thread: the codec may launch on another thread while a decode step is captured
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[None]:
+    """Kernels this thread launches inside take PDL (where `launch` allows it)."""
+    _scopes.depth = getattr(_scopes, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _scopes.depth -= 1
+
+
+@functools.cache
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def launch(t: torch.Tensor) -> bool:
     """Whether a kernel about to run on `t`'s device is launched with PDL (its PDL constexpr, and `launch_pdl`)."""
-    return ENABLED and triton is not None and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    return (ENABLED and getattr(_scopes, "depth", 0) > 0 and triton is not None and t.is_cuda
+            and os.environ.get("TRITON_INTERPRET") != "1" and _hopper_or_later(t.device.index or 0))
 
 
 def launch_options(on: bool) -> dict:
