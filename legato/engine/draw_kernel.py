@@ -7,7 +7,8 @@ kernel, and one argmax draws. The top-k value and the top-p cut are found by bis
 bit patterns (32 counting passes each, the top-p one skipped when the row's top_p is 1), not by sorting: an
 in-register bitonic sort of 2,048 values took ~42 us per draw on the H200, the same at batch 1 and 64
 (docs/benchmarks.md), most of a frame's sixteen draws. `RADIX_SELECT` finds the top-k value instead by four
-256-bin histograms of the key's bytes (opt-in until a device call has timed it: benchmarks/draw_speed.py).
+256-bin histograms of the key's bytes: the same tokens, but about 4 us a draw slower on an H100 (session of
+2026-12-07), so it stays off.
 
 Same contract as `sampler.draw`, to the bit where the math library allows: the masses, thresholds, cut and
 Philox words are computed exactly as there (integer cumulative masses, float64 comparisons); on CUDA the
@@ -32,8 +33,8 @@ except ImportError:  # pragma: no cover - depends on the install
 # The sampler takes the kernel on CUDA when this is on (benchmarks switch it off to measure the compiled path).
 ENABLED = True
 # Top-k's threshold by a radix select (four 256-bin histograms of the key's bytes) instead of 32 counting passes.
-# Equal by construction and under the interpreter (tests/draw_kernel_checks.py); off until a device call has
-# timed it against the bisection (benchmarks/draw_speed.py).
+# Equal by construction, under the interpreter (tests/draw_kernel_checks.py) and by the codes' digest on an H100;
+# off: the 0.6B stack frame took 3.487 ms with it against 3.418 without (docs/benchmarks.md, 2026-12-07).
 RADIX_SELECT = False
 _MASS_SCALE = 2.0**36  # sampler._MASS_BITS
 
