@@ -151,6 +151,20 @@ def bench_codec(lm, dtype: torch.dtype, batches: list[int], chunk: int, steps: i
     return rows
 
 
+# Switches to the path before a change, each measured against the default in the same call: flag -> what it runs.
+PATHS_BEFORE = {
+    "--unfused-attention": "decode attention as separate norm, rotary, cache-write and attention kernels (the path "
+                           "before layers/fused_attention.py), to measure the kernel's share",
+    "--cublas-linear": "every matmul through cuBLAS (the path before layers/skinny_linear.py), to measure the "
+                       "few-row kernel's share",
+    "--no-small-matmul": "few-row matmuls through the one-row kernel and cuBLAS (the path before "
+                         "layers/small_matmul.py), to measure its share",
+    "--no-fused-norm": "a split few-row product's sum, residual add and norm as two kernels (the path before "
+                       "small_matmul.FUSED_NORM)",
+    "--no-pdl": "the decode step's kernels without programmatic dependent launch (layers/pdl.py; the path before it)",
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="0.6B")
@@ -168,21 +182,8 @@ def main() -> None:
     ap.add_argument("--profile-graphs", action="store_true",
                     help="profile the graphs mode's decode too (--profile-batch): whether the replay's kernels show "
                          "depends on the profiler's CUDA graph tracing")
-    ap.add_argument("--unfused-attention", action="store_true",
-                    help="decode attention as separate norm, rotary, cache-write and attention kernels (the path "
-                         "before layers/fused_attention.py), to measure the kernel's share")
-    ap.add_argument("--cublas-linear", action="store_true",
-                    help="every matmul through cuBLAS (the path before layers/skinny_linear.py), to measure the "
-                         "few-row kernel's share")
-    ap.add_argument("--no-small-matmul", action="store_true",
-                    help="few-row matmuls through the one-row kernel and cuBLAS (the path before "
-                         "layers/small_matmul.py), to measure its share")
-    ap.add_argument("--no-fused-norm", action="store_true",
-                    help="a split few-row product's sum, residual add and norm as two kernels (the path before "
-                         "small_matmul.FUSED_NORM)")
-    ap.add_argument("--no-pdl", action="store_true",
-                    help="the decode step's kernels without programmatic dependent launch (layers/pdl.py; the path "
-                         "before it)")
+    for flag, what in PATHS_BEFORE.items():
+        ap.add_argument(flag, action="store_true", help=what)
     ap.add_argument("--pdl", action="store_true", help="(the default since 2026-12-07; kept for older commands)")
     ap.add_argument("--stack-lookup", action="store_true",
                     help="with --stack, the launch looks up a codebook's embedding row (code_predictor.STACK_LOOKUP)")
