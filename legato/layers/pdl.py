@@ -2,10 +2,14 @@
 
 A batch-1 frame is some 400 kernels in a CUDA graph, most of them a few microseconds long, and between two of them
 the GPU sits idle while the next one launches and ramps up. Launched with PDL (Hopper and later), a kernel's
-programs are scheduled as soon as every program of the kernel before has signalled (`release`, which the kernels
-here do first thing), do what does not depend on it (warm L2 with their weight strip: weights never change during
-a step), and only then wait for it to finish (`wait`: its writes are visible after). So a matmul's weights stream
-while the norm or attention before it runs.
+programs are scheduled as soon as every program of the kernel before has signalled (`release`), do what does not
+depend on it (warm L2 with their weight strip: a prefetch is only a hint, and L2 is where every SM's reads and
+writes meet, so it cannot return stale data), and only then wait for it to finish (`wait`: its writes are visible
+after). So a matmul's weights stream while the norm or attention before it runs.
+
+Each kernel here signals right after its own wait, so only the next kernel starts early. Signalling first thing
+(the first form) let every kernel of a step launch at once, each prefetching its weights, and the 0.6B's stack
+frame took 3.997 ms against 3.418 without PDL on an H100.
 
 The contract every kernel launched with PDL keeps: each of its programs calls `wait` before it reads anything an
 earlier kernel wrote and before it writes anything, and none returns before calling it (a kernel that ended
