@@ -6,7 +6,8 @@
 #                                     # vs this tree with every matmul on cuBLAS (CUBLAS= skips; CUBLAS_BATCHES)
 #                                     # and, with COMPILED=1, with the torch.compile'd sampler; PLAIN_NORM=1 adds this tree
 #                                     # with a split product's sum, add and norm as two kernels (--no-fused-norm); PDL=1
-#                                     # adds this tree with programmatic dependent launch (--pdl, plus PDL_FLAGS)
+#                                     # adds this tree with programmatic dependent launch (--pdl, plus PDL_FLAGS; NO_PDL=1:
+#                                     # without it, --no-pdl, the default since 2026-12-07 being with it)
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
 #   benchmarks/h200_step.sh verify    # one call for kernels changed since the last device run: the GPU tests that
 #                                     # cover them (TESTS, T), offline.py .base/ vs this tree at batch 1 and 64, and
@@ -66,6 +67,7 @@ case "$PART" in
       [ -n "${COMPILED:-}" ] && offline . compiled-sampler "$size" "${BATCHES:-1,64,256}" --compiled-sampler
       [ -n "${PLAIN_NORM:-}" ] && offline . plain-norm "$size" "${BATCHES:-1,64,256}" --no-fused-norm
       [ -n "${PDL:-}" ] && offline . pdl "$size" "${BATCHES:-1,64,256}" "--pdl ${PDL_FLAGS:-}"
+      [ -n "${NO_PDL:-}" ] && offline . no-pdl "$size" "${BATCHES:-1,64,256}" "--no-pdl ${PDL_FLAGS:-}"
     done ;;
   loop)
     for c in ${CONC:-64 256}; do
