@@ -42,6 +42,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 ENABLED = os.environ.get("LEGATO_PDL", "1") != "0"
+# Triton picks its interpreter when a kernel is defined, so the environment at import is the one that counts.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _scopes = threading.local()  # per thread: the codec may launch on another thread while a decode step is captured
 
 
@@ -63,7 +65,7 @@ def _hopper_or_later(index: int) -> bool:
 def launch(t: torch.Tensor) -> bool:
     """Whether a kernel about to run on `t`'s device is launched with PDL (its PDL constexpr, and `launch_pdl`)."""
     return (ENABLED and getattr(_scopes, "depth", 0) > 0 and triton is not None and t.is_cuda
-            and os.environ.get("TRITON_INTERPRET") != "1" and _hopper_or_later(t.device.index or 0))
+            and not _INTERPRETED and _hopper_or_later(t.device.index or 0))
 
 
 def launch_options(on: bool) -> dict:
