@@ -11,6 +11,7 @@ import httpx
 import pytest
 from server_helpers import SAMPLES_PER_FRAME, LiveServer, local_client, server_settings, tiny_loaded
 
+from legato.bench.speech_calls import KEEPALIVE_EXPIRY_S
 from legato.server.app import build_app
 
 NUM_KV_BLOCKS = 512
@@ -68,7 +69,7 @@ async def _settled(http: httpx.AsyncClient, timeout: float = 15.0) -> dict:
 
 def test_64_concurrent_streams_all_complete_once(live):
     async def main():
-        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(base_url=live.url, timeout=120, limits=limits) as http:
             seen, stop = [], asyncio.Event()
             watcher = asyncio.create_task(_watch(http, seen, stop))
@@ -100,8 +101,8 @@ def test_clients_leaving_mid_stream_free_every_block(live):
         return 0
 
     async def main():
-        async with httpx.AsyncClient(base_url=live.url, timeout=60,
-                                     limits=httpx.Limits(max_connections=50)) as http:
+        limits = httpx.Limits(max_connections=50, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        async with httpx.AsyncClient(base_url=live.url, timeout=60, limits=limits) as http:
             before = (await http.get("/health")).json()["engine"]["aborted"].get("client disconnected", 0)
             got = await asyncio.wait_for(asyncio.gather(*[leave_early(http, i) for i in range(20)]), timeout=60)
             return got, before, await _settled(http), (await http.get("/metrics")).text

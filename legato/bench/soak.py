@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 
 from .served import access_problem
-from .speech_calls import KINDS, Outcome, speech_call
+from .speech_calls import KEEPALIVE_EXPIRY_S, KINDS, Outcome, speech_call
 
 _TEXTS = (
     "Hello there, this is a soak test.",
@@ -195,7 +195,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 async def _run(cfg: SoakConfig) -> dict:
-    limits = httpx.Limits(max_connections=cfg.concurrency + 8, max_keepalive_connections=cfg.concurrency + 8)
+    limits = httpx.Limits(max_connections=cfg.concurrency + 8, max_keepalive_connections=cfg.concurrency + 8,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s, limits=limits, headers=headers) as http:
         refused = access_problem((await http.get("/v1/models")).status_code, cfg.url, cfg.api_key)

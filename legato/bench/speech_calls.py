@@ -23,6 +23,10 @@ import httpx
 import soundfile as sf
 
 SAMPLES_PER_FRAME = 1920
+# How long a load client keeps an idle pooled connection: below the server's keep-alive (uvicorn's 5 s), so the
+# client never sends on a connection the server is closing at that moment. httpx's default is also 5 s, and in a CI
+# overload run one request went out on such a connection and got a ReadError with no response (2026-12-07).
+KEEPALIVE_EXPIRY_S = 2.0
 SAMPLE_RATE = 24000
 FORMATS = ("pcm", "wav", "mp3")
 MODES = ("stream", "file", "sse")

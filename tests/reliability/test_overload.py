@@ -20,7 +20,7 @@ import pytest
 from serve_process import ServeProcess
 
 from legato.bench.soak import rss_bytes, wait_drained
-from legato.bench.speech_calls import KINDS, Outcome, speech_call
+from legato.bench.speech_calls import KEEPALIVE_EXPIRY_S, KINDS, Outcome, speech_call
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,8 @@ async def _client(http: httpx.AsyncClient, i: int, end: float, outcomes: list[Ou
 
 
 async def _overload(srv: ServeProcess) -> dict:
-    limits = httpx.Limits(max_connections=CLIENTS + 8, max_keepalive_connections=CLIENTS + 8)
+    limits = httpx.Limits(max_connections=CLIENTS + 8, max_keepalive_connections=CLIENTS + 8,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(base_url=srv.url, timeout=REQUEST_TIMEOUT_S, limits=limits) as http:
         # warm-up: every kind once, concurrently (the batch-size buffers and the MP3 encoder get allocated)
         warm = await asyncio.gather(*[speech_call(http, kind, 6, "Warm up.") for kind in KINDS])

@@ -16,6 +16,8 @@ import httpx
 import pytest
 from serve_process import LONG, ServeProcess, raw_request, read_head, read_to_eof, speech_body
 
+from legato.bench.speech_calls import KEEPALIVE_EXPIRY_S
+
 pytestmark = pytest.mark.slow
 
 HANG_GUARD = 30.0
@@ -198,7 +200,8 @@ def test_one_client_cannot_fill_max_connections_with_slow_requests(tmp_path, par
 def test_fast_requests_in_parallel_never_count_as_slow(tmp_path, parser):
     with ServeProcess(tmp_path, "--max-slow-connections-per-client", "1", "--http", parser) as srv:
         async def burst() -> list[int]:
-            async with httpx.AsyncClient(timeout=HANG_GUARD, limits=httpx.Limits(max_connections=16)) as c:
+            limits = httpx.Limits(max_connections=16, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+            async with httpx.AsyncClient(timeout=HANG_GUARD, limits=limits) as c:
                 return [r.status_code for r in await asyncio.gather(*(c.get(f"{srv.url}/v1/models")
                                                                       for _ in range(32)))]
 
