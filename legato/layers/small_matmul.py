@@ -181,7 +181,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # Each split's share of K is whole K steps, so no program's strip straddles another's.
     k_steps = -(-k // t.block_k)
-    split = 1 if norm_eps is not None else max(1, min(t.split, k_steps))
+    split = 1 if norm_eps is not None else _splits(k, t)
     per_split = -(-k_steps // split) * t.block_k
     split = -(-k // per_split)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, bm), split)
@@ -215,10 +215,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     return out.view(*x.shape[:-1], n)
 
 
-def splits_k(m: int, weight: torch.Tensor, tiles: Tiles) -> bool:
-    """Whether the product of m rows with `weight` under `tiles` splits K over programs (so it ends in a second
-    kernel, which `matmul_add_rms_norm` makes the residual add and the norm after it too)."""
-    return max(1, min(tiles.split, -(-weight.shape[1] // tiles.block_k))) > 1
+def _splits(k: int, tiles: Tiles) -> int:
+    """Programs K is split over under `tiles`: at most one per K step (a split product ends in a second kernel,
+    which `matmul_add_rms_norm` makes the residual add and the norm after it too)."""
+    return max(1, min(tiles.split, -(-k // tiles.block_k)))
 
 
 def matmul_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -230,7 +230,7 @@ def matmul_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     and `add_rms_norm` run as before."""
     m, n = x.numel() // x.shape[-1], weight.shape[0]
     t = tiles or tiles_for(m, n, weight.shape[1]) or rule_of_thumb(m, n, weight.shape[1])
-    if (not FUSED_NORM or not splits_k(m, weight, t) or residual.shape[-1] != n or residual.dtype != x.dtype
+    if (not FUSED_NORM or _splits(weight.shape[1], t) == 1 or residual.shape[-1] != n or residual.dtype != x.dtype
             or norm_weight.dtype != x.dtype or n > 8192):
         return add_rms_norm(residual, matmul(x, weight, tiles=t), norm_weight, eps)
     return matmul(x, weight, tiles=t, norm_after=(residual.contiguous(), norm_weight.contiguous(), eps))
