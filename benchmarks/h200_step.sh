@@ -7,7 +7,9 @@
 #                                     # and, with COMPILED=1, with the torch.compile'd sampler; PLAIN_NORM=1 adds this tree
 #                                     # with a split product's sum, add and norm as two kernels (--no-fused-norm); PDL=1
 #                                     # adds this tree with programmatic dependent launch (--pdl, plus PDL_FLAGS; NO_PDL=1:
-#                                     # without it, --no-pdl, the default since 2026-12-07 being with it)
+#                                     # without it, --no-pdl, the default since 2026-12-07 being with it); STACK_BATCHES
+#                                     # adds .base/ and this tree with the stack (--stack); BISECTION=1 this tree with the
+#                                     # draw's plain bisection (--bisection-draw)
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
 #   benchmarks/h200_step.sh verify    # one call for kernels changed since the last device run: the GPU tests that
 #                                     # cover them (TESTS, T), offline.py .base/ vs this tree at batch 1 and 64, and
@@ -21,12 +23,11 @@
 #                                     # it (--stack) against without (BATCHES, SIZES; STACK_BASE=1 adds .base/'s stack)
 #   benchmarks/h200_step.sh profile   # c=64 decode steps of this tree by kernel (offline.py --profile-batch; PB, PMODES)
 #   benchmarks/h200_step.sh launch    # the fused norm's check; offline.py: .base/, this tree, --pdl; the stack with --pdl
-#                                     # and --radix-draw (codes digests must match); GPU_TEST=1 adds the PDL engine test
+#                                     # (codes digests must match); GPU_TEST=1 adds the PDL engine test
 #   benchmarks/h200_step.sh ncu       # Nsight Compute's warp-stall samples of one one-row stack pass, per SASS
 #                                     # instruction (stall_ledger.py prints the top; the report and CSV come back)
-#   benchmarks/h200_step.sh draw      # the draw's top-k by radix select: draw_kernel_checks.py on CUDA (both forms
-#                                     # against sampler.draw), draw_speed.py, then offline.py with --radix-draw against
-#                                     # without, with the stack (FLAGS) and the stack's looked-up rows (LOOKUP=1 adds)
+#   benchmarks/h200_step.sh draw      # the draw's packed top-k search: draw_kernel_checks.py on CUDA (both searches
+#                                     # against sampler.draw and torch.topk), draw_speed.py, the GPU draw test
 #   benchmarks/h200_step.sh serve     # serving_speed.py: this tree (and .base/ with SERVE_BASE=1), x-vector at
 #                                     # c=1 and 64, over HTTP and the streaming-text WebSocket (MODES, CONC; PER_CONC
 #                                     # and MAX_PROMPTS size a cell; PROFILE=mode:conc,... py-spies those cells)
@@ -68,6 +69,11 @@ case "$PART" in
       [ -n "${PLAIN_NORM:-}" ] && offline . plain-norm "$size" "${BATCHES:-1,64,256}" --no-fused-norm
       [ -n "${PDL:-}" ] && offline . pdl "$size" "${BATCHES:-1,64,256}" "--pdl ${PDL_FLAGS:-}"
       [ -n "${NO_PDL:-}" ] && offline . no-pdl "$size" "${BATCHES:-1,64,256}" "--no-pdl ${PDL_FLAGS:-}"
+      [ -n "${BISECTION:-}" ] && offline . bisection "$size" "${BATCHES:-1,64,256}" --bisection-draw
+      if [ -n "${STACK_BATCHES:-}" ]; then
+        offline .base base-stack "$size" "$STACK_BATCHES" --stack
+        offline . stack "$size" "$STACK_BATCHES" --stack
+      fi
     done ;;
   loop)
     for c in ${CONC:-64 256}; do
@@ -134,20 +140,18 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       offline . stack "$size" "${BATCHES:-1,2,4,8}" --stack
       [ -n "${NO_STACK-1}" ] && offline . no-stack "$size" "${BATCHES:-1,2,4,8}"  # NO_STACK= skips it
     done ;;
-  draw)
-    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-150} python3 tests/draw_kernel_checks.py cuda 2>&1 | tail -12
+  draw)  # the draw's top-k by the packed search (PACKED_SEARCH, session of 2026-12-07 (2)): draw_kernel_checks.py on
+         # CUDA (both searches against sampler.draw and torch.topk), draw_speed.py (packed against 32 halvings), then
+         # the GPU draw test
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-150} python3 tests/draw_kernel_checks.py cuda 2>&1 | tail -20
     PYTHONPATH=.:$PYTHONPATH timeout ${T:-150} python3 benchmarks/draw_speed.py --out "$OUT/draw_speed.json" 2>&1 \
       | grep -E '^\{|Error' | cut -c1-300
-    for size in ${SIZES:-0.6B}; do
-      offline . bisection "$size" "${BATCHES:-1,64}" "${FLAGS---stack}"
-      offline . radix "$size" "${BATCHES:-1,64}" "${FLAGS---stack} --radix-draw"
-      [ -n "${LOOKUP:-}" ] && offline . radix-lookup "$size" "${BATCHES:-1,64}" "${FLAGS---stack} --radix-draw --stack-lookup"
-      offline . bisection-again "$size" "${BATCHES:-1,64}" "${FLAGS---stack}"
-    done ;;
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TEST:-150} python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py \
+      -k "${TESTS:-draw}" 2>&1 | grep -E "^E |passed|failed|Error" | tail -8 ;;
   launch)  # session 55's call: the fused sum/add/norm's CUDA check, then offline.py at BATCHES (0.6B): .base/, this
-           # tree, this tree with PDL; with the stack at STACK_BATCHES: this tree, with PDL, with the radix draw, with
-           # both. Each run prints its codes' digest: PDL and the radix draw must not change it. Then (GPU_TEST=1) the
-           # PDL engine test.
+           # tree, this tree with PDL; with the stack at STACK_BATCHES: this tree, with PDL (that call also ran the
+           # radix draw, removed since). Each run prints its codes' digest: PDL must not change it. Then (GPU_TEST=1)
+           # the PDL engine test.
     PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-60} python3 tests/small_matmul_checks.py cuda 2>&1 \
       | grep -E "add norm|ALL OK|FAIL" | tail -6
     # (PDL was opt-in when session 55 ran this part; --no-pdl now gives the runs without it)
@@ -156,8 +160,6 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     offline . pdl 0.6B "${BATCHES:-1,64}" --pdl
     offline . stack 0.6B "${STACK_BATCHES:-1}" "--stack --no-pdl"
     offline . stack-pdl 0.6B "${STACK_BATCHES:-1}" "--stack --pdl"
-    offline . stack-radix 0.6B "${STACK_BATCHES:-1}" "--stack --no-pdl --radix-draw"
-    offline . stack-pdl-radix 0.6B "${STACK_BATCHES:-1}" "--stack --pdl --radix-draw"
     [ -n "${GPU_TEST:-}" ] && PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TEST:-200} python3 -m pytest -v -p no:cacheprovider \
       tests/test_gpu.py -k dependent 2>&1 | grep -E "^E |passed|failed|Error" | tail -8 ;;
   pdl)  # PDL against none in the same call: offline.py at BATCHES without (--no-pdl) and with it (the default since

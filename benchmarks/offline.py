@@ -162,6 +162,7 @@ PATHS_BEFORE = {
     "--no-fused-norm": "a split few-row product's sum, residual add and norm as two kernels (the path before "
                        "small_matmul.FUSED_NORM)",
     "--no-pdl": "the decode step's kernels without programmatic dependent launch (layers/pdl.py; the path before it)",
+    "--bisection-draw": "the fused draw's top-k value by 32 halvings (the path before draw_kernel.PACKED_SEARCH)",
 }
 
 
@@ -189,8 +190,6 @@ def main() -> None:
                     help="with --stack, the launch looks up a codebook's embedding row (code_predictor.STACK_LOOKUP)")
     ap.add_argument("--stack", action="store_true",
                     help="the code predictor's one-launch pass for one-row passes (EngineConfig.code_predictor_stack)")
-    ap.add_argument("--radix-draw", action="store_true",
-                    help="the fused draw's top-k by radix select (draw_kernel.RADIX_SELECT) instead of bisection")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="draws through torch.compile (the path before engine/draw_kernel.py)")
     ap.add_argument("--attn-splits", type=int, default=None,
@@ -222,11 +221,11 @@ def main() -> None:
         fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
         if args.attn_split_all:
             fused_attention.ONE_SPLIT_ROWS = 1 << 30
-    if args.compiled_sampler or args.radix_draw:
+    if args.compiled_sampler or args.bisection_draw:
         from legato.engine import draw_kernel
 
         draw_kernel.ENABLED = not args.compiled_sampler
-        draw_kernel.RADIX_SELECT = args.radix_draw
+        draw_kernel.PACKED_SEARCH = not args.bisection_draw
     if args.pdl or args.no_pdl:
         from legato.layers import pdl
 
@@ -262,7 +261,7 @@ def main() -> None:
         "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack, "fused_norm": not args.no_fused_norm,
         "pdl": not args.no_pdl,
-        "stack_lookup": args.stack_lookup, "radix_draw": args.radix_draw,
+        "stack_lookup": args.stack_lookup, "packed_draw": not args.bisection_draw,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

@@ -3,8 +3,8 @@
 `run_checks(device)` serves the GPU test (CUDA, libdevice math, against the eager and the compiled draw) and a
 CPU test that runs this file in a subprocess under Triton's interpreter (`TRITON_INTERPRET=1`). Rows mix
 greedy and sampled, temperature 0, top-k off / 1 / 50 / past the vocabulary, top-p off / 0.9 / 0.5 / 0.01,
-tied logits, suppressed (-inf) ids, and seeds and frames past 2**32; both head widths (2048 and 3072); top-k by
-bisection and by radix select.
+tied logits, suppressed (-inf) ids, and seeds and frames past 2**32; both head widths (2048 and 3072); top-k by the
+packed search (the default) and by plain bisection; and rows built to stress the top-k search (`hard_batch`).
 `python tests/draw_kernel_checks.py [cuda|cpu]`.
 """
 
@@ -20,8 +20,29 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     patch_for_numpy()
 
+from legato.engine import draw_kernel
 from legato.engine.draw_kernel import fused_draw
 from legato.engine.sampler import HeadTensors, draw
+
+if draw_kernel.triton is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _kth_value_kernel(x_ptr, k_ptr, out_ptr, V, BLOCK_V: tl.constexpr, PACKED: tl.constexpr):
+        # the search alone: each row's k-th largest value, as the draw finds it
+        row = tl.program_id(0)
+        v = tl.arange(0, BLOCK_V)
+        valid = v < V
+        x = tl.load(x_ptr + row * V + v, mask=valid, other=float("-inf"))
+        key = draw_kernel._order_key(x)
+        k = tl.load(k_ptr + row)
+        if PACKED:
+            at = draw_kernel._kth_largest_at(key, valid, k)
+        else:
+            lowest, highest = draw_kernel._key_bounds(key, valid)
+            at = draw_kernel._kth_largest_key(key, valid, k, lowest, highest)
+        tl.store(out_ptr + row, draw_kernel._value_at_key(x, key, valid, at))
 
 
 def batch(vocab: int, rows: int, gen: torch.Generator, device: str):
@@ -43,6 +64,50 @@ def batch(vocab: int, rows: int, gen: torch.Generator, device: str):
     return logits.to(device), head, seed.to(device), frame.to(device), codebook.to(device)
 
 
+def hard_batch(vocab: int, gen: torch.Generator, device: str):
+    """Rows where the top-k search's ends and ties matter: one value everywhere, a single finite id, +0.0 and -0.0
+    mixed, subnormals, values a ulp apart, all but a few ids suppressed, huge magnitudes; k from 1 to V - 1."""
+    tiny = torch.finfo(torch.float32).tiny
+    rows = [
+        torch.full((vocab,), 1.5),
+        torch.where(torch.arange(vocab) == 7, 2.0, float("-inf")),
+        torch.where(torch.rand(vocab, generator=gen) < 0.5, 0.0, -0.0),
+        torch.randn(vocab, generator=gen) * tiny,  # subnormal and zero after the temperature
+        torch.nextafter(torch.full((vocab,), 1.0), torch.tensor(2.0)) * (torch.arange(vocab) % 3 == 0)
+        + (torch.arange(vocab) % 3 != 0) * 1.0,  # 1.0 and the next float above it
+        torch.where(torch.arange(vocab) < 60, torch.randn(vocab, generator=gen), float("-inf")),
+        torch.randn(vocab, generator=gen) * 1e30,
+        -torch.rand(vocab, generator=gen) - 5,  # all negative
+        torch.randint(-3, 3, (vocab,), generator=gen).float(),  # a few values, heavy ties
+    ]
+    logits = torch.stack(rows).repeat(6, 1)
+    n = logits.shape[0]
+    i = torch.arange(n)
+    top_k = torch.tensor([1, 2, 50, 59, 60, 61, vocab - 1, vocab // 2, 1000])[i % 9]
+    head = HeadTensors(do_sample=torch.ones(n, dtype=torch.bool), temperature=torch.tensor([0.9, 1.0, 0.3])[i % 3],
+                       top_k=top_k, top_p=torch.tensor([1.0, 0.8])[(i // 9) % 2])
+    seed = torch.randint(0, 2**62, (n,), generator=gen)
+    frame = torch.randint(0, 2**40, (n,), generator=gen)
+    head = HeadTensors(*(t.to(device) for t in (head.do_sample, head.temperature, head.top_k, head.top_p)))
+    return logits.to(device), head, seed.to(device), frame.to(device), (i % 16).to(device)
+
+
+def kth_value_checks(vocab: int, gen: torch.Generator, device: str) -> dict[str, int]:
+    """The top-k search alone against `torch.topk`'s k-th value, both forms, k from 1 to V - 1 on every kind of
+    `hard_batch` row and on random ones: rows whose k-th value differs."""
+    rows = torch.cat([hard_batch(vocab, gen, "cpu")[0], torch.randn(24, vocab, generator=gen) * 3])
+    k = torch.tensor([1, 2, 3, 50, 59, 60, 61, 100, vocab // 2, vocab - 2, vocab - 1])[torch.arange(len(rows)) % 11]
+    want = torch.stack([torch.topk(r, int(n)).values[-1] for r, n in zip(rows, k, strict=True)])
+    out = {}
+    for packed in (True, False):
+        got = torch.empty(len(rows), device=device)
+        _kth_value_kernel[(len(rows),)](rows.to(device), k.to(device), got, vocab,
+                                        BLOCK_V=triton.next_power_of_2(vocab), PACKED=packed)
+        out[f"V={vocab}: k-th value, {'packed' if packed else 'bisection'} vs topk"] = int(
+            (got.cpu() != want).sum())
+    return out
+
+
 def run_checks(device: str, rows: dict[int, int], rounds: int) -> dict[str, int]:
     """Rows whose fused token differs from the reference's (0 everywhere is the pass); `rows` per head width."""
     gen = torch.Generator().manual_seed(0)
@@ -55,10 +120,17 @@ def run_checks(device: str, rows: dict[int, int], rounds: int) -> dict[str, int]
             want = draw(logits, head, seed, frame, codebook)
             result[f"V={vocab} round {r}: vs draw"] = int((got != want).sum())
             if r == 0:
-                # top-k by the radix select (draw_kernel.RADIX_SELECT) rather than the bisection
-                radix = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame,
-                                   codebook, radix=True)
-                result[f"V={vocab}: radix select vs draw"] = int((radix != want).sum())
+                result.update(kth_value_checks(vocab, gen, device))
+                # top-k by plain bisection (draw_kernel.PACKED_SEARCH off, the path before) rather than packed
+                plain = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame,
+                                   codebook, packed=False)
+                result[f"V={vocab}: bisection vs draw"] = int((plain != want).sum())
+                hard = hard_batch(vocab, gen, device)
+                for packed in (True, False):
+                    got_hard = fused_draw(hard[0], hard[1].do_sample, hard[1].temperature, hard[1].top_k,
+                                          hard[1].top_p, *hard[2:], packed=packed)
+                    result[f"V={vocab}: hard rows, {'packed' if packed else 'bisection'} vs draw"] = int(
+                        (got_hard != draw(hard[0], hard[1], *hard[2:])).sum())
                 # a bf16 head's logits as they come, widened by the kernel as it loads them, against the draw of
                 # the same logits widened by .float() (what the sampler passed before)
                 half = logits.bfloat16()

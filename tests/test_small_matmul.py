@@ -100,7 +100,7 @@ def test_the_kernels_compile_for_hopper_with_programmatic_dependent_launch():
     draw = {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "topp_ptr": "*fp32", "do_ptr": "*i8", "topk_ptr": "*i64",
             "seed_ptr": "*i64", "frame_ptr": "*i64", "codebook_ptr": "*i64", "out_ptr": "*i64"}
     assert compile_for_hopper(draw_kernel._draw_kernel, dict(FIXED_CODEBOOK=True, BLOCK_V=2048, EXACT=True,
-                                                             MASS_SCALE=2.0**36, RADIX=False, PDL=True), draw) > 0
+                                                             MASS_SCALE=2.0**36, PACKED=True, PDL=True), draw) > 0
     attn = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "lens_ptr": "*i32", "tables_ptr": "*i32", "ml_ptr": "*fp32",
             "acc_ptr": "*fp32", "eps": "fp32", "scale": "fp32"}
     meta = dict(HEADS=16, KV_HEADS=8, GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, PAGED=True, SPLITS=4,

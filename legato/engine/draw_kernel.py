@@ -3,12 +3,16 @@
 A frame draws 16 tokens one after another (codebook 0, then the code predictor's 15). Compiled by
 `torch.compile`, each draw was still ~38 us of device time at batch 1 on the H200: a radix sort of the row
 (~22 us) and five more kernels. Here a row's logits stay in one program's registers, Philox runs in the
-kernel, and one argmax draws. The top-k value and the top-p cut are found by bisection over the values'
-bit patterns (32 counting passes each, the top-p one skipped when the row's top_p is 1), not by sorting: an
-in-register bitonic sort of 2,048 values took ~42 us per draw on the H200, the same at batch 1 and 64
-(docs/benchmarks.md), most of a frame's sixteen draws. `RADIX_SELECT` finds the top-k value instead by four
-256-bin histograms of the key's bytes: the same tokens, but about 4 us a draw slower on an H100 (session of
-2026-12-07), so it stays off.
+kernel, and one argmax draws. Nothing is sorted (an in-register bitonic sort of 2,048 values took ~42 us a draw on
+the H200). The top-k value is found by a search over the values' bit patterns, each pass one block-wide sum: the
+program's critical path is its chain of reductions, so the kernel spends as few as it can.
+- Top-k (`PACKED_SEARCH`): each pass counts the keys at or above four thresholds at once, the four counts packed
+  in 16-bit fields of one int64 sum, so a pass cuts the interval in five; it stops as soon as a threshold has
+  exactly k keys at or above it (the k-th largest is then the least of them). At most 14 passes, not the 32
+  halvings of a plain bisection (`PACKED_SEARCH = False`, the path before). A radix select (four 256-bin
+  histograms) was measured slower than the bisection and removed (docs/benchmarks.md, 2026-12-07).
+- Top-p, only when a row's top_p < 1: 32 halvings over the integer masses (their sums do not pack).
+- The greedy argmax, the row's minimum and its key bounds are reduced only on the rows that need them.
 
 Same contract as `sampler.draw`, to the bit where the math library allows: the masses, thresholds, cut and
 Philox words are computed exactly as there (integer cumulative masses, float64 comparisons); on CUDA the
@@ -32,11 +36,11 @@ except ImportError:  # pragma: no cover - depends on the install
 
 # The sampler takes the kernel on CUDA when this is on (benchmarks switch it off to measure the compiled path).
 ENABLED = True
-# Top-k's threshold by a radix select (four 256-bin histograms of the key's bytes) instead of 32 counting passes.
-# Equal by construction, under the interpreter (tests/draw_kernel_checks.py) and by the codes' digest on an H100;
-# off: the 0.6B stack frame took 3.487 ms with it against 3.418 without (docs/benchmarks.md, 2026-12-07).
-RADIX_SELECT = False
+# Top-k's threshold by passes of four packed counts with an early stop, instead of 32 halvings (module docstring).
+PACKED_SEARCH = True
 _MASS_SCALE = 2.0**36  # sampler._MASS_BITS
+# A packed count is a 16-bit field and the top field must leave the int64's sign alone.
+_PACKED_MAX_VOCAB = 2**15 - 1
 
 
 def available(logits: torch.Tensor) -> bool:
@@ -45,12 +49,12 @@ def available(logits: torch.Tensor) -> bool:
 
 def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: torch.Tensor | int,
-               exact_math: bool | None = None, radix: bool | None = None) -> torch.Tensor:
+               exact_math: bool | None = None, packed: bool | None = None) -> torch.Tensor:
     """Tokens int64 [B] from logits [B, V] (see `sampler.draw`; float32, or the head's bf16/fp16, widened to
     float32 as they load, exactly as `.float()` would; the head's knobs as [B] tensors,
     codebook an int64 [B] tensor or one int for every row: no tensor to fill before each draw).
-    `exact_math`: libdevice functions (default on CUDA). `radix`: top-k by radix select (default
-    `RADIX_SELECT`)."""
+    `exact_math`: libdevice functions (default on CUDA). `packed`: top-k by the packed search (default
+    `PACKED_SEARCH`; vocabularies of 2**15 and more always take the plain bisection)."""
     b, vocab = logits.shape
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.stride(-1) != 1:
         raise ValueError("fused_draw needs unit-stride float32, bfloat16 or float16 logits")
@@ -61,7 +65,7 @@ def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch
         logits, do_sample, temperature, top_k, top_p, seed, frame, out if fixed else codebook,
         codebook if fixed else 0, out, logits.stride(0), vocab, FIXED_CODEBOOK=fixed, BLOCK_V=block,
         EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
-        RADIX=RADIX_SELECT if radix is None else radix, PDL=pdl.launch(logits),
+        PACKED=(PACKED_SEARCH if packed is None else packed) and vocab <= _PACKED_MAX_VOCAB, PDL=pdl.launch(logits),
         num_warps=8 if block >= 4096 else 4, **pdl.launch_options(pdl.launch(logits)),
     )
     return out
@@ -138,30 +142,36 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _kth_largest_key_radix(key, valid, k):
-        # `_kth_largest_key` by a radix select: the key's four bytes from the top, each pass a 256-bin histogram of
-        # the byte among the keys that share the bytes chosen so far. Counting down from the top bin, the bin
-        # where k is reached holds the k-th largest; the keys above it are k's head start for the next byte.
-        u = key + 2147483648  # [0, 2**32): the int32 order as unsigned, so bytes compare as the keys do
-        bins = tl.arange(0, 256)
-        found = tl.zeros_like(k)
-        in_play = valid
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            digit = ((u >> shift) & 255).to(tl.int32)
-            hist = tl.histogram(digit, 256, mask=in_play)
-            at_or_above = tl.cumsum(hist, 0, reverse=True)
-            b = tl.sum((at_or_above >= k).to(tl.int32), axis=0) - 1  # at_or_above only falls as the bin rises
-            k = k - tl.sum(tl.where(bins == b, at_or_above - hist, 0), axis=0)
-            found = found | (b.to(tl.int64) << shift)
-            in_play = in_play & (digit == b)
-        return found - 2147483648
-
-    @triton.jit
-    def _value_of_key(key):
-        # `_order_key` undone: the float32 of an int32 order key (0 gives +0.0, which compares as -0.0 does).
-        bits = key.to(tl.int32)
-        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+    def _kth_largest_at(key, valid, k):
+        # A threshold t whose keys at or above it are the k largest, ties counted (k < the valid count): the least
+        # value keyed at or above t is then the k-th largest. Invariant: count(lo) >= k > count(hi), count(t) the
+        # valid keys >= t. Each pass counts at four thresholds inside (lo, hi) in one sum (16-bit fields: counts
+        # stay below 2**15) and keeps the fifth of the interval that holds the answer; it stops at a threshold
+        # counting exactly k, or when hi = lo + 1 (lo is then the k-th largest key itself).
+        lo = tl.full([], -2147483648, tl.int64)  # every key is >= it
+        hi = tl.full([], 2147483648, tl.int64)  # no key is
+        at = lo
+        searching = lo < hi  # a tensor from the start: a loop-carried value keeps its type
+        while searching:
+            span = hi - lo
+            t1 = lo + span // 5
+            t2 = lo + span * 2 // 5
+            t3 = lo + span * 3 // 5
+            t4 = lo + span * 4 // 5
+            above = (tl.where(key >= t1, 1, 0).to(tl.int64) + tl.where(key >= t2, 1 << 16, 0).to(tl.int64)
+                     + tl.where(key >= t3, 1 << 32, 0).to(tl.int64) + tl.where(key >= t4, 1 << 48, 0).to(tl.int64))
+            counts = tl.sum(tl.where(valid, above, 0), axis=0)
+            n1 = counts & 0xFFFF
+            n2 = (counts >> 16) & 0xFFFF
+            n3 = (counts >> 32) & 0xFFFF
+            n4 = (counts >> 48) & 0xFFFF
+            # the counts fall as t rises: the thresholds with enough keys are a prefix of t1..t4
+            lo = tl.where(n4 >= k, t4, tl.where(n3 >= k, t3, tl.where(n2 >= k, t2, tl.where(n1 >= k, t1, lo))))
+            hi = tl.where(n1 < k, t1, tl.where(n2 < k, t2, tl.where(n3 < k, t3, tl.where(n4 < k, t4, hi))))
+            exact = (n1 == k) | (n2 == k) | (n3 == k) | (n4 == k)
+            at = tl.where(exact, tl.where(n1 == k, t1, tl.where(n2 == k, t2, tl.where(n3 == k, t3, t4))), lo)
+            searching = (~exact) & (hi - lo > 1)
+        return at
 
     @triton.jit
     def _top_p_key(key, mass, threshold, lo, hi):
@@ -184,7 +194,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["codebook_value"])
     def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr,
                      codebook_value, out_ptr, stride_row, V, FIXED_CODEBOOK: tl.constexpr, BLOCK_V: tl.constexpr,
-                     EXACT: tl.constexpr, MASS_SCALE: tl.constexpr, RADIX: tl.constexpr = False,
+                     EXACT: tl.constexpr, MASS_SCALE: tl.constexpr, PACKED: tl.constexpr = True,
                      PDL: tl.constexpr = False):
         pdl.wait(PDL)  # the logits and the knobs come from the kernels before
         pdl.release(PDL)
@@ -192,27 +202,26 @@ if triton is not None:
         v = tl.arange(0, BLOCK_V)
         valid = v < V
         x = tl.load(logits_ptr + row * stride_row + v, mask=valid, other=float("-inf")).to(tl.float32)
-        token = tl.argmax(x, 0, tie_break_left=True).to(tl.int64)
         temp = tl.load(temp_ptr + row)
         if (tl.load(do_ptr + row) != 0) & (temp > 0):
             scaled = tl.where(valid, x / temp, float("-inf"))
             key = _order_key(scaled)
-            # TopK: the k-th largest value (ties counted, as in a descending sort); top_k <= 0 is off (k = V).
+            # TopK: the k-th largest value (ties counted, as in a descending sort); top_k <= 0 is off (k = V), and
+            # so is k = V: nothing lies below the least value, as nothing lies below -inf.
             top_k = tl.load(topk_ptr + row)
             k = tl.where(top_k <= 0, V, tl.minimum(top_k, V))
-            kth = tl.min(tl.where(valid, scaled, float("inf")), axis=0)
-            if RADIX:  # the radix select needs no bounds: they are found for top-p's search alone
-                if k < V:
-                    kth = _value_of_key(_kth_largest_key_radix(key, valid, k))
-            else:
-                lowest, highest = _key_bounds(key, valid)
-                if k < V:
-                    kth = _value_at_key(scaled, key, valid, _kth_largest_key(key, valid, k, lowest, highest))
+            kth = tl.full([], float("-inf"), tl.float32)
+            if k < V:
+                if PACKED:
+                    at = _kth_largest_at(key, valid, k)
+                else:
+                    lowest, highest = _key_bounds(key, valid)
+                    at = _kth_largest_key(key, valid, k, lowest, highest)
+                kth = _value_at_key(scaled, key, valid, at)
             cut = kth
             top_p = tl.load(topp_ptr + row)
             if top_p < 1.0:
-                if RADIX:
-                    lowest, highest = _key_bounds(key, valid)
+                lowest, highest = _key_bounds(key, valid)
                 # TopP over the top-k survivors, as a descending walk would do it: integer masses, exact in any
                 # order. Walking down, an id is dropped once the mass from it to the end is <= (1 - top_p) of
                 # the total (the first never), so the last kept value is the smallest t whose mass at or below
@@ -241,5 +250,6 @@ if triton is not None:
             u = tl.minimum(u, 0.99999994)  # the largest float32 below 1
             race = warped - _neg_log_log1p_neg(u, EXACT)
             token = tl.argmax(tl.where(valid, race, float("-inf")), 0, tie_break_left=True).to(tl.int64)
+        else:
+            token = tl.argmax(x, 0, tie_break_left=True).to(tl.int64)
         tl.store(out_ptr + row, token)
-
