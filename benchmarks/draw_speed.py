@@ -1,8 +1,9 @@
-"""Device time of one fused draw (`engine/draw_kernel.py`): top-k by the packed search (four counts a pass, early
-stop; `PACKED_SEARCH`, the default) against plain bisection (32 halvings, the path before), at the code predictor's
-head width (2048) and the talker's (3072), batch 1 and 64, with the model's sampling settings (top-k 50, top-p 1:
-no top-p search) and with top-p 0.9, and greedy. Random logits, CUDA graphs of back-to-back draws; tokens of both
-forms compared on every setting.
+"""Device time of one fused draw (`engine/draw_kernel.py`) in each of its forms: the path before session 56 (top-k
+by 32 halvings, Philox once per id), the packed top-k search (four counts a pass, early stop; `PACKED_SEARCH`), then
+Philox once per four-word block (`PHILOX_PER_BLOCK`), then that with 8 and 16 warps a program (`WARPS`), and the
+first form again (drift shows). At the code predictor's head width (2048) and the talker's (3072), batch 1 and 64,
+with the model's sampling settings (top-k 50, top-p 1: no top-p search), with top-p 0.9, and greedy. Random logits,
+CUDA graphs of back-to-back draws; every form's tokens compared with the first's.
 
     python benchmarks/draw_speed.py --out draw.json
 """
@@ -30,6 +31,16 @@ def inputs(rows: int, vocab: int, top_p: float, gen: torch.Generator, sample: bo
     return logits, on, temperature, top_k, top_p_t, seed, frame
 
 
+FORMS = [
+    ("before", dict(packed=False, per_block=False)),
+    ("packed", dict(packed=True, per_block=False)),
+    ("packed + per block", dict(packed=True, per_block=True)),
+    ("packed + per block, 8 warps", dict(packed=True, per_block=True, warps=8)),
+    ("packed + per block, 16 warps", dict(packed=True, per_block=True, warps=16)),
+    ("before again", dict(packed=False, per_block=False)),
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,64")
@@ -45,13 +56,12 @@ def main() -> None:
                 xs = inputs(rows, vocab, top_p, gen, sample)
                 cell = {"rows": rows, "vocab": vocab, "top_k": 50, "top_p": top_p, "sampled": sample}
                 tokens = {}
-                # bisection, packed, bisection again: drift between the first and the last shows
-                for name, packed in (("bisection", False), ("packed", True), ("bisection again", False)):
+                for name, form in FORMS:
                     cell[f"{name} us"] = round(time_launches(
-                        lambda xs=xs, packed=packed: fused_draw(*xs, 3, packed=packed), args.launches), 3)
-                    tokens[packed] = fused_draw(*xs, 3, packed=packed)
-                cell["tokens differ"] = int((tokens[True] != tokens[False]).sum())
-                cell["packed speed-up"] = round(cell["bisection us"] / cell["packed us"], 3)
+                        lambda xs=xs, form=form: fused_draw(*xs, 3, **form), args.launches), 3)
+                    tokens[name] = fused_draw(*xs, 3, **form)
+                first = FORMS[0][0]
+                cell["tokens differ"] = sum(int((t != tokens[first]).sum()) for t in tokens.values())
                 print(json.dumps(cell), flush=True)
                 result["cells"].append(cell)
     if args.out:

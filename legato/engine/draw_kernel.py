@@ -41,6 +41,11 @@ PACKED_SEARCH = True
 _MASS_SCALE = 2.0**36  # sampler._MASS_BITS
 # A packed count is a 16-bit field and the top field must leave the int64's sign alone.
 _PACKED_MAX_VOCAB = 2**15 - 1
+# Philox once per counter block (four words), the words then laid out in vocabulary order, instead of once per id
+# with three of each block's four words thrown away (the path before): the same words.
+PHILOX_PER_BLOCK = True
+# Warps a row's program runs; None: 4 below a 4,096-wide block, else 8.
+WARPS: int | None = None
 
 
 def available(logits: torch.Tensor) -> bool:
@@ -49,12 +54,14 @@ def available(logits: torch.Tensor) -> bool:
 
 def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: torch.Tensor | int,
-               exact_math: bool | None = None, packed: bool | None = None) -> torch.Tensor:
+               exact_math: bool | None = None, packed: bool | None = None, per_block: bool | None = None,
+               warps: int | None = None) -> torch.Tensor:
     """Tokens int64 [B] from logits [B, V] (see `sampler.draw`; float32, or the head's bf16/fp16, widened to
     float32 as they load, exactly as `.float()` would; the head's knobs as [B] tensors,
     codebook an int64 [B] tensor or one int for every row: no tensor to fill before each draw).
     `exact_math`: libdevice functions (default on CUDA). `packed`: top-k by the packed search (default
-    `PACKED_SEARCH`; vocabularies of 2**15 and more always take the plain bisection)."""
+    `PACKED_SEARCH`; vocabularies of 2**15 and more always take the plain bisection). `per_block`: Philox once per
+    four words (default `PHILOX_PER_BLOCK`). `warps`: the program's warps (default `WARPS`)."""
     b, vocab = logits.shape
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.stride(-1) != 1:
         raise ValueError("fused_draw needs unit-stride float32, bfloat16 or float16 logits")
@@ -65,8 +72,9 @@ def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch
         logits, do_sample, temperature, top_k, top_p, seed, frame, out if fixed else codebook,
         codebook if fixed else 0, out, logits.stride(0), vocab, FIXED_CODEBOOK=fixed, BLOCK_V=block,
         EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
-        PACKED=(PACKED_SEARCH if packed is None else packed) and vocab <= _PACKED_MAX_VOCAB, PDL=pdl.launch(logits),
-        num_warps=8 if block >= 4096 else 4, **pdl.launch_options(pdl.launch(logits)),
+        PACKED=(PACKED_SEARCH if packed is None else packed) and vocab <= _PACKED_MAX_VOCAB,
+        PER_BLOCK=PHILOX_PER_BLOCK if per_block is None else per_block, PDL=pdl.launch(logits),
+        num_warps=warps or WARPS or (8 if block >= 4096 else 4), **pdl.launch_options(pdl.launch(logits)),
     )
     return out
 
@@ -95,11 +103,25 @@ if triton is not None:
     @triton.jit
     def _philox_word(v, c1, c2, k0, k1):
         # Philox-4x32-10 at counter (v // 4, c1, c2, 0) under key (k0, k1), word v % 4 (rng.random_bits).
+        x0, x1, x2, x3 = _philox_block(v // 4, c1, c2, k0, k1)
+        w = v % 4
+        return tl.where(w == 0, x0, tl.where(w == 1, x1, tl.where(w == 2, x2, x3)))
+
+    @triton.jit
+    def _philox_words(BLOCK_V: tl.constexpr, c1, c2, k0, k1):
+        # Words 0 .. BLOCK_V - 1 of rng.random_bits: one Philox-4x32-10 per counter block, its four words then put
+        # in order. join stacks on a new last axis, so (x0, x2) joined with (x1, x3) flattens to x0 x1 x2 x3.
+        x0, x1, x2, x3 = _philox_block(tl.arange(0, BLOCK_V // 4), c1, c2, k0, k1)
+        return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [BLOCK_V])
+
+    @triton.jit
+    def _philox_block(block, c1, c2, k0, k1):
+        # Philox-4x32-10 at counter (block, c1, c2, 0) under key (k0, k1): its four words.
         mul0 = tl.full([], 0xD2511F53, tl.uint32)
         mul1 = tl.full([], 0xCD9E8D57, tl.uint32)
         bump0 = tl.full([], 0x9E3779B9, tl.uint32)
         bump1 = tl.full([], 0xBB67AE85, tl.uint32)
-        x0 = (v // 4).to(tl.uint32)
+        x0 = block.to(tl.uint32)
         x1 = tl.zeros_like(x0) + c1
         x2 = tl.zeros_like(x0) + c2
         x3 = tl.zeros_like(x0)
@@ -111,8 +133,7 @@ if triton is not None:
             x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
             k0 = k0 + bump0
             k1 = k1 + bump1
-        w = v % 4
-        return tl.where(w == 0, x0, tl.where(w == 1, x1, tl.where(w == 2, x2, x3)))
+        return x0, x1, x2, x3
 
     @triton.jit
     def _order_key(x):
@@ -195,7 +216,7 @@ if triton is not None:
     def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr,
                      codebook_value, out_ptr, stride_row, V, FIXED_CODEBOOK: tl.constexpr, BLOCK_V: tl.constexpr,
                      EXACT: tl.constexpr, MASS_SCALE: tl.constexpr, PACKED: tl.constexpr = True,
-                     PDL: tl.constexpr = False):
+                     PER_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False):
         pdl.wait(PDL)  # the logits and the knobs come from the kernels before
         pdl.release(PDL)
         row = tl.program_id(0)
@@ -245,7 +266,10 @@ if triton is not None:
                 c2 = (codebook_value.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
             else:
                 c2 = (tl.load(codebook_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
-            bits = _philox_word(v, c1, c2, k0, k1)
+            if PER_BLOCK:
+                bits = _philox_words(BLOCK_V, c1, c2, k0, k1)
+            else:
+                bits = _philox_word(v, c1, c2, k0, k1)
             u = ((bits.to(tl.float64) + 0.5) * 2.3283064365386963e-10).to(tl.float32)  # * 2**-32
             u = tl.minimum(u, 0.99999994)  # the largest float32 below 1
             race = warped - _neg_log_log1p_neg(u, EXACT)
