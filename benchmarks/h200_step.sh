@@ -141,12 +141,12 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
       offline . stack "$size" "${BATCHES:-1,2,4,8}" --stack
       [ -n "${NO_STACK-1}" ] && offline . no-stack "$size" "${BATCHES:-1,2,4,8}"  # NO_STACK= skips it
     done ;;
-  draw)  # the draw's top-k by the packed search (PACKED_SEARCH, session of 2026-12-07 (2)): draw_kernel_checks.py on
-         # CUDA (both searches against sampler.draw and torch.topk), draw_speed.py (packed against 32 halvings), then
-         # the GPU draw test
-    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-150} python3 tests/draw_kernel_checks.py cuda 2>&1 | tail -20
+  draw)  # the draw's forms (session of 2026-12-07 (2)): draw_speed.py (each form's time, tokens against the path
+         # before), draw_kernel_checks.py on CUDA (every form against sampler.draw, the k-th value against
+         # torch.topk), then the GPU draw test (TESTS)
     PYTHONPATH=.:$PYTHONPATH timeout ${T:-150} python3 benchmarks/draw_speed.py --out "$OUT/draw_speed.json" 2>&1 \
-      | grep -E '^\{|Error' | cut -c1-300
+      | grep -E '^\{|Error' | cut -c1-${SPEED_CHARS:-300}
+    PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_CHECK:-150} python3 tests/draw_kernel_checks.py cuda 2>&1 | tail -24
     PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TEST:-150} python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py \
       -k "${TESTS:-draw}" 2>&1 | grep -E "^E |passed|failed|Error" | tail -8 ;;
   launch)  # session 55's call: the fused sum/add/norm's CUDA check, then offline.py at BATCHES (0.6B): .base/, this
