@@ -163,7 +163,6 @@ PATHS_BEFORE = {
                        "small_matmul.FUSED_NORM)",
     "--no-pdl": "the decode step's kernels without programmatic dependent launch (layers/pdl.py; the path before it)",
     "--bisection-draw": "the fused draw's top-k value by 32 halvings (the path before draw_kernel.PACKED_SEARCH)",
-    "--philox-per-id": "the fused draw's Philox once per id (the path before draw_kernel.PHILOX_PER_BLOCK)",
 }
 
 
@@ -191,6 +190,8 @@ def main() -> None:
                     help="with --stack, the launch looks up a codebook's embedding row (code_predictor.STACK_LOOKUP)")
     ap.add_argument("--stack", action="store_true",
                     help="the code predictor's one-launch pass for one-row passes (EngineConfig.code_predictor_stack)")
+    ap.add_argument("--philox-per-block", action="store_true",
+                    help="the fused draw's Philox once per four-word block (draw_kernel.PHILOX_PER_BLOCK)")
     ap.add_argument("--draw-warps", type=int, default=None,
                     help="warps a fused draw's program runs (draw_kernel.WARPS)")
     ap.add_argument("--compiled-sampler", action="store_true",
@@ -224,12 +225,12 @@ def main() -> None:
         fused_attention.BLOCK_N = args.attn_block_n or fused_attention.BLOCK_N
         if args.attn_split_all:
             fused_attention.ONE_SPLIT_ROWS = 1 << 30
-    if args.compiled_sampler or args.bisection_draw or args.philox_per_id or args.draw_warps:
+    if args.compiled_sampler or args.bisection_draw or args.philox_per_block or args.draw_warps:
         from legato.engine import draw_kernel
 
         draw_kernel.ENABLED = not args.compiled_sampler
         draw_kernel.PACKED_SEARCH = not args.bisection_draw
-        draw_kernel.PHILOX_PER_BLOCK = not args.philox_per_id
+        draw_kernel.PHILOX_PER_BLOCK = args.philox_per_block
         draw_kernel.WARPS = args.draw_warps
     if args.pdl or args.no_pdl:
         from legato.layers import pdl
@@ -267,7 +268,7 @@ def main() -> None:
         "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack, "fused_norm": not args.no_fused_norm,
         "pdl": not args.no_pdl,
         "stack_lookup": args.stack_lookup, "packed_draw": not args.bisection_draw,
-        "philox_per_block": not args.philox_per_id, "draw_warps": args.draw_warps,
+        "philox_per_block": args.philox_per_block, "draw_warps": args.draw_warps,
     }
     for mode in args.modes.split(","):
         eager = mode == "eager"

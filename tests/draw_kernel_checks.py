@@ -4,7 +4,7 @@
 CPU test that runs this file in a subprocess under Triton's interpreter (`TRITON_INTERPRET=1`). Rows mix
 greedy and sampled, temperature 0, top-k off / 1 / 50 / past the vocabulary, top-p off / 0.9 / 0.5 / 0.01,
 tied logits, suppressed (-inf) ids, and seeds and frames past 2**32; both head widths (2048 and 3072); top-k by the
-packed search (the default) and by plain bisection; Philox per block (the default) and per id; 16 warps; and rows
+packed search (the default) and by plain bisection; Philox per id (the default) and per block; 16 warps; and rows
 built to stress the top-k search (`hard_batch`).
 `python tests/draw_kernel_checks.py [cuda|cpu]`.
 """
@@ -126,10 +126,10 @@ def run_checks(device: str, rows: dict[int, int], rounds: int) -> dict[str, int]
                 plain = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame,
                                    codebook, packed=False)
                 result[f"V={vocab}: bisection vs draw"] = int((plain != want).sum())
-                # Philox once per id (the path before PHILOX_PER_BLOCK), and a program of 16 warps
-                per_id = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame,
-                                    codebook, per_block=False)
-                result[f"V={vocab}: Philox per id vs draw"] = int((per_id != want).sum())
+                # Philox once per four-word block (PHILOX_PER_BLOCK, off by default), and a program of 16 warps
+                per_block = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame,
+                                       codebook, per_block=True)
+                result[f"V={vocab}: Philox per block vs draw"] = int((per_block != want).sum())
                 wide = fused_draw(logits, head.do_sample, head.temperature, head.top_k, head.top_p, seed, frame,
                                   codebook, warps=16)
                 result[f"V={vocab}: 16 warps vs draw"] = int((wide != want).sum())

@@ -13,6 +13,8 @@ program's critical path is its chain of reductions, so the kernel spends as few 
   histograms) was measured slower than the bisection and removed (docs/benchmarks.md, 2026-12-07).
 - Top-p, only when a row's top_p < 1: 32 halvings over the integer masses (their sums do not pack).
 - The greedy argmax, the row's minimum and its key bounds are reduced only on the rows that need them.
+- What is left of a sampled draw is mostly per-id math over the whole row (Philox, log1p, log). `PHILOX_PER_BLOCK`
+  computes each Philox block once for its four words instead of once per id; it is off until a GPU has timed it.
 
 Same contract as `sampler.draw`, to the bit where the math library allows: the masses, thresholds, cut and
 Philox words are computed exactly as there (integer cumulative masses, float64 comparisons); on CUDA the
@@ -42,8 +44,9 @@ _MASS_SCALE = 2.0**36  # sampler._MASS_BITS
 # A packed count is a 16-bit field and the top field must leave the int64's sign alone.
 _PACKED_MAX_VOCAB = 2**15 - 1
 # Philox once per counter block (four words), the words then laid out in vocabulary order, instead of once per id
-# with three of each block's four words thrown away (the path before): the same words.
-PHILOX_PER_BLOCK = True
+# with three of each block's four words thrown away: the same words (the interpreter's checks, tests/
+# draw_kernel_checks.py). Off until a GPU has timed it and run its CUDA checks: no device came for it on 2026-12-07.
+PHILOX_PER_BLOCK = False
 # Warps a row's program runs; None: 4 below a 4,096-wide block, else 8.
 WARPS: int | None = None
 
@@ -216,7 +219,7 @@ if triton is not None:
     def _draw_kernel(logits_ptr, do_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, frame_ptr, codebook_ptr,
                      codebook_value, out_ptr, stride_row, V, FIXED_CODEBOOK: tl.constexpr, BLOCK_V: tl.constexpr,
                      EXACT: tl.constexpr, MASS_SCALE: tl.constexpr, PACKED: tl.constexpr = True,
-                     PER_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False):
+                     PER_BLOCK: tl.constexpr = False, PDL: tl.constexpr = False):
         pdl.wait(PDL)  # the logits and the knobs come from the kernels before
         pdl.release(PDL)
         row = tl.program_id(0)
