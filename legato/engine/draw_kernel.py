@@ -71,13 +71,14 @@ def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     block = triton.next_power_of_2(vocab)
     fixed = isinstance(codebook, int)
+    on = pdl.launch(logits)
     _draw_kernel[(b,)](
         logits, do_sample, temperature, top_k, top_p, seed, frame, out if fixed else codebook,
         codebook if fixed else 0, out, logits.stride(0), vocab, FIXED_CODEBOOK=fixed, BLOCK_V=block,
         EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
         PACKED=(PACKED_SEARCH if packed is None else packed) and vocab <= _PACKED_MAX_VOCAB,
-        PER_BLOCK=PHILOX_PER_BLOCK if per_block is None else per_block, PDL=pdl.launch(logits),
-        num_warps=warps or WARPS or (8 if block >= 4096 else 4), **pdl.launch_options(pdl.launch(logits)),
+        PER_BLOCK=PHILOX_PER_BLOCK if per_block is None else per_block, PDL=on,
+        num_warps=warps or WARPS or (8 if block >= 4096 else 4), **pdl.launch_options(on),
     )
     return out
 
