@@ -161,6 +161,10 @@ PATHS_BEFORE = {
                          "layers/small_matmul.py), to measure its share",
     "--no-fused-norm": "a split few-row product's sum, residual add and norm as two kernels (the path before "
                        "small_matmul.FUSED_NORM)",
+    "--no-finish": "a split product's sum, add and norm in a second kernel at every row count (the path before "
+                   "small_matmul.FINISH_ROWS: its last program does them up to that many rows)",
+    "--no-join": "a split attention's parts joined by a second kernel at every row count (the path before "
+                 "fused_attention.JOIN_ROWS: their last program joins them up to that many rows)",
     "--no-pdl": "the decode step's kernels without programmatic dependent launch (layers/pdl.py; the path before it)",
     "--bisection-draw": "the fused draw's top-k value by 32 halvings (the path before draw_kernel.PACKED_SEARCH)",
 }
@@ -217,6 +221,10 @@ def main() -> None:
         from legato.layers import fused_attention
 
         fused_attention.ENABLED = False
+    if args.no_join:
+        from legato.layers import fused_attention
+
+        fused_attention.JOIN_ROWS = 0
     if args.attn_splits or args.attn_block_n or args.attn_reductions or args.attn_split_all:
         from legato.layers import fused_attention
 
@@ -236,10 +244,11 @@ def main() -> None:
         from legato.layers import pdl
 
         pdl.ENABLED = not args.no_pdl
-    if args.no_fused_norm:
+    if args.no_fused_norm or args.no_finish:
         from legato.layers import small_matmul
 
-        small_matmul.FUSED_NORM = False
+        small_matmul.FUSED_NORM = not args.no_fused_norm
+        small_matmul.FINISH_ROWS = 0 if args.no_finish else small_matmul.FINISH_ROWS
     if args.cublas_linear or args.no_small_matmul:
         from legato.layers import skinny_linear, small_matmul
 
@@ -266,6 +275,7 @@ def main() -> None:
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack, "fused_norm": not args.no_fused_norm,
+        "finish_in_product": not (args.no_finish or args.no_fused_norm), "join_in_attention": not args.no_join,
         "pdl": not args.no_pdl,
         "stack_lookup": args.stack_lookup, "packed_draw": not args.bisection_draw,
         "philox_per_block": args.philox_per_block, "draw_warps": args.draw_warps,

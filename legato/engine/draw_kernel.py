@@ -45,9 +45,11 @@ _MASS_SCALE = 2.0**36  # sampler._MASS_BITS
 _PACKED_MAX_VOCAB = 2**15 - 1
 # Philox once per counter block (four words), the words then laid out in vocabulary order, instead of once per id
 # with three of each block's four words thrown away: the same words (the interpreter's checks, tests/
-# draw_kernel_checks.py). Off until a GPU has timed it and run its CUDA checks: no device came for it on 2026-12-07.
+# draw_kernel_checks.py, and on an H100 its CUDA checks). Off: on an H100 it timed 9.33 us a batch-1 draw of 2,048 ids
+# against 9.12 without (docs/benchmarks.md, session of 2026-12-07 (3)).
 PHILOX_PER_BLOCK = False
-# Warps a row's program runs; None: 4 below a 4,096-wide block, else 8.
+# Warps a row's program runs; None: 4 below a 2,048-wide block, else 8. 8 warps took the 0.6B's batch-1 frame from
+# 3.517 to 3.446 ms on an H100 (the code predictor's 2,048-id draws; codes equal), the same session.
 WARPS: int | None = None
 
 
@@ -78,7 +80,7 @@ def fused_draw(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch
         EXACT=logits.is_cuda if exact_math is None else exact_math, MASS_SCALE=_MASS_SCALE,
         PACKED=(PACKED_SEARCH if packed is None else packed) and vocab <= _PACKED_MAX_VOCAB,
         PER_BLOCK=PHILOX_PER_BLOCK if per_block is None else per_block, PDL=on,
-        num_warps=warps or WARPS or (8 if block >= 4096 else 4), **pdl.launch_options(on),
+        num_warps=warps or WARPS or (8 if block >= 2048 else 4), **pdl.launch_options(on),
     )
     return out
 
