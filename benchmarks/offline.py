@@ -165,6 +165,8 @@ PATHS_BEFORE = {
                    "small_matmul.FINISH_ROWS: its last program does them up to that many rows)",
     "--no-join": "a split attention's parts joined by a second kernel at every row count (the path before "
                  "fused_attention.JOIN_ROWS: their last program joins them up to that many rows)",
+    "--no-lookup-norm": "a code-predictor pass's embedding lookup and first norm as two kernels (the path before "
+                        "layers/lookup_norm.py)",
     "--no-pdl": "the decode step's kernels without programmatic dependent launch (layers/pdl.py; the path before it)",
     "--bisection-draw": "the fused draw's top-k value by 32 halvings (the path before draw_kernel.PACKED_SEARCH)",
 }
@@ -221,6 +223,10 @@ def main() -> None:
         from legato.layers import fused_attention
 
         fused_attention.ENABLED = False
+    if args.no_lookup_norm:
+        from legato.layers import lookup_norm
+
+        lookup_norm.ENABLED = False
     if args.no_join:
         from legato.layers import fused_attention
 
@@ -276,6 +282,7 @@ def main() -> None:
         "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack, "fused_norm": not args.no_fused_norm,
         "finish_in_product": not (args.no_finish or args.no_fused_norm), "join_in_attention": not args.no_join,
+        "lookup_norm": not args.no_lookup_norm,
         "pdl": not args.no_pdl,
         "stack_lookup": args.stack_lookup, "packed_draw": not args.bisection_draw,
         "philox_per_block": args.philox_per_block, "draw_warps": args.draw_warps,

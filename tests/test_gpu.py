@@ -443,6 +443,16 @@ def test_small_matmul_equals_f_linear_and_keeps_the_model_close():
         assert all(e <= 1e-2 for e in errors.values()), errors
 
 
+def test_lookup_norm_equals_the_lookup_then_the_norm():
+    """The code predictor's lookup-and-norm kernel against the index and the compiled norm it replaces, bf16 and
+    fp16: the row to the bit, the norm within the parity tolerance."""
+    from lookup_norm_checks import run_checks
+
+    for dtype in (torch.bfloat16, torch.float16):
+        errors = run_checks("cuda", dtype)
+        assert all(e <= 1e-2 for e in errors.values()), errors
+
+
 def test_fused_draw_gives_the_eager_and_the_compiled_draws_tokens():
     """The one-program-per-row draw kernel against `sampler.draw`, eager and compiled, on 32k rows of mixed
     settings (greedy, temperature 0, top-k and top-p on and off, ties, -inf ids, seeds and frames past 2**32)."""

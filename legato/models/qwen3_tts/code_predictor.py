@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from legato.layers import decoder_stack
+from legato.layers import decoder_stack, lookup_norm
 from legato.layers.matmuls import linear
 from legato.layers.norm import RMSNorm
 from legato.layers.rotary import RotaryEmbedding
@@ -141,10 +141,20 @@ class CodePredictor(nn.Module):
         # The head's logits in its dtype: the sampler widens them to float32 (`CodeSampler`).
         code = sample(linear(hidden[:, -1], self.lm_head[0].weight), 1)
         codes = [code]
+        first_norm = self.model.layers[0].input_layernorm
+        # Where the table's rows are the layers' input (no projection between), a pass's lookup and its first norm
+        # are one kernel on CUDA (`lookup_norm`).
+        lookup = (isinstance(self.small_to_mtp_projection, nn.Identity)
+                  and lookup_norm.available(self.model.codec_embedding[0].weight))
         for g in range(1, self.num_residual_groups):
-            embed = self.model.codec_embedding[g - 1](code).unsqueeze(1)
             rope = (cos[g + 1 : g + 2].expand(b, 1, -1), sin[g + 1 : g + 2].expand(b, 1, -1))
-            hidden = self(embed, positions[g + 1 : g + 2].expand(b, 1), cache, rope)
+            table = self.model.codec_embedding[g - 1]
+            if lookup:
+                x, h = lookup_norm.lookup_rms_norm(table.weight, code, first_norm.weight, first_norm.eps)
+                hidden = run_layers(self.model.layers, x.unsqueeze(1), *rope, cache, self.model.norm,
+                                    normed=h.unsqueeze(1))
+            else:
+                hidden = self(table(code).unsqueeze(1), positions[g + 1 : g + 2].expand(b, 1), cache, rope)
             cache.advance(1)
             code = sample(linear(hidden[:, -1], self.lm_head[g].weight), g + 1)
             codes.append(code)

@@ -190,16 +190,17 @@ class DecoderLayer(nn.Module):
 
     def residual_step(
         self, x: torch.Tensor, pending: Pending | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        layer: int,
+        layer: int, normed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Pending]:
         """The layer with both residual adds moved into the norm after them: `pending` is the previous layer's
         MLP down projection (`Pending`), not yet run nor added to `x` (None for the first layer).
         Returns (x, this layer's down projection), so the caller runs it inside the next norm. Eagerly this is
         the same arithmetic in the same order; on CUDA each projection back into the residual shares a kernel
-        with the add and the norm where its K is split (`matmuls.linear_add_rms_norm`), else each add does."""
+        with the add and the norm where its K is split (`matmuls.linear_add_rms_norm`), else each add does.
+        `normed`: the first layer's input norm of `x`, where the caller computed it with `x` (`lookup_norm`)."""
         attn, norm = self.self_attn, self.input_layernorm
         if pending is None:
-            h = norm(x)
+            h = normed if normed is not None else norm(x)
         else:
             x, h = project_add_norm(*pending, x, norm)
         x, h = project_add_norm(attn.heads_out(h, cos, sin, cache, layer), attn.o_proj.weight,
@@ -225,12 +226,14 @@ def build_layers(cfg) -> nn.ModuleList:
 
 
 def run_layers(
-    layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, final_norm: RMSNorm
+    layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, final_norm: RMSNorm,
+    normed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The decoder layers, then `final_norm` -> normed hidden states; each residual add rides in a norm."""
+    """The decoder layers, then `final_norm` -> normed hidden states; each residual add rides in a norm. `normed`:
+    the first layer's input norm of x, computed already."""
     pending = None
     for i, layer in enumerate(layers):
-        x, pending = layer.residual_step(x, pending, cos, sin, cache, i)
+        x, pending = layer.residual_step(x, pending, cos, sin, cache, i, normed if i == 0 else None)
     return project_add_norm(*pending, x, final_norm)[1]
 
 
