@@ -11,8 +11,6 @@
 #                                     # adds .base/ and this tree with the stack (--stack); BISECTION=1 this tree with the
 #                                     # draw's plain bisection (--bisection-draw); DRAW_WARPS=N with N warps a draw; PER_BLOCK=1
 #                                     # with the draw's Philox once per four-word block (--philox-per-block);
-#                                     # NO_FINISH=1 with a split product's sum and norm always a second kernel,
-#                                     # NO_JOIN=1 a split attention's join always a second kernel, NO_ARRIVALS=1 both;
 #                                     # NO_LOOKUP=1 a code-predictor pass's lookup and first norm as two kernels
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
 #   benchmarks/h200_step.sh verify    # one call for kernels changed since the last device run: the GPU tests that
@@ -76,9 +74,6 @@ case "$PART" in
       [ -n "${BISECTION:-}" ] && offline . bisection "$size" "${BATCHES:-1,64,256}" --bisection-draw
       [ -n "${DRAW_WARPS:-}" ] && offline . warps$DRAW_WARPS "$size" "${BATCHES:-1,64,256}" "--draw-warps $DRAW_WARPS"
       [ -n "${PER_BLOCK:-}" ] && offline . per-block "$size" "${BATCHES:-1,64,256}" --philox-per-block
-      [ -n "${NO_FINISH:-}" ] && offline . no-finish "$size" "${BATCHES:-1,64,256}" --no-finish
-      [ -n "${NO_JOIN:-}" ] && offline . no-join "$size" "${BATCHES:-1,64,256}" --no-join
-      [ -n "${NO_ARRIVALS:-}" ] && offline . no-arrivals "$size" "${BATCHES:-1,64,256}" "--no-finish --no-join"
       [ -n "${NO_LOOKUP:-}" ] && offline . no-lookup "$size" "${BATCHES:-1,64,256}" --no-lookup-norm
       if [ -n "${STACK_BATCHES:-}" ]; then
         offline .base base-stack "$size" "$STACK_BATCHES" --stack

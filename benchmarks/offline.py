@@ -161,10 +161,6 @@ PATHS_BEFORE = {
                          "layers/small_matmul.py), to measure its share",
     "--no-fused-norm": "a split few-row product's sum, residual add and norm as two kernels (the path before "
                        "small_matmul.FUSED_NORM)",
-    "--no-finish": "a split product's sum, add and norm in a second kernel at every row count (the path before "
-                   "small_matmul.FINISH_ROWS: its last program does them up to that many rows)",
-    "--no-join": "a split attention's parts joined by a second kernel at every row count (the path before "
-                 "fused_attention.JOIN_ROWS: their last program joins them up to that many rows)",
     "--no-lookup-norm": "a code-predictor pass's embedding lookup and first norm as two kernels (the path before "
                         "layers/lookup_norm.py)",
     "--no-pdl": "the decode step's kernels without programmatic dependent launch (layers/pdl.py; the path before it)",
@@ -227,10 +223,6 @@ def main() -> None:
         from legato.layers import lookup_norm
 
         lookup_norm.ENABLED = False
-    if args.no_join:
-        from legato.layers import fused_attention
-
-        fused_attention.JOIN_ROWS = 0
     if args.attn_splits or args.attn_block_n or args.attn_reductions or args.attn_split_all:
         from legato.layers import fused_attention
 
@@ -250,11 +242,10 @@ def main() -> None:
         from legato.layers import pdl
 
         pdl.ENABLED = not args.no_pdl
-    if args.no_fused_norm or args.no_finish:
+    if args.no_fused_norm:
         from legato.layers import small_matmul
 
-        small_matmul.FUSED_NORM = not args.no_fused_norm
-        small_matmul.FINISH_ROWS = 0 if args.no_finish else small_matmul.FINISH_ROWS
+        small_matmul.FUSED_NORM = False
     if args.cublas_linear or args.no_small_matmul:
         from legato.layers import skinny_linear, small_matmul
 
@@ -281,7 +272,6 @@ def main() -> None:
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack, "fused_norm": not args.no_fused_norm,
-        "finish_in_product": not (args.no_finish or args.no_fused_norm), "join_in_attention": not args.no_join,
         "lookup_norm": not args.no_lookup_norm,
         "pdl": not args.no_pdl,
         "stack_lookup": args.stack_lookup, "packed_draw": not args.bisection_draw,

@@ -21,7 +21,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     patch_for_numpy()
 
-from legato.layers import arrivals
 from legato.layers.fused_attention import fused_decode_attention, fused_decode_attention_reference
 from legato.layers.rotary import RotaryEmbedding
 
@@ -52,12 +51,11 @@ def _compare(name, args, kwargs, caches, errors, out_view=False):
 
 
 def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits=None, block_n=None, dot=True,
-               one_split_rows=None, join_rows=None) -> None:
+               one_split_rows=None) -> None:
     """Paged rows long enough to split (`fused_attention.SPLITS`): a row's cached positions at, just under and
     just over a split's span and a loop block, one row on every split, one new token at position 0; block
     size 16, every row's blocks scattered over the cache. one_split_rows: `ONE_SPLIT_ROWS` for the launch (1: its
-    8 rows go unsplit by the row-count rule). join_rows: `JOIN_ROWS` (0: the splits joined by the second kernel,
-    not by their last program); the default's output must equal the second kernel's to the bit."""
+    8 rows go unsplit by the row-count rule)."""
     from legato.layers import fused_attention as fa
 
     lens = [1, fa.MIN_SPAN, fa.MIN_SPAN + 1, fa.MIN_SPAN + 2, fa.BLOCK_N * 3 + 1, 700,
@@ -73,22 +71,15 @@ def _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits=None,
     qkv, qw, kw, cos, sin = _inputs(b, heads, kv_heads, d, [n - 1 for n in lens], gen, device, dtype)
     caches = [torch.randn(sum(per_row), bs, kv_heads, d, generator=gen).to(device, dtype) for _ in range(2)]
     kwargs = dict(block_tables=tables.to(device), context_lens=torch.tensor(lens, dtype=torch.int32, device=device))
-    saved = fa.SPLITS, fa.BLOCK_N, fa.DOT, fa.ONE_SPLIT_ROWS, fa.JOIN_ROWS
+    saved = fa.SPLITS, fa.BLOCK_N, fa.DOT, fa.ONE_SPLIT_ROWS
     fa.SPLITS, fa.BLOCK_N, fa.DOT = splits or fa.SPLITS, block_n or fa.BLOCK_N, dot
     fa.ONE_SPLIT_ROWS = one_split_rows or fa.ONE_SPLIT_ROWS
-    fa.JOIN_ROWS = fa.JOIN_ROWS if join_rows is None else join_rows
-    name = (f"paged long h{heads}/{kv_heads} d{d} splits {fa.splits(b)} block {fa.BLOCK_N}"
-            f"{'' if dot else ' reductions'}{' joined apart' if join_rows == 0 else ''}")
     try:
-        _compare(name, (qkv, qw, kw, eps, cos, sin, heads), kwargs, caches, errors, out_view=True)
-        if join_rows is None and fa.splits(b) > 1:  # joined in the kernel against the second kernel, to the bit
-            outs = []
-            for fa.JOIN_ROWS in (saved[4], 0):
-                k, v = (c.clone() for c in caches)
-                outs.append(fused_decode_attention(qkv, qw, kw, eps, cos, sin, k, v, heads, **kwargs))
-            errors[f"{name}: joined in the kernel, to the bit"] = float(not torch.equal(*outs))
+        _compare(f"paged long h{heads}/{kv_heads} d{d} splits {fa.splits(b)} block {fa.BLOCK_N}"
+                 f"{'' if dot else ' reductions'}", (qkv, qw, kw, eps, cos, sin, heads), kwargs, caches, errors,
+                 out_view=True)
     finally:
-        fa.SPLITS, fa.BLOCK_N, fa.DOT, fa.ONE_SPLIT_ROWS, fa.JOIN_ROWS = saved
+        fa.SPLITS, fa.BLOCK_N, fa.DOT, fa.ONE_SPLIT_ROWS = saved
 
 
 def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
@@ -113,7 +104,6 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
             _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, splits, block_n)
         _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, one_split_rows=1)  # many rows: unsplit
         _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, dot=False)  # CUDA-core reductions
-        _long_rows(heads, kv_heads, d, gen, device, dtype, eps, errors, join_rows=0)  # joined by a second kernel
         # Contiguous: every row at one position, capacity 16; `out` a strided view of a [B, 2, H*D] buffer.
         for position in (0, 1, 7, 15):
             qkv, qw, kw, cos, sin = _inputs(3, heads, kv_heads, d, [position] * 3, gen, device, dtype)
@@ -121,7 +111,6 @@ def run_checks(device: str, dtype: torch.dtype) -> dict[str, float]:
 
             _compare(f"contiguous h{heads}/{kv_heads} d{d} pos{position}", (qkv, qw, kw, eps, cos, sin, heads),
                      {"position": position}, caches, errors, out_view=True)
-    errors["split counters back at zero"] = float(arrivals.held())
     return errors
 
 

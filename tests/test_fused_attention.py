@@ -57,8 +57,3 @@ def test_the_attention_kernels_compile_for_hopper():
                         PAGED=paged, SPLITS=16 if paged else 1, MIN_SPAN=64, BLOCK_N=32 if paged else 16, DOT=dot,
                         PRECISION="ieee" if exact else "tf32", PV_PRECISION="ieee" if exact else "tf32x3")
             assert compile_for_hopper(fa._fused_decode_kernel, meta, types) > 0, (cache, paged, dot)
-            if paged:  # the splits joined by their last program, with and without PDL (its counters int32)
-                for pdl in (False, True):
-                    assert compile_for_hopper(fa._fused_decode_kernel, {**meta, "FINISH": True, "JOIN_PAD": 2,
-                                                                        "PDL": pdl},
-                                              {**types, "count_ptr": "*i32"}) > 0, (cache, dot, pdl)

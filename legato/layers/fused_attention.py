@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from legato.layers import arrivals, pdl
+from legato.layers import pdl
 from legato.layers.fused import rms_norm_rope
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
@@ -107,9 +107,6 @@ BLOCK_N = 32  # positions per loop iteration of the paged path
 # Warps per program: 4 below WIDE_ROWS rows, 2 from there. Measured on the H200 (benchmarks/attention_tune.py,
 # docs/benchmarks.md): at 64 and 256 rows 2 warps took 2-30 % less time, at 1 and 16 rows 10-17 % more.
 WARPS = (4, 2)
-# Up to this many rows the last of a (row, kv head)'s split programs joins the splits (`layers/arrivals.py`), one
-# launch fewer a layer; 0: the combine kernel always does (benchmarks measure both in one process).
-JOIN_ROWS = 8
 WIDE_ROWS = 32
 # The talker's paged rows compute scores and weighted sums as tensor-core products (q padded to 16 rows): 3-18 %
 # faster than CUDA-core reductions at 1-256 rows on the H200. The code predictor's rows (at most 16 positions)
@@ -177,16 +174,14 @@ def fused_decode_attention(
                 MIN_SPAN=MIN_SPAN, BLOCK_N=BLOCK_N if paged else 16)
     exact = k_cache.dtype == torch.float32  # fp32 caches: fp32 products, as the eager path
     on = pdl.launch(qkv)
-    # The splits joined by the last of a (row, kv head)'s programs (`JOIN_ROWS`), else by a second kernel.
-    counters = arrivals.take(qkv.device, b * kv_heads) if n_splits > 1 and b <= JOIN_ROWS else None
     _fused_decode_kernel[(b, kv_heads, n_splits)](
         qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, out, tables, lens, part_ml, part_acc,
-        counters if counters is not None else part_ml, eps, d**-0.5, position,
+        eps, d**-0.5, position,
         qkv.stride(0), cos.stride(0), sin.stride(0), stride_kb, stride_kp, stride_kh, tables_stride, out.stride(0),
         **meta, DOT=dot, PRECISION="ieee" if exact else "tf32", PV_PRECISION="ieee" if exact else "tf32x3",
-        PDL=on, FINISH=counters is not None, JOIN_PAD=group_pad, num_warps=warps(b), **pdl.launch_options(on),
+        PDL=on, num_warps=warps(b), **pdl.launch_options(on),
     )
-    if n_splits > 1 and counters is None:
+    if n_splits > 1:
         _combine_splits_kernel[(b, kv_heads)](lens, part_ml, part_acc, out, out.stride(0),
                                               **{**meta, "GROUP_PAD": group_pad}, PDL=on, **pdl.launch_options(on))
     return out
@@ -236,13 +231,12 @@ if triton is not None:
     @triton.jit
     def _fused_decode_kernel(
         qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, ml_ptr, acc_ptr,
-        count_ptr, eps, scale, position,
+        eps, scale, position,
         stride_row, stride_cos, stride_sin, stride_kb, stride_kp, stride_kh, stride_tb, stride_out,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr,
         MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-        PV_PRECISION: tl.constexpr, PDL: tl.constexpr = False, FINISH: tl.constexpr = False,
-        JOIN_PAD: tl.constexpr = 1,
+        PV_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
         pdl.wait(PDL)  # the row's length, table and q/k/v come from the kernels before
         pdl.release(PDL)
@@ -335,13 +329,6 @@ if triton is not None:
                 tl.store(ml_ptr + part * 2, m_i, mask=g_mask)
                 tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_mask)
                 tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
-        if FINISH:  # the last of this (row, kv head)'s programs to store its part joins them (layers/arrivals.py)
-            tl.debug_barrier()  # every thread's part is stored before the count says so
-            count = count_ptr + b * KV_HEADS + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel") == SPLITS - 1:
-                _join_splits(pos, b, kvh, ml_ptr, acc_ptr, out_ptr, stride_out, HEADS, GROUP, JOIN_PAD, HEAD_DIM,
-                             SPLITS, MIN_SPAN, BLOCK_N, True)
-                tl.atomic_xchg(count, 0)  # zero again for the counter's next launch
 
     @triton.jit
     def _combine_splits_kernel(
@@ -350,19 +337,13 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, SPLITS: tl.constexpr,
         MIN_SPAN: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        # Joins the used splits' partial softmaxes of one (row, kv head): out = sum_s w_s acc_s / sum_s w_s l_s,
+        # w_s = exp(m_s - max m).
         pdl.wait(PDL)
         pdl.release(PDL)
         b = tl.program_id(0)
-        _join_splits(tl.load(lens_ptr + b) - 1, b, tl.program_id(1), ml_ptr, acc_ptr, out_ptr, stride_out, HEADS,
-                     GROUP, GROUP_PAD, HEAD_DIM, SPLITS, MIN_SPAN, BLOCK_N, False)
-
-    @triton.jit
-    def _join_splits(pos, b, kvh, ml_ptr, acc_ptr, out_ptr, stride_out, HEADS: tl.constexpr, GROUP: tl.constexpr,
-                     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, MIN_SPAN: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SHARED: tl.constexpr):
-        # Joins the used splits' partial softmaxes of one (row, kv head): out = sum_s w_s acc_s / sum_s w_s l_s,
-        # w_s = exp(m_s - max m). SHARED: other programs of this kernel stored the parts, so they are read from L2
-        # (".cg"), never from this SM's L1.
+        kvh = tl.program_id(1)
+        pos = tl.load(lens_ptr + b) - 1
         span = _span(pos, SPLITS, MIN_SPAN, BLOCK_N)
         used = tl.maximum((pos + span - 1) // span, 1)
         d = tl.arange(0, HEAD_DIM)
@@ -371,17 +352,11 @@ if triton is not None:
         heads = kvh * GROUP + g
         ok = (g < GROUP)[:, None] & (sp < used)[None, :]  # [GROUP_PAD, SPLITS]
         part = (b * HEADS + heads[:, None]) * SPLITS + sp[None, :]
-        acc_at = acc_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :]
-        if SHARED:
-            m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            lsum = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-            acc = tl.load(acc_at, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        else:
-            m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
-            lsum = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
-            acc = tl.load(acc_at, mask=ok[:, :, None], other=0.0)
+        m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
+        lsum = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
         top = tl.where(g < GROUP, tl.max(m, axis=1), 0.0)  # padded heads have no splits: keep them finite
         w = tl.where(ok, tl.exp(m - top[:, None]), 0.0)
+        acc = tl.load(acc_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None], other=0.0)
         num = tl.sum(w[:, :, None] * acc, axis=1)  # [GROUP_PAD, D]
         den = tl.sum(w * lsum, axis=1)
         out = num / tl.where(g < GROUP, den, 1.0)[:, None]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from legato.layers import arrivals, pdl
+from legato.layers import pdl
 from legato.layers.fused import add_rms_norm
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none.
@@ -43,9 +43,6 @@ _MIN_PROGRAMS = 128  # about one per SM on an H200: fewer leave SMs idle while t
 # `matmul_add_rms_norm` finishes a split product with the residual add and the norm in one kernel; off, it runs the
 # sum and `add_rms_norm` apart, as before (benchmarks measure both in one process).
 FUSED_NORM = True
-# Up to this many rows a split product's last program adds the sums, the residual and the norm (`finishes`); 0: the
-# second kernel always does (benchmarks measure both in one process).
-FINISH_ROWS = 4
 RULE_MAX_ROWS = 64  # past this the rule of thumb lost to cuBLAS on the H200 (matmul_tune.py): the table's shapes only
 
 
@@ -192,26 +189,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     parts = out if split == 1 else torch.empty(split, planes, m, n, dtype=torch.float32, device=x.device)
     on = pdl.launch(x)
     line = max(1, 128 // weight.element_size())  # elements in a 128-byte line: one L2 prefetch each
-    # The split sum, add and norm by the product's last program, where the rows are few (`finishes`).
-    counter = arrivals.take(x.device) if split > 1 and norm_after is not None and finishes(m, n) else None
-    eps = 0.0 if norm_eps is None else float(norm_eps)  # the kernel's EPS: the row norm's before, or the one after
-    if counter is not None:
-        residual, norm_weight, eps = norm_after
-        h = torch.empty_like(out)
-        finish_args = (counter, residual.reshape(m, n), norm_weight, h)
-    else:
-        finish_args = (parts, out, out, out)  # not read
     _rows_kernel[grid](
-        rows, weight, out, parts, *finish_args, m, n, k, per_split, rows.stride(0), weight.stride(0), float(eps),
+        rows, weight, out, parts, m, n, k, per_split, rows.stride(0), weight.stride(0),
+        0.0 if norm_eps is None else float(norm_eps),
         BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GATED=gated, PARTS=split > 1,
         NORM=norm_eps is not None, ADD=add_to is not None,
         # fp32 (the interpreter's tests) sums exactly; half-precision inputs are exact on tensor cores anyway.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on, LINES=max(1, t.block_k // line),
-        LINE=min(line, t.block_k), FINISH=counter is not None, ROW_N=triton.next_power_of_2(n),
-        num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(on),
+        LINE=min(line, t.block_k), num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(on),
     )
-    if counter is not None:
-        return out.view(*x.shape[:-1], n), h.view(*x.shape[:-1], n)
     if split > 1 and norm_after is not None:
         residual, norm_weight, eps = norm_after
         h = torch.empty_like(out)
@@ -227,12 +213,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     if add_to is not None:
         return add_to
     return out.view(*x.shape[:-1], n)
-
-
-def finishes(m: int, n: int) -> bool:
-    """Whether a split product of m rows ends its sum, add and norm in its own last program (`arrivals.py`) rather
-    than in a second kernel: one program then reads every split's sums of all m rows, so only for a few rows."""
-    return m <= FINISH_ROWS and n <= 8192 and block_m(m) >= m
 
 
 def _splits(k: int, tiles: Tiles) -> int:
@@ -266,12 +246,10 @@ if triton is not None:
         return g / (1.0 + tl.exp(-g)) * u
 
     @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, nw_ptr, h_ptr, M, N, K, per_split,
-                     stride_xm, stride_wn, EPS,
+    def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, per_split, stride_xm, stride_wn, EPS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                      PARTS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, PRECISION: tl.constexpr,
-                     PDL: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
-                     FINISH: tl.constexpr = False, ROW_N: tl.constexpr = 16):
+                     PDL: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -319,14 +297,6 @@ if triton is not None:
                 tl.store(base + M * N + at, acc_up, mask=mask)
             else:
                 tl.store(part_ptr + split * M * N + at, acc, mask=mask)
-            if FINISH:  # one row tile: its last program to store its sums finishes every row (arrivals.py)
-                tl.debug_barrier()  # every thread's sums are stored before the count says so
-                ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-                if ticket == tl.num_programs(0) * tl.num_programs(2) - 1:
-                    for row in range(0, M):
-                        _add_norm_row(part_ptr, res_ptr, nw_ptr, y_ptr, h_ptr, row, M, N, tl.num_programs(2), EPS,
-                                      ROW_N, True)
-                    tl.atomic_xchg(count_ptr, 0)  # zero again for the counter's next launch
         else:
             ty = y_ptr.dtype.element_ty
             if GATED:
@@ -338,21 +308,20 @@ if triton is not None:
             tl.store(y_ptr + at, y.to(ty), mask=mask)
 
     @triton.jit
-    def _add_norm_row(part_ptr, res_ptr, w_ptr, y_ptr, h_ptr, row, M, N, splits, EPS, BLOCK_N: tl.constexpr,
-                      SHARED: tl.constexpr):
+    def _sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, y_ptr, h_ptr, M, N, splits, EPS, BLOCK_N: tl.constexpr,
+                             PDL: tl.constexpr = False):
         # One row: the product from its split partial sums (in split order), rounded as the matmul's output is;
         # the residual add, rounded as a bf16 add is; then `fused._rms`: fp32 mean of squares, the normalised row
-        # rounded, times the weight, rounded. SHARED: the sums were stored by other programs of this kernel, so
-        # they are read from L2 (".cg"), never from this SM's L1.
+        # rounded, times the weight, rounded.
+        pdl.wait(PDL)
+        pdl.release(PDL)
+        row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         ok = cols < N
         at = row * N + cols
         acc = tl.zeros([BLOCK_N], tl.float32)
         for s in range(0, splits):
-            if SHARED:
-                acc += tl.load(part_ptr + s * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
-            else:
-                acc += tl.load(part_ptr + s * M * N + at, mask=ok, other=0.0)
+            acc += tl.load(part_ptr + s * M * N + at, mask=ok, other=0.0)
         ty = y_ptr.dtype.element_ty
         y = (tl.load(res_ptr + at, mask=ok, other=0.0).to(tl.float32) + acc.to(ty).to(tl.float32)).to(ty)
         tl.store(y_ptr + at, y, mask=ok)
@@ -361,13 +330,6 @@ if triton is not None:
         normed = (yf * scale).to(ty).to(tl.float32)
         h = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * normed
         tl.store(h_ptr + at, h.to(ty), mask=ok)
-
-    @triton.jit
-    def _sum_add_norm_kernel(part_ptr, res_ptr, w_ptr, y_ptr, h_ptr, M, N, splits, EPS, BLOCK_N: tl.constexpr,
-                             PDL: tl.constexpr = False):
-        pdl.wait(PDL)
-        pdl.release(PDL)
-        _add_norm_row(part_ptr, res_ptr, w_ptr, y_ptr, h_ptr, tl.program_id(0), M, N, splits, EPS, BLOCK_N, False)
 
     @triton.jit
     def _sum_parts_kernel(part_ptr, y_ptr, size, splits, GATED: tl.constexpr, ADD: tl.constexpr,
