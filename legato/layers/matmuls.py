@@ -52,7 +52,7 @@ def chains(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     the few-row GEMM able to take x with each of the layer's weights (else the chain would add kernels)."""
     m = x.numel() // x.shape[-1]
     return CHAIN and 0 < m <= min(CHAIN_ROWS, small_matmul.RULE_MAX_ROWS) and all(
-        small_matmul.eligible(x.new_empty(m, w.shape[1]), w) for w in weights)
+        small_matmul.eligible(x, w) for w in weights)
 
 
 def whole_k_tiles(m: int, weight: torch.Tensor, gated: bool) -> small_matmul.Tiles:

@@ -135,10 +135,10 @@ def tiles_for(m: int, n: int, k: int, gated: bool = False) -> Tiles | None:
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel can run x @ weight^T at all (CUDA half precision, unit-stride K, up to MAX_ROWS rows),
-    whatever the table prefers."""
+    """Whether the kernel can run x @ weight^T at all (CUDA half precision, unit-stride K a multiple of 8, up to
+    MAX_ROWS rows), whatever the table prefers. Only x's rows, device and dtype are read (K is the weight's)."""
     return (ENABLED and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.stride(-1) == 1 and x.shape[-1] % 8 == 0
+            and weight.dtype == x.dtype and weight.stride(-1) == 1 and weight.shape[1] % 8 == 0
             and 0 < x.numel() // x.shape[-1] <= MAX_ROWS)
 
 
