@@ -197,7 +197,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
         residual = residual.reshape(m, n).contiguous()
     norm_w = None
     if norm_in is not None:
-        norm_w, norm_eps_in = norm_in
+        norm_w = norm_in[0]
         if norm_eps is not None or norm_w.shape != (k,):
             raise ValueError(f"norm_in's weight {tuple(norm_w.shape)} is not ({k},), or norm_eps is given too")
         norm_w = norm_w.contiguous()
@@ -212,7 +212,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     parts = out if split == 1 else torch.empty(split, planes, m, n, dtype=torch.float32, device=x.device)
     on = pdl.launch(x)
     line = max(1, 128 // weight.element_size())  # elements in a 128-byte line: one L2 prefetch each
-    eps = norm_eps if norm_eps is not None else norm_eps_in if norm_in is not None else 0.0
+    eps = norm_eps if norm_eps is not None else norm_in[1] if norm_in is not None else 0.0
     _rows_kernel[grid](
         rows, weight, out, parts, norm_w if norm_w is not None else weight,
         residual if residual is not None else out, m, n, k, per_split, rows.stride(0), weight.stride(0), float(eps),

@@ -230,7 +230,8 @@ class DecoderLayer(nn.Module):
     def _chain_step(self, x: torch.Tensor, pending: Pending | None, cos: torch.Tensor, sin: torch.Tensor,
                     cache: KVCache, layer: int) -> tuple[torch.Tensor, Pending]:
         # `residual_step` in the chain form (`matmuls.CHAIN`): the same arithmetic, each norm inside the matmul
-        # after it and each residual add in the epilogue of the projection before it, so no kernel of its own.
+        # after it and each residual add in the epilogue of the projection before it, so no kernel of its own (a
+        # first layer's `normed`, computed with its input, goes unused: the qkv matmul normalises its rows).
         attn, mlp, norm, post = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         if pending is not None:
             x = matmuls.linear_add(pending[0], pending[1], x)
