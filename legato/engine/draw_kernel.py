@@ -13,8 +13,9 @@ program's critical path is its chain of reductions, so the kernel spends as few 
   histograms) was measured slower than the bisection and removed (docs/benchmarks.md, 2026-12-07).
 - Top-p, only when a row's top_p < 1: 32 halvings over the integer masses (their sums do not pack).
 - The greedy argmax, the row's minimum and its key bounds are reduced only on the rows that need them.
-- What is left of a sampled draw is mostly per-id math over the whole row (Philox, log1p, log). `PHILOX_PER_BLOCK`
-  computes each Philox block once for its four words instead of once per id; it is off until a GPU has timed it.
+- What is left of a sampled draw is mostly per-id math over the whole row (Philox, log1p, log), spread over 8 warps
+  from 2,048 ids. `PHILOX_PER_BLOCK` computes each Philox block once for its four words instead of once per id; it
+  is off: on an H100 it was no faster.
 
 Same contract as `sampler.draw`, to the bit where the math library allows: the masses, thresholds, cut and
 Philox words are computed exactly as there (integer cumulative masses, float64 comparisons); on CUDA the

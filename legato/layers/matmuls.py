@@ -50,9 +50,7 @@ CHAIN_ROWS = 16
 def chains(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether a decoder layer on x [..., hidden] runs the chain form: `CHAIN` on, at most `CHAIN_ROWS` rows, and
     the few-row GEMM able to take x with each of the layer's weights (else the chain would add kernels)."""
-    m = x.numel() // x.shape[-1]
-    return CHAIN and 0 < m <= min(CHAIN_ROWS, small_matmul.RULE_MAX_ROWS) and all(
-        small_matmul.eligible(x, w) for w in weights)
+    return CHAIN and x.numel() // x.shape[-1] <= CHAIN_ROWS and all(small_matmul.eligible(x, w) for w in weights)
 
 
 def whole_k_tiles(m: int, weight: torch.Tensor, gated: bool) -> small_matmul.Tiles:
