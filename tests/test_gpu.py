@@ -443,29 +443,6 @@ def test_small_matmul_equals_f_linear_and_keeps_the_model_close():
         assert all(e <= 1e-2 for e in errors.values()), errors
 
 
-def test_the_layer_chain_form_keeps_the_code_predictor_close():
-    """The decoder layers' chain form (`matmuls.CHAIN`: norms inside the matmuls, residual adds in their
-    epilogues, K whole) against the residual form, bf16 and fp16, the tiny code predictor teacher-forced: logits
-    within the parity tolerance. Its kernels alone are in `small_matmul_checks.py`."""
-    from matmul_model_checks import code_predictor_with_and_without
-
-    from legato.layers import matmuls
-
-    class Chain:  # the flag as the helper toggles a kernel module's ENABLED
-        @property
-        def ENABLED(self) -> bool:  # noqa: N802
-            return matmuls.CHAIN
-
-        @ENABLED.setter
-        def ENABLED(self, on: bool) -> None:  # noqa: N802
-            matmuls.CHAIN = on
-
-    for dtype in (torch.bfloat16, torch.float16):
-        errors = code_predictor_with_and_without(Chain(), dtype)
-        assert all(e <= 1e-2 for e in errors.values()), errors
-    assert not matmuls.CHAIN
-
-
 def test_lookup_norm_equals_the_lookup_then_the_norm():
     """The code predictor's lookup-and-norm kernel against the index and the compiled norm it replaces, bf16 and
     fp16: the row to the bit, the norm within the parity tolerance."""

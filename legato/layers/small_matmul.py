@@ -134,19 +134,13 @@ def tiles_for(m: int, n: int, k: int, gated: bool = False) -> Tiles | None:
     return rule_of_thumb(m, n // 2 if gated else n, k, gated) if m <= RULE_MAX_ROWS else None
 
 
-def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel can run x @ weight^T at all (CUDA half precision, unit-stride K a multiple of 8, up to
-    MAX_ROWS rows), whatever the table prefers. Only x's rows, device and dtype are read (K is the weight's)."""
-    return (ENABLED and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.stride(-1) == 1 and weight.shape[1] % 8 == 0
-            and 0 < x.numel() // x.shape[-1] <= MAX_ROWS)
-
-
 def plan(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> Tiles | None:
     """The tiles `matmuls.linear(x, weight)` (or `gated_linear`) runs the kernel with; None: it does not."""
-    if not eligible(x, weight):
+    if not (ENABLED and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.stride(-1) == 1 and x.shape[-1] % 8 == 0):
         return None
-    return tiles_for(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1], gated)
+    m = x.numel() // x.shape[-1]
+    return tiles_for(m, weight.shape[0], weight.shape[1], gated) if 0 < m <= MAX_ROWS else None
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
@@ -156,8 +150,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Tiles | None = None,
            norm_eps: float | None = None, add_to: torch.Tensor | None = None,
-           norm_after: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-           norm_in: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None):
+           norm_after: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """x [..., K] @ weight [N, K]^T -> [..., N]; gated: weight is [gate; up] ([2I, K]) and the result
     silu(x @ gate^T) * (x @ up^T) [..., I]. Any dtype Triton takes (tests run fp32 under the interpreter);
     `tiles` overrides the table (the tune script).
@@ -166,12 +159,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     program sums each row's squares as it walks K and scales the fp32 product by rsqrt(mean + eps), so the
     normalised rows never go through memory (K is not split then). `add_to` [..., N] (contiguous): the product
     is added into it, in place, and it is returned (a residual stream: `h += x @ W^T` in one kernel).
-    `norm_after` (residual, norm weight, eps), K split: `matmul_add_rms_norm`'s pair (call that instead).
-
-    `norm_in` (norm weight, eps): x's rows go through `fused.rms_norm` first, rounded as it rounds them (each
-    program sums a row's squares over K before its product, then normalises, weights and rounds each tile it
-    loads). `residual` [..., N]: returns residual + the product rounded to x's dtype, the rounding of
-    `add_rms_norm`'s add, in a new tensor. K is not split with either (`matmuls.norm_linear`, `linear_add`)."""
+    `norm_after` (residual, norm weight, eps), K split: `matmul_add_rms_norm`'s pair (call that instead)."""
     k = x.shape[-1]
     n_w = weight.shape[0]
     if weight.shape[1] != k:
@@ -191,20 +179,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
         out = add_to.view(m, n)
     else:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if residual is not None:
-        if residual.numel() != m * n or residual.dtype != x.dtype or add_to is not None:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not {m} x {n} {x.dtype}")
-        residual = residual.reshape(m, n).contiguous()
-    norm_w = None
-    if norm_in is not None:
-        norm_w = norm_in[0]
-        if norm_eps is not None or norm_w.shape != (k,):
-            raise ValueError(f"norm_in's weight {tuple(norm_w.shape)} is not ({k},), or norm_eps is given too")
-        norm_w = norm_w.contiguous()
     # Each split's share of K is whole K steps, so no program's strip straddles another's.
     k_steps = -(-k // t.block_k)
-    whole_k = norm_eps is not None or norm_in is not None or residual is not None
-    split = 1 if whole_k else _splits(k, t)
+    split = 1 if norm_eps is not None else _splits(k, t)
     per_split = -(-k_steps // split) * t.block_k
     split = -(-k // per_split)
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, bm), split)
@@ -212,12 +189,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: Ti
     parts = out if split == 1 else torch.empty(split, planes, m, n, dtype=torch.float32, device=x.device)
     on = pdl.launch(x)
     line = max(1, 128 // weight.element_size())  # elements in a 128-byte line: one L2 prefetch each
-    eps = norm_eps if norm_eps is not None else norm_in[1] if norm_in is not None else 0.0
     _rows_kernel[grid](
-        rows, weight, out, parts, norm_w if norm_w is not None else weight,
-        residual if residual is not None else out, m, n, k, per_split, rows.stride(0), weight.stride(0), float(eps),
+        rows, weight, out, parts, m, n, k, per_split, rows.stride(0), weight.stride(0),
+        0.0 if norm_eps is None else float(norm_eps),
         BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GATED=gated, PARTS=split > 1,
-        NORM=norm_eps is not None, ADD=add_to is not None, NORM_IN=norm_in is not None, RES=residual is not None,
+        NORM=norm_eps is not None, ADD=add_to is not None,
         # fp32 (the interpreter's tests) sums exactly; half-precision inputs are exact on tensor cores anyway.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=on, LINES=max(1, t.block_k // line),
         LINE=min(line, t.block_k), num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(on),
@@ -270,11 +246,10 @@ if triton is not None:
         return g / (1.0 + tl.exp(-g)) * u
 
     @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, nw_ptr, res_ptr, M, N, K, per_split, stride_xm, stride_wn, EPS,
+    def _rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, per_split, stride_xm, stride_wn, EPS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                      PARTS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, PRECISION: tl.constexpr,
-                     PDL: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
-                     NORM_IN: tl.constexpr = False, RES: tl.constexpr = False):
+                     PDL: tl.constexpr = False, LINES: tl.constexpr = 1, LINE: tl.constexpr = 64):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -296,21 +271,11 @@ if triton is not None:
                     pdl.warm_l2(strip + N * stride_wn + at, PDL)
         pdl.wait(PDL)
         pdl.release(PDL)
-        if NORM_IN:  # each row's RMSNorm scale before the product (K is whole here): fused.rms_norm's fp32 mean
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + kk
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
-                            other=0.0).to(tl.float32)
-                squares += tl.sum(x * x, axis=1)
-            inv = tl.rsqrt(squares / K + EPS)[:, None]
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + kk
             k_ok = k < k_hi
             x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            if NORM_IN:  # normalised and rounded, then weighted and rounded, as fused.rms_norm
-                xn = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
-                x = (tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :] * xn).to(x.dtype)
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             if NORM:  # the row's sum of squares, from the tile already loaded (K is whole in this program)
@@ -340,8 +305,6 @@ if triton is not None:
                 y = acc
             if ADD:  # in fp32, one rounding, as cuBLAS's addmm (beta 1) does it
                 y = y + tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            if RES:  # the product rounded first, then the add rounded: add_rms_norm's residual add
-                y = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32) + y.to(ty).to(tl.float32)
             tl.store(y_ptr + at, y.to(ty), mask=mask)
 
     @triton.jit

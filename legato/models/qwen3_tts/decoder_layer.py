@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from legato.layers import fused_attention, matmuls
+from legato.layers import fused_attention
 from legato.layers.fused import add_rms_norm, cuda_compiled, rms_norm_rope
 from legato.layers.matmuls import linear, linear_add_rms_norm
 from legato.layers.mlp import SwiGLU
@@ -155,34 +155,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """The attention before o_proj: the heads' outputs side by side, [B, S, heads * head_dim] (the layer
         runs o_proj together with the residual add and the norm after it)."""
+        b, s, _ = x.shape
         if self.qkv_weight is not None and fused_attention.available(x):
             out = cache.attend_fused(layer, linear(x, self.qkv_weight), self, cos, sin)
             if out is not None:
                 return out
-        if self.qkv_weight is not None:
-            return self._split_heads(F.linear(x, self.qkv_weight), cos, sin, cache, layer)
-        return self._heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, cache, layer)
-
-    def heads_from_qkv(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
-    ) -> torch.Tensor:
-        """`heads_out` from the packed projection qkv [B, S, (H + 2 Hkv) * D], computed already."""
-        if fused_attention.available(qkv):
-            out = cache.attend_fused(layer, qkv, self, cos, sin)
-            if out is not None:
-                return out
-        return self._split_heads(qkv, cos, sin, cache, layer)
-
-    def _split_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                     layer: int) -> torch.Tensor:
-        kv_width = self.kv_heads * self.head_dim
-        q, k, v = qkv.split([self.heads * self.head_dim, kv_width, kv_width], -1)
-        return self._heads(q, k, v, cos, sin, cache, layer)
-
-    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: KVCache, layer: int) -> torch.Tensor:
-        b, s, _ = q.shape
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+        if self.qkv_weight is not None:
+            kv_width = self.kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight).split([self.heads * self.head_dim, kv_width, kv_width], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = rms_norm_rope(q.view(b, s, self.heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, cos, sin)
         k = rms_norm_rope(k.view(b, s, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, cos, sin)
         v = v.reshape(b, s, self.kv_heads, self.head_dim)
@@ -216,9 +199,6 @@ class DecoderLayer(nn.Module):
         with the add and the norm where its K is split (`matmuls.linear_add_rms_norm`), else each add does.
         `normed`: the first layer's input norm of `x`, where the caller computed it with `x` (`lookup_norm`)."""
         attn, norm = self.self_attn, self.input_layernorm
-        if attn.qkv_weight is not None and self.mlp.gate_up_weight is not None and matmuls.chains(
-                x, attn.qkv_weight, attn.o_proj.weight, self.mlp.gate_up_weight, self.mlp.down_proj.weight):
-            return self._chain_step(x, pending, cos, sin, cache, layer)
         if pending is None:
             h = normed if normed is not None else norm(x)
         else:
@@ -226,19 +206,6 @@ class DecoderLayer(nn.Module):
         x, h = project_add_norm(attn.heads_out(h, cos, sin, cache, layer), attn.o_proj.weight,
                                 attn.qkv_weight is not None, x, self.post_attention_layernorm)
         return x, (self.mlp.down_input(h), self.mlp.down_proj.weight, self.mlp.gate_up_weight is not None)
-
-    def _chain_step(self, x: torch.Tensor, pending: Pending | None, cos: torch.Tensor, sin: torch.Tensor,
-                    cache: KVCache, layer: int) -> tuple[torch.Tensor, Pending]:
-        # `residual_step` in the chain form (`matmuls.CHAIN`): the same arithmetic, each norm inside the matmul
-        # after it and each residual add in the epilogue of the projection before it, so no kernel of its own (a
-        # first layer's `normed`, computed with its input, goes unused: the qkv matmul normalises its rows).
-        attn, mlp, norm, post = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        if pending is not None:
-            x = matmuls.linear_add(pending[0], pending[1], x)
-        qkv = matmuls.norm_linear(x, norm.weight, norm.eps, attn.qkv_weight)
-        x = matmuls.linear_add(attn.heads_from_qkv(qkv, cos, sin, cache, layer), attn.o_proj.weight, x)
-        return x, (matmuls.norm_linear(x, post.weight, post.eps, mlp.gate_up_weight, gated=True),
-                   mlp.down_proj.weight, True)
 
 
 def build_layers(cfg) -> nn.ModuleList:
