@@ -19,6 +19,9 @@
 #                                     # the codec step at 64 x 1 and 256 x 4
 #   benchmarks/h200_step.sh tune      # matmul_tune.py (the few-row GEMM's tiles), then offline.py with them against
 #                                     # the path before it (and its rule of thumb with RULE=1)
+#   benchmarks/h200_step.sh tiles     # one-row tile variants timed inside the frame (frame_tiles.py): offline.py at batch
+#                                     # 1 for SIZES, this tree's table, then each variant's LEGATO_MATMUL_TILES (VARIANTS:
+#                                     # name filter, a grep pattern)
 #   benchmarks/h200_step.sh final     # the committed tiles' GPU tests, offline.py against the path before them
 #   benchmarks/h200_step.sh splits    # the talker attention's split rule: offline.py against the same tree splitting
 #                                     # at every row count (--attn-split-all), 0.6B and 1.7B
@@ -117,6 +120,13 @@ write_checkpoint('$CKPT', preset('0.6B', 'base'), dtype=torch.bfloat16)"
     LEGATO_MATMUL_TILES=$OUT/tiles.json offline . tuned 0.6B "${BATCHES:-1,64,256}"
     offline . before 0.6B "${BATCHES:-1,64,256}" --no-small-matmul
     [ -n "${RULE:-}" ] && offline . rule 0.6B "${BATCHES:-1,64,256}" ;;
+  tiles)
+    for size in ${SIZES:-0.6B}; do
+      offline . table "$size" 1
+      for f in $(python3 benchmarks/frame_tiles.py --out-dir /tmp/frame-tiles --size "$size" | grep -E "${VARIANTS:-.}"); do
+        LEGATO_MATMUL_TILES=$f offline . "$(basename "$f" .json)" "$size" 1
+      done
+    done ;;
   final)  # the committed tiles: their GPU tests, then offline.py against the path before small_matmul (0.6B at
           # BATCHES, 1.7B at BIG_BATCHES)
     PYTHONPATH=.:tests:$PYTHONPATH timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
