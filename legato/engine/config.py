@@ -52,12 +52,13 @@ class EngineConfig:
     each running on its own stream with its own CUDA graphs, so groups overlap on the device."""
     code_predictor_stack: bool = False
     """Run each one-row code-predictor pass (5 layers, final norm, head) as one persistent launch
-    (`layers/decoder_stack.py`; CUDA, bf16/fp16, one replica group). On the H200 it made a batch-1 frame 1.10x
-    faster (0.6B: 3.56 against 3.93 ms) and 1.08x for the 1.7B (docs/benchmarks.md); bigger batches keep the
-    unfused layers. Its logits differ from the unfused bf16 path's by ~1.5e-2 (relative), so greedy codes may
-    too; against fp32 math on the same weights both paths are as far (1.60e-2 and 1.51e-2). Opt-in: a GPU test of
-    the asynchronous loop against the synchronous one failed in a tree with it on, cause not yet found. A pass whose
-    grid barrier gave up (its programs could not all run at once) fails its step's requests."""
+    (`layers/decoder_stack.py`; CUDA, bf16/fp16, one replica group). On an H100 (2026-12-07) it made a batch-1
+    frame 1.05x faster for the 0.6B (3.43 -> 3.26 ms) and the 1.7B (4.60 -> 4.36); bigger batches keep the
+    unfused layers. Its logits differ from the unfused bf16 path's by ~1.3-1.5e-2 (relative), so greedy codes may
+    too; against fp32 math on the same weights both paths are as far (1 row: 1.58e-2 and 1.60e-2). Opt-in: its
+    grid barrier needs all its programs resident at once, which processes sharing the GPU's SMs (MPS co-tenants,
+    another engine's stack on another stream) can prevent; a pass whose barrier then gives up (its programs
+    could not all run at once) fails its step's requests."""
     batch_invariant: bool = False
     """Make a request's codes independent of what runs beside it, on any device: every decode step runs in
     chunks of exactly `invariant_rows` rows (padded), prefill chunks are cut at fixed sizes, and the first

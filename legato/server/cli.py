@@ -127,8 +127,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "deadline) fails with the reason, or is run again whole on a live decode engine")
     t.add_argument("--code-predictor-stack", action="store_true",
                    help="each one-row code-predictor pass as one persistent launch (CUDA, half precision, "
-                        "--mtp-replicas 1): a batch-1 frame ~1.1x faster on the H200, logits within ~1.5e-2 of the "
-                        "default path's")
+                        "--mtp-replicas 1; not under MPS co-tenants): a batch-1 frame ~1.05x faster on an H100, logits "
+                        "within ~1.5e-2 of the default path's")
     t.add_argument("--mtp-replicas", type=int, default=1,
                    help="code-predictor replicas in each decode engine (own CUDA stream and graph pool each; "
                         "requests pinned by crc32(request id) %% K)")
