@@ -187,3 +187,60 @@ def test_serve_takes_mps_off_by_default_and_refuses_an_unknown_mode(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--mps", "yes"])
     assert "--mps" in capsys.readouterr().err
+
+
+def test_the_code_predictor_stack_is_refused_where_engines_would_share_a_gpu_side_by_side(tmp_path, monkeypatch):
+    """`--code-predictor-stack` with two code-predictor engines on one GPU at once (threads, or processes under
+    MPS: asked for, `auto` with the control program found, or a daemon already answering) is refused in one line;
+    processes taking turns, engines on GPUs of their own, split's codec worker and Ray workers are left alone."""
+    from legato.server.cli import check_stack_sharing
+
+    no_daemon = tmp_path / "no-daemon"
+    no_daemon.mkdir()
+    monkeypatch.setenv(PIPE_ENV, str(no_daemon))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no nvidia-cuda-mps-control
+
+    def check(topology, devices, workers="process", mps="off", launcher="local", stack=True):
+        check_stack_sharing(stack, parse_topology(topology), devices, workers, mps, launcher)
+
+    for topology in ("replicas:2", "1p1d"):
+        with pytest.raises(ValueError, match=r"--code-predictor-stack: the engines sharing cuda:0 would run as "
+                                             r"threads of one process.*--mps off"):
+            check(topology, ["cuda:0"], workers="thread")
+        with pytest.raises(ValueError, match="would run under MPS"):
+            check(topology, ["cuda:0"], mps="on")
+        check(topology, ["cuda:0"], mps="auto")  # no control program: the workers take turns
+        check(topology, ["cuda:0"])
+        check(topology, ["cuda:0", "cuda:1"], mps="on")  # a GPU each
+        check(topology, ["cuda:0"], mps="on", launcher="ray")
+        check(topology, ["cuda:0"], workers="thread", stack=False)
+    check("split", ["cuda:0"], mps="on")  # the codec worker runs no code predictor
+    check("single", ["cuda:0"], workers="thread", mps="on")
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\nexit 0\n")
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(ValueError, match="under MPS"):
+        check("replicas:2", ["cuda:0"], mps="auto")
+    check("replicas:2", ["cuda:0"])  # --mps off, no daemon answering
+
+    running = tmp_path / "running"
+    running.mkdir()
+    (running / "control").write_text("")
+    monkeypatch.setenv(PIPE_ENV, str(running))
+    with pytest.raises(ValueError, match="under MPS"):  # a daemon already there: its clients share the SMs
+        check("replicas:2", ["cuda:0"])
+
+
+def test_serve_refuses_the_stack_for_thread_replicas_on_one_gpu_before_anything_loads(capsys, monkeypatch):
+    from legato.cli import build_parser
+    from legato.server import serve
+
+    monkeypatch.setattr(serve, "check_devices", lambda devices: None)  # this box has no CUDA device to name
+    args = build_parser().parse_args(["serve", "--device", "cuda:0", "--topology", "replicas:2", "--workers",
+                                      "thread", "--code-predictor-stack", "--port", "0", "--host", "127.0.0.1"])
+    assert serve.serve(args) == 2
+    assert "--code-predictor-stack: the engines sharing cuda:0 would run as threads" in capsys.readouterr().err

@@ -340,6 +340,36 @@ def check_devices(devices: list[str], hint: str = "use --device cpu, which also 
                              "device(s)")
 
 
+def check_stack_sharing(stack: bool, topology, devices: list[str], workers: str, mps: str, launcher: str) -> None:
+    """Refuses `--code-predictor-stack` where two engines that run the code predictor would share a GPU side by
+    side: thread workers (one CUDA context) or worker processes under MPS. The one-launch pass waits at its grid
+    barrier until all its programs are resident, so two such passes holding parts of the SMs can keep each other
+    waiting until both give up and fail their steps' requests. Worker processes without MPS take turns on a
+    shared GPU, whole, and the split topology's codec worker runs no code predictor."""
+    if not stack or launcher != "local":  # Ray workers run under their nodes' own settings
+        return
+    import shutil
+
+    from legato.pipeline.mps import MPS_CONTROL, running_daemon_dir, shared_gpus
+    from legato.pipeline.topology import worker_devices
+
+    engines = worker_devices(topology, devices)
+    shared = shared_gpus(engines[:1] if topology.kind == "split" else engines)
+    if not shared:
+        return
+    control = shutil.which(MPS_CONTROL)
+    if workers == "thread":
+        how = "as threads of one process"
+    elif mps == "on" or (mps == "auto" and control) or running_daemon_dir(control) is not None:
+        how = "under MPS"
+    else:
+        return
+    raise ValueError(f"--code-predictor-stack: the engines sharing {', '.join(shared)} would run {how}, and its "
+                     "one-launch pass needs all its programs on the GPU at once (two such passes can hold each "
+                     "other off until both fail their requests); give each engine a GPU of its own, or run "
+                     "worker processes with --mps off")
+
+
 def serve(args: argparse.Namespace) -> int:
     """`legato serve` (its body in `legato.server.serve`, imported only when a server starts)."""
     from legato.server.serve import serve as run

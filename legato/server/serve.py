@@ -31,6 +31,7 @@ from legato.server.body_deadline import BodyTimeoutMiddleware
 from legato.server.cli import (
     access_settings,
     check_devices,
+    check_stack_sharing,
     launcher_of,
     resolve_workers,
     uvicorn_ws_options,
@@ -111,6 +112,8 @@ def serve(args: argparse.Namespace) -> int:
         devices = args.devices.split(",") if args.devices else None
         args.workers = resolve_workers(args.workers, devices or [device])
         check_fronts(args.fronts, args.workers, topology.kind, args.launcher, args.topology)
+        check_stack_sharing(args.code_predictor_stack, topology, devices or [device], args.workers, args.mps,
+                            args.launcher)
         # Before anything loads: a port in use is one line now, not after the model (bound, not yet listening).
         if role is not None:
             listener = socket.socket(fileno=role.fd)
