@@ -1,8 +1,9 @@
 """Batch-1 tile variants for the few-row GEMM, to time inside the decode frame rather than alone.
 
-`matmul_tune.py` picks each shape's tiles from a CUDA graph of independent back-to-back calls. In the frame every
-matmul waits for the kernel before it (under programmatic dependent launch it starts early and waits), so a tile
-that streams well alone may not be the one that ends soonest after its input lands: in session 56's batch-1
+`matmul_tune.py` picks each shape's tiles from a CUDA graph of the same product back to back, launched plainly. In
+the frame the kernels launch with programmatic dependent launch: a product's programs start while the kernel
+before (a norm, an attention) still runs, warm their weight strips into L2, then wait. How much of the walk that
+hides depends on the tile, so the tile that ends soonest there is only measured there: in session 56's batch-1
 profile the 0.6B's gate/up product (96 programs of 32 columns) took 9.1 us a call against 6.0 for q/k/v (128
 programs), which reads more weight. Each variant here is a `LEGATO_MATMUL_TILES` JSON that replaces one-row
 entries of the table (`small_matmul.TABLE`, key rows 1), for `offline.py` to time a whole frame with:
