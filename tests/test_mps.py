@@ -235,12 +235,15 @@ def test_the_code_predictor_stack_is_refused_where_engines_would_share_a_gpu_sid
         check("replicas:2", ["cuda:0"])
 
 
-def test_serve_refuses_the_stack_for_thread_replicas_on_one_gpu_before_anything_loads(capsys, monkeypatch):
-    from legato.cli import build_parser
-    from legato.server import serve
+def test_serve_refuses_the_stack_for_thread_replicas_on_one_gpu_before_anything_loads():
+    """In a process of its own: `serve` sets up logging and a SIGTERM handler that would outlive it here."""
+    import subprocess
 
-    monkeypatch.setattr(serve, "check_devices", lambda devices: None)  # this box has no CUDA device to name
-    args = build_parser().parse_args(["serve", "--device", "cuda:0", "--topology", "replicas:2", "--workers",
-                                      "thread", "--code-predictor-stack", "--port", "0", "--host", "127.0.0.1"])
-    assert serve.serve(args) == 2
-    assert "--code-predictor-stack: the engines sharing cuda:0 would run as threads" in capsys.readouterr().err
+    script = ("import sys; from legato.cli import build_parser; from legato.server import serve; "
+              "serve.check_devices = lambda devices: None; "  # this box has no CUDA device to name
+              "sys.exit(serve.serve(build_parser().parse_args(['serve', '--device', 'cuda:0', '--topology', "
+              "'replicas:2', '--workers', 'thread', '--code-predictor-stack', '--port', '0', "
+              "'--host', '127.0.0.1'])))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--code-predictor-stack: the engines sharing cuda:0 would run as threads" in done.stderr
