@@ -3,15 +3,18 @@ code predictor with a kernel on and off."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 from triton_interpreter import rel_err
 
 
-def code_predictor_with_and_without(kernel: ModuleType, dtype: torch.dtype) -> dict[str, float]:
+def code_predictor_with_and_without(kernel: ModuleType, dtype: torch.dtype,
+                                    prepare: Callable[[torch.nn.Module], None] | None = None) -> dict[str, float]:
     """The tiny talker's code predictor (CUDA, packed as the engine serves it) with `kernel.ENABLED` on and off,
-    teacher-forced: equal greedy codes are not asked of half precision, logits within the parity tolerance."""
+    teacher-forced: equal greedy codes are not asked of half precision, logits within the parity tolerance.
+    `prepare(talker)`: what an engine builds for the path besides the packed projections."""
     from legato.models.qwen3_tts.decoder_layer import pack_projections
     from legato.models.qwen3_tts.talker import Talker
     from legato.models.qwen3_tts.testing import randomize_
@@ -22,6 +25,8 @@ def code_predictor_with_and_without(kernel: ModuleType, dtype: torch.dtype) -> d
     randomize_(talker, seed=1, std=0.1)
     talker.to(device="cuda", dtype=dtype).eval()
     pack_projections(talker)
+    if prepare is not None:
+        prepare(talker)
     gen = torch.Generator().manual_seed(2)
     past, first = (torch.randn(5, cfg.hidden_size, generator=gen).to("cuda", dtype) for _ in range(2))
     runs = {}

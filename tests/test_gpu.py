@@ -453,6 +453,40 @@ def test_lookup_norm_equals_the_lookup_then_the_norm():
         assert all(e <= 1e-2 for e in errors.values()), errors
 
 
+def test_projected_lookup_keeps_a_projected_code_predictor_close():
+    """`code_predictor.PROJECTED_LOOKUP` (a pass's row and first norm from the projected tables through the
+    lookup-and-norm kernel) on the tiny code predictor, which has a projection as the 1.7B's has, bf16 and fp16,
+    teacher-forced: logits within the parity tolerance of the gather, projection and norm run apart."""
+    from matmul_model_checks import code_predictor_with_and_without
+
+    from legato.models.qwen3_tts import code_predictor
+
+    class Projected:  # the flag as the helper toggles a kernel module's ENABLED
+        @property
+        def ENABLED(self) -> bool:  # noqa: N802
+            return code_predictor.PROJECTED_LOOKUP
+
+        @ENABLED.setter
+        def ENABLED(self, on: bool) -> None:  # noqa: N802
+            code_predictor.PROJECTED_LOOKUP = on
+
+    built = []
+
+    def prepare(talker) -> None:
+        talker.code_predictor.project_tables()
+        built.append(talker.code_predictor)
+
+    for dtype in (torch.bfloat16, torch.float16):
+        errors = code_predictor_with_and_without(Projected(), dtype, prepare=prepare)
+        assert all(e <= 1e-2 for e in errors.values()), errors
+    assert not code_predictor.PROJECTED_LOOKUP
+    code_predictor.PROJECTED_LOOKUP = True
+    try:  # the "on" runs took the kernel's path
+        assert all(cp._lookup_tables() is cp.projected_tables for cp in built) and len(built) == 2
+    finally:
+        code_predictor.PROJECTED_LOOKUP = False
+
+
 def test_fused_draw_gives_the_eager_and_the_compiled_draws_tokens():
     """The one-program-per-row draw kernel against `sampler.draw`, eager and compiled, on 32k rows of mixed
     settings (greedy, temperature 0, top-k and top-p on and off, ties, -inf ids, seeds and frames past 2**32)."""

@@ -43,3 +43,53 @@ def test_the_kernel_compiles_for_hopper():
     types = {"ids_ptr": "*i64", "EPS": "fp32"}
     plain = compile_for_hopper(lookup_norm._lookup_norm_kernel, dict(BLOCK=1024, PDL=False), types)
     assert compile_for_hopper(lookup_norm._lookup_norm_kernel, dict(BLOCK=1024, PDL=True), types) > plain > 0
+
+
+def test_a_projected_code_predictor_gathers_from_its_projected_tables_when_asked(monkeypatch):
+    """`code_predictor.PROJECTED_LOOKUP` on a code predictor with a projection (the tiny one, 64 -> 48, as the
+    1.7B's 2048 -> 1024): each single-token pass takes its row and first norm from the projected tables through
+    the lookup-and-norm kernel (its reference stands in for it here, where the CPU never takes it), and gives the
+    logits of the gather, projection and norm run apart, fp32, teacher-forced. Off, or on with no tables built,
+    the kernel is not called."""
+    from legato.layers import lookup_norm
+    from legato.models.qwen3_tts import code_predictor
+    from legato.models.qwen3_tts.talker import Talker
+    from legato.models.qwen3_tts.testing import randomize_
+    from legato.models.qwen3_tts.tiny import tiny_config
+
+    cfg = tiny_config("base").talker_config
+    talker = Talker(cfg)
+    randomize_(talker, seed=1, std=0.1)
+    talker.eval()
+    cp = talker.code_predictor
+    tables_read = []
+
+    def kernel_stand_in(table, ids, weight, eps):
+        tables_read.append(table)
+        return lookup_norm.lookup_rms_norm_reference(table, ids, weight, eps)
+
+    monkeypatch.setattr(lookup_norm, "available", lambda table: True)
+    monkeypatch.setattr(lookup_norm, "lookup_rms_norm", kernel_stand_in)
+    gen = torch.Generator().manual_seed(2)
+    past, first = (torch.randn(3, cfg.hidden_size, generator=gen) for _ in range(2))
+
+    def run(forced=None):
+        logits = []
+
+        def sample(scores, g):
+            logits.append(scores)
+            return scores.argmax(-1) if forced is None else forced[:, g - 1]
+
+        with torch.inference_mode():
+            codes = cp.predict_residuals(past, first, sample)
+        return codes, torch.stack(logits)
+
+    codes, apart = run()
+    assert not tables_read and cp.projected_tables is None
+    monkeypatch.setattr(code_predictor, "PROJECTED_LOOKUP", True)
+    assert torch.equal(run(codes)[1], apart) and not tables_read  # asked for, but no tables built
+    cp.project_tables()
+    _, gathered = run(codes)
+    assert len(tables_read) == cfg.num_code_groups - 2
+    assert all(t is p for t, p in zip(tables_read, cp.projected_tables, strict=False))
+    torch.testing.assert_close(gathered, apart, rtol=1e-5, atol=1e-6)

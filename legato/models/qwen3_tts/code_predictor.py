@@ -33,6 +33,13 @@ CodeSampler = Callable[[torch.Tensor, int], torch.Tensor]
 # attention's phase it wins the pass again, 121.1 against 124.3 (H100, 2026-12-06 (6)), but no frame has been timed
 # with it alone: the one frame run with it on also had a slower draw (docs/benchmarks.md).
 STACK_LOOKUP = False
+# Where a projection sits between the talker's width and this model's (the 1.7B), a pass's input row can come from
+# the projected tables (`project_tables`, 63 MB for the 1.7B in bf16) through `lookup_norm`, as the 0.6B's comes
+# from its embedding tables: one kernel instead of a gather, the projection and the first norm before each of a
+# frame's 14 single-token passes. The table's rows come from one product over the whole table rather than one a
+# pass, so they may round differently (CUDA only: the CPU never takes the kernel). Off until a device run times it
+# (`offline.py --projected-lookup`); the engine builds the tables when it is on.
+PROJECTED_LOOKUP = False
 
 class CodePredictorModel(nn.Module):
     def __init__(self, cfg: CodePredictorConfig, talker_hidden: int) -> None:
@@ -142,15 +149,12 @@ class CodePredictor(nn.Module):
         code = sample(linear(hidden[:, -1], self.lm_head[0].weight), 1)
         codes = [code]
         first_norm = self.model.layers[0].input_layernorm
-        # Where the table's rows are the layers' input (no projection between), a pass's lookup and its first norm
-        # are one kernel on CUDA (`lookup_norm`).
-        lookup = (isinstance(self.small_to_mtp_projection, nn.Identity)
-                  and lookup_norm.available(self.model.codec_embedding[0].weight))
+        tables = self._lookup_tables()
         for g in range(1, self.num_residual_groups):
             rope = (cos[g + 1 : g + 2].expand(b, 1, -1), sin[g + 1 : g + 2].expand(b, 1, -1))
             table = self.model.codec_embedding[g - 1]
-            if lookup:
-                x, h = lookup_norm.lookup_rms_norm(table.weight, code, first_norm.weight, first_norm.eps)
+            if tables is not None:
+                x, h = lookup_norm.lookup_rms_norm(tables[g - 1], code, first_norm.weight, first_norm.eps)
                 hidden = run_layers(self.model.layers, x.unsqueeze(1), *rope, cache, self.model.norm,
                                     normed=h.unsqueeze(1))
             else:
@@ -159,6 +163,18 @@ class CodePredictor(nn.Module):
             code = sample(linear(hidden[:, -1], self.lm_head[g].weight), g + 1)
             codes.append(code)
         return torch.stack(codes, dim=1)
+
+    def _lookup_tables(self) -> list[torch.Tensor] | None:
+        """Each codebook's rows as the layers take them, where a pass's lookup and its first norm are one kernel on
+        CUDA (`lookup_norm`): the embedding tables with no projection between, else the projected tables when
+        asked for (`PROJECTED_LOOKUP`) and built; None: the gather, projection and norm run apart."""
+        if isinstance(self.small_to_mtp_projection, nn.Identity):
+            tables = [table.weight for table in self.model.codec_embedding]
+        elif PROJECTED_LOOKUP and self.projected_tables is not None:
+            tables = self.projected_tables
+        else:
+            return None
+        return tables if lookup_norm.available(tables[0]) else None
 
     def _predict_in_stack_launches(self, past_hidden: torch.Tensor, first_embed: torch.Tensor, sample: CodeSampler,
                                    cache: ContiguousKVCache) -> torch.Tensor:
