@@ -9,6 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import frame_tiles  # noqa: E402
 import pyspy_summary  # noqa: E402
 import serving_speed  # noqa: E402
 
@@ -189,3 +190,17 @@ def test_pyspy_command_and_a_delayed_profile(tmp_path):
     never = serving_speed.DelayedProfile([_sys.executable, "-c", "raise SystemExit(3)"], 3600)
     never.wait(0.01)  # the cell ended first: the profiler never starts
     assert never.proc is None
+
+
+def test_frame_tiles_variants_replace_one_row_entries_the_tile_table_has(tmp_path):
+    """benchmarks/frame_tiles.py: each variant file is one the few-row GEMM's table loader reads, and names only
+    one-row entries of weights the table already has (a mistyped shape would add an entry no frame reads)."""
+    from legato.layers import small_matmul
+
+    for size in frame_tiles.VARIANTS:
+        paths = frame_tiles.write(tmp_path / size, size)
+        assert len(paths) == len(frame_tiles.VARIANTS[size])
+        for path in paths:
+            entries = small_matmul._load_table(str(path))
+            assert entries and all(key in small_matmul.TABLE and key[0] == 1 for key in entries), path.name
+            assert all(t is not None and t != small_matmul.TABLE[key] for key, t in entries.items()), path.name
