@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from legato.cli_help import DefaultsFormatter
 from legato.server.aliases import OPENAI_VOICE_ALIASES
 from legato.server.ws_protocol import WS_DEFAULTS
+
+if TYPE_CHECKING:
+    from legato.pipeline.topology import Topology
 
 log = logging.getLogger("legato.serve")
 
@@ -340,7 +344,8 @@ def check_devices(devices: list[str], hint: str = "use --device cpu, which also 
                              "device(s)")
 
 
-def check_stack_sharing(stack: bool, topology, devices: list[str], workers: str, mps: str, launcher: str) -> None:
+def check_stack_sharing(stack: bool, topology: Topology, devices: list[str], workers: str, mps: str,
+                        launcher: str) -> None:
     """Refuses `--code-predictor-stack` where two engines that run the code predictor would share a GPU side by
     side: thread workers (one CUDA context) or worker processes under MPS. The one-launch pass waits at its grid
     barrier until all its programs are resident, so two such passes holding parts of the SMs can keep each other
