@@ -152,13 +152,13 @@ class CodePredictor(nn.Module):
         tables = self._lookup_tables()
         for g in range(1, self.num_residual_groups):
             rope = (cos[g + 1 : g + 2].expand(b, 1, -1), sin[g + 1 : g + 2].expand(b, 1, -1))
-            table = self.model.codec_embedding[g - 1]
             if tables is not None:
                 x, h = lookup_norm.lookup_rms_norm(tables[g - 1], code, first_norm.weight, first_norm.eps)
                 hidden = run_layers(self.model.layers, x.unsqueeze(1), *rope, cache, self.model.norm,
                                     normed=h.unsqueeze(1))
             else:
-                hidden = self(table(code).unsqueeze(1), positions[g + 1 : g + 2].expand(b, 1), cache, rope)
+                embed = self.model.codec_embedding[g - 1](code).unsqueeze(1)
+                hidden = self(embed, positions[g + 1 : g + 2].expand(b, 1), cache, rope)
             cache.advance(1)
             code = sample(linear(hidden[:, -1], self.lm_head[g].weight), g + 1)
             codes.append(code)
@@ -168,13 +168,11 @@ class CodePredictor(nn.Module):
         """Each codebook's rows as the layers take them, where a pass's lookup and its first norm are one kernel on
         CUDA (`lookup_norm`): the embedding tables with no projection between, else the projected tables when
         asked for (`PROJECTED_LOOKUP`) and built; None: the gather, projection and norm run apart."""
-        if isinstance(self.small_to_mtp_projection, nn.Identity):
-            tables = [table.weight for table in self.model.codec_embedding]
-        elif PROJECTED_LOOKUP and self.projected_tables is not None:
-            tables = self.projected_tables
-        else:
+        if not lookup_norm.available(self.model.codec_embedding[0].weight):
             return None
-        return tables if lookup_norm.available(tables[0]) else None
+        if isinstance(self.small_to_mtp_projection, nn.Identity):
+            return [table.weight for table in self.model.codec_embedding]
+        return self.projected_tables if PROJECTED_LOOKUP else None
 
     def _predict_in_stack_launches(self, past_hidden: torch.Tensor, first_embed: torch.Tensor, sample: CodeSampler,
                                    cache: ContiguousKVCache) -> torch.Tensor:
