@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from legato.engine.codec_graphs import graph_batches
 from legato.engine.codec_streamer import CodecStreamer, StreamSchedule
 from legato.engine.config import codec_dtype_name
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
@@ -41,6 +42,7 @@ from legato.pipeline.threads import name_native_thread
 log = logging.getLogger(__name__)
 
 _EMPTY = np.zeros(0, np.float32)
+WARM_UP_TIMEOUT_S = 600.0  # a codec warm-up takes about a second; past this something is stuck
 
 
 def load_codec_decoder(model_dir: str | Path, device: str, dtype: torch.dtype = torch.float32) -> CodecDecoder:
@@ -125,6 +127,35 @@ class CodecEngine:
         self.streamer.close(request_id)
         return self._pushed.pop(request_id, None) is not None
 
+    def warm_up(self) -> float:
+        """Throwaway streams through the codec before it serves: for each row-count bucket of its CUDA graphs, that
+        many streams of every chunk size and a tail, decoded as a burst is. The first burst then pays for none of
+        what a first use costs (each graph's first replay, a pinned host buffer of each size for the read-back,
+        the tail's path). Only while no stream is open; leaves none open and the counters at zero. Returns the
+        seconds it took."""
+        if self._pushed:
+            raise RuntimeError("the codec warms up only while no stream is open")
+        started = time.perf_counter()
+        frames = sum(self.streamer.schedule.chunk_sizes()) + 1
+        codes = np.zeros((frames, 16), np.int64)
+        capacity = self.streamer.capacity
+        for rows in sorted({min(b, capacity) for b in graph_batches(capacity)}):
+            rids = [f"__warm_up_{rows}_{i}__" for i in range(rows)]
+            for rid in rids:
+                self.open(rid)
+                self.push(rid, codes)
+                self.end(rid)
+            failed: list[str] = []
+            for _ in range(frames + 2):  # one step normally ends them all; the bound keeps a stuck codec from hanging
+                if not self._pushed:
+                    break
+                failed += [out.error for out in self.step() if out.error]
+            if failed or self._pushed:  # not expected: a codec that cannot decode zeros cannot serve
+                raise RuntimeError(f"codec warm-up failed: {failed[:1] or 'streams left open'}")
+        self.frames_decoded = 0
+        self.failures.clear()
+        return time.perf_counter() - started
+
     def step(self) -> list[CodecOutput]:
         """Decodes every due chunk of every stream (several per stream after a burst, in schedule order, one
         frame a call where `single` decodes every step), then the tails of ended streams."""
@@ -196,7 +227,9 @@ class LocalCodecClient:
     """A `CodecEngine` on a dedicated thread of this process. Call its methods from one event loop."""
 
     def __init__(self, decoder: CodecDecoder, schedule: StreamSchedule | None = None, name: str = "codec",
-                 **engine_options) -> None:
+                 warm_up: bool = False, **engine_options) -> None:
+        """`warm_up`: `start` runs `CodecEngine.warm_up` on the codec thread before it returns (on a GPU, so the
+        first burst pays for no first use); the rest are `CodecEngine`'s options."""
         self.engine = CodecEngine(decoder, schedule, **engine_options)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # codec thread only
@@ -207,9 +240,20 @@ class LocalCodecClient:
         self._inbox_lock = threading.Lock()
         self._deadline: float | None = None
         self._stats = CodecStats()
+        self._warm_up = warm_up
+        self._warmed = threading.Event()  # set once the thread has warmed up (or given up)
+        self._warm_up_error: str | None = None
 
     async def start(self) -> None:
+        """Starts the codec thread. With `warm_up`, that thread first runs `CodecEngine.warm_up` (on its own CUDA
+        stream, as it serves), and this returns once it has; a warm-up that fails raises here."""
         self._thread.start()
+        if self._warm_up:
+            await asyncio.get_running_loop().run_in_executor(None, self._warmed.wait, WARM_UP_TIMEOUT_S)
+            if not self._warmed.is_set():
+                raise RuntimeError(f"the codec worker did not warm up within {WARM_UP_TIMEOUT_S:.0f} s")
+            if self._warm_up_error is not None:
+                raise RuntimeError(f"the codec worker's warm-up failed: {self._warm_up_error}")
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Lets open streams end for up to `grace_s`, then fails the rest and ends the thread."""
@@ -282,6 +326,15 @@ class LocalCodecClient:
         name_native_thread()
         try:
             with self._device_stream():
+                if self._warm_up:
+                    try:
+                        log.info("codec warmed up in %.1f s (every graph bucket replayed before serving)",
+                                 self.engine.warm_up())
+                    except Exception as e:  # start() raises it; the loop then ends as a crash
+                        self._warm_up_error = f"{type(e).__name__}: {e}"
+                        raise
+                    finally:
+                        self._warmed.set()
                 while True:
                     self._drain()
                     if self._deadline is not None and (not self._sinks or time.monotonic() > self._deadline):
@@ -405,8 +458,9 @@ def _put(sink: _Sink, item: object) -> None:
 
 
 def codec_engine_options(config) -> dict:
-    """A codec worker's `CodecEngine` options from an `EngineConfig`: the engine's stream capacity, codec dtype
-    and CUDA graphs, so `split` decodes as `single` does."""
+    """A codec worker's `LocalCodecClient` options from an `EngineConfig`: the engine's stream capacity, codec
+    dtype and CUDA graphs, so `split` decodes as `single` does, and on a GPU a warm-up before it serves, as the
+    engine has."""
     dtype = getattr(torch, codec_dtype_name(config.codec_dtype, config.device))
-    return dict(capacity=config.max_num_seqs, dtype=dtype,
-                graphs=config.device.startswith("cuda") and not config.enforce_eager)
+    cuda = config.device.startswith("cuda")
+    return dict(capacity=config.max_num_seqs, dtype=dtype, graphs=cuda and not config.enforce_eager, warm_up=cuda)
