@@ -544,3 +544,39 @@ def test_decoder_stack_equals_the_unfused_code_predictor():
     for dtype, names in ((torch.bfloat16, {"tiny", "0.6B code predictor"}), (torch.float16, {"tiny"})):
         errors = run_checks("cuda", dtype, names=names)
         assert all(e <= TOLERANCE for e in errors.values()), errors
+
+
+def test_split_codec_warm_up_on_cuda_keeps_its_graphs_and_its_audio(tmp_path):
+    """The codec worker's warm-up (every graph bucket, before it serves) drops no graph, and the streams after it
+    decode to the bytes a codec that never warmed up gives."""
+    from legato.pipeline.codec_worker import CodecEngine, load_codec_decoder
+
+    decoder = load_codec_decoder(tiny_model(tmp_path, "base").path, "cuda")
+    codes = torch.randint(0, 2048, (40, 16), generator=torch.Generator().manual_seed(5))
+
+    def decode(warm: bool) -> dict[str, np.ndarray]:
+        eng = CodecEngine(decoder, StreamSchedule(), capacity=6, graphs=True)
+        graphs = len(eng.streamer.graphs.graphs)
+        if warm:
+            assert eng.warm_up() > 0 and eng.num_streams == 0 and eng.frames_decoded == 0
+        assert graphs > 0 and len(eng.streamer.graphs.graphs) == graphs and eng.streamer.capacity == 6
+        audio: dict[str, list[np.ndarray]] = {f"s{i}": [] for i in range(3)}
+        for rid in audio:
+            eng.open(rid)
+        for t in range(len(codes)):
+            for i, rid in enumerate(audio):
+                if t < len(codes) - 7 * i:  # streams of different lengths: their tails come at different steps
+                    eng.push(rid, codes[t : t + 1])
+                elif t == len(codes) - 7 * i:
+                    eng.end(rid)
+            for out in eng.step():
+                audio[out.request_id].append(out.audio)
+        eng.end("s0")
+        for _ in range(3):
+            for out in eng.step():
+                audio[out.request_id].append(out.audio)
+        assert eng.num_streams == 0
+        return {rid: np.concatenate(chunks) for rid, chunks in audio.items()}
+
+    warmed, fresh = decode(True), decode(False)
+    assert all(np.array_equal(warmed[rid], fresh[rid]) for rid in fresh)
