@@ -12,8 +12,9 @@
 #                                     # draw's plain bisection (--bisection-draw); DRAW_WARPS=N with N warps a draw; PER_BLOCK=1
 #                                     # with the draw's Philox once per four-word block (--philox-per-block);
 #                                     # NO_LOOKUP=1 a code-predictor pass's lookup and first norm as two kernels;
-#                                     # PROJ_LOOKUP=1 a projected code predictor's (1.7B) passes through projected
-#                                     # tables and the lookup-and-norm kernel (--projected-lookup); NO_BASE=1 skips .base/
+#                                     # NO_PROJ_LOOKUP=1 a projected code predictor's (1.7B) passes without the
+#                                     # projected tables (--no-projected-lookup; PROJ_LOOKUP=1 ran with them before
+#                                     # they became the default); NO_BASE=1 skips .base/
 #   benchmarks/h200_step.sh loop      # engine_loop.py at c=64 and c=256: .base/ vs this tree (default, no-audio)
 #   benchmarks/h200_step.sh verify    # one call for kernels changed since the last device run: the GPU tests that
 #                                     # cover them (TESTS, T), offline.py .base/ vs this tree at batch 1 and 64, and
@@ -80,7 +81,7 @@ case "$PART" in
       [ -n "${DRAW_WARPS:-}" ] && offline . warps$DRAW_WARPS "$size" "${BATCHES:-1,64,256}" "--draw-warps $DRAW_WARPS"
       [ -n "${PER_BLOCK:-}" ] && offline . per-block "$size" "${BATCHES:-1,64,256}" --philox-per-block
       [ -n "${NO_LOOKUP:-}" ] && offline . no-lookup "$size" "${BATCHES:-1,64,256}" --no-lookup-norm
-      [ -n "${PROJ_LOOKUP:-}" ] && offline . proj-lookup "$size" "${BATCHES:-1,64,256}" --projected-lookup
+      [ -n "${NO_PROJ_LOOKUP:-}" ] && offline . no-proj-lookup "$size" "${BATCHES:-1,64,256}" --no-projected-lookup
       if [ -n "${STACK_BATCHES:-}" ]; then
         offline .base base-stack "$size" "$STACK_BATCHES" --stack
         offline . stack "$size" "$STACK_BATCHES" --stack

@@ -192,9 +192,10 @@ def main() -> None:
                     help="with --stack, the launch looks up a codebook's embedding row (code_predictor.STACK_LOOKUP)")
     ap.add_argument("--stack", action="store_true",
                     help="the code predictor's one-launch pass for one-row passes (EngineConfig.code_predictor_stack)")
-    ap.add_argument("--projected-lookup", action="store_true",
-                    help="a projected code predictor's (1.7B) passes gather from projected tables through the "
-                         "lookup-and-norm kernel (code_predictor.PROJECTED_LOOKUP)")
+    ap.add_argument("--projected-lookup", action="store_true", help="(the default since 2026-12-07 (5))")
+    ap.add_argument("--no-projected-lookup", action="store_true",
+                    help="a projected code predictor's (1.7B) passes gather, project and norm apart, not from "
+                         "projected tables through the lookup-and-norm kernel (code_predictor.PROJECTED_LOOKUP off)")
     ap.add_argument("--philox-per-block", action="store_true",
                     help="the fused draw's Philox once per four-word block (draw_kernel.PHILOX_PER_BLOCK)")
     ap.add_argument("--draw-warps", type=int, default=None,
@@ -222,10 +223,10 @@ def main() -> None:
         from legato.layers import fused_attention
 
         fused_attention.ENABLED = False
-    if args.projected_lookup:
+    if args.no_projected_lookup:
         from legato.models.qwen3_tts import code_predictor
 
-        code_predictor.PROJECTED_LOOKUP = True
+        code_predictor.PROJECTED_LOOKUP = False
     if args.no_lookup_norm:
         from legato.layers import lookup_norm
 
@@ -279,7 +280,7 @@ def main() -> None:
         "attn_block_n": args.attn_block_n,
         "attn_reductions": args.attn_reductions,
         "fused_draw": not args.compiled_sampler, "decoder_stack": args.stack, "fused_norm": not args.no_fused_norm,
-        "lookup_norm": not args.no_lookup_norm, "projected_lookup": args.projected_lookup,
+        "lookup_norm": not args.no_lookup_norm, "projected_lookup": not args.no_projected_lookup,
         "pdl": not args.no_pdl,
         "stack_lookup": args.stack_lookup, "packed_draw": not args.bisection_draw,
         "philox_per_block": args.philox_per_block, "draw_warps": args.draw_warps,

@@ -471,6 +471,7 @@ def test_projected_lookup_keeps_a_projected_code_predictor_close():
             code_predictor.PROJECTED_LOOKUP = on
 
     built = []
+    default = code_predictor.PROJECTED_LOOKUP
 
     def prepare(talker) -> None:
         talker.code_predictor.project_tables()
@@ -479,12 +480,12 @@ def test_projected_lookup_keeps_a_projected_code_predictor_close():
     for dtype in (torch.bfloat16, torch.float16):
         errors = code_predictor_with_and_without(Projected(), dtype, prepare=prepare)
         assert all(e <= 1e-2 for e in errors.values()), errors
-    assert not code_predictor.PROJECTED_LOOKUP
+    assert code_predictor.PROJECTED_LOOKUP is default
     code_predictor.PROJECTED_LOOKUP = True
     try:  # the "on" runs took the kernel's path
         assert all(cp._lookup_tables() is cp.projected_tables for cp in built) and len(built) == 2
     finally:
-        code_predictor.PROJECTED_LOOKUP = False
+        code_predictor.PROJECTED_LOOKUP = default
 
 
 def test_fused_draw_gives_the_eager_and_the_compiled_draws_tokens():
