@@ -12,7 +12,8 @@ import torch
 from legato.engine.codec_schedule import StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.loader import load_model
-from legato.pipeline.codec_worker import CodecEngine, CodecError, LocalCodecClient, codec_engine_options
+from legato.pipeline.codec_engine import CodecEngine
+from legato.pipeline.codec_worker import CodecError, LocalCodecClient, codec_engine_options
 
 REF = torch.randint(0, 2048, (9, 16), generator=torch.Generator().manual_seed(1))
 CODES = torch.randint(0, 2048, (12, 16), generator=torch.Generator().manual_seed(3))

@@ -550,7 +550,7 @@ def test_decoder_stack_equals_the_unfused_code_predictor():
 def test_split_codec_warm_up_on_cuda_keeps_its_graphs_and_its_audio(tmp_path):
     """The codec worker's warm-up (every graph bucket, before it serves) drops no graph, and the streams after it
     decode to the bytes a codec that never warmed up gives."""
-    from legato.pipeline.codec_worker import CodecEngine, load_codec_decoder
+    from legato.pipeline.codec_engine import CodecEngine, load_codec_decoder
 
     decoder = load_codec_decoder(tiny_model(tmp_path, "base").path, "cuda")
     codes = torch.randint(0, 2048, (40, 16), generator=torch.Generator().manual_seed(5))

@@ -20,7 +20,7 @@ from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import load_model
 from legato.models.qwen3_tts.sampling import SamplingParams
 from legato.pipeline.client import RequestRejected, StreamChunk, SynthesisRequest
-from legato.pipeline.codec_worker import CodecEngine, load_codec_decoder
+from legato.pipeline.codec_engine import CodecEngine, load_codec_decoder
 from legato.pipeline.local import LocalEngineClient
 from legato.pipeline.split import SplitClient, build_split_client
 

@@ -28,13 +28,13 @@ from legato.engine.codec_schedule import StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.pipeline import messages as m
 from legato.pipeline.client import SHUTTING_DOWN, EngineStats, RequestRejected, StreamChunk
+from legato.pipeline.codec_engine import load_codec_decoder
 from legato.pipeline.codec_worker import (
     CodecChunk,
     CodecError,
     CodecStats,
     LocalCodecClient,
     codec_engine_options,
-    load_codec_decoder,
 )
 from legato.pipeline.front_links import emit
 from legato.pipeline.process_client import ProcessEngineClient, model_info

@@ -37,7 +37,8 @@ from legato.pipeline.client import (
     SynthesisRequest,
     refused_stream,
 )
-from legato.pipeline.codec_worker import CodecError, LocalCodecClient, codec_engine_options, load_codec_decoder
+from legato.pipeline.codec_engine import load_codec_decoder
+from legato.pipeline.codec_worker import CodecError, LocalCodecClient, codec_engine_options
 from legato.pipeline.launchers import Launcher, WorkerPlan
 
 if TYPE_CHECKING:
