@@ -348,17 +348,23 @@ def test_every_stats_field_crosses_the_worker_link_and_adds_up_over_engines():
 def test_a_worker_whose_engine_loop_crashed_exits_and_the_server_sees_it_down(tiny_checkpoint, tmp_path,
                                                                                monkeypatch):
     """The engine thread of a worker process ending on its own (a crash the per-request guards did not catch,
-    injected here into the worker's first step) must not leave a live process whose heartbeats say all is well
+    injected here into the worker's first step with a request) must not leave a live process whose heartbeats say all is well
     while every request is refused: the worker exits, the client reports it not alive (the server's /health then
     answers 503), and the request in flight ends with the reason."""
     site = tmp_path / "inject"
     site.mkdir()
+    # The fault comes with the first step that has the request in: the engine thread also steps when idle (after
+    # each 50 ms wait for work), and a fault there, before a slow machine delivered the request, crashed the
+    # worker with nothing in flight (this test failed so once).
     (site / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('LEGATO_TEST_CRASH_STEP'):\n"
         "    import legato.engine.engine as e\n"
+        "    idle_step = e.Engine.step\n"
         "    def step(self):\n"
-        "        raise RuntimeError('injected engine loop fault')\n"
+        "        if self.has_unfinished():\n"
+        "            raise RuntimeError('injected engine loop fault')\n"
+        "        return idle_step(self)\n"
         "    e.Engine.step = step\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
     monkeypatch.setenv("LEGATO_TEST_CRASH_STEP", "1")
