@@ -348,9 +348,9 @@ def test_every_stats_field_crosses_the_worker_link_and_adds_up_over_engines():
 def test_a_worker_whose_engine_loop_crashed_exits_and_the_server_sees_it_down(tiny_checkpoint, tmp_path,
                                                                                monkeypatch):
     """The engine thread of a worker process ending on its own (a crash the per-request guards did not catch,
-    injected here into the worker's first step with a request) must not leave a live process whose heartbeats say all is well
-    while every request is refused: the worker exits, the client reports it not alive (the server's /health then
-    answers 503), and the request in flight ends with the reason."""
+    injected here into the worker's first step with a request) must not leave a live process whose heartbeats say
+    all is well while every request is refused: the worker exits, the client reports it not alive (the server's
+    /health then answers 503), and the request in flight ends with the reason."""
     site = tmp_path / "inject"
     site.mkdir()
     # The fault comes with the first step that has the request in: the engine thread also steps when idle (after
