@@ -30,7 +30,6 @@ from legato.engine.scheduler import DuplicateRequestError, RequestTooLargeError,
 from legato.engine.slot_state import SlotAssignment
 from legato.engine.step_copies import PendingCopy, StepCopies, StepTimes
 from legato.kv_transfer.handoff import Handoff, KVLayout
-from legato.models.qwen3_tts import code_predictor
 from legato.models.qwen3_tts.config import Qwen3TTSConfig
 from legato.models.qwen3_tts.decoder_layer import pack_projections
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
@@ -159,8 +158,8 @@ class Engine:
             pack_projections(talker)
             if config.code_predictor_stack:
                 talker.code_predictor.pack_stack()
-            elif code_predictor.PROJECTED_LOOKUP:
-                talker.code_predictor.project_tables()
+            else:
+                talker.code_predictor.prepare_lookup()
         num_blocks = config.num_kv_blocks or profile_kv_blocks(loaded, config)
         config.num_kv_blocks = num_blocks
         pad_id = torch.tensor([loaded.config.tts_pad_token_id, loaded.config.tts_eos_token_id],

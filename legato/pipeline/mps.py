@@ -163,6 +163,13 @@ def _end(pid: int | None, until: float) -> None:
         pass
 
 
+def workers_run_under_mps(mode: str, control: str | None = None) -> bool:
+    """Whether worker processes this server starts on a shared GPU would run as MPS clients: `--mps on`, `auto` with
+    the control program found, or, whatever the mode, a daemon already answering where they look."""
+    control = control or shutil.which(MPS_CONTROL)
+    return mode == "on" or (mode == "auto" and control is not None) or running_daemon_dir(control) is not None
+
+
 def start_for(mode: str, worker_devices: list[str], process_workers: bool, local: bool,
               control: str | None = None) -> MpsDaemon | None:
     """The daemon `--mps MODE` asks for, given where the workers run; None when none is started.

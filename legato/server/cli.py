@@ -353,19 +353,16 @@ def check_stack_sharing(stack: bool, topology: Topology, devices: list[str], wor
     shared GPU, whole, and the split topology's codec worker runs no code predictor."""
     if not stack or launcher != "local":  # Ray workers run under their nodes' own settings
         return
-    import shutil
-
-    from legato.pipeline.mps import MPS_CONTROL, running_daemon_dir, shared_gpus
+    from legato.pipeline.mps import shared_gpus, workers_run_under_mps
     from legato.pipeline.topology import worker_devices
 
     engines = worker_devices(topology, devices)
     shared = shared_gpus(engines[:1] if topology.kind == "split" else engines)
     if not shared:
         return
-    control = shutil.which(MPS_CONTROL)
     if workers == "thread":
         how = "as threads of one process"
-    elif mps == "on" or (mps == "auto" and control) or running_daemon_dir(control) is not None:
+    elif workers_run_under_mps(mps):
         how = "under MPS"
     else:
         return

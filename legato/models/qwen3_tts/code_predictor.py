@@ -96,6 +96,13 @@ class CodePredictor(nn.Module):
                 self.projected_tables = [self.small_to_mtp_projection(table.weight).contiguous()
                                          for table in self.model.codec_embedding]
 
+    def prepare_lookup(self) -> None:
+        """The projected tables, where the unfused passes would read them: `PROJECTED_LOOKUP` on, a projection
+        between the widths and the lookup-and-norm kernel there to take them (an engine calls this at load, before
+        it sizes its KV cache; `pack_stack` builds them for the stack)."""
+        if PROJECTED_LOOKUP and lookup_norm.available(self.model.codec_embedding[0].weight):
+            self.project_tables()
+
     @property
     def num_residual_groups(self) -> int:
         return self.config.num_code_groups - 1
