@@ -173,28 +173,34 @@ def server_stages(log_path: Path, start: int) -> dict[str, dict[str, float | Non
     and `resume` split `prepare` where the engine client logged them. Where a worker process logged `worker` (its
     request's message in -> first audio out), `hops` splits into `in_worker` (worker less the engine-side stages:
     the worker's own event-loop passes) and `link` (reply less worker: the sockets, and the front's I/O thread and
-    event loop, both ways)."""
+    event loop, both ways). `split` logs the talker's stages to its first codes and `codec` (those codes in the front
+    -> first audio there), which `hops` leaves out; `codec_worker` is the codec worker process's share of `codec`, and
+    `codec_link` the rest (the front's passes and the sockets to that worker and back)."""
     with open(log_path, "rb") as f:
         f.seek(start)
         text = f.read().decode(errors="replace")
     stages = ("prepare", "inbox", "engine")
-    split = ("front_in", "reply", "voice", "queue", "build", "resume", "worker")  # logged where the tree has them
-    values: dict[str, list[float]] = {k: [] for k in (*stages, "front", "hops", "in_worker", "link", *split)}
+    split = ("front_in", "reply", "voice", "queue", "build", "resume", "worker", "codec", "codec_worker")  # where logged
+    values: dict[str, list[float]] = {k: [] for k in (*stages, "front", "hops", "in_worker", "link", "codec_link",
+                                                      *split)}
     for line in text.splitlines():
         found = {k: float(v) for k, v in re.findall(r" ([a-z_]+)_s=([0-9.eE+-]+)", line)}
         for k in (*stages, *split):
             if k in found:
                 values[k].append(found[k])
+        if "codec" in found and "codec_worker" in found:
+            values["codec_link"].append(found["codec"] - found["codec_worker"])
         if all(k in found for k in stages):
-            engine_side = sum(found[k] for k in stages)
+            engine = sum(found[k] for k in stages)  # split: the talker's, to its first codes
+            codec = found.get("codec", 0.0)
             if "ttfp" in found:
-                values["front"].append(found["ttfp"] - engine_side)
+                values["front"].append(found["ttfp"] - engine - codec)
             if "reply" in found:
-                values["hops"].append(found["reply"] - engine_side)
+                values["hops"].append(found["reply"] - engine - codec)
             if "worker" in found:
-                values["in_worker"].append(found["worker"] - engine_side)
+                values["in_worker"].append(found["worker"] - engine)
                 if "reply" in found:
-                    values["link"].append(found["reply"] - found["worker"])
+                    values["link"].append(found["reply"] - found["worker"] - codec)
     return {k: {q: (1000 * percentile(v, p) if v else None) for q, p in (("p50_ms", 0.5), ("p99_ms", 0.99))}
             for k, v in values.items()}
 
@@ -373,7 +379,7 @@ def cpu_line(st: dict | None) -> str:
 def table(cells: list[dict]) -> str:
     head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "srv TTFP p50/p99", "RTF p50",
             "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine/front",
-            "front_in/hops/voice/queue/build/resume", "steady rows/s, steps/s, rows/step", "client procs", "peak MiB")
+            "front_in/hops/voice/queue/build/resume/codec/codec_worker", "steady rows/s, steps/s, rows/step", "client procs", "peak MiB")
     lines = [" | ".join(head)]
     for c in cells:
         if c["kind"] != "cell" or "error" in c:
@@ -387,7 +393,7 @@ def table(cells: list[dict]) -> str:
         st = c.get("server_stages") or {}
         stages = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f") for k in ("prepare", "inbox", "engine", "front"))
         split = "/".join(f((st.get(k) or {}).get("p50_ms"), ".0f")
-                         for k in ("front_in", "hops", "voice", "queue", "build", "resume"))
+                         for k in ("front_in", "hops", "voice", "queue", "build", "resume", "codec", "codec_worker"))
         lines.append(" | ".join([c["variant"], c["mode"], str(c["concurrency"]), f(c["audio_s_per_s"]),
                                  f(c["req_per_s"], ".2f"), f(c["ttfp_p50_ms"], ".0f"), f(c["ttfp_p99_ms"], ".0f"),
                                  f"{f(c.get('server_ttfp_p50_ms'), '.0f')}/{f(c.get('server_ttfp_p99_ms'), '.0f')}",

@@ -48,6 +48,19 @@ def test_server_stages_splits_the_hops_by_the_worker_s_stamp(tmp_path):
     assert abs(stages["link"]["p50_ms"] - 190.0) < 1e-6 and abs(stages["link"]["p99_ms"] - 200.0) < 1e-6
 
 
+def test_server_stages_takes_split_s_codec_stage_out_of_the_hops(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("".join(f"x speech done ttfp_s=0.5 prepare_s=0.1 inbox_s=0.01 engine_s=0.04 front_in_s=0.05 "
+                           f"reply_s=0.4 worker_s=0.2 codec_s={c} codec_worker_s={w}\n"
+                           for c, w in ((0.1, 0.06), (0.12, 0.1), (0.2, 0.11))))
+    stages = serving_speed.server_stages(log, 0)
+    assert abs(stages["codec"]["p50_ms"] - 120.0) < 1e-6 and abs(stages["codec_worker"]["p99_ms"] - 110.0) < 1e-6
+    # the talker's stages (0.15) and codec leave the hops: 150, 130, 50 ms; codec less codec_worker: 40, 20, 90 ms
+    assert abs(stages["hops"]["p50_ms"] - 130.0) < 1e-6 and abs(stages["codec_link"]["p99_ms"] - 90.0) < 1e-6
+    # the worker's stage is the talker's: less its stages only (50 ms); the link leaves codec out (200 - codec)
+    assert abs(stages["in_worker"]["p50_ms"] - 50.0) < 1e-6 and abs(stages["link"]["p50_ms"] - 80.0) < 1e-6
+
+
 def test_pyspy_summary_counts_samples_by_thread_and_functions_once_per_sample(tmp_path):
     raw = tmp_path / "profile.txt"
     raw.write_text(

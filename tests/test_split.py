@@ -86,6 +86,21 @@ def assert_same(want, got, reqs, exact: bool = False):
         assert not exact or np.array_equal(wa, wb), (r.request_id, int((wa != wb).sum()))
 
 
+def assert_first_audio_stages(results, processes: bool) -> None:
+    """The first audio chunk, and only it, says where the request's time went: the talker's stages to its first
+    codes, then `codec` (those codes in -> this audio out); with worker processes also each worker's own span."""
+    for chunks in results:
+        timed = [c for c in chunks if c.stages is not None]
+        assert len(timed) == 1 and timed[0] is next(c for c in chunks if c.audio.size)
+        st = timed[0].stages
+        talker = st["prepare"] + st["inbox"] + st["engine"]
+        assert talker > 0 and st["codec"] > 0
+        if processes:  # each worker's span lies inside the front's view of it
+            assert st["worker"] >= talker and 0 < st["codec_worker"] <= st["codec"]
+        else:
+            assert "worker" not in st and "codec_worker" not in st
+
+
 @pytest.mark.parametrize(("devices", "concurrency", "ramp"), [
     (["cpu"], 1, False), (["cpu"], 8, False), (["cpu", "cpu"], 1, False), (["cpu", "cpu"], 8, False),
     (["cpu", "cpu"], 8, True),
@@ -96,6 +111,7 @@ def test_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoint, devi
     client = split_client(tiny_checkpoint, devices, chunk_ramp=ramp)
     got = asyncio.run(run(client, reqs, concurrency))
     assert_same(want, got, reqs, exact=concurrency == 1)
+    assert_first_audio_stages(got, processes=False)
     # The audio comes on the same schedule as single: first_chunk_frames, then the ramp up to chunk_frames.
     for r, chunks in zip(reqs, got, strict=True):
         sizes = [c.audio.size // 1920 for c in chunks if c.audio.size]
@@ -321,6 +337,7 @@ def test_process_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoi
     client.talker.generate = spy
     got = asyncio.run(run(client, reqs, concurrency))
     assert_same(want, got, reqs, exact=concurrency == 1)  # an outside probe saw ±1 LSB run to run here
+    assert_first_audio_stages(got, processes=True)
     assert len(talker_audio) > len(reqs) and not any(talker_audio)
     assert client.codec.stats().frames_decoded == sum(r.sampling.max_new_tokens - 1 for r in reqs)
     assert client.talker.proc.returncode == 0 and client.codec.worker.proc.returncode == 0

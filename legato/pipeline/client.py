@@ -56,8 +56,8 @@ class StreamChunk:
     # On an "error" chunk: the failure was the deployment's, not the request's (its worker died, its KV
     # handoff did not cross), so the same request run elsewhere would give the same result.
     retryable: bool = False
-    # On a request's first chunk with audio, where its time went before it, in seconds (`STAGES`), when the
-    # engine client measured it: the server logs them beside the TTFP.
+    # On a request's first chunk with audio (a talker-only engine's: with codes), where its time went before it, in
+    # seconds (`STAGES`), when the engine client measured it: the server logs them beside the TTFP.
     stages: dict[str, float] | None = None
 
 
@@ -67,7 +67,10 @@ class StreamChunk:
 # the admission thread), build (its batch's host part and prompts), resume (the caller's event loop picking it up).
 # worker: in a worker process, from its request's message arriving to its first audio leaving (the three stages and
 # the worker's own event-loop passes either side of them), so the server can tell the link's share of its wait.
-STAGES = ("prepare", "inbox", "engine", "voice", "queue", "build", "resume", "worker")
+# `split` (whose talker streams codes, not audio): the talker's stages are to its first codes; codec: from those codes
+# reaching the split client to its first audio; codec_worker: the part of that inside a codec worker process (its
+# first frames in -> first PCM out), the rest being the way there and back.
+STAGES = ("prepare", "inbox", "engine", "voice", "queue", "build", "resume", "worker", "codec", "codec_worker")
 # How long a request waits for its id's earlier, dropped request to finish ending (its last output out of the engine
 # or the worker: a step or so) before it is refused with 409; the bound is for an engine that stops stepping.
 ENDING_WAIT_S = 5.0

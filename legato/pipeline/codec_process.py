@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -107,7 +108,7 @@ class ProcessCodecClient:
                         raise CodecError(chunk.error or chunk.finish_reason, aborted=chunk.finish_reason == "abort")
                     new, emitted = chunk.num_frames - emitted, chunk.num_frames
                     self._frames_decoded += new
-                    yield CodecChunk(chunk.audio, new, chunk.finished)
+                    yield CodecChunk(chunk.audio, new, chunk.finished, chunk.stages)
                     if chunk.finished:
                         return
         except RequestRejected as e:  # the worker refused the stream (shutting down, duplicate id)
@@ -215,24 +216,31 @@ class _CodecWorker:
 
     async def stream(self, msg: m.CodecOpen) -> None:
         rid, feed = msg.request_id, self.feeds[msg.request_id]
+        first_frames_at: float | None = None  # the start of its first audio's `codec_worker` stage
 
         async def frames() -> AsyncIterator[np.ndarray]:
+            nonlocal first_frames_at
             while True:
                 item = await feed.get()
                 if item is None:
                     return
                 if isinstance(item, _StreamAborted):
                     raise item
+                if first_frames_at is None and len(item):
+                    first_frames_at = time.perf_counter()
                 yield item
 
         ref = None if msg.ref_code is None else torch.from_numpy(msg.ref_code)
-        emitted = 0
+        emitted, stamped = 0, False
         try:
             async with contextlib.aclosing(self.codec.decode(rid, frames(), ref, msg.first_chunk_frames)) as pieces:
                 async for piece in pieces:
                     emitted += piece.frames
-                    self.outbox.put((rid, StreamChunk(piece.audio, emitted, finished=piece.last,
-                                                      finish_reason="stop" if piece.last else None)))
+                    chunk = StreamChunk(piece.audio, emitted, finished=piece.last,
+                                        finish_reason="stop" if piece.last else None)
+                    if piece.audio.size and not stamped and first_frames_at is not None:  # its time in here
+                        chunk.stages, stamped = {"codec_worker": time.perf_counter() - first_frames_at}, True
+                    self.outbox.put((rid, chunk))
         except (CodecError, _StreamAborted) as e:
             aborted = isinstance(e, _StreamAborted) or e.aborted
             await self.send(m.Chunk(rid, _end("abort" if aborted else "error", str(e), emitted)))

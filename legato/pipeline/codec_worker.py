@@ -48,6 +48,7 @@ class CodecChunk:
     audio: np.ndarray  # float32 PCM of `frames` frames
     frames: int
     last: bool  # the stream's final chunk (its tail, possibly empty)
+    stages: dict[str, float] | None = None  # from a codec worker process, on its first audio: `codec_worker`
 
 
 @dataclass

@@ -37,7 +37,7 @@ class EngineStream:
 
 class StepHandover:
     """One engine step's chunks, grouped by where they go; `send` makes one cross-thread call per group. A
-    request's first chunk with audio gets its `stages` here."""
+    request's first chunk with audio (or, from a talker-only engine, with codes) gets its `stages` here."""
 
     def __init__(self) -> None:
         self._queued: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamChunk]]] = {}
@@ -45,7 +45,9 @@ class StepHandover:
 
     def add(self, stream: EngineStream, request_id: str, chunk: StreamChunk) -> None:
         marks = stream.marks
-        if marks is not None and "called" in marks and chunk.audio.size:
+        # The first audio; a talker-only engine (`split`) sends codes alone, and its first codes are what it gives.
+        if marks is not None and "called" in marks and (chunk.audio.size or (chunk.codes is not None
+                                                                             and chunk.codes.size)):
             called = marks["called"]
             chunk.stages = {"prepare": stream.submitted - called, "inbox": stream.added - stream.submitted,
                             "engine": time.perf_counter() - stream.added}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -57,13 +58,26 @@ class _TalkerEnded(Exception):
 
 @dataclass
 class _Progress:
-    """One request's talker side as seen so far: codes not yet passed on, and the latest chunk's counters."""
+    """One request's talker side as seen so far: codes not yet passed on, the latest chunk's counters, and the
+    talker's stages of its first codes until the first audio carries them."""
 
     codes: list[np.ndarray] = field(default_factory=list)
     last: StreamChunk | None = None
+    stages: dict[str, float] | None = None
+    first_codes_at: float | None = None  # perf_counter() when the first codes came: the start of `codec`
+    stamped: bool = False  # the first audio has its stages
+
+    def took(self, chunk: StreamChunk) -> None:
+        self.last = chunk
+        if chunk.codes is not None and chunk.codes.size:
+            self.codes.append(chunk.codes)
+            if self.first_codes_at is None:
+                self.first_codes_at = time.perf_counter()
+                self.stages = chunk.stages
 
     def chunk(self, audio: np.ndarray, finished: bool = False, reason: str | None = None,
-              error: str | None = None, error_code: str | None = None, retryable: bool = False) -> StreamChunk:
+              error: str | None = None, error_code: str | None = None, retryable: bool = False,
+              codec_stages: dict[str, float] | None = None) -> StreamChunk:
         codes = np.concatenate(self.codes) if self.codes else np.zeros((0, 16), np.int64)
         self.codes = []
         last = self.last or StreamChunk(_EMPTY, 0)
@@ -71,7 +85,16 @@ class _Progress:
             reason = last.finish_reason
         return StreamChunk(audio=audio, num_frames=last.num_frames, num_prompt_tokens=last.num_prompt_tokens,
                            finished=finished, finish_reason=reason, error=error, error_code=error_code,
-                           retryable=retryable, seed=last.seed, codes=codes)
+                           retryable=retryable, seed=last.seed, codes=codes,
+                           stages=self._first_audio_stages(codec_stages) if audio.size else None)
+
+    def _first_audio_stages(self, codec_stages: dict[str, float] | None) -> dict[str, float] | None:
+        """Once, on the first audio: the talker's stages to its first codes, `codec` from then to now, and what a
+        codec worker process measured of that (`codec_worker`)."""
+        if self.first_codes_at is None or self.stamped:
+            return None
+        self.stamped = True
+        return {**(self.stages or {}), **(codec_stages or {}), "codec": time.perf_counter() - self.first_codes_at}
 
 
 class SplitClient(EngineClient):
@@ -140,9 +163,8 @@ class SplitClient(EngineClient):
         async def frames() -> AsyncIterator[np.ndarray]:
             async with contextlib.aclosing(await self._talker_stream(req)) as chunks:
                 async for chunk in chunks:
-                    progress.last = chunk
+                    progress.took(chunk)
                     if chunk.codes is not None and chunk.codes.size:
-                        progress.codes.append(chunk.codes)
                         yield chunk.codes
                     if chunk.finished and chunk.finish_reason not in ("stop", "length"):
                         raise _TalkerEnded(chunk)
@@ -151,7 +173,7 @@ class SplitClient(EngineClient):
             decoding = self.codec.decode(req.request_id, frames(), ref_code, req.first_chunk_frames)
             async with contextlib.aclosing(decoding) as pieces:
                 async for piece in pieces:
-                    yield progress.chunk(piece.audio, finished=piece.last)
+                    yield progress.chunk(piece.audio, finished=piece.last, codec_stages=piece.stages)
         except _TalkerEnded as e:
             # The talker's end as it was: its code (the client's fault) and whether another worker could run it
             yield progress.chunk(_EMPTY, finished=True, reason=e.chunk.finish_reason, error=e.chunk.error,
