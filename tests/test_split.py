@@ -188,6 +188,29 @@ def test_codec_engine_cuts_bursts_on_the_single_schedule(loaded):
     assert eng.abort("b") and not eng.push("b", codes) and not eng.abort("b")
 
 
+def test_a_codec_client_takes_the_engine_s_gil_switch_interval(loaded, monkeypatch):
+    """A codec worker process has no engine client, so its codec client sets the interval the engine's does."""
+    import sys
+
+    from legato.pipeline.codec_worker import LocalCodecClient
+
+    before = sys.getswitchinterval()
+    monkeypatch.setenv("LEGATO_GIL_SWITCH_MS", "2")
+    codec = LocalCodecClient(loaded.speech_tokenizer.decoder)
+
+    async def main():
+        await codec.start()
+        try:
+            return sys.getswitchinterval()
+        finally:
+            await codec.stop()
+
+    try:
+        assert asyncio.run(main()) == 0.002
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_codec_decoder_alone_matches_the_full_load(loaded, tiny_checkpoint):
     decoder = load_codec_decoder(tiny_checkpoint, "cpu")
     full = loaded.speech_tokenizer.decoder.state_dict()

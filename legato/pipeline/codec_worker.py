@@ -23,7 +23,7 @@ from legato.engine.config import codec_dtype_name
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
 from legato.pipeline.client import SHUTTING_DOWN, put_all
 from legato.pipeline.codec_engine import EMPTY_PCM, CodecEngine, CodecOutput
-from legato.pipeline.threads import name_native_thread
+from legato.pipeline.threads import name_native_thread, set_gil_switch_interval
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,10 @@ class LocalCodecClient:
 
     async def start(self) -> None:
         """Starts the codec thread. With `warm_up`, that thread first runs `CodecEngine.warm_up` (on its own CUDA
-        stream, as it serves), and this returns once it has; a warm-up that fails raises here."""
+        stream, as it serves), and this returns once it has; a warm-up that fails raises here. The process takes the
+        engine's GIL switch interval: a codec worker process has no engine client to set it, and at Python's 5 ms
+        its event loop and codec thread hand each step's frames and PCM over in 5 ms turns."""
+        set_gil_switch_interval()
         self._thread.start()
         if self._warm_up:
             await asyncio.get_running_loop().run_in_executor(None, self._warmed.wait, WARM_UP_TIMEOUT_S)
