@@ -180,7 +180,8 @@ def server_stages(log_path: Path, start: int) -> dict[str, dict[str, float | Non
         f.seek(start)
         text = f.read().decode(errors="replace")
     stages = ("prepare", "inbox", "engine")
-    split = ("front_in", "reply", "voice", "queue", "build", "resume", "worker", "codec", "codec_worker")  # where logged
+    # logged where the tree has them
+    split = ("front_in", "reply", "voice", "queue", "build", "resume", "worker", "codec", "codec_worker")
     values: dict[str, list[float]] = {k: [] for k in (*stages, "front", "hops", "in_worker", "link", "codec_link",
                                                       *split)}
     for line in text.splitlines():
@@ -379,7 +380,8 @@ def cpu_line(st: dict | None) -> str:
 def table(cells: list[dict]) -> str:
     head = ("variant", "mode", "conc", "audio s/s", "req/s", "TTFP p50", "TTFP p99", "srv TTFP p50/p99", "RTF p50",
             "contin.", "busy", "host/gpu/gap ms", "srv stages p50 prep/inbox/engine/front",
-            "front_in/hops/voice/queue/build/resume/codec/codec_worker", "steady rows/s, steps/s, rows/step", "client procs", "peak MiB")
+            "front_in/hops/voice/queue/build/resume/codec/codec_worker", "steady rows/s, steps/s, rows/step",
+            "client procs", "peak MiB")
     lines = [" | ".join(head)]
     for c in cells:
         if c["kind"] != "cell" or "error" in c:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from legato.engine import compile_watch
 from legato.engine.codec_streamer import StreamSchedule
 from legato.engine.config import codec_dtype_name
 from legato.models.qwen3_tts.codec_decoder import CodecDecoder
@@ -179,6 +180,7 @@ class LocalCodecClient:
                         raise
                     finally:
                         self._warmed.set()
+                    compile_watch.arm()  # what compiles from here on, the warm-up missed
                 while True:
                     self._drain()
                     if self._deadline is not None and (not self._sinks or time.monotonic() > self._deadline):

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from legato.engine import compile_watch
 from legato.engine.config import EngineConfig
 from legato.engine.engine import (
     TEXT_TOO_LONG,
@@ -157,6 +158,7 @@ class LocalEngineClient(EngineClient):
                 seconds += await loop.run_in_executor(self._encoder, self._warm_up_voices)
             log.info("engine warmed up in %.1f s (first-use compilation and graph capture done before serving)",
                      seconds)
+            compile_watch.arm()  # what compiles from here on, the warm-up missed
         self._thread.start()
 
     async def _warm_up_admission(self) -> float:
