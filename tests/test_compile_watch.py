@@ -69,12 +69,20 @@ def test_a_torch_compile_after_warm_up_is_logged(watch, caplog):
     assert any("torch.compile compiled graph" in r.getMessage() for r in caplog.records)
 
 
-def test_the_module_watch_arms_and_reports_a_copy():
-    compile_watch.arm()
+def test_the_watch_arms_when_the_last_warm_up_under_way_ends():
+    """Two warm-ups side by side (a thread-worker split's talker and codec): compiles stay expected until both end."""
+    watch = compile_watch._WATCH
     try:
+        with compile_watch.warming():
+            with compile_watch.warming():
+                assert not watch.armed
+            assert not watch.armed  # the other one still warms up
+        assert watch.armed
+        with pytest.raises(RuntimeError), compile_watch.warming():  # a failed warm-up still ends
+            raise RuntimeError("warm-up failed")
+        assert watch.armed and watch.warming == 0
         got = compile_watch.counts()
         got.kernels.append("not theirs")
         assert "not theirs" not in compile_watch.counts().kernels
     finally:
-        compile_watch.disarm()
-    assert not compile_watch._WATCH.armed
+        watch.armed = False

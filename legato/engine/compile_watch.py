@@ -6,9 +6,9 @@ engine's warm-up runs every path it knows of before the server says ready; what 
 that first needs it, mid-burst. With a warm on-disk cache that costs milliseconds. On a fresh machine it costs
 seconds: a c=64 burst on an H100 once saw one request wait 3 s after its first chunk, with the engine thread's
 inbox p99 at 2.1 s, while the second burst on the same server saw nothing of it (docs/benchmarks.md, session of
-2026-12-07 (6)). `arm()` starts the watch once the warm-up is done; from then on every compile in this process is
-one WARNING line with its kernel, its specialisation and how long the compiling thread was held, so the next run
-names what the warm-up should cover.
+2026-12-07 (6)). Each warm-up runs inside `warming()`; once every warm-up of the process is done (a thread-worker
+`split` warms its talker and codec up side by side), every compile is one WARNING line with its kernel, its
+specialisation and how long the compiling thread was held, so the next run names what the warm-up should cover.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class CompileCounts:
 class _Watch:
     def __init__(self) -> None:
         self.armed = False
+        self.warming = 0  # warm-ups of this process under way
         self.counts = CompileCounts()
         self._lock = threading.Lock()
         self._started = threading.local()  # per thread: when its Triton compile (or dynamo frame) began
@@ -100,14 +103,20 @@ class _Watch:
 _WATCH = _Watch()
 
 
-def arm() -> None:
-    """From now on, every compile in this process is logged (call once the warm-up is done)."""
-    _WATCH.install()
-    _WATCH.armed = True
-
-
-def disarm() -> None:
-    _WATCH.armed = False
+@contextmanager
+def warming() -> Iterator[None]:
+    """Around a warm-up: its compiles are expected. When the last warm-up under way in this process ends, every
+    later compile is logged."""
+    with _WATCH._lock:
+        _WATCH.warming += 1
+        _WATCH.armed = False
+    try:
+        yield
+    finally:
+        _WATCH.install()
+        with _WATCH._lock:
+            _WATCH.warming -= 1
+            _WATCH.armed = _WATCH.warming == 0
 
 
 def counts() -> CompileCounts:

@@ -173,14 +173,14 @@ class LocalCodecClient:
             with self._device_stream():
                 if self._warm_up:
                     try:
-                        log.info("codec warmed up in %.1f s (every graph bucket replayed before serving)",
-                                 self.engine.warm_up())
+                        with compile_watch.warming():  # what compiles after it, the warm-up missed
+                            log.info("codec warmed up in %.1f s (every graph bucket replayed before serving)",
+                                     self.engine.warm_up())
                     except Exception as e:  # start() raises it; the loop then ends as a crash
                         self._warm_up_error = f"{type(e).__name__}: {e}"
                         raise
                     finally:
                         self._warmed.set()
-                    compile_watch.arm()  # what compiles from here on, the warm-up missed
                 while True:
                     self._drain()
                     if self._deadline is not None and (not self._sinks or time.monotonic() > self._deadline):

@@ -149,16 +149,16 @@ class LocalEngineClient(EngineClient):
     async def start(self) -> None:
         set_gil_switch_interval()
         if self.engine.runner.device.type == "cuda":  # where first uses compile and capture: before serving
-            loop = asyncio.get_running_loop()
-            seconds = await loop.run_in_executor(None, self.engine.warm_up)
-            seconds += await self._warm_up_admission()
-            if self.engine.codec is not None or self.loaded.model.speaker_encoder is not None:
-                # On the encoder thread, which runs every later encode: cuDNN and cuBLAS keep a handle per
-                # thread, and the first request with a voice would otherwise create them.
-                seconds += await loop.run_in_executor(self._encoder, self._warm_up_voices)
+            with compile_watch.warming():  # what compiles after it, the warm-up missed
+                loop = asyncio.get_running_loop()
+                seconds = await loop.run_in_executor(None, self.engine.warm_up)
+                seconds += await self._warm_up_admission()
+                if self.engine.codec is not None or self.loaded.model.speaker_encoder is not None:
+                    # On the encoder thread, which runs every later encode: cuDNN and cuBLAS keep a handle per
+                    # thread, and the first request with a voice would otherwise create them.
+                    seconds += await loop.run_in_executor(self._encoder, self._warm_up_voices)
             log.info("engine warmed up in %.1f s (first-use compilation and graph capture done before serving)",
                      seconds)
-            compile_watch.arm()  # what compiles from here on, the warm-up missed
         self._thread.start()
 
     async def _warm_up_admission(self) -> float:
