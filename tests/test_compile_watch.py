@@ -33,11 +33,17 @@ class _Fn:
     name = "_rows_kernel"
 
 
+# The compile arguments Triton passes its hooks (triton 3.6): argument names in order, the aligned ones' indices,
+# the constants by index.
+COMPILE = {"signature": {"x_ptr": "*bf16", "m": "i32", "BLOCK": "constexpr"},
+           "configs": [{(0,): [["tt.divisibility", 16]]}], "constants": {(2,): 64}}
+
+
 def _triton_compile(knobs) -> object:
     """What Triton's JIT does around one compile: the cache hook (None lets it compile), then the post hook."""
-    answer = knobs.jit_cache_hook(key="k", repr="_rows_kernel[num_warps=4](m: i32)", fn=_Fn(), compile={},
+    answer = knobs.jit_cache_hook(key="k", repr="_rows_kernel[num_warps=4](x_ptr: ()", fn=_Fn(), compile=COMPILE,
                                   is_manual_warmup=False, already_compiled=False)
-    knobs.jit_post_compile_hook(key="k", repr="_rows_kernel[num_warps=4](m: i32)", fn=_Fn(), compile={},
+    knobs.jit_post_compile_hook(key="k", repr="_rows_kernel[num_warps=4](x_ptr: ()", fn=_Fn(), compile=COMPILE,
                                 is_manual_warmup=False, already_compiled=False)
     return answer
 
@@ -52,7 +58,10 @@ def test_triton_compiles_count_only_once_armed_and_earlier_hooks_still_run(watch
     assert seen == ["lookup", "compiled"] * 2
     assert w.counts.triton == 1 and w.counts.kernels == ["_rows_kernel"] and w.counts.seconds >= 0
     [record] = caplog.records
-    assert "_rows_kernel compiled after warm-up" in record.getMessage() and "m: i32" in record.getMessage()
+    message = record.getMessage()
+    assert "_rows_kernel compiled after warm-up" in message
+    assert "aligned or divisible by 16: x_ptr; constants: {'BLOCK': 64}" in message
+    assert compile_watch._specialisation({"signature": {}}) == ""  # arguments of another shape: no detail
 
 
 def test_a_torch_compile_after_warm_up_is_logged(watch, caplog):

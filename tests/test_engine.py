@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_helpers import engine_config, run_all, tiny_model
 
-from legato.engine.engine import Engine, EngineRequest
+from legato.engine.engine import Engine, EngineRequest, warm_up_input
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.prompt import target_text_tokens
 from legato.models.qwen3_tts.prompt_build import build_prompt
@@ -457,6 +457,30 @@ def test_warm_up_runs_a_throwaway_request_and_leaves_nothing_behind(root, model_
     for _ in range(3):  # the engine thread's call after each idle wait: nothing launched, collected or emitted
         assert engine.step() == []
     assert (engine.times.steps, engine.times.host_s) == before  # an idle engine does not count steps (a metric)
+
+
+@pytest.mark.parametrize(("max_num_seqs", "budget", "want"), [
+    (16, 4096, {1, 2, 3, 4, 8, 16}), (4, 4096, {1, 2, 3, 4}), (16, 0, {1, 2, 3})])
+def test_warm_up_prefills_every_class_of_prompt_count_in_one_step(root, max_num_seqs, budget, want):
+    """The first-token path runs eagerly over the prompts a prefill step ends, and each count's factors of two
+    make Triton specialise its kernels anew (an int of 1 or of a multiple of 16, a pointer aligned or not): the
+    warm-up ends 1, 2, 3, 4, 8 and 16 prompts in one step, where the seats and the prefill budget allow it."""
+    lm = tiny_model(root, "base")
+    probe = Engine(lm, engine_config())
+    tokens = probe.prepare_prompt(build_spec(lm, warm_up_input(lm.config))).length
+    engine = Engine(lm, engine_config(max_num_seqs=max_num_seqs, num_kv_blocks=512,
+                                      max_num_batched_tokens=budget or 3 * tokens))
+    ended: list[int] = []
+    real = engine.runner.prefill
+
+    def counting(work):
+        ended.append(sum(w.is_last for w in work))
+        return real(work)
+
+    engine.runner.prefill = counting
+    assert engine.warm_up() > 0 and not engine.has_unfinished()
+    assert set(ended) - {0} == want
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
 
 
 def test_decoding_every_step_delivers_the_chunks_of_decoding_when_due(tmp_path):

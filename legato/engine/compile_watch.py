@@ -57,7 +57,8 @@ class _Watch:
                 return before_cache(*args, **kwargs) if before_cache else None
 
             def on_compiled(*args, **kwargs):
-                self._triton_compiled(kwargs.get("fn"), kwargs.get("repr", ""))
+                spec = _specialisation(kwargs.get("compile")) or kwargs.get("repr", "")
+                self._triton_compiled(kwargs.get("fn"), spec)
                 return after_compile(*args, **kwargs) if after_compile else None
 
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = on_lookup, on_compiled
@@ -98,6 +99,19 @@ class _Watch:
         log.warning("torch.compile compiled graph %s after warm-up (%.0f ms on thread %s; a first use the warm-up "
                     "missed; TORCH_LOGS=recompiles gives the guard that failed)", compile_id, 1000 * held,
                     threading.current_thread().name)
+
+
+def _specialisation(compile_args: dict | None) -> str:
+    """What set this compile apart, from Triton's compile arguments: the arguments taken as 16-byte aligned (or
+    divisible by 16), and the constants (constexprs, and ints specialised to 1). Empty where they are missing."""
+    try:
+        names = list(compile_args["signature"])
+        attrs = compile_args["configs"][0]
+        aligned = [names[k[0]] for k in attrs if k and k[0] < len(names)]
+        constants = {names[k[0]]: v for k, v in compile_args["constants"].items() if k and k[0] < len(names)}
+        return f"aligned or divisible by 16: {', '.join(aligned) or 'none'}; constants: {constants}"[:800]
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return ""
 
 
 _WATCH = _Watch()

@@ -47,6 +47,8 @@ STACK_GAVE_UP = ("engine step failed: the code predictor's one-launch pass gave 
 
 
 CODE_GROUPS = 16  # codebooks a frame: the released models' num_code_groups
+# Counts of prompts the warm-up prefills at once after its first group of three (`Engine.warm_up`).
+WARM_UP_PROMPTS_AT_ONCE = (1, 2, 4, 8, 16)
 # How a request whose streamed text outgrew its buffer fails, and the code its final output carries to the front:
 # the socket reports it as the client's error by the code, not by matching the message.
 TEXT_OVERFLOW = "streamed text exceeds max_text_tokens"
@@ -372,12 +374,27 @@ class Engine:
         # Three at once: compiled functions specialise batch 1 apart from larger batches, and the first
         # burst of prompts ending in one step (their first-token sampling) must not be what compiles them. A
         # prefill engine's requests end at their handoff, as every request it serves does.
-        for i in range(min(3, self.config.max_num_seqs)):
-            self.add_request(EngineRequest(f"__warm_up_{i}__", spec, SamplingParams(seed=i), max_frames=frames,
+        self._warm_up_group(spec, min(3, self.config.max_num_seqs), frames)
+        # Then groups of prompts ending in one prefill step, so that the eager first-token path (the head's
+        # few-row products and the draw over the step's ending prompts) has met every specialisation a count of
+        # them can make: Triton compiles a kernel again for an int argument of 1 or of a multiple of 16, and
+        # for a pointer 16-byte aligned or not. The draw reads each sampling knob as a row of a [knob, rows]
+        # table, so the row count's factors of two set the knob pointers' alignments; 1, 2, 3, 4, 8 and 16
+        # rows cover every class. Missed, each cost its first burst a compile on the engine thread: 2.5 s for
+        # a draw on a cold cache (an H100, docs/benchmarks.md, session of 2026-12-07 (6)).
+        tokens = self.prepare_prompt(spec).length
+        for n in WARM_UP_PROMPTS_AT_ONCE:  # the groups whose prompts fit one step's prefill budget
+            if n <= self.config.max_num_seqs and n * tokens <= self.config.max_num_batched_tokens:
+                self._warm_up_group(spec, n, 2)
+        return time.perf_counter() - started
+
+    def _warm_up_group(self, spec: PromptSpec, n: int, frames: int) -> None:
+        """`n` throwaway requests added at once (their prompts prefill together), run to their end."""
+        for i in range(n):
+            self.add_request(EngineRequest(f"__warm_up_{n}_{i}__", spec, SamplingParams(seed=i), max_frames=frames,
                                            ignore_eos=True, handoff_only=self.config.prefill_only))
         while self.has_unfinished():
             self.step()
-        return time.perf_counter() - started
 
     def has_unfinished(self) -> bool:
         return bool(self.live or self._done or self._tails) or self._in_flight is not None
