@@ -90,7 +90,7 @@ class LocalCodecClient:
         """Starts the codec thread. With `warm_up`, that thread first runs `CodecEngine.warm_up` (on its own CUDA
         stream, as it serves), and this returns once it has; a warm-up that fails raises here. The process takes the
         engine's GIL switch interval: a codec worker process has no engine client to set it, and at Python's 5 ms
-        its event loop and codec thread hand each step's frames and PCM over in 5 ms turns."""
+        its event loop could wait that long for the GIL at each hand-over of frames or PCM to the codec thread."""
         set_gil_switch_interval()
         self._thread.start()
         if self._warm_up:
