@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from legato.engine.codec_schedule import StreamSchedule
 from legato.engine.config import EngineConfig
+from legato.pipeline import heap
 from legato.pipeline import messages as m
 from legato.pipeline.client import SHUTTING_DOWN, EngineStats, RequestRejected, StreamChunk
 from legato.pipeline.codec_engine import load_codec_decoder
@@ -264,6 +265,9 @@ async def serve_codec(spec: WorkerSpec, config: EngineConfig, out: zmq.asyncio.S
     codec = LocalCodecClient(decoder, StreamSchedule.of(config), name=f"{spec.name}-codec",
                              **codec_engine_options(config))
     await codec.start()
+    if codec.engine.device.type == "cuda":  # warmed up: the heap it leaves is never walked by a full collection
+        heap.watch_pauses()
+        heap.freeze_heap()
     worker = _CodecWorker(spec, codec, out)
     await worker.send(m.Ready(model_info(spec.model_path, spec.name), os.getpid(), {}))
     log.info("ready: codec decoder of %s on %s", spec.model_path, config.device)

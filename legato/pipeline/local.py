@@ -53,6 +53,7 @@ from legato.models.qwen3_tts.loader import LoadedModel
 from legato.models.qwen3_tts.prompt import PromptError, open_text_missing, with_more_text
 from legato.models.qwen3_tts.sampling import SamplingParams, SamplingParamsError
 from legato.models.qwen3_tts.text_stream import segment_ids
+from legato.pipeline import heap
 from legato.pipeline.admission import Admission, AdmissionClosed
 from legato.pipeline.client import (
     ENDING_WAIT_S,
@@ -159,6 +160,8 @@ class LocalEngineClient(EngineClient):
                     seconds += await loop.run_in_executor(self._encoder, self._warm_up_voices)
             log.info("engine warmed up in %.1f s (first-use compilation and graph capture done before serving)",
                      seconds)
+            heap.watch_pauses()
+            heap.freeze_heap()  # what the load and warm-up left is never walked by a full collection again
         self._thread.start()
 
     async def _warm_up_admission(self) -> float:

@@ -1,0 +1,45 @@
+"""The serving process's heap after warm-up: frozen out of the collector's passes (unless LEGATO_GC_FREEZE=0), and a
+collection that pauses the process long enough to show in a stream is logged."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+from legato.pipeline import heap
+
+
+def test_freeze_heap_moves_what_is_alive_out_of_the_collector_s_passes(monkeypatch):
+    monkeypatch.delenv("LEGATO_GC_FREEZE", raising=False)
+    kept = [[i] for i in range(1000)]  # alive: frozen
+    try:
+        frozen = heap.freeze_heap()
+        assert frozen == gc.get_freeze_count() >= len(kept)
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+
+
+def test_freezing_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("LEGATO_GC_FREEZE", "0")
+    assert heap.freeze_heap() == 0 and gc.get_freeze_count() == 0
+
+
+def test_a_long_collection_pause_is_logged_with_its_generation(monkeypatch, caplog):
+    heap.watch_pauses()
+    heap.watch_pauses()  # once per process, however often called
+    try:
+        assert gc.callbacks.count(heap._on_collection) == 1
+        monkeypatch.setattr(heap, "PAUSE_WARNING_S", 0.0)  # every pass counts as long
+        with caplog.at_level(logging.WARNING, logger="legato.pipeline.heap"):
+            gc.collect(2)
+        assert any("garbage collection paused the process" in r.getMessage() and "generation 2" in r.getMessage()
+                   for r in caplog.records)
+        caplog.clear()
+        monkeypatch.setattr(heap, "PAUSE_WARNING_S", 3600.0)
+        with caplog.at_level(logging.WARNING, logger="legato.pipeline.heap"):
+            gc.collect(2)
+        assert not caplog.records  # a short pause says nothing
+    finally:
+        heap.unwatch_pauses()  # later tests' logs stay free of this process's pauses
+    assert heap._on_collection not in gc.callbacks
