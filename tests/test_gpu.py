@@ -581,3 +581,29 @@ def test_split_codec_warm_up_on_cuda_keeps_its_graphs_and_its_audio(tmp_path):
 
     warmed, fresh = decode(True), decode(False)
     assert all(np.array_equal(warmed[rid], fresh[rid]) for rid in fresh)
+
+
+def test_after_warm_up_no_count_of_prompts_ending_in_a_prefill_step_compiles_anything(tmp_path):
+    """The warm-up's groups of prompts (1, 2, 3, 4, 8, 16 ending in one prefill step) leave no Triton specialisation
+    of the eager first-token path for a burst to compile: groups of other sizes, of another prompt kind (x-vector,
+    where the warm-up used in-context), compile nothing after it (on a cold H100 two draws cost 2.5 s each)."""
+    from legato.engine import compile_watch
+
+    lm = load_model(tiny_model(tmp_path, "base").path, device="cuda", dtype=torch.bfloat16)
+    engine = Engine(lm, engine_config(device="cuda", dtype="bfloat16", max_num_seqs=32, num_kv_blocks=1024,
+                                      max_num_batched_tokens=4096))
+    try:
+        with compile_watch.warming():
+            engine.warm_up()
+        before = compile_watch.counts()
+        emb = torch.randn(64, generator=torch.Generator().manual_seed(0))
+        spec = build_spec(lm, SpeechInput("A burst of prompts at once.", language="english", speaker_embedding=emb,
+                                          x_vector_only=True))
+        for n in (5, 6, 7, 12, 20, 32):
+            run_all(engine, [EngineRequest(f"b{n}_{i}", spec, SamplingParams(seed=i), max_frames=3, ignore_eos=True)
+                             for i in range(n)])
+        after = compile_watch.counts()
+        assert after.triton == before.triton, after.kernels[len(before.kernels):]
+        assert after.dynamo == before.dynamo
+    finally:
+        compile_watch._WATCH.armed = False
