@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from legato.kv_transfer import EventKind
+from legato.pipeline import heap
 from legato.pipeline import messages as m
 from legato.pipeline.client import SHUTTING_DOWN, HeldText, RequestRejected, StreamChunk
 from legato.pipeline.front_links import FrontLinks, front_endpoints, request_id_of
@@ -379,6 +380,11 @@ async def run(spec: WorkerSpec) -> int:
         loaded = load_model(spec.model_path, device=config.device, dtype=getattr(torch, config.dtype))
         client = LocalEngineClient(loaded, config, name=spec.name)
         await client.start()
+        if config.device.startswith("cuda"):
+            # Warmed up: what the load and the warm-up left is never walked by a full collection again. Only in a
+            # worker process, whose one engine lives as long as it does; a process that makes engine after engine
+            # (a test run, a benchmark of variants) would keep a dropped engine's cycles, and its GPU memory.
+            heap.freeze_heap()
         worker = _Worker(spec, client, fronts)
         if spec.kv is not None:
             worker.links = KVLinks(KVLinkSpec(**spec.kv), client.engine.kv_layout, worker.link_changed,
