@@ -43,3 +43,24 @@ def test_a_long_collection_pause_is_logged_with_its_generation(monkeypatch, capl
     finally:
         heap.unwatch_pauses()  # later tests' logs stay free of this process's pauses
     assert heap._on_collection not in gc.callbacks
+
+
+def test_a_server_that_serves_from_a_gpu_freezes_its_heap_once_started():
+    """`legato serve` on a GPU sets `freeze_heap`: the app freezes the heap after its engine client started (here a
+    stand-in client; the CPU default leaves the heap alone)."""
+    from fastapi.testclient import TestClient
+    from server_helpers import FakeClient, frames_chunk, server_settings
+
+    from legato.server.app import build_app
+
+    for freeze in (False, True):
+        settings = server_settings()
+        settings.freeze_heap = freeze
+        app = build_app(FakeClient(lambda req: [frames_chunk(2, 2, True, "stop")]), settings, None)
+        try:
+            with TestClient(app) as c:
+                assert c.get("/health").status_code == 200
+                assert (gc.get_freeze_count() > 0) == freeze
+        finally:
+            gc.unfreeze()
+            heap.unwatch_pauses()

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from legato.pipeline import heap
 from legato.pipeline.client import EngineClient
 from legato.server.access import ApiKeyAuth, HostCheck, OriginCheck, scope_header
 from legato.server.errors import ApiError, ErrorResponse, error_body, install_error_handlers
@@ -73,6 +74,9 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
+        if settings.freeze_heap:  # started and warmed up: full collections walk only what serving allocates
+            heap.watch_pauses()
+            heap.freeze_heap()
         log.info("serving %s (%s) at %d Hz", service.model_name, service.task_type, client.info.sample_rate)
         if aliases := service.alias_table():
             log.info("voice aliases: %s", ", ".join(f"{a}={v}" for a, v in aliases.items()))

@@ -166,6 +166,7 @@ def serve(args: argparse.Namespace) -> int:
         engine_config.max_prompt_tokens = prompt_limit.limit
         settings.max_num_seqs = args.max_num_seqs
         settings.decode_slots = args.max_num_seqs * topology.decode_engines
+        settings.freeze_heap = any(d.startswith("cuda") for d in devices or [device])
         generation_defaults: dict = {}
 
         def load(dev: str):

@@ -88,6 +88,9 @@ class ServerSettings:
     decode_slots: int | None = None
     """Requests the deployment decodes at once (max_num_seqs x decode engines), reported on /v1/models so a
     load generator (`legato bench serve`) sizes its concurrency to it (None: not reported)."""
+    freeze_heap: bool = False
+    """Once the engine client has started, freeze the process's heap out of the garbage collector's passes and log
+    long collection pauses (`pipeline.heap`): `legato serve` on a GPU, a process that serves one deployment for life."""
 
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "default_max_new_tokens", "max_new_tokens_limit", "max_ref_audio_bytes"):
