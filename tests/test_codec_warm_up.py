@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from legato.engine import compile_watch
 from legato.engine.codec_schedule import StreamSchedule
 from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.loader import load_model
@@ -87,10 +88,12 @@ def test_a_codec_client_warms_up_before_it_serves_and_a_failed_warm_up_stops_its
         finally:
             await client.stop()
 
+    monkeypatch.setattr(compile_watch._WATCH, "armed", False)  # put back as it was when the test ends
     client = LocalCodecClient(decoder, SCHEDULE, warm_up=True, capacity=3)
     chunks = asyncio.run(serve_one(client))
     assert client._warmed.is_set() and chunks[-1].last and sum(c.frames for c in chunks) == 3
     assert client.stats().frames_decoded == 3  # the warm-up's frames are not counted
+    assert compile_watch._WATCH.armed  # what compiles after the warm-up is logged as a miss
 
     def broken(self):
         raise ValueError("no decoder")
