@@ -266,7 +266,6 @@ async def serve_codec(spec: WorkerSpec, config: EngineConfig, out: zmq.asyncio.S
                              **codec_engine_options(config))
     await codec.start()
     if codec.engine.device.type == "cuda":  # warmed up: the heap it leaves is never walked by a full collection
-        heap.watch_pauses()
         heap.freeze_heap()
     worker = _CodecWorker(spec, codec, out)
     await worker.send(m.Ready(model_info(spec.model_path, spec.name), os.getpid(), {}))

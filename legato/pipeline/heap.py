@@ -28,7 +28,9 @@ _watching = False
 
 
 def freeze_heap() -> int:
-    """Collects once, then freezes what is left (unless $LEGATO_GC_FREEZE is 0). Returns the objects frozen."""
+    """Collects once, then freezes what is left (unless $LEGATO_GC_FREEZE is 0), and either way watches the
+    collector's pauses from now on (`watch_pauses`). Returns the objects frozen."""
+    watch_pauses()
     if os.environ.get("LEGATO_GC_FREEZE", "1").strip() == "0":
         return 0
     gc.collect()

@@ -160,7 +160,7 @@ class LocalEngineClient(EngineClient):
                     seconds += await loop.run_in_executor(self._encoder, self._warm_up_voices)
             log.info("engine warmed up in %.1f s (first-use compilation and graph capture done before serving)",
                      seconds)
-            heap.watch_pauses()  # a worker process also freezes its heap here (worker.py): it holds one engine for life
+            heap.watch_pauses()  # a worker process, one engine for life, also freezes its heap (worker.py)
         self._thread.start()
 
     async def _warm_up_admission(self) -> float:

@@ -75,7 +75,6 @@ def build_app(client: EngineClient, settings: ServerSettings, voice_store: Voice
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         if settings.freeze_heap:  # started and warmed up: full collections walk only what serving allocates
-            heap.watch_pauses()
             heap.freeze_heap()
         log.info("serving %s (%s) at %d Hz", service.model_name, service.task_type, client.info.sample_rate)
         if aliases := service.alias_table():
