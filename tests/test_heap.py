@@ -68,3 +68,27 @@ def test_a_server_that_serves_from_a_gpu_freezes_its_heap_once_started():
         finally:
             gc.unfreeze()
             heap.unwatch_pauses()
+
+
+def test_a_bad_gc_freeze_setting_is_refused_in_one_line_before_the_server_loads(monkeypatch, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    for good, want in (("1", True), (" 0 ", False)):
+        monkeypatch.setenv("LEGATO_GC_FREEZE", good)
+        assert heap.freeze_enabled() is want
+    monkeypatch.setenv("LEGATO_GC_FREEZE", "off")
+    with pytest.raises(ValueError, match="LEGATO_GC_FREEZE must be 1"):
+        heap.freeze_heap()
+    heap.unwatch_pauses()
+    assert gc.get_freeze_count() == 0
+    proc = subprocess.run([sys.executable, "-m", "legato.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LEGATO_GC_FREEZE": "off", "LEGATO_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("legato serve: error: LEGATO_GC_FREEZE must be 1 (freeze the heap "
+                                                    "after warm-up) or 0, got 'off'")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "cache").exists()

@@ -31,7 +31,7 @@ def freeze_heap() -> int:
     """Collects once, then freezes what is left (unless $LEGATO_GC_FREEZE is 0), and either way watches the
     collector's pauses from now on (`watch_pauses`). Returns the objects frozen."""
     watch_pauses()
-    if os.environ.get("LEGATO_GC_FREEZE", "1").strip() == "0":
+    if not freeze_enabled():
         return 0
     gc.collect()
     gc.freeze()
@@ -39,6 +39,15 @@ def freeze_heap() -> int:
     log.info("froze %d objects of the heap out of the garbage collector's passes (LEGATO_GC_FREEZE=0 keeps them in)",
              frozen)
     return frozen
+
+
+def freeze_enabled() -> bool:
+    """$LEGATO_GC_FREEZE: 1 (the default) or 0; anything else raises ValueError naming it (`legato serve` checks it
+    before it loads anything, not after a warm-up)."""
+    raw = os.environ.get("LEGATO_GC_FREEZE", "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"LEGATO_GC_FREEZE must be 1 (freeze the heap after warm-up) or 0, got {raw!r}")
+    return raw == "1"
 
 
 def watch_pauses() -> None:

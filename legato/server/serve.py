@@ -21,6 +21,7 @@ from legato.engine.config import EngineConfig
 from legato.models.qwen3_tts.config import ConfigError
 from legato.models.qwen3_tts.default import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
 from legato.models.qwen3_tts.loader import load_generation_defaults, load_model, resolve_model_dir
+from legato.pipeline import heap
 from legato.pipeline.deploy import DeployError, apply_deploy, load_deploy
 from legato.pipeline.launchers import LauncherError, LocalLauncher
 from legato.pipeline.local import set_gil_switch_interval
@@ -123,6 +124,7 @@ def serve(args: argparse.Namespace) -> int:
         else:
             listener = bind_listener(args.host, args.port)
         set_gil_switch_interval()  # a bad $LEGATO_GIL_SWITCH_MS is refused here, in one line, not in a worker
+        heap.freeze_enabled()  # and a bad $LEGATO_GC_FREEZE, not after the warm-up
         if args.model is None:
             model_path = default_model_dir()
             log.warning("no --model: serving the embedded default %s, which has RANDOM weights (its audio is "
