@@ -133,8 +133,8 @@ def test_the_codec_thread_wakes_each_event_loop_once_per_step():
 
     loops = [Loop(), Loop()]
     queues = {rid: asyncio.Queue() for rid in "abc"}
-    client._sinks = {"a": cw._Sink(loops[0], queues["a"]), "b": cw._Sink(loops[0], queues["b"]),
-                     "c": cw._Sink(loops[1], queues["c"])}
+    client._sinks = {"a": cw.CodecSink(loops[0], queues["a"]), "b": cw.CodecSink(loops[0], queues["b"]),
+                     "c": cw.CodecSink(loops[1], queues["c"])}
     out = [cw.CodecOutput(rid, np.full(2, i, np.float32), 1, rid == "b") for i, rid in enumerate("abcx")]
     client._deliver_step(out)
     assert [loop.calls for loop in loops] == [1, 1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,10 +142,16 @@ class CodecEngine:
     def step(self) -> list[CodecOutput]:
         """Decodes every due chunk of every stream (several per stream after a burst, in schedule order, one
         frame a call where `single` decodes every step), then the tails of ended streams."""
+        return [out for outputs in self.steps() for out in outputs]
+
+    def steps(self) -> Iterator[list[CodecOutput]]:
+        """`step`'s decode calls one at a time: each call's outputs as soon as its audio is back. After a burst
+        (or a stall) a step decodes a backlog frame by frame, and a stream's first chunk need not wait for the
+        whole backlog to be decoded."""
         streams = self.streamer.streams
         spf = self.streamer.decoder.samples_per_frame
-        outputs: list[CodecOutput] = []
         while True:
+            outputs: list[CodecOutput] = []
             audio, failed = self.streamer.flush(set())
             if not audio and not failed and not self.streamer.backlog():
                 break
@@ -153,17 +160,18 @@ class CodecEngine:
                 self.frames_decoded += n
                 outputs.append(CodecOutput(rid, pcm, n))
             outputs += self._failed(failed)
+            yield outputs
         ended = self._ended & streams.keys()
         if ended:
             audio, failed = self.streamer.flush(ended)  # decodes the tails and closes these streams
-            outputs += self._failed(failed)
+            outputs = self._failed(failed)
             for rid in sorted(ended - failed.keys()):
                 n = audio[rid].size // spf if rid in audio else 0
                 self._pushed.pop(rid)
                 self._ended.discard(rid)
                 self.frames_decoded += n
                 outputs.append(CodecOutput(rid, audio.get(rid, EMPTY_PCM), n, finished=True))
-        return outputs
+            yield outputs
 
     def _failed(self, failed: dict[str, str]) -> list[CodecOutput]:
         for rid in failed:

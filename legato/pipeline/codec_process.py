@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +31,11 @@ from legato.engine.config import EngineConfig
 from legato.pipeline import heap
 from legato.pipeline import messages as m
 from legato.pipeline.client import SHUTTING_DOWN, EngineStats, RequestRejected, StreamChunk
-from legato.pipeline.codec_engine import load_codec_decoder
+from legato.pipeline.codec_engine import CodecOutput, load_codec_decoder
 from legato.pipeline.codec_worker import (
     CodecChunk,
     CodecError,
+    CodecSink,
     CodecStats,
     LocalCodecClient,
     codec_engine_options,
@@ -44,7 +46,6 @@ from legato.pipeline.worker import (
     ChunkOutbox,
     PassOutbox,
     WorkerSpec,
-    drain,
     handle_safely,
     heartbeats,
     incoming,
@@ -142,27 +143,37 @@ def _failure(task: asyncio.Task) -> BaseException | None:
 # --- the worker process -------------------------------------------------------------------------------
 
 
-class _StreamAborted(Exception):
-    pass
+@dataclass
+class _OpenStream:
+    emitted: int = 0  # frames whose PCM went out
+    first_frames_at: float | None = None  # its first frames' arrival: the start of its `codec_worker` stage
+    stamped: bool = False  # its first audio carried that stage
 
 
 class _CodecWorker:
+    """The worker side: frames from the server go to the codec thread as one hand-over per message, and its outputs
+    come back to `put_nowait` on this event loop, one call per decode for every stream, into the outbox (one
+    message a pass). No task or queue per stream: at 64 streams and ~150 talker steps a second, two tasks per stream
+    woken per frame were most of this process's event loop."""
+
     def __init__(self, spec: WorkerSpec, codec: LocalCodecClient, out: zmq.asyncio.Socket) -> None:
         self.spec, self.codec, self.out = spec, codec, out
-        self.feeds: dict[str, asyncio.Queue] = {}  # open streams' frames, None ends one
-        self.tasks: dict[str, asyncio.Task] = {}
+        self.streams: dict[str, _OpenStream] = {}
+        self.sink = CodecSink(asyncio.get_running_loop(), self)
+        self.idle = asyncio.Event()  # no stream open (the drain waits for it)
+        self.idle.set()
         self.stop = asyncio.Event()
         self.grace_s = 0.0
         self.draining = False
-        self.outbox = ChunkOutbox(lambda msg: emit(self.out, msg))  # a codec step's PCM for all streams, one message
+        # A codec step's PCM for all streams, one message; one ending a stream is preceded by fresh Stats.
+        self.outbox = ChunkOutbox(lambda msg: emit(self.out, msg), lambda: m.Stats(self.stats()))
 
     async def send(self, msg: m.Message) -> None:
         self.outbox.flush()  # chunks queued before this message leave before it
         await self.out.send_multipart(m.encode(msg))
 
     def stats(self) -> EngineStats:
-        s = self.codec.stats()
-        return EngineStats(running=s.streams, aborted=dict(s.failures))
+        return EngineStats(running=len(self.streams), aborted=dict(self.codec.stats().failures))
 
     async def serve(self, cmd: zmq.asyncio.Socket) -> None:
         # A codec thread that ended on its own (crashed) ends the worker, so the server sees it down.
@@ -170,9 +181,15 @@ class _CodecWorker:
         beats = asyncio.create_task(heartbeats(self.spec, self.send, self.stats, self.stop, alive=alive))
         receiving = asyncio.create_task(self.receive(cmd))
         await self.stop.wait()
-        await drain(self.tasks, self.grace_s, receiving, self.codec.stop)  # the codec fails what stays open
-        if self.tasks:
-            await asyncio.wait(list(self.tasks.values()), timeout=5.0)
+        # Open streams end on their own within the grace (aborts still heard), then the codec fails the rest,
+        # whose last chunks still go out.
+        deadline = time.monotonic() + self.grace_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), self.grace_s)
+        receiving.cancel()
+        await self.codec.stop(max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), 5.0)
         await self.send(m.Stats(self.stats()))
         beats.cancel()
 
@@ -182,24 +199,13 @@ class _CodecWorker:
 
     async def handle(self, msg: m.Message) -> None:
         if isinstance(msg, m.CodecOpen):
-            rid = msg.request_id
-            if self.draining or rid in self.tasks:
-                why = "the codec worker is shutting down" if self.draining else f"codec stream {rid!r} is open"
-                await self.send(m.Rejected(rid, 503 if self.draining else 400, why,
-                                           code=SHUTTING_DOWN if self.draining else None))
-                return
-            self.feeds[rid] = asyncio.Queue()
-            self.tasks[rid] = asyncio.create_task(self.stream(msg))
+            await self.open(msg)
         elif isinstance(msg, m.CodecFrames):
-            self.frames(msg.request_id, msg.codes, msg.last)
+            self.frames([(msg.request_id, msg.codes, msg.last)])
         elif isinstance(msg, m.CodecFrameBatch):
-            for rid, codes, last in msg.entries:
-                self.frames(rid, codes, last)
+            self.frames(msg.entries)
         elif isinstance(msg, m.Abort):
-            feed = self.feeds.get(msg.request_id)
-            if feed is not None:
-                # Both: the marker ends a stream still waiting for frames, the abort one decoding its tail.
-                feed.put_nowait(_StreamAborted(msg.reason))
+            if msg.request_id in self.streams:  # its last output (aborted) comes back through put_nowait
                 await self.codec.abort(msg.request_id, msg.reason)
         elif isinstance(msg, m.Shutdown):
             log.info("shutdown requested (grace %.1f s)", msg.grace_s)
@@ -208,50 +214,52 @@ class _CodecWorker:
         else:
             log.error("dropping a %s: not a message for a codec worker", type(msg).__name__)
 
-    def frames(self, rid: str, codes: np.ndarray, last: bool) -> None:
-        feed = self.feeds.get(rid)
-        if feed is not None:  # frames of a stream that ended (aborted, failed) are dropped
-            feed.put_nowait(codes)
-            if last:
-                feed.put_nowait(None)
-
-    async def stream(self, msg: m.CodecOpen) -> None:
-        rid, feed = msg.request_id, self.feeds[msg.request_id]
-        first_frames_at: float | None = None  # the start of its first audio's `codec_worker` stage
-
-        async def frames() -> AsyncIterator[np.ndarray]:
-            nonlocal first_frames_at
-            while True:
-                item = await feed.get()
-                if item is None:
-                    return
-                if isinstance(item, _StreamAborted):
-                    raise item
-                if first_frames_at is None and len(item):
-                    first_frames_at = time.perf_counter()
-                yield item
-
+    async def open(self, msg: m.CodecOpen) -> None:
+        rid = msg.request_id
+        if self.draining or rid in self.streams:
+            why = "the codec worker is shutting down" if self.draining else f"codec stream {rid!r} is open"
+            await self.send(m.Rejected(rid, 503 if self.draining else 400, why,
+                                       code=SHUTTING_DOWN if self.draining else None))
+            return
         ref = None if msg.ref_code is None else torch.from_numpy(msg.ref_code)
-        emitted, stamped = 0, False
-        try:
-            async with contextlib.aclosing(self.codec.decode(rid, frames(), ref, msg.first_chunk_frames)) as pieces:
-                async for piece in pieces:
-                    emitted += piece.frames
-                    chunk = StreamChunk(piece.audio, emitted, finished=piece.last,
-                                        finish_reason="stop" if piece.last else None)
-                    if piece.audio.size and not stamped and first_frames_at is not None:  # its time in here
-                        chunk.stages, stamped = {"codec_worker": time.perf_counter() - first_frames_at}, True
-                    self.outbox.put((rid, chunk))
-        except (CodecError, _StreamAborted) as e:
-            aborted = isinstance(e, _StreamAborted) or e.aborted
-            await self.send(m.Chunk(rid, _end("abort" if aborted else "error", str(e), emitted)))
-        except Exception as e:  # fails this stream, with a reason, not the worker
-            log.exception("codec stream %s failed", rid)
-            await self.send(m.Chunk(rid, _end("error", f"codec worker error: {e}", emitted)))
-        finally:
-            self.feeds.pop(rid, None)
-            self.tasks.pop(rid, None)
-        await self.send(m.Stats(self.stats()))
+        if not self.codec.open_stream(rid, self.sink, ref, msg.first_chunk_frames):
+            await self.send(m.Chunk(rid, _end("error", "the codec worker is not running", 0)))
+            return
+        self.streams[rid] = _OpenStream()
+        self.idle.clear()
+
+    def frames(self, entries: list[tuple[str, np.ndarray, bool]]) -> None:
+        now = time.perf_counter()
+        taken = []
+        for rid, codes, last in entries:
+            st = self.streams.get(rid)
+            if st is None:  # frames of a stream that ended (aborted, failed) are dropped
+                continue
+            if st.first_frames_at is None and len(codes):
+                st.first_frames_at = now
+            taken.append((rid, codes, last))
+        if taken:
+            self.codec.push_frames(taken)
+
+    def put_nowait(self, out: CodecOutput) -> None:
+        """One stream's output from the codec thread (as `CodecSink`'s receiver), on this event loop."""
+        rid = out.request_id
+        st = self.streams.get(rid)
+        if st is None:
+            return
+        if out.error is not None:
+            chunk = _end("abort" if out.aborted else "error", out.error, st.emitted)
+        else:
+            st.emitted += out.frames
+            chunk = StreamChunk(out.audio, st.emitted, finished=out.finished,
+                                finish_reason="stop" if out.finished else None)
+            if out.audio.size and not st.stamped and st.first_frames_at is not None:  # its time in here
+                chunk.stages, st.stamped = {"codec_worker": time.perf_counter() - st.first_frames_at}, True
+        if chunk.finished:
+            del self.streams[rid]
+            if not self.streams:
+                self.idle.set()
+        self.outbox.put((rid, chunk))
 
 
 def _end(reason: str, error: str, frames: int) -> StreamChunk:

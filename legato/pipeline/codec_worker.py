@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -60,9 +61,16 @@ class CodecStats:
 
 
 @dataclass
-class _Sink:
+class CodecSink:
+    """Where a stream's `CodecOutput`s go: `queue.put_nowait(output)`, called on `loop` (an `asyncio.Queue`, or a
+    codec worker process's own handler of every stream's outputs)."""
+
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue | _Receiver
+
+
+class _Receiver(Protocol):
+    def put_nowait(self, item: CodecOutput) -> None: ...
 
 
 class LocalCodecClient:
@@ -74,7 +82,7 @@ class LocalCodecClient:
         first burst pays for no first use); the rest are `CodecEngine`'s options."""
         self.engine = CodecEngine(decoder, schedule, **engine_options)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # codec thread only
+        self._sinks: dict[str, CodecSink] = {}  # codec thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
         self._stopped = threading.Event()
@@ -123,7 +131,7 @@ class LocalCodecClient:
         `last` set. Raises CodecError when the stream fails or is aborted; when `frames` raises, the stream
         is dropped and that exception is raised here. Closing this iterator early aborts the stream."""
         loop = asyncio.get_running_loop()
-        sink = _Sink(loop, asyncio.Queue())
+        sink = CodecSink(loop, asyncio.Queue())
         if self._stopping or not self._submit(("open", request_id, ref_code, first_chunk_frames, sink)):
             raise CodecError("the codec worker is not running")
         feeder = asyncio.create_task(self._feed(request_id, frames, sink))
@@ -146,7 +154,7 @@ class LocalCodecClient:
             if not done:
                 self._submit(("abort", request_id, None))
 
-    async def _feed(self, request_id: str, frames: AsyncIterator[np.ndarray], sink: _Sink) -> None:
+    async def _feed(self, request_id: str, frames: AsyncIterator[np.ndarray], sink: CodecSink) -> None:
         try:
             async for codes in frames:
                 self._submit(("push", request_id, codes))
@@ -157,6 +165,18 @@ class LocalCodecClient:
             sink.queue.put_nowait(e)
             return
         self._submit(("end", request_id))
+
+    def open_stream(self, request_id: str, sink: CodecSink, ref_code: torch.Tensor | None = None,
+                    first_chunk_frames: int | None = None) -> bool:
+        """`decode`'s stream without its tasks, for a caller that handles every stream's outputs itself (a codec
+        worker process): the stream's `CodecOutput`s go to `sink`, the last one finished (with `error` set if it
+        failed or was aborted); its frames come through `push_frames`. False when the worker is not running."""
+        return not self._stopping and self._submit(("open", request_id, ref_code, first_chunk_frames, sink))
+
+    def push_frames(self, entries: list[tuple[str, np.ndarray, bool]]) -> None:
+        """Frames [n, 16] of streams opened with `open_stream`, as one hand-over to the codec thread; an entry whose
+        flag is set is its stream's last (its tail is decoded next)."""
+        self._submit(("frames", entries))
 
     def _submit(self, cmd: tuple) -> bool:
         with self._inbox_lock:
@@ -185,7 +205,8 @@ class LocalCodecClient:
                     self._drain()
                     if self._deadline is not None and (not self._sinks or time.monotonic() > self._deadline):
                         return
-                    self._deliver_step(self.engine.step())
+                    for outputs in self.engine.steps():  # each decode call's audio as soon as it is back
+                        self._deliver_step(outputs)
                     self._refresh_stats()
         except Exception:  # the loop itself failing ends this worker: fail every stream loudly
             log.exception("codec worker loop crashed")
@@ -244,6 +265,12 @@ class LocalCodecClient:
                 self.engine.abort(rid)
                 self.engine.failures["codec error"] += 1
                 self._deliver(CodecOutput(rid, EMPTY_PCM, 0, True, f"bad codes: {e}"))
+        elif kind == "frames":
+            for rid, codes, last in cmd[1]:
+                if len(codes):
+                    self._handle(("push", rid, codes))
+                if last:
+                    self.engine.end(rid)
         elif kind == "end":
             self.engine.end(cmd[1])
         elif kind == "abort":
@@ -257,7 +284,7 @@ class LocalCodecClient:
             if self._deadline is None:
                 self._deadline = time.monotonic() + cmd[1]
 
-    def _sink_for(self, out: CodecOutput) -> _Sink | None:
+    def _sink_for(self, out: CodecOutput) -> CodecSink | None:
         # A stream's last output takes its sink away.
         return (self._sinks.pop if out.finished else self._sinks.get)(out.request_id, None)
 
@@ -297,7 +324,7 @@ class LocalCodecClient:
         self._stats = CodecStats(e.num_streams, e.frames_decoded, dict(e.failures))
 
 
-def _put(sink: _Sink, item: object) -> None:
+def _put(sink: CodecSink, item: object) -> None:
     try:
         sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
     except RuntimeError:  # that event loop is closed: nobody is left to tell
