@@ -21,6 +21,22 @@ def test_freeze_heap_moves_what_is_alive_out_of_the_collector_s_passes(monkeypat
     assert gc.get_freeze_count() == 0
 
 
+def test_the_freeze_s_own_full_collection_is_not_logged_as_a_pause(monkeypatch, caplog):
+    """It runs before the process serves (a GPU run logged it at 120-300 ms as if a stream had stalled); the passes
+    after it are watched."""
+    monkeypatch.delenv("LEGATO_GC_FREEZE", raising=False)
+    monkeypatch.setattr(heap, "PAUSE_WARNING_S", 0.0)  # every pass counts as long
+    try:
+        with caplog.at_level(logging.WARNING, logger="legato.pipeline.heap"):
+            heap.freeze_heap()
+            assert not caplog.records
+            gc.collect(2)
+        assert len(caplog.records) == 1 and "paused the process" in caplog.records[0].getMessage()
+    finally:
+        gc.unfreeze()
+        heap.unwatch_pauses()
+
+
 def test_freezing_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("LEGATO_GC_FREEZE", "0")
     try:

@@ -29,12 +29,14 @@ _watching = False
 
 def freeze_heap() -> int:
     """Collects once, then freezes what is left (unless $LEGATO_GC_FREEZE is 0), and either way watches the
-    collector's pauses from now on (`watch_pauses`). Returns the objects frozen."""
-    watch_pauses()
+    collector's pauses from then on (`watch_pauses`). Returns the objects frozen. Its own full collection (120-300 ms
+    after a GPU warm-up) is not one of the pauses logged: it comes before the process serves."""
     if not freeze_enabled():
+        watch_pauses()
         return 0
     gc.collect()
     gc.freeze()
+    watch_pauses()
     frozen = gc.get_freeze_count()
     log.info("froze %d objects of the heap out of the garbage collector's passes (LEGATO_GC_FREEZE=0 keeps them in)",
              frozen)
