@@ -173,3 +173,28 @@ def test_an_abort_and_a_shutdown_end_open_streams_with_their_reasons(decoder):
     assert any(isinstance(msg, m.Stats) and msg.stats.running == 0 for msg in out.messages)
     assert not codec.is_alive()
 
+
+
+def test_an_output_that_cannot_be_passed_on_fails_only_its_own_stream(decoder):
+    """The codec thread hands a decode call's outputs for every stream over in one call; one that raises in the
+    worker's handler ends its own stream with a reason, and the others' outputs still go out."""
+    from legato.pipeline.client import put_all
+    from legato.pipeline.codec_engine import CodecOutput
+
+    codec = LocalCodecClient(decoder, SCHEDULE)  # not started: a dropped stream's command waits in its inbox
+    out = _Out()
+
+    async def main():
+        worker = _CodecWorker(_spec(), codec, out)
+        for rid in ("bad", "good"):
+            await worker.handle(m.CodecOpen(rid))
+        broken = CodecOutput("bad", None, 1)  # no audio array: passing it on raises
+        put_all([(worker, broken), (worker, CodecOutput("good", np.ones(1920, np.float32), 1))])
+        await asyncio.sleep(0)
+        return worker
+
+    worker = asyncio.run(main())
+    [bad], [good] = out.chunks("bad"), out.chunks("good")
+    assert bad.finish_reason == "error" and "codec worker error" in bad.error and bad.num_frames == 0
+    assert good.num_frames == 1 and not good.finished and list(worker.streams) == ["good"]
+    assert ("abort", "bad", None) in [codec._inbox.get_nowait() for _ in range(codec._inbox.qsize())]

@@ -242,19 +242,33 @@ class _CodecWorker:
             self.codec.push_frames(taken)
 
     def put_nowait(self, out: CodecOutput) -> None:
-        """One stream's output from the codec thread (as `CodecSink`'s receiver), on this event loop."""
-        rid = out.request_id
-        st = self.streams.get(rid)
+        """One stream's output from the codec thread (as `CodecSink`'s receiver), on this event loop. The thread
+        hands a decode call's outputs for every stream over in one call: one that cannot be passed on fails its
+        own stream, and the others' still go out."""
+        st = self.streams.get(out.request_id)
         if st is None:
             return
+        try:
+            self._pass_on(out, st)
+        except Exception as e:
+            log.exception("codec stream %s failed", out.request_id)
+            self.streams.pop(out.request_id, None)
+            if not self.streams:
+                self.idle.set()
+            if not out.finished:  # the codec thread still holds it: dropped there, nobody to tell
+                self.codec.drop_stream(out.request_id)
+            self.outbox.put((out.request_id, _end("error", f"codec worker error: {e}", st.emitted)))
+
+    def _pass_on(self, out: CodecOutput, st: _OpenStream) -> None:
+        rid = out.request_id
         if out.error is not None:
             chunk = _end("abort" if out.aborted else "error", out.error, st.emitted)
         else:
-            st.emitted += out.frames
-            chunk = StreamChunk(out.audio, st.emitted, finished=out.finished,
+            chunk = StreamChunk(out.audio, st.emitted + out.frames, finished=out.finished,
                                 finish_reason="stop" if out.finished else None)
             if out.audio.size and not st.stamped and st.first_frames_at is not None:  # its time in here
                 chunk.stages, st.stamped = {"codec_worker": time.perf_counter() - st.first_frames_at}, True
+            st.emitted = chunk.num_frames
         if chunk.finished:
             del self.streams[rid]
             if not self.streams:

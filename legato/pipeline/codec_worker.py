@@ -178,6 +178,10 @@ class LocalCodecClient:
         flag is set is its stream's last (its tail is decoded next)."""
         self._submit(("frames", entries))
 
+    def drop_stream(self, request_id: str) -> None:
+        """Ends a stream opened with `open_stream` without a last output (its caller has given it up)."""
+        self._submit(("abort", request_id, None))
+
     def _submit(self, cmd: tuple) -> bool:
         with self._inbox_lock:
             if self._closed:
