@@ -124,7 +124,8 @@ async def measure(streams: int, steps: int, step_ms: float) -> dict:
         next_at += step_ms / 1000
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
     deadline = time.monotonic() + 30
-    open_streams = worker.streams if hasattr(worker, "streams") else worker.tasks  # this tree's, or the tree before's (a task each)
+    # This tree's open streams, or the tree before's (a task each).
+    open_streams = worker.streams if hasattr(worker, "streams") else worker.tasks
     while open_streams:
         if time.monotonic() > deadline:
             raise RuntimeError("the streams did not end within 30 s")
