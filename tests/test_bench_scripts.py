@@ -217,3 +217,19 @@ def test_frame_tiles_variants_replace_one_row_entries_the_tile_table_has(tmp_pat
             entries = small_matmul._load_table(str(path))
             assert entries and all(key in small_matmul.TABLE and key[0] == 1 for key in entries), path.name
             assert all(t is not None and t != small_matmul.TABLE[key] for key, t in entries.items()), path.name
+
+
+def test_codec_worker_hop_moves_every_stream_s_frames_through_the_worker(tmp_path):
+    """benchmarks/codec_worker_hop.py against this tree: every frame of every stream comes back as a chunk, and the
+    figures it reports are there."""
+    import json
+    import subprocess
+
+    out = tmp_path / "hop.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "codec_worker_hop.py"
+    done = subprocess.run([sys.executable, str(script), "--streams", "6", "--steps", "12", "--step-ms", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["frames"] == 6 * 12 and row["cpu_ms_per_step"] > 0
+    assert 0 < row["hop_ms_p50"] <= row["hop_ms_p99"] <= row["hop_ms_max"]
