@@ -153,8 +153,8 @@ class _OpenStream:
 class _CodecWorker:
     """The worker side: frames from the server go to the codec thread as one hand-over per message, and its outputs
     come back to `put_nowait` on this event loop, one call per decode for every stream, into the outbox (one
-    message a pass). No task or queue per stream: at 64 streams and ~150 talker steps a second, two tasks per stream
-    woken per frame were most of this process's event loop."""
+    message a pass). No task or queue per stream: at 64 streams, two tasks per stream woken per frame cost about a
+    quarter of this process's CPU besides the decode (`benchmarks/codec_worker_hop.py`)."""
 
     def __init__(self, spec: WorkerSpec, codec: LocalCodecClient, out: zmq.asyncio.Socket) -> None:
         self.spec, self.codec, self.out = spec, codec, out
