@@ -21,4 +21,5 @@ fi
 "$PY" -m ruff check legato tests
 # CI runs the slow parity checks too (full-size configs, ~1 min more).
 export LEGATO_SLOW_TESTS=${LEGATO_SLOW_TESTS:-1}
-exec "$PY" -m pytest -q "$@"
+# The slowest tests print at the end, so a suite that grows toward the 45-minute budget shows where.
+exec "$PY" -m pytest -q --durations=15 "$@"
