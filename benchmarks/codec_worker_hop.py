@@ -21,6 +21,7 @@ import time
 from collections import Counter
 
 import numpy as np
+import torch
 
 import legato.pipeline.codec_process as cp
 from legato.pipeline import messages as m
@@ -34,7 +35,7 @@ SPF = 1920  # samples a frame at 24 kHz
 class StandInEngine:
     """`CodecEngine`'s interface, decoding nothing: every frame pushed comes back on the next step as zeros."""
 
-    device = type("cpu", (), {"type": "cpu"})()
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         self._pending: dict[str, int] = {}

@@ -252,9 +252,7 @@ class _CodecWorker:
             self._pass_on(out, st)
         except Exception as e:
             log.exception("codec stream %s failed", out.request_id)
-            self.streams.pop(out.request_id, None)
-            if not self.streams:
-                self.idle.set()
+            self._close(out.request_id)
             if not out.finished:  # the codec thread still holds it: dropped there, nobody to tell
                 self.codec.drop_stream(out.request_id)
             self.outbox.put((out.request_id, _end("error", f"codec worker error: {e}", st.emitted)))
@@ -270,10 +268,13 @@ class _CodecWorker:
                 chunk.stages, st.stamped = {"codec_worker": time.perf_counter() - st.first_frames_at}, True
             st.emitted = chunk.num_frames
         if chunk.finished:
-            del self.streams[rid]
-            if not self.streams:
-                self.idle.set()
+            self._close(rid)
         self.outbox.put((rid, chunk))
+
+    def _close(self, rid: str) -> None:
+        self.streams.pop(rid, None)
+        if not self.streams:
+            self.idle.set()
 
 
 def _end(reason: str, error: str, frames: int) -> StreamChunk:

@@ -262,17 +262,11 @@ class LocalCodecClient:
                 return
             self._sinks[rid] = sink
         elif kind == "push":
-            _, rid, codes = cmd
-            try:
-                self.engine.push(rid, codes)
-            except ValueError as e:
-                self.engine.abort(rid)
-                self.engine.failures["codec error"] += 1
-                self._deliver(CodecOutput(rid, EMPTY_PCM, 0, True, f"bad codes: {e}"))
+            self._push(cmd[1], cmd[2])
         elif kind == "frames":
             for rid, codes, last in cmd[1]:
                 if len(codes):
-                    self._handle(("push", rid, codes))
+                    self._push(rid, codes)
                 if last:
                     self.engine.end(rid)
         elif kind == "end":
@@ -287,6 +281,15 @@ class LocalCodecClient:
             self._stopping = True
             if self._deadline is None:
                 self._deadline = time.monotonic() + cmd[1]
+
+    def _push(self, rid: str, codes: np.ndarray) -> None:
+        """A stream's frames into the engine; bad codes fail that stream alone."""
+        try:
+            self.engine.push(rid, codes)
+        except ValueError as e:
+            self.engine.abort(rid)
+            self.engine.failures["codec error"] += 1
+            self._deliver(CodecOutput(rid, EMPTY_PCM, 0, True, f"bad codes: {e}"))
 
     def _sink_for(self, out: CodecOutput) -> CodecSink | None:
         # A stream's last output takes its sink away.
