@@ -3,7 +3,8 @@
 `run_checks(device, dtype)` runs a code predictor's residual codebooks both ways, the stacked pass teacher-forced
 with the unfused pass's greedy codes, and measures the logits' relative error and the KV caches'. Shapes: the tiny
 model's (hidden 48: chunks masked past the row; a projection from the talker's width) and the 0.6B's layer shapes
-with fewer layers and codebooks (the real chunking: 3 chunks for the MLP's 3072); 1 and 3 rows; on CUDA the
+with fewer layers and codebooks (the real chunking: 3 chunks for the MLP's 3072); 1 and 3 rows (on the CPU some
+checks at some of them: INTERPRETED_FORMS); on CUDA the
 0.6B's and the 1.7B's whole code predictors take the cut-down one's place. On the CPU the kernel runs under Triton's
 interpreter one phase per launch (`TRITON_INTERPRET=1`, fp32, where greedy codes must also be equal); with each
 phase's weights requested after its barrier (`early_tiles=False`, the kernel's older order) it must equal itself bit
@@ -41,6 +42,13 @@ from legato.models.qwen3_tts.tiny import tiny_config
 # Half precision against the unfused layers: the fused decode attention's model tolerance (its scores and softmax
 # stay fp32 where the CPU's unfused attention rounds them, and the error compounds over 16 passes of 5 layers).
 TOLERANCE = 2e-2
+
+# Under the interpreter a stacked run costs 10-55 s of a 2-core CPU, and the launch forms' check is five of them
+# (59 and 73 s for the 0.6B layer shapes, the biggest slice of CI's slowest test). On the CPU the forms run on the
+# tiny model only, whose rows and chunks are masked, at both row counts, and the free-running greedy codes at one
+# row; the 0.6B layer shapes keep their teacher-forced logits and caches at both row counts. CUDA runs every check
+# on every model (the served shapes are checked there).
+INTERPRETED_FORMS = ("tiny",)
 
 
 def _models(device: str) -> dict[str, tuple[CodePredictorConfig, int]]:
@@ -179,8 +187,9 @@ def run_checks(device: str, dtype: torch.dtype, only: str | None = None,
                       f"{time.perf_counter() - start:.1f} s", flush=True)
             errors[f"{name}, {rows} rows: logits"] = rel_err(got_logits, want_logits)
             errors[f"{name}, {rows} rows: caches"] = rel_err(got_cache, want_cache)
-            errors[f"{name}, {rows} rows: two tokens a launch, looked-up rows: forms that differ"] = (
-                _launch_forms_that_differ(cp, past, first, sync=False))
+            if device == "cuda" or name in INTERPRETED_FORMS:
+                errors[f"{name}, {rows} rows: two tokens a launch, looked-up rows: forms that differ"] = (
+                    _launch_forms_that_differ(cp, past, first, sync=False))
             if rows == 1:  # each phase's weights requested before its barrier's wait (the default) or after it
                 late = _run(cp, past, first, want_codes, stacked=True, sync=False, early_tiles=False)
                 errors[f"{name}, {rows} rows: weights after the barrier vs before"] = float(
@@ -194,7 +203,7 @@ def run_checks(device: str, dtype: torch.dtype, only: str | None = None,
                     cp.projected_tables = None
                 errors[f"{name}, {rows} rows: projected tables vs a projection a pass"] = rel_err(tabled[1],
                                                                                                  got_logits)
-            if dtype == torch.float32:  # greedy codes of the stacked pass run free
+            if dtype == torch.float32 and rows == 1:  # greedy codes of the stacked pass run free
                 free_codes = _run(cp, past, first, None, stacked=True, sync=False)[0]
                 errors[f"{name}, {rows} rows: greedy codes differ"] = float((free_codes != want_codes).sum())
             if device == "cuda":  # the one-launch form: the same sums in the same order

@@ -18,12 +18,14 @@ from legato.models.qwen3_tts.tiny import tiny_config
 
 def test_the_stacked_pass_equals_the_unfused_code_predictor_under_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
-    # ~410 s alone on a 2-core box; 1,200 s leaves room for a loaded one (it ran past 600 beside two busy processes)
+    # ~330 s alone on a 2-core box (540 before the checks were cut to INTERPRETED_FORMS); 1,200 s leaves room for
+    # a loaded one (the longer form ran past 600 beside two busy processes)
     run = run_checks_script("decoder_stack_checks.py", timeout_s=1200)
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    # 2 shapes x 2 row counts x (logits, caches, greedy codes, launch forms), per shape one row's weights after
-    # the barrier against before it, and the tiny model's (it has a projection) projected tables at one row
-    assert run.stdout.count(" ok\n") == 19
+    # 2 shapes x 2 row counts x (logits, caches); per shape at one row, greedy codes run free and the weights
+    # after the barrier against before it; the tiny model's launch forms at both row counts and (it has a
+    # projection) its projected tables at one row
+    assert run.stdout.count(" ok\n") == 15
 
 
 def test_the_stack_kernel_compiles_for_hopper_with_and_without_its_barrier_and_early_tiles_in_each_launch_form():
