@@ -1,7 +1,8 @@
 """`legato serve` with a paced stand-in for the engine: every front-side piece is the real one (LocalEngineClient's
 engine thread, admission thread and hand-over to the event loop, the FastAPI app, the encoders, uvicorn), but
-the engine makes one frame of noise per running request every `--step-ms`, with no model: so on a CPU the
-server's host path can be loaded at 256 streams and profiled, which the tiny model's real engine cannot feed.
+the engine makes one frame of noise per running request every `--step-ms`, with no model, and split's codec worker
+decodes nothing (`PacedCodec`): so on a CPU the server's host path can be loaded at 256 streams and profiled, which
+the tiny model's real engine (or its codec) cannot feed.
 
     python3 benchmarks/paced_serve.py --step-ms 40 -- --port 8000 --max-num-seqs 256
 
@@ -16,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,7 +73,8 @@ class PacedEngine:
         if er.request_id in self.live:
             raise ValueError(f"duplicate request id {er.request_id!r}")
         frames = er.max_frames or 25
-        self.live[er.request_id] = [er, 0, 0, min(self.config.first_chunk_frames, frames), frames]
+        first = self.config.first_chunk_frames if self.config.emit_audio else 1  # a talker-only engine: every step
+        self.live[er.request_id] = [er, 0, 0, min(first, frames), frames]
         self.scheduler.num_running = len(self.live)
         return er.sampling.seed or 1
 
@@ -117,9 +120,12 @@ class PacedEngine:
                 continue
             n = made - e[2]
             e[2] = made
-            e[3] = made + self._next(made, cfg.first_chunk_frames, cfg.chunk_frames, cfg.chunk_ramp)
+            # A talker-only engine (split's talker, emit_audio off) sends its codes every step, with no audio.
+            e[3] = made + (self._next(made, cfg.first_chunk_frames, cfg.chunk_frames, cfg.chunk_ramp)
+                           if cfg.emit_audio else 1)
             last = made >= total
-            outs.append(RequestOutput(rid, torch.zeros((n, 16), dtype=torch.int64), np.tile(self._frame, n), last,
+            audio = np.tile(self._frame, n) if cfg.emit_audio else None
+            outs.append(RequestOutput(rid, torch.zeros((n, 16), dtype=torch.int64), audio, last,
                                       "length" if last else None, num_prompt_tokens=8, num_frames=made, seed=1))
             if last:
                 del self.live[rid]
@@ -129,12 +135,77 @@ class PacedEngine:
         return outs
 
 
+class PacedCodec:
+    """`CodecEngine`'s interface for split's codec worker, decoding nothing: a stream's frames come back as noise on
+    the chunk schedule (first chunk, then the ramp), with the rest when it ends, one step per talker hand-over."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, decoder=None, schedule=None, **options) -> None:
+        from legato.engine.codec_schedule import StreamSchedule, next_chunk_frames
+
+        self.schedule = schedule or StreamSchedule()
+        self._next = next_chunk_frames
+        self.streams: dict[str, list] = {}  # id -> [frames pushed, frames sent, next chunk's end, ended]
+        self.frames_decoded = 0
+        self.failures: Counter[str] = Counter()
+        self._frame = (np.random.default_rng(1).standard_normal(1920) * 0.05).astype(np.float32)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self.streams)
+
+    def warm_up(self) -> float:
+        return 0.0
+
+    def open(self, request_id, ref_code=None, first_chunk_frames=None) -> None:
+        self.streams[request_id] = [0, 0, first_chunk_frames or self.schedule.first_chunk_frames, False]
+
+    def push(self, request_id, codes) -> bool:
+        st = self.streams.get(request_id)
+        if st is None:
+            return False
+        st[0] += len(codes)
+        return True
+
+    def end(self, request_id) -> bool:
+        st = self.streams.get(request_id)
+        if st is not None:
+            st[3] = True
+        return st is not None
+
+    def abort(self, request_id) -> bool:
+        return self.streams.pop(request_id, None) is not None
+
+    def steps(self):
+        from legato.pipeline.codec_engine import CodecOutput
+
+        sched, out = self.schedule, []
+        for rid, st in list(self.streams.items()):
+            pushed, sent, due, ended = st
+            if not ended and pushed < due:
+                continue
+            n = pushed - sent
+            st[1] = pushed
+            st[2] = pushed + self._next(pushed, sched.first_chunk_frames, sched.chunk_frames, sched.chunk_ramp)
+            self.frames_decoded += n
+            out.append(CodecOutput(rid, np.tile(self._frame, n), n, finished=ended))
+            if ended:
+                del self.streams[rid]
+        yield out
+
+    def step(self):
+        return [o for outs in self.steps() for o in outs]
+
+
 def install(step_ms: float, real_prompts: bool = False, host_ops: int = 0) -> None:
     """Makes every LocalEngineClient of this process build a PacedEngine (`paced/sitecustomize.py` calls it in
     worker processes, which inherit LEGATO_PACED_STEP_MS, LEGATO_PACED_PROMPTS, LEGATO_PACED_HOST_OPS and
     PYTHONPATH)."""
+    import legato.pipeline.codec_worker as codec_worker
     import legato.pipeline.local as local
 
+    codec_worker.CodecEngine = PacedCodec  # split's codec worker (thread or process) decodes nothing either
     PacedEngine.step_s = step_ms / 1000.0
     PacedEngine.real_prompts = real_prompts
     PacedEngine.host_ops = host_ops

@@ -350,14 +350,17 @@ def test_process_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoi
     assert isinstance(client.talker, ProcessEngineClient) and client.talker.config.emit_audio is False
     assert isinstance(client.codec, ProcessCodecClient)
     talker_audio = []
-    talker_generate = client.talker.generate
+    generate_into = client.talker.generate_into
 
-    async def spy(req):  # the flag travels to the worker: its chunks carry codes and no audio
-        async for chunk in talker_generate(req):
-            talker_audio.append(chunk.audio.size)
-            yield chunk
+    class Spy:  # between the talker worker and the codec feed its chunks are pushed into, no task between
+        def __init__(self, sink):
+            self.sink = sink
 
-    client.talker.generate = spy
+        def put_nowait(self, item):
+            talker_audio.append(item.audio.size)  # the flag travels to the worker: codes and no audio
+            self.sink.put_nowait(item)
+
+    client.talker.generate_into = lambda req, sink: generate_into(req, Spy(sink))
     got = asyncio.run(run(client, reqs, concurrency))
     assert_same(want, got, reqs, exact=concurrency == 1)  # an outside probe saw ±1 LSB run to run here
     assert_first_audio_stages(got, processes=True)
@@ -412,3 +415,46 @@ def test_process_split_abort_and_a_killed_codec_worker(tiny_checkpoint):
     assert doomed[-1].finish_reason == "error" and "worker died" in doomed[-1].error
     assert after.free_kv_blocks == BLOCKS and set(after.aborted) <= {"operator", "codec failed"}
     assert refused.status == 503 and client.talker.proc.returncode == 0
+
+
+def test_process_split_a_client_leaving_an_id_reused_at_once_and_a_refusal(tiny_checkpoint):
+    """With both workers processes the talker's chunks are pushed into the codec stream (no task reads them): a
+    client leaving mid-stream still frees both workers, a request sent at once under the dropped id runs to its
+    own end (not the old one's), and the talker's refusal reaches the caller and leaves no codec stream open."""
+    client = process_split(tiny_checkpoint)
+    long = SpeechInput("A long one.", language="english", speaker_embedding=EMB, x_vector_only=True)
+
+    async def settled():
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            s = client.talker.stats()
+            if s.free_kv_blocks == BLOCKS and s.running == 0 and client.codec.stats().streams == 0:
+                return s
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"not settled: {client.talker.stats()} {client.codec.stats()}")
+
+    async def main():
+        await client.start()
+        try:
+            left = client.generate(SynthesisRequest("r", long, SamplingParams(seed=1, max_new_tokens=300),
+                                                    ignore_eos=True))
+            await left.__anext__()
+            await left.aclose()  # the client went away
+            again = [c async for c in client.generate(SynthesisRequest(
+                "r", long, SamplingParams(seed=2, max_new_tokens=6), ignore_eos=True))]
+            busy = client.talker.generate(SynthesisRequest("dup", long, SamplingParams(seed=3, max_new_tokens=300),
+                                                           ignore_eos=True))
+            await busy.__anext__()  # "dup" is in flight in the talker alone: the split's talker half is refused
+            with pytest.raises(RequestRejected) as refused:
+                [c async for c in client.generate(SynthesisRequest("dup", long, SamplingParams(seed=1)))]
+            await busy.aclose()
+            return again, refused.value, await settled()
+        finally:
+            await client.stop()
+
+    again, refused, after = asyncio.run(main())
+    # Its own request to its end: max_new_tokens - 1 frames, as every split and single request here makes
+    assert again[-1].finish_reason == "length" and again[-1].num_frames == 5
+    assert sum(c.audio.size for c in again) == 5 * 1920
+    assert refused.status == 409 and "in flight" in refused.message
+    assert after.free_kv_blocks == BLOCKS and set(after.aborted) <= {"client disconnected"}

@@ -14,7 +14,7 @@ from legato.engine.config import EngineConfig
 from legato.pipeline import codec_worker as cw
 from legato.pipeline import messages as m
 from legato.pipeline.client import StreamChunk
-from legato.pipeline.codec_process import ProcessCodecClient
+from legato.pipeline.codec_process import CodecFeed, ProcessCodecClient, _feed
 from legato.pipeline.worker import ChunkOutbox
 
 
@@ -49,6 +49,11 @@ class _Posted:
         self.messages.append(m.Abort(request_id, reason))
 
 
+async def _no_chunks():
+    return
+    yield
+
+
 def test_a_talker_steps_frames_leave_the_front_as_one_message(tiny_checkpoint):
     client = ProcessCodecClient(tiny_checkpoint, EngineConfig(device="cpu"))  # not started: no worker runs
     posted = _Posted()
@@ -62,7 +67,8 @@ def test_a_talker_steps_frames_leave_the_front_as_one_message(tiny_checkpoint):
             raise RuntimeError("talker gone")
 
     async def go():
-        feeds = [asyncio.create_task(client._feed(rid, source(i, fail=rid == "c"))) for i, rid in enumerate("abc")]
+        feeds = [asyncio.create_task(_feed(CodecFeed(client, rid, _no_chunks()), source(i, fail=rid == "c")))
+                 for i, rid in enumerate("abc")]
         done = await asyncio.gather(*feeds, return_exceptions=True)
         await asyncio.sleep(0)  # the last pass's flush
         await client.abort("a")
@@ -140,3 +146,79 @@ def test_the_codec_thread_wakes_each_event_loop_once_per_step():
     assert [loop.calls for loop in loops] == [1, 1]
     assert [queues[rid].get_nowait().request_id for rid in "abc"] == ["a", "b", "c"]
     assert set(client._sinks) == {"a", "c"}  # b finished; x was never open
+
+
+class _Feed:
+    """What `_CodesToCodec` calls of a `CodecFeed`, recorded."""
+
+    def __init__(self, bad_shape: bool = False) -> None:
+        self.calls: list = []
+        self.bad_shape = bad_shape
+
+    def push(self, codes: np.ndarray) -> None:
+        if self.bad_shape:
+            np.asarray(codes).reshape(-1, 16)  # a [n, 15] array fails here, as CodecFeed.push's reshape does
+        self.calls.append(("push", codes[:, 0].tolist()))
+
+    def end(self) -> None:
+        self.calls.append(("end",))
+
+    def fail(self, error: BaseException) -> None:
+        self.calls.append(("fail", error))
+
+
+def _talker_chunk(frames: int, value: int, finished: bool = False, reason: str | None = None) -> StreamChunk:
+    return StreamChunk(np.zeros(0, np.float32), frames, finished=finished, finish_reason=reason,
+                       codes=_codes(1, value) if value >= 0 else None)
+
+
+def test_a_pushed_talker_stream_passes_its_codes_and_its_end_to_the_codec_feed():
+    """Split with worker processes pushes each talker chunk into its codec stream's feed, with no task between:
+    the codes in order, a normal end as the feed's end, an abort or failure (and a refusal) as the feed's failure,
+    which its reader raises; nothing after the end is passed on."""
+    from legato.pipeline.client import RequestRejected
+    from legato.pipeline.split import _CodesToCodec, _Progress, _TalkerEnded
+
+    ok = _CodesToCodec(_Progress(), _Feed())
+    for item in (_talker_chunk(1, 7), _talker_chunk(2, 8), _talker_chunk(2, -1, True, "length"), _talker_chunk(3, 9)):
+        ok.put_nowait(item)
+    assert ok.feed.calls == [("push", [7]), ("push", [8]), ("end",)] and ok.done
+    assert ok.progress.last.num_frames == 2 and ok.progress.first_codes_at is not None
+
+    aborted = _CodesToCodec(_Progress(), _Feed())
+    aborted.put_nowait(_talker_chunk(1, 7))
+    aborted.put_nowait(StreamChunk(np.zeros(0, np.float32), 1, finished=True, finish_reason="abort",
+                                   error="operator"))
+    [push, (kind, error)] = aborted.feed.calls
+    assert kind == "fail" and isinstance(error, _TalkerEnded) and error.chunk.error == "operator"
+
+    refused = _CodesToCodec(_Progress(), _Feed())
+    refused.put_nowait(RequestRejected(409, "request id 'x' is already in flight"))
+    refused.put_nowait(_talker_chunk(1, 7))
+    [(kind, error)] = refused.feed.calls
+    assert kind == "fail" and error.status == 409
+
+    bad = _CodesToCodec(_Progress(), _Feed(bad_shape=True))  # its own failure, raised by its reader alone
+    bad.put_nowait(StreamChunk(np.zeros(0, np.float32), 1, codes=np.zeros((1, 15), np.int64)))
+    bad.put_nowait(_talker_chunk(2, 8))
+    [(kind, error)] = bad.feed.calls
+    assert kind == "fail" and isinstance(error, ValueError) and bad.done
+
+
+def test_a_pushed_stream_whose_sink_fails_leaves_the_rest_of_the_hand_over_alone():
+    """The I/O thread hands a message's chunks for every stream to the event loop in one call: a pushed stream's
+    sink that raises must not cost the streams after it their chunks, and its end is still marked."""
+    from legato.pipeline.client import put_all
+    from legato.pipeline.process_client import _Pushed
+
+    class Broken:
+        def put_nowait(self, item):
+            raise RuntimeError("sink bug")
+
+    async def go():
+        broken, queue = _Pushed(Broken()), asyncio.Queue()
+        last = StreamChunk(np.zeros(0, np.float32), 1, finished=True, finish_reason="stop")
+        put_all([(broken, last), (queue, last)])
+        return broken.ended.is_set(), queue.qsize()
+
+    assert asyncio.run(go()) == (True, 1)

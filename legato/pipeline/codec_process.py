@@ -89,25 +89,30 @@ class ProcessCodecClient:
     def _post_batch(self, entries: list[tuple[str, np.ndarray, bool]]) -> None:
         self.worker.post(m.CodecFrames(*entries[0]) if len(entries) == 1 else m.CodecFrameBatch(entries))
 
-    async def decode(self, request_id: str, frames: AsyncIterator[np.ndarray], ref_code: torch.Tensor | None = None,
-                     first_chunk_frames: int | None = None) -> AsyncIterator[CodecChunk]:
-        """As `LocalCodecClient.decode`: CodecError when the stream fails or is aborted, the exception of
-        `frames` when that fails, and closing early aborts the stream."""
+    async def open_feed(self, request_id: str, ref_code: torch.Tensor | None = None,
+                        first_chunk_frames: int | None = None) -> CodecFeed:
+        """Opens a codec stream whose frames are pushed (`CodecFeed`) rather than read from an iterator by a task,
+        and whose chunks `read` yields. Raises CodecError if the worker cannot take it. A stream just left under
+        the same id (a client's retry) is waited for, as the talker's is."""
+        await self.worker.until_ended(request_id)
         ref = None if ref_code is None else ref_code.detach().to("cpu", torch.int64).numpy()
         try:
             chunks = self.worker.stream(request_id, m.CodecOpen(request_id, ref, first_chunk_frames))
         except RequestRejected as e:
             raise CodecError(e.message, code=e.code) from None
-        feeder = asyncio.create_task(self._feed(request_id, frames))
-        emitted = 0
+        return CodecFeed(self, request_id, chunks)
+
+    async def read(self, feed: CodecFeed) -> AsyncIterator[CodecChunk]:
+        """`feed`'s PCM chunks, the last with `last` set. Raises CodecError when the stream fails or is aborted,
+        or the exception the feed failed with (`CodecFeed.fail`); closing this iterator early aborts the stream."""
+        emitted, failure = 0, None
         try:
-            async with contextlib.aclosing(chunks):
+            async with contextlib.aclosing(feed.chunks) as chunks:
                 async for chunk in chunks:
                     if chunk.finish_reason in ("error", "abort"):
-                        source_failed = _failure(feeder)
-                        if source_failed is not None:
-                            raise source_failed
-                        raise CodecError(chunk.error or chunk.finish_reason, aborted=chunk.finish_reason == "abort")
+                        failure = feed.failure or CodecError(chunk.error or chunk.finish_reason,
+                                                             aborted=chunk.finish_reason == "abort")
+                        break
                     new, emitted = chunk.num_frames - emitted, chunk.num_frames
                     self._frames_decoded += new
                     yield CodecChunk(chunk.audio, new, chunk.finished, chunk.stages)
@@ -115,22 +120,62 @@ class ProcessCodecClient:
                         return
         except RequestRejected as e:  # the worker refused the stream (shutting down, duplicate id)
             raise CodecError(e.message, code=e.code) from None
+        if failure is not None:  # out here: a talker refusal reaches the caller as itself, not as a CodecError
+            raise failure
+
+    async def decode(self, request_id: str, frames: AsyncIterator[np.ndarray], ref_code: torch.Tensor | None = None,
+                     first_chunk_frames: int | None = None) -> AsyncIterator[CodecChunk]:
+        """As `LocalCodecClient.decode`: CodecError when the stream fails or is aborted, the exception of
+        `frames` when that fails, and closing early aborts the stream."""
+        feed = await self.open_feed(request_id, ref_code, first_chunk_frames)
+        feeder = asyncio.create_task(_feed(feed, frames))
+        try:
+            async with contextlib.aclosing(self.read(feed)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             # Not awaited: the caller's own abort of the source (SplitClient's "codec failed") goes first.
             feeder.cancel()
             feeder.add_done_callback(_failure)
 
-    async def _feed(self, request_id: str, frames: AsyncIterator[np.ndarray]) -> None:
-        try:
-            async for codes in frames:
-                self._frames.put((request_id, np.asarray(codes, np.int64).reshape(-1, 16), False))
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the source failed: the worker drops the stream, the consumer gets this exception
-            self._frames.flush()
-            self.worker.post(m.Abort(request_id, "the code source failed"))
-            raise
-        self._frames.put((request_id, _NO_CODES, True))
+
+class CodecFeed:
+    """One codec stream's frames, pushed as they are made: each leaves with the event-loop pass's batch (one
+    message for every stream's frames of a talker step). `end` marks the last; `fail` drops the stream in the
+    worker and makes its reader raise the given exception. Nothing is sent after either."""
+
+    def __init__(self, client: ProcessCodecClient, request_id: str, chunks: AsyncIterator[StreamChunk]) -> None:
+        self._client, self.request_id, self.chunks = client, request_id, chunks
+        self.failure: BaseException | None = None
+        self.ended = False
+
+    def push(self, codes: np.ndarray) -> None:
+        if not self.ended:
+            self._client._frames.put((self.request_id, np.asarray(codes, np.int64).reshape(-1, 16), False))
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._client._frames.put((self.request_id, _NO_CODES, True))
+
+    def fail(self, error: BaseException) -> None:
+        if not self.ended:
+            self.ended, self.failure = True, error
+            self._client._frames.flush()  # the stream's frames before its end, as they were made
+            self._client.worker.post(m.Abort(self.request_id, "the code source failed"))
+
+
+async def _feed(feed: CodecFeed, frames: AsyncIterator[np.ndarray]) -> None:
+    """`frames` into `feed`; a source that fails fails the feed (its reader raises the source's exception)."""
+    try:
+        async for codes in frames:
+            feed.push(codes)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        feed.fail(e)
+        raise
+    feed.end()
 
 
 def _failure(task: asyncio.Task) -> BaseException | None:

@@ -22,9 +22,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -75,10 +76,34 @@ def model_info(model_path: str | Path, name: str) -> ModelInfo:
     return ModelInfo.from_configs(name, cfg, speech)
 
 
+class StreamSink(Protocol):
+    """Where a pushed stream's items go (`ProcessEngineClient.push_stream`), on its event loop: each StreamChunk,
+    the last one finished, or a RequestRejected instead."""
+
+    def put_nowait(self, item: StreamChunk | RequestRejected) -> None: ...
+
+
+class _Pushed:
+    """A pushed stream's items into its sink; `ended` is set on the last (an abandoned stream's retry waits on it)."""
+
+    def __init__(self, sink: StreamSink) -> None:
+        self.sink = sink
+        self.ended = asyncio.Event()
+
+    def put_nowait(self, item: StreamChunk | RequestRejected) -> None:
+        try:
+            self.sink.put_nowait(item)
+        except Exception:  # the other streams handed over in the same batch still get theirs
+            log.exception("a stream's sink failed on its item")
+        finally:
+            if isinstance(item, RequestRejected) or item.finished:
+                self.ended.set()
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue | _Pushed
     # Its reader left before its end (client gone): the worker was told to abort it, and the stream stays listed
     # until the worker's last chunk for it comes, so that a new request under its id is not handed that chunk.
     abandoned: bool = False
@@ -352,6 +377,25 @@ class ProcessEngineClient(EngineClient):
         worker then sends for `request_id`; closing the iterator early aborts it in the worker."""
         return self._read(request_id, self._open(request_id, opening))
 
+    async def generate_into(self, req: SynthesisRequest, sink: StreamSink) -> Callable[[str], None]:
+        """`generate`, pushed (see `push_stream`): raises RequestRejected if the worker cannot take it now."""
+        if not req.text_open:  # as `generate`: a text_open request's Submit goes at once, its text behind it
+            await self.until_ended(req.request_id)
+        return self.push_stream(req.request_id, m.Submit(req), sink)
+
+    def push_stream(self, request_id: str, opening: m.Message, sink: StreamSink) -> Callable[[str], None]:
+        """`stream` without an iterator: sends `opening` now (raises RequestRejected if the worker cannot take it)
+        and hands each of the worker's items for `request_id` to `sink.put_nowait` on this event loop, as they
+        come, with no task to wake. Returns `leave(reason)`: called before the last item (its reader gone), it
+        aborts the request in the worker, as closing `stream`'s iterator early does."""
+        stream = self._open(request_id, opening, _Pushed(sink))
+
+        def leave(reason: str = "client disconnected") -> None:
+            if not stream.queue.ended.is_set():
+                self._leave(request_id, stream, reason)
+
+        return leave
+
     def post(self, msg: m.Message) -> bool:
         """Queues one more message to the worker (e.g. a stream's next input); False when it cannot."""
         return self._send(msg)
@@ -363,16 +407,17 @@ class ProcessEngineClient(EngineClient):
             old = self._streams.get(rid)
         if old is None or not old.abandoned or old.loop is not asyncio.get_running_loop():
             return
+        last = old.queue.ended.wait() if isinstance(old.queue, _Pushed) else _last_item(old.queue)
         try:
-            await asyncio.wait_for(_last_item(old.queue), ENDING_WAIT_S)
+            await asyncio.wait_for(last, ENDING_WAIT_S)
         except (asyncio.TimeoutError, TimeoutError):
             pass  # _open refuses the id (409) while the old stream is still listed
 
-    def _open(self, rid: str, msg: m.Message) -> _Stream:
+    def _open(self, rid: str, msg: m.Message, pushed: _Pushed | None = None) -> _Stream:
         if not self.is_alive():
             raise self._unavailable()
         frames = self._encode(msg)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), pushed or asyncio.Queue())
         with self._lock:
             old = self._streams.get(rid)
             if old is not None and old.abandoned:
@@ -400,12 +445,15 @@ class ProcessEngineClient(EngineClient):
                     return
         finally:
             if not done:  # closed early (client gone): the worker frees the request's blocks
-                with self._lock:
-                    stream.abandoned = True  # listed until the worker's last chunk for it: see _Stream
-                if not self._send(m.Abort(rid, "client disconnected")):
-                    with self._lock:  # the worker cannot hear it (gone): nothing more will come for it
-                        if self._streams.get(rid) is stream:
-                            del self._streams[rid]
+                self._leave(rid, stream)
+
+    def _leave(self, rid: str, stream: _Stream, reason: str = "client disconnected") -> None:
+        with self._lock:
+            stream.abandoned = True  # listed until the worker's last chunk for it: see _Stream
+        if not self._send(m.Abort(rid, reason)):
+            with self._lock:  # the worker cannot hear it (gone): nothing more will come for it
+                if self._streams.get(rid) is stream:
+                    del self._streams[rid]
 
     async def abort(self, request_id: str, reason: str = "aborted") -> None:
         self._send(m.Abort(request_id, reason))

@@ -39,11 +39,13 @@ from legato.pipeline.client import (
     refused_stream,
 )
 from legato.pipeline.codec_engine import load_codec_decoder
-from legato.pipeline.codec_worker import CodecError, LocalCodecClient, codec_engine_options
+from legato.pipeline.codec_worker import CodecChunk, CodecError, LocalCodecClient, codec_engine_options
 from legato.pipeline.launchers import Launcher, WorkerPlan
 
 if TYPE_CHECKING:
-    from legato.pipeline.codec_process import ProcessCodecClient
+    import torch
+
+    from legato.pipeline.codec_process import CodecFeed, ProcessCodecClient
 
 _EMPTY = np.zeros(0, np.float32)
 
@@ -97,6 +99,37 @@ class _Progress:
         return {**(self.stages or {}), **(codec_stages or {}), "codec": time.perf_counter() - self.first_codes_at}
 
 
+class _CodesToCodec:
+    """A worker-process talker's items for one request (its `StreamSink`), on the event loop as they come: the
+    counters to `progress`, the codes to the codec feed, the talker's end to the feed (the last frames, or the
+    failure the reader then raises: `_TalkerEnded`, or the talker's refusal)."""
+
+    def __init__(self, progress: _Progress, feed: CodecFeed) -> None:
+        self.progress, self.feed = progress, feed
+        self.done = False  # the talker's end was passed on, or the reader left: later items are dropped
+
+    def put_nowait(self, item: StreamChunk | RequestRejected) -> None:
+        if self.done:
+            return
+        try:
+            if isinstance(item, RequestRejected):
+                self.done = True
+                self.feed.fail(item)
+                return
+            self.progress.took(item)
+            if item.codes is not None and item.codes.size:
+                self.feed.push(item.codes)
+            if item.finished:
+                self.done = True
+                if item.finish_reason in ("stop", "length"):
+                    self.feed.end()
+                else:
+                    self.feed.fail(_TalkerEnded(item))
+        except Exception as e:  # codes of a bad shape: this stream fails, with the reason, and no other
+            self.done = True
+            self.feed.fail(e)
+
+
 class SplitClient(EngineClient):
     """A talker `EngineClient` (its engine built with `emit_audio=False`) and a codec worker, as one engine.
     Aborts reach both; voices, stats (the talker's KV, plus codec failures) and model info are the talker's."""
@@ -104,6 +137,10 @@ class SplitClient(EngineClient):
     def __init__(self, talker: EngineClient, codec: LocalCodecClient | ProcessCodecClient) -> None:
         self.talker = talker
         self.codec = codec
+        # Worker processes on both sides: the talker's chunks are pushed into the codec's feeds (_decode_pushed).
+        # At 64 streams a task per stream woken per frame to pass its codes on cost the server's event loop
+        # (benchmarks/split_front.py).
+        self._pushes = hasattr(talker, "generate_into") and hasattr(codec, "open_feed")
         # Streaming text of a text_open request whose talker stream is not open yet (its voice may still be
         # extracted, or the codec not yet reading): held in order, handed on when the talker has it.
         self._text = HeldText()
@@ -142,8 +179,11 @@ class SplitClient(EngineClient):
 
     async def _generate(self, req: SynthesisRequest) -> AsyncIterator[StreamChunk]:
         try:
-            async for chunk in self._generate_audio(req):
-                yield chunk
+            # Closed with this generator, not when the loop finalizes it: a client that leaves has both halves
+            # of its request abandoned before a retry under its id looks for them.
+            async with contextlib.aclosing(self._generate_audio(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             self._text.forget(req.request_id)
 
@@ -170,7 +210,10 @@ class SplitClient(EngineClient):
                         raise _TalkerEnded(chunk)
 
         try:
-            decoding = self.codec.decode(req.request_id, frames(), ref_code, req.first_chunk_frames)
+            if self._pushes:
+                decoding = self._decode_pushed(req, ref_code, progress)
+            else:
+                decoding = self.codec.decode(req.request_id, frames(), ref_code, req.first_chunk_frames)
             async with contextlib.aclosing(decoding) as pieces:
                 async for piece in pieces:
                     yield progress.chunk(piece.audio, finished=piece.last, codec_stages=piece.stages)
@@ -183,6 +226,36 @@ class SplitClient(EngineClient):
                 raise RequestRejected(503, e.reason, code=e.code) from None
             await self.talker.abort(req.request_id, e.reason if e.aborted else "codec failed")
             yield progress.chunk(_EMPTY, finished=True, reason="abort" if e.aborted else "error", error=e.reason)
+
+    async def _decode_pushed(self, req: SynthesisRequest, ref_code: torch.Tensor | None,
+                             progress: _Progress) -> AsyncIterator[CodecChunk]:
+        """`codec.decode` of the talker's codes, with both workers processes: the talker's chunks are pushed into
+        the codec stream's feed as they come (`_CodesToCodec`), not read by a task per stream. Each talker step
+        reaches every stream's feed in one pass of the event loop, and the frames cross on together."""
+        feed = await self.codec.open_feed(req.request_id, ref_code, req.first_chunk_frames)
+        to_codec = _CodesToCodec(progress, feed)
+        leave, reading, why = None, False, "client disconnected"
+        try:
+            try:
+                leave = await self.talker.generate_into(req, to_codec)
+            except RequestRejected as e:  # the codec stream is open: failing it ends it, and the reader raises e
+                to_codec.done = True
+                feed.fail(e)
+            await self._text.hand_on(req.request_id, self.talker)
+            reading = True
+            async with contextlib.aclosing(self.codec.read(feed)) as pieces:
+                async for piece in pieces:
+                    yield piece
+        except CodecError as e:
+            why = e.reason if e.aborted else "codec failed"  # the talker's abort says why (its stats count it)
+            raise
+        finally:
+            if not to_codec.done:  # left before the talker's end (client gone, codec failed): abort it there
+                to_codec.done = True
+                if leave is not None:
+                    leave(why)
+            if not reading:  # cancelled before the codec stream was read: nothing else ends it in the worker
+                feed.fail(CodecError(why))
 
     async def _with_reference_codes(self, req: SynthesisRequest) -> SynthesisRequest:
         """An in-context clone given as reference audio, as the equivalent saved voice (x-vector + codes):
