@@ -150,41 +150,50 @@ def test_metrics_poller_reads_the_engine_counters_and_gives_the_steady_rates():
 
 
 def test_the_paced_stand_in_serves_through_the_local_client(tiny_checkpoint, monkeypatch):
-    """paced_serve.py's engine stand-in (the CPU proxy of the served host path) against today's LocalEngineClient:
-    a client change that reads something the stand-in lacks fails here, not at the next CPU profile."""
+    """paced_serve.py's engine stand-in (the CPU proxy of the served host path) against today's LocalEngineClient,
+    and split's two stand-ins (a talker-only engine sending codes every step, a codec decoding nothing) against
+    today's SplitClient: a client change that reads something a stand-in lacks fails here, not at the next CPU
+    profile."""
     import asyncio
 
     import numpy as np
     import paced_serve
     import torch
 
+    import legato.pipeline.codec_worker as codec_worker
     import legato.pipeline.local as local
     from legato.engine.config import EngineConfig
     from legato.models.qwen3_tts.inputs import SpeechInput
     from legato.models.qwen3_tts.loader import load_model
     from legato.models.qwen3_tts.sampling import SamplingParams
     from legato.pipeline.client import SynthesisRequest
+    from legato.pipeline.split import build_split_client
 
-    monkeypatch.setattr(local, "Engine", local.Engine)  # install() replaces it: put it back after the test
+    # install() replaces both: put them back after the test (the tests after it build real engines and codecs)
+    monkeypatch.setattr(local, "Engine", local.Engine)
+    monkeypatch.setattr(codec_worker, "CodecEngine", codec_worker.CodecEngine)
     monkeypatch.setattr(paced_serve.PacedEngine, "step_s", paced_serve.PacedEngine.step_s)
     monkeypatch.setattr(paced_serve.PacedEngine, "host_ops", paced_serve.PacedEngine.host_ops)
     paced_serve.install(step_ms=1.0, real_prompts=False, host_ops=3)
     loaded = load_model(tiny_checkpoint)
     inp = SpeechInput("Hello there.", language="english", speaker_embedding=torch.zeros(64), x_vector_only=True)
 
-    async def main():
-        client = local.LocalEngineClient(loaded, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
+    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, first_chunk_frames=1, chunk_frames=3)
+
+    async def main(client):
         await client.start()
         try:
-            req = SynthesisRequest("p", inp, SamplingParams(seed=1), max_frames=5, ignore_eos=True)
+            req = SynthesisRequest("p", inp, SamplingParams(seed=1), max_frames=7, ignore_eos=True)
             return [c async for c in client.generate(req)], client.stats()
         finally:
             await client.stop()
 
-    chunks, stats = asyncio.run(main())
-    assert chunks[-1].finished and chunks[-1].num_frames == 5
-    assert np.concatenate([c.audio for c in chunks]).shape == (5 * 1920,)
-    assert stats.decode_rows == 5 and stats.steps >= 5
+    for client in (local.LocalEngineClient(loaded, config), build_split_client(lambda device: loaded, config)):
+        chunks, stats = asyncio.run(main(client))
+        assert chunks[-1].finished and chunks[-1].num_frames == 7
+        assert np.concatenate([c.audio for c in chunks]).shape == (7 * 1920,)
+        assert stats.decode_rows == 7 and stats.steps >= 7
+    assert isinstance(client.codec.engine, paced_serve.PacedCodec) and client.codec.stats().frames_decoded == 7
 
 
 def test_pyspy_command_and_a_delayed_profile(tmp_path):
