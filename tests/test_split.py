@@ -19,7 +19,7 @@ from legato.engine.engine import Engine, EngineRequest
 from legato.models.qwen3_tts.inputs import SpeechInput, build_spec
 from legato.models.qwen3_tts.loader import load_model
 from legato.models.qwen3_tts.sampling import SamplingParams
-from legato.pipeline.client import RequestRejected, StreamChunk, SynthesisRequest
+from legato.pipeline.client import EngineStats, RequestRejected, StreamChunk, SynthesisRequest
 from legato.pipeline.codec_engine import CodecEngine, load_codec_decoder
 from legato.pipeline.local import LocalEngineClient
 from legato.pipeline.split import SplitClient, build_split_client
@@ -338,6 +338,17 @@ def process_split(tiny_checkpoint, **kw) -> SplitClient:
                               process_options={"torch_threads": 1, "start_timeout_s": 60})
 
 
+async def settled(client: SplitClient) -> EngineStats:
+    """The talker's stats once it holds no request and no KV and the codec worker no stream (15 s at most)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        s = client.talker.stats()
+        if s.free_kv_blocks == BLOCKS and s.running == 0 and client.codec.stats().streams == 0:
+            return s
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not settled: {client.talker.stats()} {client.codec.stats()}")
+
+
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_process_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoint, concurrency):
     """Talker and codec worker each in their own process, the codes crossing between them through this one."""
@@ -382,15 +393,6 @@ def test_process_split_abort_and_a_killed_codec_worker(tiny_checkpoint):
     def req(rid):
         return SynthesisRequest(rid, long, SamplingParams(seed=1, max_new_tokens=300), ignore_eos=True)
 
-    async def settled():
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            s = client.talker.stats()
-            if s.free_kv_blocks == BLOCKS and s.running == 0 and client.codec.stats().streams == 0:
-                return s
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"not settled: {client.talker.stats()} {client.codec.stats()}")
-
     async def main():
         await client.start()
         try:
@@ -398,12 +400,12 @@ def test_process_split_abort_and_a_killed_codec_worker(tiny_checkpoint):
             first = await cut.__anext__()
             await client.abort("cut", "operator")
             cut_rest = [c async for c in cut]
-            await settled()
+            await settled(client)
             doomed = client.generate(req("doomed"))
             await doomed.__anext__()
             os.kill(client.codec.worker.pid, signal.SIGKILL)
             doomed_rest = [c async for c in doomed]
-            after = await settled()
+            after = await settled(client)
             with pytest.raises(RequestRejected) as refused:
                 await client.generate(req("late")).__anext__()
             return first, cut_rest, doomed_rest, after, refused.value
@@ -424,15 +426,6 @@ def test_process_split_a_client_leaving_an_id_reused_at_once_and_a_refusal(tiny_
     client = process_split(tiny_checkpoint)
     long = SpeechInput("A long one.", language="english", speaker_embedding=EMB, x_vector_only=True)
 
-    async def settled():
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            s = client.talker.stats()
-            if s.free_kv_blocks == BLOCKS and s.running == 0 and client.codec.stats().streams == 0:
-                return s
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"not settled: {client.talker.stats()} {client.codec.stats()}")
-
     async def main():
         await client.start()
         try:
@@ -448,7 +441,7 @@ def test_process_split_a_client_leaving_an_id_reused_at_once_and_a_refusal(tiny_
             with pytest.raises(RequestRejected) as refused:
                 [c async for c in client.generate(SynthesisRequest("dup", long, SamplingParams(seed=1)))]
             await busy.aclose()
-            return again, refused.value, await settled()
+            return again, refused.value, await settled(client)
         finally:
             await client.stop()
 
