@@ -361,7 +361,7 @@ def test_process_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoi
     assert isinstance(client.talker, ProcessEngineClient) and client.talker.config.emit_audio is False
     assert isinstance(client.codec, ProcessCodecClient)
     talker_audio = []
-    generate_into = client.talker.generate_into
+    push_generate = client.talker.push_generate
 
     class Spy:  # between the talker worker and the codec feed its chunks are pushed into, no task between
         def __init__(self, sink):
@@ -371,7 +371,7 @@ def test_process_split_gives_the_codes_and_audio_of_single(loaded, tiny_checkpoi
             talker_audio.append(item.audio.size)  # the flag travels to the worker: codes and no audio
             self.sink.put_nowait(item)
 
-    client.talker.generate_into = lambda req, sink: generate_into(req, Spy(sink))
+    client.talker.push_generate = lambda req, sink: push_generate(req, Spy(sink))
     got = asyncio.run(run(client, reqs, concurrency))
     assert_same(want, got, reqs, exact=concurrency == 1)  # an outside probe saw ±1 LSB run to run here
     assert_first_audio_stages(got, processes=True)

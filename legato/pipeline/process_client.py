@@ -377,7 +377,7 @@ class ProcessEngineClient(EngineClient):
         worker then sends for `request_id`; closing the iterator early aborts it in the worker."""
         return self._read(request_id, self._open(request_id, opening))
 
-    async def generate_into(self, req: SynthesisRequest, sink: StreamSink) -> Callable[[str], None]:
+    async def push_generate(self, req: SynthesisRequest, sink: StreamSink) -> Callable[[str], None]:
         """`generate`, pushed (see `push_stream`): raises RequestRejected if the worker cannot take it now."""
         if not req.text_open:  # as `generate`: a text_open request's Submit goes at once, its text behind it
             await self.until_ended(req.request_id)

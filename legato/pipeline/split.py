@@ -137,10 +137,11 @@ class SplitClient(EngineClient):
     def __init__(self, talker: EngineClient, codec: LocalCodecClient | ProcessCodecClient) -> None:
         self.talker = talker
         self.codec = codec
-        # Worker processes on both sides: the talker's chunks are pushed into the codec's feeds (_decode_pushed),
-        # rather than read by a task per stream woken for every frame (docs/benchmarks.md: front_path.py's paced
-        # split at c=64 on a CPU, the front's CPU a request 4.1-4.3 -> 3.6-3.8 ms, server TTFP p50 51-63 -> 46 ms).
-        self._pushes = hasattr(talker, "generate_into") and hasattr(codec, "open_feed")
+        # Worker processes on both sides (a ProcessEngineClient talker, a ProcessCodecClient): the talker's chunks
+        # are pushed into the codec's feeds (_decode_pushed) rather than read by a task per stream woken for every
+        # frame (docs/benchmarks.md: front_path.py's paced split at c=64 on a CPU, the front's CPU a request
+        # 4.1-4.3 -> 3.6-3.8 ms, server TTFP p50 51-63 -> 46 ms).
+        self._pushes = hasattr(talker, "push_generate") and hasattr(codec, "open_feed")
         # Streaming text of a text_open request whose talker stream is not open yet (its voice may still be
         # extracted, or the codec not yet reading): held in order, handed on when the talker has it.
         self._text = HeldText()
@@ -237,7 +238,7 @@ class SplitClient(EngineClient):
         leave, reading, why = None, False, "client disconnected"
         try:
             try:
-                leave = await self.talker.generate_into(req, to_codec)
+                leave = await self.talker.push_generate(req, to_codec)
             except RequestRejected as e:  # the codec stream is open: failing it ends it, and the reader raises e
                 to_codec.done = True
                 feed.fail(e)
