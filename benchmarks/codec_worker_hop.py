@@ -1,7 +1,8 @@
 """The CPU a `split` codec worker process spends moving frames in and PCM out, without the decode itself.
 
 The worker side (`codec_process._CodecWorker` and its `LocalCodecClient` thread) runs in this process with a stand-in
-codec engine that decodes nothing (each frame it is given comes back at once as 80 ms of zeros), fed as the server
+codec engine that decodes nothing (`paced_serve.PacedCodec`: each frame it is given comes back on the next step as
+80 ms of noise), fed as the server
 feeds it: one `CodecFrameBatch` of every stream's frame per talker step, paced at `--step-ms`. It reports the
 process's CPU time per step (both threads) and each frame's time from its message to its chunk leaving. Run it
 against two trees in one sitting, the tree on PYTHONPATH being the one measured:
@@ -21,64 +22,13 @@ import time
 from collections import Counter
 
 import numpy as np
-import torch
+from paced_serve import PacedCodec  # this script's own folder
 
 import legato.pipeline.codec_process as cp
+from legato.engine.codec_schedule import StreamSchedule
 from legato.pipeline import messages as m
-from legato.pipeline.codec_engine import CodecOutput
 from legato.pipeline.codec_worker import LocalCodecClient
 from legato.pipeline.worker import WorkerSpec
-
-SPF = 1920  # samples a frame at 24 kHz
-
-
-class StandInEngine:
-    """`CodecEngine`'s interface, decoding nothing: every frame pushed comes back on the next step as zeros."""
-
-    device = torch.device("cpu")
-
-    def __init__(self) -> None:
-        self._pending: dict[str, int] = {}
-        self._ended: set[str] = set()
-        self.frames_decoded = 0
-        self.failures: Counter[str] = Counter()
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._pending)
-
-    def open(self, request_id, ref_code=None, first_chunk_frames=None) -> None:
-        self._pending[request_id] = 0
-
-    def push(self, request_id, codes) -> bool:
-        if request_id not in self._pending:
-            return False
-        self._pending[request_id] += len(codes)
-        return True
-
-    def end(self, request_id) -> bool:
-        self._ended.add(request_id)
-        return request_id in self._pending
-
-    def abort(self, request_id) -> bool:
-        self._ended.discard(request_id)
-        return self._pending.pop(request_id, None) is not None
-
-    def steps(self):
-        out = []
-        for rid, n in list(self._pending.items()):
-            if n:
-                self._pending[rid] = 0
-                self.frames_decoded += n
-                out.append(CodecOutput(rid, np.zeros(n * SPF, np.float32), n))
-        for rid in sorted(self._ended & self._pending.keys()):
-            self._pending.pop(rid)
-            out.append(CodecOutput(rid, np.zeros(0, np.float32), 0, finished=True))
-        self._ended.clear()
-        yield out
-
-    def step(self):
-        return [o for outs in self.steps() for o in outs]
 
 
 class _Out:
@@ -95,11 +45,12 @@ class _Out:
 
 
 def make_codec() -> LocalCodecClient:
-    """A `LocalCodecClient` with the stand-in engine (its constructor builds a real `CodecEngine` from a decoder)."""
+    """A `LocalCodecClient` with the stand-in engine (its constructor builds a real `CodecEngine` from a decoder):
+    `paced_serve.PacedCodec` on a schedule of one-frame chunks, so every frame comes back on the next step."""
     import legato.pipeline.codec_worker as cw
 
     real = cw.CodecEngine
-    cw.CodecEngine = lambda *a, **k: StandInEngine()
+    cw.CodecEngine = lambda *a, **k: PacedCodec(schedule=StreamSchedule(1, 1, chunk_ramp=False))
     try:
         return LocalCodecClient(None)
     finally:
